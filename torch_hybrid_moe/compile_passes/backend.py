@@ -1,0 +1,35 @@
+"""The `hybrid_moe` torch.compile backend: MoE passes on the Dynamo graph, then Inductor.
+
+Registered through the `torch_dynamo_backends` entry point, so `backend="hybrid_moe"` works in a
+fresh interpreter. `options` may carry HybridMoEConfig fields (used for stock models the backend
+rewrites); the remaining options and the mode go to Inductor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch.fx as fx
+
+from ..config import HybridMoEConfig
+from .moe_regions import rewrite_experts_regions
+from .prefetch import insert_prefetch
+
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(HybridMoEConfig)}
+
+
+def hybrid_moe_backend(
+    gm: fx.GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None
+) -> Callable:
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    options = dict(options or {})
+    config = HybridMoEConfig(**{k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS})
+    rewrite_experts_regions(gm, example_inputs, config)
+    insert_prefetch(gm)
+    gm.graph.lint()
+    gm.recompile()
+    patches = {**list_mode_options(mode), **options} if mode else options
+    return compile_fx(gm, example_inputs, config_patches=patches or None)

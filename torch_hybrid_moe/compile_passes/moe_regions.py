@@ -1,0 +1,118 @@
+"""Pass 1: find the routed-experts region of every MoE block and replace it with the dispatch op.
+
+Works on Dynamo-level graphs, where each node's `nn_module_stack` names the module it came from.
+A patched model already calls `hybrid_moe::dispatch` there; a stock transformers model traces the
+body of its `*Experts` module (grouped_mm, batched_mm or the fp32 fallback op), which this pass cuts
+out and replaces, whatever the implementation, by the region's inputs and output alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..config import HybridMoEConfig
+from ..runtime import layer_for_parameters
+from .graph_utils import DISPATCH, calls
+
+log = logging.getLogger(__name__)
+_SILU = {F.silu, torch.ops.aten.silu.default, torch.ops.aten.silu}
+
+
+@dataclass
+class ExpertsRegion:
+    path: str
+    nodes: list[fx.Node] = field(default_factory=list)
+    params: dict[str, fx.Node] = field(default_factory=dict)
+
+
+def _experts_path(node: fx.Node) -> str | None:
+    for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and hasattr(cls, "_apply_gate"):
+            return path
+    return None
+
+
+def _param_name(node: fx.Node) -> str | None:
+    grapharg = node.meta.get("grapharg")
+    source = grapharg.source.name if grapharg is not None else node.name
+    for name in ("gate_up_proj", "down_proj"):
+        if name in source:
+            return name
+    return None
+
+
+def find_experts_regions(graph: fx.Graph) -> list[ExpertsRegion]:
+    regions: dict[str, ExpertsRegion] = {}
+    for node in graph.nodes:
+        path = _experts_path(node)
+        if path is None:
+            continue
+        region = regions.setdefault(path, ExpertsRegion(path))
+        if node.op == "placeholder":
+            if (name := _param_name(node)) is not None:
+                region.params[name] = node
+        else:
+            region.nodes.append(node)
+    return list(regions.values())
+
+
+def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: HybridMoEConfig) -> int:
+    """Replace stock experts regions with dispatch calls; returns how many were rewritten."""
+    graph = gm.graph
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    rewritten = []
+    for ordinal, region in enumerate(find_experts_regions(graph)):
+        if any(calls(n, DISPATCH) for n in region.nodes):
+            continue  # a patched model: already dispatching
+        reason = _rewrite(graph, region, placeholders, example_inputs, config, ordinal)
+        if isinstance(reason, str):
+            log.warning("hybrid_moe: left %s as it is: %s", region.path, reason)
+        else:
+            rewritten.append(reason)
+    for prev, cur in zip(rewritten, rewritten[1:]):
+        if prev.next_handle is None:
+            prev.next_handle = cur.handle
+    return len(rewritten)
+
+
+def _rewrite(graph, region, placeholders, example_inputs, config, ordinal):  # noqa: ANN001, ANN202
+    if set(region.params) != {"gate_up_proj", "down_proj"}:
+        return "its gate_up_proj/down_proj are not graph inputs"
+    if not any(n.target in _SILU for n in region.nodes):
+        return "no SiLU activation found in the experts body"
+    inside = set(region.nodes)
+    params = set(region.params.values())
+    inputs = [a for n in region.nodes for a in n.all_input_nodes if a not in inside and a not in params]
+    tensors = list(dict.fromkeys(a for a in inputs if isinstance(a.meta.get("example_value"), torch.Tensor)))
+    outputs = [n for n in region.nodes if any(u not in inside for u in n.users)]
+    tensor_outputs = [n for n in outputs if isinstance(n.meta.get("example_value"), torch.Tensor)]
+    if len(tensors) != 3 or len(tensor_outputs) != 1:
+        return f"expected 3 tensor inputs and 1 tensor output, found {len(tensors)} and {len(tensor_outputs)}"
+    gate_up = example_inputs[placeholders.index(region.params["gate_up_proj"])]
+    down = example_inputs[placeholders.index(region.params["down_proj"])]
+    ids = [a for a in tensors if not a.meta["example_value"].is_floating_point()]
+    floats = [a for a in tensors if a.meta["example_value"].is_floating_point()]
+    hidden_size = gate_up.shape[-1]
+    hidden = [a for a in floats if a.meta["example_value"].shape[-1] == hidden_size]
+    if len(ids) != 1 or len(hidden) != 1:
+        return "cannot tell hidden states, expert ids and routing weights apart"
+    (weights,) = [a for a in floats if a is not hidden[0]]
+    match = re.search(r"layers\.(\d+)\.", region.path)
+    layer = layer_for_parameters(
+        gate_up, down, re.sub(r"^L\['self'\]\.", "", region.path), int(match.group(1)) if match else ordinal, config
+    )
+    (out,) = tensor_outputs
+    with graph.inserting_before(out):
+        new = graph.call_function(DISPATCH.default, (hidden[0], ids[0], weights, layer.handle))
+    new.meta.update(out.meta)
+    out.replace_all_uses_with(new)
+    for node in reversed(region.nodes):
+        if not node.users:
+            graph.erase_node(node)
+    return layer

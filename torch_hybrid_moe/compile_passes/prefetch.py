@@ -1,0 +1,24 @@
+"""Pass 2: right after layer l's routing is known, ask layer l+1 to prefetch."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..runtime import get_layer
+from .graph_utils import DISPATCH, PREFETCH, calls, insertion_point_after
+
+
+def insert_prefetch(gm: fx.GraphModule) -> int:
+    """Insert `prefetch(hidden_l, topk_ids_l, handle_{l+1})` for each dispatch; returns how many."""
+    graph = gm.graph
+    done = {(n.args[1], n.args[2]) for n in graph.nodes if calls(n, PREFETCH)}
+    inserted = 0
+    for node in [n for n in graph.nodes if calls(n, DISPATCH)]:
+        hidden, ids, _, handle = node.args
+        nxt = get_layer(handle).next_handle
+        if nxt is None or (ids, nxt) in done:
+            continue
+        with graph.inserting_after(insertion_point_after(graph, hidden, ids)):
+            graph.call_function(PREFETCH.default, (hidden, ids, nxt))
+        inserted += 1
+    return inserted

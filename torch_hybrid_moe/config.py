@@ -1,0 +1,78 @@
+"""User-facing configuration of hybrid expert placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+@dataclass(frozen=True)
+class HybridMoEConfig:
+    """How a patched model splits its routed experts between accelerator slots and the CPU.
+
+    expert_budget: a fraction in [0, 1] of each MoE layer's routed experts held in accelerator slots,
+        or an absolute byte budget for all layers' slots together (an int > 1, or a string such as "6GiB").
+    device: "auto" (CUDA when present, else the CPU stands in for the accelerator), "cuda" or "cpu".
+    scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries.
+    """
+
+    expert_budget: float | int | str = 0.25
+    device: str = "auto"
+    scheduler: str = "cached_on_accelerator"
+    cache_policy: str = "lru"
+    prefetcher: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        self.budget_bytes()  # validates the budget's form
+        from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
+
+        SCHEDULERS.check(self.scheduler)
+        CACHE_POLICIES.check(self.cache_policy)
+        PREFETCHERS.check(self.prefetcher)
+
+    def replace(self, **overrides: object) -> HybridMoEConfig:
+        """A copy with fields overridden; unknown names are an error, not silently ignored."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown HybridMoEConfig field(s) {unknown}; known: {sorted(known)}")
+        return dataclasses.replace(self, **overrides)
+
+    def budget_bytes(self) -> int | None:
+        """The absolute byte budget, or None when the budget is a fraction."""
+        b = self.expert_budget
+        if isinstance(b, bool):
+            raise TypeError("expert_budget must be a fraction, a byte count or a size string, not a bool")
+        if isinstance(b, str):
+            m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", b)
+            if not m or m.group(2).lower() not in _BYTE_UNITS:
+                raise ValueError(f"expert_budget {b!r} is not a size such as '512MiB' or '6GB'")
+            return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+        if isinstance(b, int) and b > 1:
+            return b
+        if not isinstance(b, (int, float)) or not 0.0 <= float(b) <= 1.0 or math.isnan(float(b)):
+            raise ValueError(f"expert_budget fraction must lie in [0, 1], got {b!r}")
+        return None
+
+    def slots_per_layer(self, num_experts: int, expert_bytes: int, num_layers: int) -> int:
+        """Accelerator slots each MoE layer gets under this budget."""
+        total = self.budget_bytes()
+        if total is None:
+            return math.floor(float(self.expert_budget) * num_experts + 1e-9)
+        return min(num_experts, total // max(1, expert_bytes * num_layers))
+
+    def resolve_device(self) -> torch.device:
+        """The accelerator device; the CPU stands in for it when no CUDA device exists."""
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            if not torch.cuda.is_available():
+                raise RuntimeError("HybridMoEConfig(device='cuda') but no CUDA device is available")
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

@@ -1,0 +1,170 @@
+"""The one patching mechanism every architecture uses, parameterised by an `ArchSpec`.
+
+Only the routed experts are replaced: each `*Experts` module keeps its place in the model but its
+fused `gate_up_proj` / `down_proj` move into an `ExpertStore`, and transformers' experts registry
+sends its forward to `torch.ops.hybrid_moe.dispatch`. Routers, shared experts, shared-expert gates
+and dense layers stay the model's own code, so each architecture's routing semantics are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import CompileConfig
+from transformers.integrations.moe import ExpertsInterface
+
+from ..config import HybridMoEConfig
+from ..runtime import ExpertStore, HybridMoELayer
+
+EXPERTS_IMPLEMENTATION = "hybrid_moe"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PATCHED_ATTR = "_hybrid_moe_config"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What differs between architectures: the MoE block's class, config names, which layers are sparse."""
+
+    model_type: str
+    block_class: str
+    num_experts_attr: str
+    intermediate_attr: str
+    is_moe_layer: Callable[[object, int], bool]
+    routing: str  # one line for the docs: how the model's own router picks and weights experts
+
+
+def hybrid_experts_forward(
+    module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The experts implementation registered as "hybrid_moe" in transformers' ExpertsInterface."""
+    out = torch.ops.hybrid_moe.dispatch(hidden_states, top_k_index, top_k_weights, module._hybrid_moe_handle)
+    nxt = module._hybrid_moe_next
+    # Under torch.compile the backend's prefetch pass inserts this call; eager runs make it here.
+    if nxt is not None and not torch.compiler.is_compiling():
+        torch.ops.hybrid_moe.prefetch(hidden_states, top_k_index, nxt)
+    return out
+
+
+ExpertsInterface.register(EXPERTS_IMPLEMENTATION, hybrid_experts_forward)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return hasattr(model, _PATCHED_ATTR)
+
+
+def patch_with_spec(
+    model: torch.nn.Module, spec: ArchSpec, config: HybridMoEConfig | None = None, **overrides: object
+) -> torch.nn.Module:
+    """Validate everything first, then move experts into stores layer by layer; on error the model is untouched."""
+    config = (config or HybridMoEConfig()).replace(**overrides) if overrides else (config or HybridMoEConfig())
+    if is_patched(model):
+        raise RuntimeError("this model is already patched by torch_hybrid_moe; patch a fresh model instead")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type != spec.model_type:
+        raise ValueError(f"patch for {spec.model_type!r} models called on a {model_type!r} model")
+    cfg = model.config.get_text_config()
+    moe_layers = _find_moe_layers(model, spec, cfg)
+    device = config.resolve_device()
+    first = moe_layers[0][1].experts
+    expert_bytes = first.gate_up_proj[0].nbytes + first.down_proj[0].nbytes
+    num_experts = first.gate_up_proj.shape[0]
+    slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
+    _check_fits(device, slots * expert_bytes * len(moe_layers))
+
+    for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
+        experts = block.experts
+        store = ExpertStore(experts.gate_up_proj, experts.down_proj, slots, device)
+        # Drop the module's own copy now, so peak host memory grows by at most one layer.
+        del experts.gate_up_proj, experts.down_proj
+        experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config)
+        experts._hybrid_moe_handle = experts._hybrid_moe_layer.handle
+        experts._hybrid_moe_next = None
+        experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
+    for (_, block), (_, nxt) in zip(moe_layers, moe_layers[1:]):
+        block.experts._hybrid_moe_next = block.experts._hybrid_moe_layer.next_handle = nxt.experts._hybrid_moe_handle
+    model.to(device)  # dense weights, attention, routers and shared experts
+    _compile_decode_with_backend(model)
+    setattr(model, _PATCHED_ATTR, config)
+    return model
+
+
+def make_patch_function(spec: ArchSpec) -> Callable[..., torch.nn.Module]:
+    def patch(model: torch.nn.Module, config: HybridMoEConfig | None = None, **overrides: object) -> torch.nn.Module:
+        return patch_with_spec(model, spec, config, **overrides)
+
+    patch.__name__ = f"patch_{spec.model_type}"
+    patch.__doc__ = (
+        f"Patch a transformers {spec.model_type!r} model for hybrid expert placement, in place.\n\n"
+        f"Routing stays the model's own: {spec.routing}"
+    )
+    return patch
+
+
+def _find_moe_layers(model: torch.nn.Module, spec: ArchSpec, cfg: object) -> list[tuple[int, torch.nn.Module]]:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    found = []
+    for idx, layer in enumerate(decoder.layers):
+        block = layer.mlp
+        sparse = type(block).__name__ == spec.block_class
+        if sparse != spec.is_moe_layer(cfg, idx):
+            raise ValueError(
+                f"layer {idx} is {'an MoE' if sparse else 'a dense'} layer ({type(block).__name__}) "
+                f"but the config says it should be {'dense' if sparse else 'MoE'}"
+            )
+        if sparse:
+            _check_experts(idx, block.experts, spec, cfg)
+            found.append((idx, block))
+    if not found:
+        raise ValueError(f"no {spec.block_class} layer found: nothing to patch")
+    return found
+
+
+def _check_experts(idx: int, experts: torch.nn.Module, spec: ArchSpec, cfg: object) -> None:
+    num_experts = getattr(cfg, spec.num_experts_attr)
+    inter = getattr(cfg, spec.intermediate_attr)
+    hidden = cfg.hidden_size
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+        raise ValueError(f"layer {idx}: experts module has no fused gate_up_proj/down_proj tensors")
+    want = {"gate_up_proj": (num_experts, 2 * inter, hidden), "down_proj": (num_experts, hidden, inter)}
+    for name, tensor in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if tuple(tensor.shape) != want[name]:
+            raise ValueError(
+                f"layer {idx}: experts.{name} has shape {tuple(tensor.shape)} but the config implies {want[name]} "
+                f"({spec.num_experts_attr}={num_experts}, {spec.intermediate_attr}={inter}, hidden_size={hidden})"
+            )
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"layer {idx}: experts.{name} has dtype {tensor.dtype}; supported: "
+                f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+            )
+        if tensor.device.type == "meta":
+            raise ValueError(f"layer {idx}: experts.{name} is on the meta device; load real weights first")
+    act = getattr(getattr(experts, "act_fn", None), "__class__", type(None)).__name__
+    if "SiLU" not in act:
+        raise ValueError(f"layer {idx}: experts use activation {act}; only SiLU-gated experts are supported")
+
+
+def _check_fits(device: torch.device, slot_bytes: int) -> None:
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if slot_bytes > free:
+        raise ValueError(
+            f"expert slots need {slot_bytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of {device} is free; "
+            "lower expert_budget"
+        )
+
+
+def _compile_decode_with_backend(model: torch.nn.Module) -> None:
+    """Make plain `generate()` use a static cache and compile its decode step with `backend="hybrid_moe"`."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return
+    gen.cache_implementation = "static"
+    compile_config = CompileConfig(fullgraph=True, backend="hybrid_moe", mode="default")
+    compile_config._compile_all_devices = True  # transformers auto-compiles on CUDA only unless told
+    gen.compile_config = compile_config

@@ -1,0 +1,96 @@
+"""The `hybrid_moe` torch.library ops.
+
+They take only tensors and ints: a layer is named by an integer handle into the runtime registry,
+so a captured graph holds no Python object and stays valid across replays.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.registry import get_layer
+from .expert_math import accumulate_experts_
+
+# Host synchronisation and CPU compute inside: Inductor must not put these inside a CUDA graph.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    torch._check(hidden.dim() == 2, lambda: f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
+    torch._check(topk_ids.shape == topk_weights.shape, lambda: "topk_ids and topk_weights shapes differ")
+    torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "topk_ids and hidden disagree on tokens")
+    torch._check(not topk_ids.is_floating_point(), lambda: "topk_ids must be an integer tensor")
+
+
+@torch.library.custom_op(
+    "hybrid_moe::dispatch",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer) -> Tensor",
+    tags=_TAGS,
+)
+def dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
+    """Run each activated expert of `layer` from its slot or on the CPU, as its placement plan says."""
+    _check_routing(hidden, topk_ids, topk_weights)
+    return get_layer(layer).forward(hidden, topk_ids, topk_weights)
+
+
+@dispatch.register_fake
+def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
+    _check_routing(hidden, topk_ids, topk_weights)
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op(
+    "hybrid_moe::cpu_experts",
+    mutates_args=("out",),
+    schema=(
+        "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, Tensor(a!) out) -> ()"
+    ),
+    device_types="cpu",
+)
+def cpu_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Accumulate into `out` the experts of the pairs whose id is >= 0 (-1: computed elsewhere).
+
+    Writing into a caller-owned accumulator (fp32 in the dispatch) lets partial sums from several
+    devices combine with one final rounding, and lets a captured graph point at a static buffer.
+    """
+    _check_routing(hidden, topk_ids, topk_weights)
+    num_experts = gate_up.shape[0]
+    if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
+        raise ValueError(f"topk_ids must lie in [-1, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    if out.shape != hidden.shape:
+        raise ValueError(f"out must have hidden's shape {tuple(hidden.shape)}, got {tuple(out.shape)}")
+    accumulate_experts_(out, hidden, topk_ids, topk_weights, gate_up, down)
+
+
+@cpu_experts.register_fake
+def _(hidden, topk_ids, topk_weights, gate_up, down, out) -> None:  # noqa: ANN001
+    _check_routing(hidden, topk_ids, topk_weights)
+
+
+@torch.library.custom_op(
+    "hybrid_moe::prefetch",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor topk_ids, int layer) -> ()",
+    tags=_TAGS,
+)
+def prefetch(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> None:
+    """Ask `layer`'s prefetcher, given the previous layer's gate input and routing, what to copy into slots."""
+    get_layer(layer).prefetch(hidden, topk_ids)
+
+
+@prefetch.register_fake
+def _(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> None:
+    return None
+
+
+# The prefetch returns nothing and mutates no argument: keep dead-code elimination from dropping it.
+torch.fx.node.has_side_effect(torch.ops.hybrid_moe.prefetch.default)

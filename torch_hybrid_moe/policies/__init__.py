@@ -1,0 +1,19 @@
+"""Pluggable placement policies (scheduler, cache policy, prefetcher) and their registries."""
+
+from .base import CachePolicy, LayerInfo, Placement, Prefetcher, Scheduler
+from .caching import CACHE_POLICIES
+from .prefetching import PREFETCHERS
+from .registry import Registry
+from .schedulers import SCHEDULERS
+
+__all__ = [
+    "CACHE_POLICIES",
+    "PREFETCHERS",
+    "SCHEDULERS",
+    "CachePolicy",
+    "LayerInfo",
+    "Placement",
+    "Prefetcher",
+    "Registry",
+    "Scheduler",
+]

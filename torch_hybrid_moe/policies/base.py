@@ -1,0 +1,56 @@
+"""What a layer asks its policies, and the shape of their answers.
+
+Each MoE layer owns one scheduler, one cache policy and one prefetcher. They see plain Python
+lists (per-expert token counts, which expert each slot holds) so the same objects drive the live
+runtime and, later, the trace simulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Static facts about one MoE layer that policies size themselves by."""
+
+    layer_idx: int
+    num_experts: int
+    num_slots: int
+    expert_bytes: int
+
+
+@dataclass
+class Placement:
+    """Where each activated expert of one layer step runs.
+
+    fetch: missing experts the scheduler wants loaded into slots before the accelerator runs them
+    (on-demand fetching); every expert in `fetch` is also in `accelerator`.
+    """
+
+    accelerator: list[int] = field(default_factory=list)
+    cpu: list[int] = field(default_factory=list)
+    fetch: list[int] = field(default_factory=list)
+
+
+class Scheduler(Protocol):
+    def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
+        """Split the activated experts (counts[e] > 0) between accelerator and CPU."""
+
+
+class CachePolicy(Protocol):
+    def admit(self, counts: Sequence[int], resident: Sequence[bool]) -> list[int]:
+        """Record one step's activations; return missing experts to bring into slots, best first."""
+
+    def victim(self, slot_experts: Sequence[int], keep: set[int]) -> int:
+        """The slot to overwrite next (slot_experts[s] is -1 for a free slot), never one holding `keep`;
+        -1 when no slot may be given up."""
+
+
+class Prefetcher(Protocol):
+    def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
+        """Experts of this layer to load early, from the previous layer's gate input and routing."""

@@ -1,0 +1,39 @@
+"""Cache policies: which experts the accelerator slots hold."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import LayerInfo
+from .registry import Registry
+
+CACHE_POLICIES: Registry = Registry("cache policy")
+
+
+@CACHE_POLICIES.register("lru")
+class LRU:
+    """Every missed expert is admitted after its step; the least recently used resident one leaves."""
+
+    def __init__(self, info: LayerInfo) -> None:
+        self.info = info
+        self.clock = 0
+        self.last_used = [-1] * info.num_experts
+
+    def admit(self, counts: Sequence[int], resident: Sequence[bool]) -> list[int]:
+        self.clock += 1
+        missing = []
+        for e, c in enumerate(counts):
+            if c:
+                self.last_used[e] = self.clock
+                if not resident[e]:
+                    missing.append(e)
+        missing.sort(key=lambda e: -counts[e])
+        return missing[: self.info.num_slots]
+
+    def victim(self, slot_experts: Sequence[int], keep: set[int]) -> int:
+        def age(slot: int) -> int:
+            e = slot_experts[slot]
+            return -2 if e < 0 else self.last_used[e]
+
+        candidates = [s for s, e in enumerate(slot_experts) if e not in keep]
+        return min(candidates, key=age) if candidates else -1

@@ -1,0 +1,19 @@
+"""Run-time state of patched models: expert stores, per-layer dispatch, handles and counters."""
+
+from .expert_store import ExpertStore
+from .layer import HybridMoELayer
+from .registry import get_layer, register_layer
+from .stats import LayerStats, model_layers, reset_stats, stats
+from .stock import layer_for_parameters
+
+__all__ = [
+    "ExpertStore",
+    "HybridMoELayer",
+    "LayerStats",
+    "get_layer",
+    "layer_for_parameters",
+    "model_layers",
+    "register_layer",
+    "reset_stats",
+    "stats",
+]

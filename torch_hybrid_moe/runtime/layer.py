@@ -1,0 +1,112 @@
+"""One MoE layer at run time: its expert store, its policies, its counters, and the dispatch itself."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import HybridMoEConfig
+from ..ops.expert_math import accumulate_experts_
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement
+from .expert_store import ExpertStore
+from .registry import register_layer
+from .stats import LayerStats
+
+
+class HybridMoELayer:
+    """Runs one layer's routed experts split between accelerator slots and the CPU.
+
+    Every step: count tokens per expert, ask the scheduler where each activated expert runs, run the
+    accelerator share from slots and the CPU share from the host master (into one fp32 accumulator,
+    so the split never changes the rounding of the sum), then let the cache policy refill slots.
+    """
+
+    def __init__(self, name: str, layer_idx: int, store: ExpertStore, config: HybridMoEConfig) -> None:
+        self.name = name
+        self.store = store
+        self.config = config
+        info = LayerInfo(layer_idx, store.num_experts, store.num_slots, store.expert_bytes)
+        self.info = info
+        self.scheduler = SCHEDULERS.create(config.scheduler, info=info)
+        self.cache_policy = CACHE_POLICIES.create(config.cache_policy, info=info)
+        self.prefetcher = PREFETCHERS.create(config.prefetcher, info=info)
+        self.stats = LayerStats()
+        self.next_handle: int | None = None
+        self.handle = register_layer(self)
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        store = self.store
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=store.num_experts).tolist()
+        if len(counts) > store.num_experts:
+            raise ValueError(f"{self.name}: expert id {len(counts) - 1} >= num_experts {store.num_experts}")
+        resident = store.resident()
+        plan = self.scheduler.place(counts, resident)
+        self._check_plan(plan, counts, resident)
+        for expert in plan.fetch:
+            if not self._fill(expert, keep=set(plan.accelerator)):
+                raise RuntimeError(f"{self.name}: no slot free for on-demand fetch of expert {expert}")
+
+        acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        if plan.accelerator:
+            store.wait_for_copies()
+            slot_of = [-1] * store.num_experts
+            for e in plan.accelerator:
+                slot_of[e] = store.expert_slot[e]
+            slot_ids = torch.tensor(slot_of, device=topk_ids.device)[topk_ids]
+            accumulate_experts_(acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down)
+        if plan.cpu:
+            own = [-1] * store.num_experts
+            for e in plan.cpu:
+                own[e] = e
+            cpu_ids = torch.tensor(own)[topk_ids.cpu()]
+            cpu_acc = torch.zeros(hidden.shape, dtype=torch.float32)
+            torch.ops.hybrid_moe.cpu_experts(
+                hidden.cpu(), cpu_ids, topk_weights.cpu(), store.host_gate_up, store.host_down, cpu_acc
+            )
+            acc += cpu_acc.to(acc.device, non_blocking=True)
+
+        s = self.stats
+        s.steps += 1
+        s.tokens += hidden.shape[0]
+        s.accelerator_experts += len(plan.accelerator)
+        s.cpu_experts += len(plan.cpu)
+        hits = sum(1 for e, c in enumerate(counts) if c and resident[e])
+        s.hits += hits
+        s.misses += len(plan.accelerator) + len(plan.cpu) - hits
+
+        admitted: set[int] = set()
+        for expert in self.cache_policy.admit(counts, store.resident()):
+            admitted.add(expert)
+            if not self._fill(expert, keep=admitted):
+                break
+        return acc.to(hidden.dtype)
+
+    def prefetch(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor) -> None:
+        """Copy the experts the prefetcher predicts for this layer into slots, ahead of its routing."""
+        self.stats.prefetch_calls += 1
+        wanted = self.prefetcher.select(hidden, prev_topk_ids, self.store.resident())
+        keep = set(wanted)
+        for expert in wanted:
+            if self.store.expert_slot[expert] < 0:
+                if not self._fill(expert, keep=keep):
+                    break
+                self.stats.prefetched_experts += 1
+
+    def _fill(self, expert: int, keep: set[int]) -> bool:
+        """Bring `expert` into the slot the cache policy gives up; False when no slot may be given up."""
+        if self.store.num_slots == 0:
+            return False
+        slot = self.cache_policy.victim(self.store.slot_experts, keep)
+        if slot < 0:
+            return False
+        self.stats.bytes_transferred += self.store.load(expert, slot)
+        return True
+
+    def _check_plan(self, plan: Placement, counts: list[int], resident: list[bool]) -> None:
+        """A scheduler bug must fail loudly, not silently drop or double-count an expert."""
+        active = {e for e, c in enumerate(counts) if c}
+        placed = plan.accelerator + plan.cpu
+        if len(placed) != len(active) or set(placed) != active:
+            raise RuntimeError(f"{self.name}: scheduler {self.config.scheduler!r} did not place each active expert once")
+        fetch = set(plan.fetch)
+        if any(not resident[e] and e not in fetch for e in plan.accelerator) or not fetch <= set(plan.accelerator):
+            raise RuntimeError(f"{self.name}: scheduler put a non-resident expert on the accelerator without a fetch")
