@@ -1,0 +1,92 @@
+"""The backend: found by name in a fresh interpreter, rewrites experts regions, inserts prefetches."""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.compile_passes import find_experts_regions, insert_prefetch, rewrite_experts_regions
+from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, PREFETCH, calls
+from torch_hybrid_moe.config import HybridMoEConfig
+from torch_hybrid_moe.runtime import model_layers
+
+from .conftest import patched_copy
+
+
+def test_backend_name_works_without_importing_the_package():
+    code = textwrap.dedent("""
+        import sys, torch
+        from transformers import AutoModelForCausalLM, MixtralConfig
+        assert "torch_hybrid_moe" not in sys.modules
+        cfg = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        x = torch.randint(0, 32, (1, 5))
+        with torch.no_grad():
+            want = model(x).logits
+            got = torch.compile(model, backend="hybrid_moe", fullgraph=True)(x).logits
+        assert "hybrid_moe" in torch._dynamo.list_backends()
+        assert "torch_hybrid_moe" in sys.modules
+        torch.testing.assert_close(got, want)
+        print("OK")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK")
+
+
+def capture_graph(model, x):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(model, backend=backend, fullgraph=True)(x)
+    return graphs[0]
+
+
+def test_passes_rewrite_stock_regions_and_chain_prefetches(reference_models):
+    import copy
+
+    stock = copy.deepcopy(reference_models["deepseek_v3"])  # layers 1, 2 are MoE
+    gm, example_inputs = capture_graph(stock, torch.randint(3, 96, (1, 4)))
+    assert [r.path for r in find_experts_regions(gm.graph)] == [
+        "L['self'].model.layers.1.mlp.experts", "L['self'].model.layers.2.mlp.experts"
+    ]
+    assert rewrite_experts_regions(gm, example_inputs, HybridMoEConfig()) == 2
+    assert insert_prefetch(gm) == 1
+    assert insert_prefetch(gm) == 0  # idempotent
+    dispatch = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
+    prefetch = [n for n in gm.graph.nodes if calls(n, PREFETCH)]
+    assert len(dispatch) == 2 and len(prefetch) == 1
+    order = list(gm.graph.nodes)
+    # the prefetch for layer 2 sits after layer 1's routing and before layer 1's experts run
+    assert prefetch[0].args[1] is dispatch[0].args[1]
+    assert order.index(dispatch[0].args[1]) < order.index(prefetch[0]) < order.index(dispatch[0])
+    assert prefetch[0].args[2] == dispatch[1].args[3]
+    # no grouped_mm or fallback op is left behind
+    assert not any("grouped_mm" in str(n.target) for n in gm.graph.nodes)
+
+
+def test_compiled_prefetch_runs_every_step(reference_models):
+    model = patched_copy(reference_models["mixtral"])
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(torch.randint(3, 96, (1, 3)))
+    calls_per_layer = [layer.stats.prefetch_calls for layer in model_layers(model).values()]
+    assert calls_per_layer == [0, 3, 3]  # layers 1 and 2 are prefetched for, after layers 0 and 1
+
+
+def test_backend_options_configure_stock_models(reference_models):
+    import copy
+
+    stock = copy.deepcopy(reference_models["mixtral"])
+    compiled = torch.compile(stock, backend="hybrid_moe", options={"expert_budget": 1.0})
+    with torch.no_grad():
+        compiled(torch.randint(3, 96, (1, 3)))
+    assert all(s.cpu_experts == 0 for s in thm.stats(stock).values())

@@ -1,0 +1,110 @@
+"""Bad input gets a clear error and leaves the model exactly as it was."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.model_patches import is_patched, patch_mixtral
+from torch_hybrid_moe.tiny_models import tiny_model
+
+
+def snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_untouched(model, before):
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert not is_patched(model)
+    assert all(not hasattr(m, "_hybrid_moe_layer") for m in model.modules())
+    assert model.config._experts_implementation != "hybrid_moe"
+
+
+def test_unsupported_model_type_lists_supported():
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    with pytest.raises(ValueError, match=r"unsupported model type 'llama'; supported: deepseek_v2, deepseek_v3, "
+                                         r"mixtral, qwen2_moe, qwen3_moe"):
+        thm.patch_model(model)
+
+
+@pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "lots", True])
+def test_budget_out_of_range(budget):
+    model = tiny_model("mixtral")
+    before = snapshot(model)
+    with pytest.raises((ValueError, TypeError), match="expert_budget"):
+        thm.patch_model(model, expert_budget=budget)
+    assert_untouched(model, before)
+
+
+def test_byte_budget_sets_slot_count():
+    model = tiny_model("mixtral")
+    experts = model.model.layers[0].mlp.experts
+    per_expert = experts.gate_up_proj[0].nbytes + experts.down_proj[0].nbytes
+    thm.patch_model(model, expert_budget=per_expert * 3 * 2)  # 3 layers x 2 slots
+    assert {layer.store.num_slots for layer in thm.runtime.model_layers(model).values()} == {2}
+
+
+def test_patched_twice():
+    model = thm.patch_model(tiny_model("mixtral"))
+    with pytest.raises(RuntimeError, match="already patched"):
+        thm.patch_model(model)
+
+
+def test_unknown_policy_and_field():
+    model = tiny_model("mixtral")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="unknown cache policy 'belady'; registered: lru"):
+        thm.patch_model(model, cache_policy="belady")
+    with pytest.raises(TypeError, match="unknown HybridMoEConfig field"):
+        thm.patch_model(model, expert_budgt=0.5)
+    assert_untouched(model, before)
+
+
+def test_unsupported_dtype():
+    model = tiny_model("qwen3_moe").double()
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="dtype torch.float64; supported"):
+        thm.patch_model(model)
+    assert_untouched(model, before)
+
+
+def test_shapes_disagree_with_config():
+    model = tiny_model("deepseek_v3")
+    experts = model.model.layers[2].mlp.experts
+    experts.down_proj = torch.nn.Parameter(experts.down_proj[:, :, :-1].clone())
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"layer 2: experts.down_proj has shape \(8, 32, 15\) but the config implies"):
+        thm.patch_model(model)
+    assert_untouched(model, before)
+    # and the valid layer 1 was not patched either (validation runs before any change)
+    assert hasattr(model.model.layers[1].mlp.experts, "gate_up_proj")
+
+
+def test_dense_layer_where_config_says_moe():
+    model = tiny_model("qwen2_moe")
+    model.config.mlp_only_layers = []
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="layer 1 is a dense layer"):
+        thm.patch_model(model)
+    assert_untouched(model, before)
+
+
+def test_wrong_architecture_patch_function():
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match="patch for 'mixtral' models called on a 'qwen3_moe' model"):
+        patch_mixtral(model)
+
+
+def test_cuda_device_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    model = tiny_model("mixtral")
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        thm.patch_model(model, device="cuda")
+    assert_untouched(model, before)

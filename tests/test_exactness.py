@@ -1,0 +1,84 @@
+"""Patched and compiled models against the unpatched eager transformers model, all five architectures."""
+
+import copy
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.tiny_models import ARCHITECTURES, tiny_model
+
+from .conftest import patched_copy
+
+# (batch, prompt length). Eager dispatch sees every shape; the compiled model sees shapes that share one
+# dynamic graph (sizes 1 would each specialise a new graph); compiled batch 1 and length 1 are the
+# decode steps of test_generate.
+SHAPES = [(1, 1), (1, 17), (4, 1), (3, 64)]
+COMPILED_SHAPES = [(2, 17), (4, 64), (3, 5)]
+
+
+def inputs(batch, length, seed=0):
+    g = torch.Generator().manual_seed(seed + 100 * batch + length)
+    return torch.randint(3, 96, (batch, length), generator=g)
+
+
+def assert_logits_close(got, want, rel=1e-5):
+    err = (got.double() - want.double()).abs().max() / want.double().abs().max()
+    assert err <= rel, f"relative error {err:.3g} > {rel}"
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.25, 1.0])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_patched_compiled_matches_reference(reference_models, arch, budget):
+    ref = reference_models[arch]
+    model = patched_copy(ref, expert_budget=budget)
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for batch, length in SHAPES:
+            x = inputs(batch, length)
+            assert_logits_close(model(x).logits, ref(x).logits)
+        for batch, length in COMPILED_SHAPES:
+            x = inputs(batch, length)
+            assert_logits_close(compiled(x).logits, ref(x).logits)
+    layer_stats = thm.stats(model)
+    assert layer_stats, "no hybrid layers found"
+    for s in layer_stats.values():
+        if budget == 0.0:
+            assert s.accelerator_experts == 0 and s.cpu_experts > 0
+        elif budget == 1.0:
+            assert s.cpu_experts == 0 and s.accelerator_experts > 0
+        else:
+            assert s.cpu_experts > 0 and s.accelerator_experts > 0
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_stock_model_compiled_with_backend_matches_reference(reference_models, arch):
+    ref = reference_models[arch]
+    stock = copy.deepcopy(ref)
+    compiled = torch.compile(stock, backend="hybrid_moe", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for batch, length in COMPILED_SHAPES:
+            x = inputs(batch, length)
+            assert_logits_close(compiled(x).logits, ref(x).logits)
+    layer_stats = thm.stats(stock)
+    moe_layers = sum(1 for m in ref.modules() if hasattr(m, "gate_up_proj"))
+    assert len(layer_stats) == moe_layers, "backend did not rewrite every experts region"
+    assert all(s.cpu_experts > 0 for s in layer_stats.values())  # default budget 0.25 splits the work
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_bf16_within_bf16_rounding(arch):
+    """Our bf16 error against the fp32 model is of the order of transformers' own bf16 error."""
+    fp32 = tiny_model(arch)
+    ref16 = tiny_model(arch, dtype=torch.bfloat16)
+    model = thm.patch_model(tiny_model(arch, dtype=torch.bfloat16), expert_budget=0.25)
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for batch, length in [(2, 9), (3, 33)]:
+            x = inputs(batch, length)
+            exact = fp32(x).logits.double()
+            ours = compiled(x).logits.double()
+            theirs = ref16(x).logits.double()
+            scale = exact.abs().max()
+            assert (ours - theirs).abs().max() / scale < 2**-5
+            assert (ours - exact).abs().max() <= 2 * (theirs - exact).abs().max() + 2**-8 * scale

@@ -1,0 +1,64 @@
+"""generate() runs its decode step through the hybrid_moe backend, as one graph, without per-token recompiles."""
+
+import copy
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.tiny_models import ARCHITECTURES
+
+from .conftest import DeepcopySafeCounter, patched_copy
+
+
+def prompts(batch=2, length=6):
+    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(batch * length))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_plain_generate_after_patch_gives_reference_tokens(reference_models, arch):
+    ref = reference_models[arch]
+    x = prompts()
+    want = ref.generate(x, max_new_tokens=10, do_sample=False)
+    model = patched_copy(ref, expert_budget=0.25)
+    got = model.generate(x, max_new_tokens=10, do_sample=False)
+    assert torch.equal(got, want)
+    # The decode step really was compiled, with our backend, over a static cache.
+    assert model.generation_config.compile_config.backend == "hybrid_moe"
+    assert model.generation_config.cache_implementation == "static"
+    assert hasattr(model, "_compiled_call")
+    assert all(s.steps >= 10 for s in thm.stats(model).values())
+
+
+def _counting_config(counter):
+    config = CompileConfig(backend=counter, fullgraph=True, mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def test_decode_is_one_graph_and_never_recompiles_per_token(reference_models):
+    ref = reference_models["deepseek_v3"]
+    model = patched_copy(ref, expert_budget=0.25)
+    counter = DeepcopySafeCounter()
+    x = prompts(batch=1)
+    want = ref.generate(x, max_new_tokens=24, do_sample=False)
+    got = model.generate(x, max_new_tokens=24, do_sample=False, compile_config=_counting_config(counter))
+    assert torch.equal(got, want)
+    assert counter.frame_count == 1  # 23 decode steps, one graph
+    model.generate(prompts(batch=1, length=9), max_new_tokens=24, do_sample=False, compile_config=_counting_config(counter))
+    assert counter.frame_count == 1  # a new prompt of another length reuses it
+
+
+def test_stock_model_generate_through_backend(reference_models):
+    ref = reference_models["qwen2_moe"]
+    stock = copy.deepcopy(ref)
+    counter = DeepcopySafeCounter()
+    x = prompts()
+    want = ref.generate(x, max_new_tokens=8, do_sample=False)
+    got = stock.generate(
+        x, max_new_tokens=8, do_sample=False, cache_implementation="static", compile_config=_counting_config(counter)
+    )
+    assert torch.equal(got, want)
+    assert counter.frame_count == 1
+    assert all(s.steps == 7 for s in thm.stats(stock).values())  # the 7 decode steps went through dispatch

@@ -1,0 +1,136 @@
+"""The hybrid_moe custom ops against a float64 reference, under opcheck, and on edge-case routings."""
+
+import pytest
+import torch
+
+import torch_hybrid_moe  # noqa: F401  (registers the ops)
+from torch_hybrid_moe.config import HybridMoEConfig
+from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
+
+E, H, I = 6, 16, 12
+
+
+def reference_moe(hidden, ids, weights, gate_up, down):
+    """Pair by pair in float64: sum_k w[t,k] * down[e] @ (silu(gate) * up)."""
+    h, gu, dn = hidden.double(), gate_up.double(), down.double()
+    out = torch.zeros_like(h)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            gate, up = (gu[e] @ h[t]).chunk(2)
+            out[t] += float(weights[t, k]) * (dn[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def make_experts(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, 2 * I, H, generator=g) * 0.3).to(dtype), (torch.randn(E, H, I, generator=g) * 0.3).to(dtype)
+
+
+def make_layer(budget, seed=0, dtype=torch.float32):
+    gate_up, down = make_experts(seed, dtype)
+    config = HybridMoEConfig(expert_budget=budget, device="cpu")
+    store = ExpertStore(gate_up, down, config.slots_per_layer(E, 1, 1), torch.device("cpu"))
+    return HybridMoELayer("test", 0, store, config), gate_up, down
+
+
+def routing(name, tokens, k):
+    torch.manual_seed(1)
+    if name == "all_on_one_expert":
+        ids = torch.full((tokens, 1), 3)
+    elif name == "topk_equals_num_experts":
+        ids = torch.stack([torch.randperm(E) for _ in range(tokens)])
+    elif name == "expert_unused":
+        ids = torch.stack([torch.randperm(E - 1)[:k] for _ in range(tokens)])  # expert E-1 gets no token
+    else:
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(tokens)])
+    weights = torch.rand(ids.shape).softmax(-1)
+    return torch.randn(tokens, H), ids, weights
+
+
+@pytest.mark.parametrize("name", ["random", "all_on_one_expert", "topk_equals_num_experts", "expert_unused"])
+@pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_dispatch_matches_float64(name, budget, tokens):
+    layer, gate_up, down = make_layer(budget)
+    for step in range(3):  # later steps run with slots the LRU policy refilled
+        hidden, ids, weights = routing(name, tokens + step, 2)
+        out = torch.ops.hybrid_moe.dispatch(hidden, ids, weights, layer.handle)
+        torch.testing.assert_close(out.double(), reference_moe(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6)
+    s = layer.stats
+    assert s.accelerator_experts + s.cpu_experts == s.hits + s.misses
+    if budget == 0.0:
+        assert s.accelerator_experts == 0 and s.bytes_transferred == 0
+    if budget == 1.0:
+        assert s.cpu_experts == 0 and s.misses == 0
+
+
+def test_cpu_experts_skips_pairs_marked_minus_one():
+    gate_up, down = make_experts()
+    hidden, ids, weights = routing("random", 7, 3)
+    ids[::2, 1] = -1
+    out = torch.zeros(7, H)
+    torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, gate_up, down, out)
+    torch.testing.assert_close(out.double(), reference_moe(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_experts_accumulates_in_bf16_weights():
+    gate_up, down = make_experts(dtype=torch.bfloat16)
+    hidden, ids, weights = routing("random", 5, 2)
+    out = torch.zeros(5, H)
+    torch.ops.hybrid_moe.cpu_experts(hidden.bfloat16(), ids, weights, gate_up, down, out)
+    ref = reference_moe(hidden.bfloat16(), ids, weights, gate_up, down)
+    torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+
+
+def test_cpu_experts_rejects_bad_ids():
+    gate_up, down = make_experts()
+    hidden, ids, weights = routing("random", 3, 2)
+    ids[0, 0] = E
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, gate_up, down, torch.zeros(3, H))
+
+
+def test_dispatch_rejects_mismatched_routing():
+    layer, _, _ = make_layer(0.5)
+    hidden, ids, weights = routing("random", 4, 2)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        torch.ops.hybrid_moe.dispatch(hidden, ids, weights[:, :1], layer.handle)
+
+
+def test_opcheck_all_ops():
+    layer, gate_up, down = make_layer(0.5)
+    nxt, _, _ = make_layer(0.5, seed=1)
+    hidden, ids, weights = routing("random", 5, 2)
+    torch.library.opcheck(torch.ops.hybrid_moe.dispatch.default, (hidden, ids, weights, layer.handle))
+    torch.library.opcheck(
+        torch.ops.hybrid_moe.cpu_experts.default, (hidden, ids, weights, gate_up, down, torch.zeros(5, H))
+    )
+    torch.library.opcheck(torch.ops.hybrid_moe.prefetch.default, (hidden, ids, nxt.handle))
+    assert nxt.stats.prefetch_calls > 0
+
+
+def test_fake_tensors_give_shapes_without_running():
+    layer, _, _ = make_layer(0.5)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        hidden = mode.from_tensor(torch.randn(4, H))
+        ids = mode.from_tensor(torch.zeros(4, 2, dtype=torch.long))
+        out = torch.ops.hybrid_moe.dispatch(hidden, ids, mode.from_tensor(torch.rand(4, 2)), layer.handle)
+        assert out.shape == (4, H) and out.dtype == torch.float32
+    assert layer.stats.steps == 0
+
+
+def test_freed_layer_handle_is_a_clear_error():
+    layer, _, _ = make_layer(0.5)
+    handle = layer.handle
+    del layer
+    import gc
+
+    gc.collect()
+    hidden, ids, weights = routing("random", 2, 2)
+    with pytest.raises(RuntimeError, match="not live"):
+        torch.ops.hybrid_moe.dispatch(hidden, ids, weights, handle)

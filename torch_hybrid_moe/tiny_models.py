@@ -1,0 +1,63 @@
+"""Small random-weight models of every supported architecture, built with transformers' own classes.
+
+For tests and the demo until trained models ship: each has several experts, top-k > 1, shared
+experts where the architecture has them and a dense layer where it has them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+_COMMON = dict(
+    vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8)
+
+
+def tiny_config(model_type: str) -> PretrainedConfig:
+    """A 3-layer config; the layer types each architecture knows (dense, sparse) all appear."""
+    if model_type == "mixtral":
+        return MixtralConfig(**_COMMON, intermediate_size=48, num_hidden_layers=3, num_local_experts=6,
+                             num_experts_per_tok=2)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        cls = Qwen2MoeConfig if model_type == "qwen2_moe" else Qwen3MoeConfig
+        extra = {"shared_expert_intermediate_size": 40} if model_type == "qwen2_moe" else {"head_dim": 8}
+        return cls(**_COMMON, **extra, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
+                   num_experts=8, num_experts_per_tok=3, norm_topk_prob=model_type == "qwen3_moe",
+                   mlp_only_layers=[1], decoder_sparse_step=1)
+    if model_type == "deepseek_v2":
+        return DeepseekV2Config(**{**_COMMON, **_MLA}, intermediate_size=64, moe_intermediate_size=16,
+                                num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                                first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                                topk_group=2, routed_scaling_factor=1.5)
+    if model_type == "deepseek_v3":
+        return DeepseekV3Config(**{**_COMMON, **_MLA}, intermediate_size=64, moe_intermediate_size=16,
+                                num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                                first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                norm_topk_prob=True)
+    raise ValueError(f"no tiny config for {model_type!r}")
+
+
+def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A randomly initialised causal LM; DeepSeek-V3's score-correction bias is randomised too."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=dtype).eval()
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            with torch.no_grad():
+                bias.uniform_(-0.1, 0.1)
+    return model
+
+
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
