@@ -79,4 +79,6 @@ def test_patching_on_cpu_keeps_one_copy_of_experts(reference_models):
     for idx, layer in model_layers(ref).items():
         assert layer.store.host_gate_up.data_ptr() == original[idx]
         assert layer.store.num_slots == 2  # floor(0.25 * 8)
-    assert not any("experts.gate_up_proj" in name or "experts.down_proj" in name for name, _ in ref.named_parameters())
+    names = [name for name, _ in ref.named_parameters()]
+    assert not any(n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) for n in names)
+    assert any(n.endswith("mlp.shared_experts.down_proj.weight") for n in names)  # shared experts stay
