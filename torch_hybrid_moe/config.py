@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
+
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -32,8 +34,6 @@ class HybridMoEConfig:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         self.budget_bytes()  # validates the budget's form
-        from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
-
         SCHEDULERS.check(self.scheduler)
         CACHE_POLICIES.check(self.cache_policy)
         PREFETCHERS.check(self.prefetcher)

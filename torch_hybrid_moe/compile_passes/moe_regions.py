@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..config import HybridMoEConfig
-from ..runtime import layer_for_parameters
+from ..runtime import HybridMoELayer, layer_for_parameters
 from .graph_utils import DISPATCH, calls
 
 log = logging.getLogger(__name__)
@@ -66,22 +66,31 @@ def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: Hy
     """Replace stock experts regions with dispatch calls; returns how many were rewritten."""
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
-    rewritten = []
-    for ordinal, region in enumerate(find_experts_regions(graph)):
-        if any(calls(n, DISPATCH) for n in region.nodes):
-            continue  # a patched model: already dispatching
-        reason = _rewrite(graph, region, placeholders, example_inputs, config, ordinal)
-        if isinstance(reason, str):
-            log.warning("hybrid_moe: left %s as it is: %s", region.path, reason)
+    # A patched model already dispatches; only stock regions are rewritten.
+    stock = [r for r in find_experts_regions(graph) if not any(calls(n, DISPATCH) for n in r.nodes)]
+    rewritten: list[HybridMoELayer] = []
+    for ordinal, region in enumerate(stock):
+        result = _rewrite(graph, region, placeholders, example_inputs, config, ordinal, len(stock))
+        if isinstance(result, str):
+            log.warning("hybrid_moe: left %s as it is: %s", region.path, result)
         else:
-            rewritten.append(reason)
+            rewritten.append(result)
     for prev, cur in zip(rewritten, rewritten[1:]):
         if prev.next_handle is None:
             prev.next_handle = cur.handle
     return len(rewritten)
 
 
-def _rewrite(graph, region, placeholders, example_inputs, config, ordinal):  # noqa: ANN001, ANN202
+def _rewrite(
+    graph: fx.Graph,
+    region: ExpertsRegion,
+    placeholders: list[fx.Node],
+    example_inputs: list,
+    config: HybridMoEConfig,
+    ordinal: int,
+    num_layers: int,
+) -> HybridMoELayer | str:
+    """Replace one region by a dispatch call; returns its layer, or why it was left alone."""
     if set(region.params) != {"gate_up_proj", "down_proj"}:
         return "its gate_up_proj/down_proj are not graph inputs"
     if not any(n.target in _SILU for n in region.nodes):
@@ -105,7 +114,12 @@ def _rewrite(graph, region, placeholders, example_inputs, config, ordinal):  # n
     (weights,) = [a for a in floats if a is not hidden[0]]
     match = re.search(r"layers\.(\d+)\.", region.path)
     layer = layer_for_parameters(
-        gate_up, down, re.sub(r"^L\['self'\]\.", "", region.path), int(match.group(1)) if match else ordinal, config
+        gate_up,
+        down,
+        re.sub(r"^L\['self'\]\.", "", region.path),
+        int(match.group(1)) if match else ordinal,
+        config,
+        num_layers,
     )
     (out,) = tensor_outputs
     with graph.inserting_before(out):

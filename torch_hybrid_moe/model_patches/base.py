@@ -59,7 +59,7 @@ def patch_with_spec(
     model: torch.nn.Module, spec: ArchSpec, config: HybridMoEConfig | None = None, **overrides: object
 ) -> torch.nn.Module:
     """Validate everything first, then move experts into stores layer by layer; on error the model is untouched."""
-    config = (config or HybridMoEConfig()).replace(**overrides) if overrides else (config or HybridMoEConfig())
+    config = (config or HybridMoEConfig()).replace(**overrides)
     if is_patched(model):
         raise RuntimeError("this model is already patched by torch_hybrid_moe; patch a fresh model instead")
     model_type = getattr(getattr(model, "config", None), "model_type", None)

@@ -17,12 +17,15 @@ LAYER_ATTR = "_hybrid_moe_layer"
 
 
 def layer_for_parameters(
-    gate_up: torch.Tensor, down: torch.Tensor, name: str, layer_idx: int, config: HybridMoEConfig
+    gate_up: torch.Tensor, down: torch.Tensor, name: str, layer_idx: int, config: HybridMoEConfig, num_layers: int
 ) -> HybridMoELayer:
-    """The layer owning these expert weights, created with `config` on first sight."""
+    """The layer owning these expert weights, created with `config` on first sight.
+
+    num_layers: how many MoE layers share a byte budget.
+    """
     layer = getattr(gate_up, LAYER_ATTR, None)
     if layer is None:
-        num_slots = config.slots_per_layer(gate_up.shape[0], gate_up[0].nbytes + down[0].nbytes, 1)
+        num_slots = config.slots_per_layer(gate_up.shape[0], gate_up[0].nbytes + down[0].nbytes, num_layers)
         store = ExpertStore(gate_up, down, num_slots, config.resolve_device())
         layer = HybridMoELayer(name, layer_idx, store, config)
         setattr(gate_up, LAYER_ATTR, layer)
