@@ -6,15 +6,15 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, resolve_model
 from torch_hybrid_moe.tiny_models import ARCHITECTURES, tiny_model
-
-DEFAULT_MODEL = "tiny:deepseek_v3"
 
 
 class _TimingStreamer(BaseStreamer):
@@ -41,10 +41,11 @@ def _load(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object | None
         return tiny_model(arch, dtype=dtype), None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = resolve_model(name)
     with tqdm(total=2, desc="loading", leave=False) as bar:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(path)
         bar.update()
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         bar.update()
     return model, tokenizer
 
@@ -55,9 +56,11 @@ def _prompt_ids(tokenizer: object | None, prompt: str, vocab_size: int) -> torch
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def generate(args: argparse.Namespace) -> int:
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model, tokenizer = _load(args.model, dtype)
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
     thm.patch_model(model, thm.HybridMoEConfig(expert_budget=args.expert_budget, device=args.device))
     device = next(model.parameters()).device
     ids = _prompt_ids(tokenizer, args.prompt, model.config.vocab_size).to(device)
@@ -83,6 +86,40 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def eval_ppl(args: argparse.Namespace) -> int:
+    """Perplexity of the unpatched model and of the patched model in the chosen mode, on the held-out text."""
+    from torch_hybrid_moe.embedded.corpus import heldout_text
+    from torch_hybrid_moe.embedded.evaluation import perplexity
+
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
+    if tokenizer is None:
+        raise SystemExit("eval-ppl needs a model with a tokenizer (an embedded model or a local directory)")
+    ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
+    reference = perplexity(model, ids)
+    thm.patch_model(model, thm.HybridMoEConfig(expert_budget=args.expert_budget, device=args.device))
+    patched = perplexity(model, ids)
+    print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {args.mode}  budget {args.expert_budget}")
+    print(f"perplexity: unpatched {reference:.4f}   {args.mode} {patched:.4f}   ratio {patched / reference:.6f}")
+    return 0
+
+
+def trace(args: argparse.Namespace) -> int:
+    from torch_hybrid_moe.embedded.corpus import heldout_text
+    from torch_hybrid_moe.traces import record_trace
+
+    model, tokenizer = _load(args.model, torch.float32)
+    if tokenizer is None:
+        raise SystemExit("trace needs a model with a tokenizer (an embedded model or a local directory)")
+    text = heldout_text()
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    stride = ids.numel() // args.prompts
+    prompts = [ids[i * stride + args.offset : i * stride + args.offset + args.prompt_tokens] for i in range(args.prompts)]
+    result = record_trace(model, prompts, args.max_new_tokens, args.model, args.hidden_every)
+    result.save(args.out)
+    print(f"wrote {args.out}: {result.tokens.numel()} token rows x {len(result.layers)} MoE layers")
+    return 0
+
+
 def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
     rows = [f"{'layer':>5} {'tokens':>7} {'hit rate':>8} {'on accel':>8} {'on CPU':>7} {'MB moved':>9}"]
     for idx, s in per_layer.items():
@@ -97,18 +134,33 @@ def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybrid-moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    model_help = (
+        f"embedded model ({', '.join(embedded_models())}), local transformers directory, hub id, "
+        f"or tiny:ARCH for random weights ({', '.join(ARCHITECTURES)})"
+    )
     g = sub.add_parser("generate", help="patch, compile and generate; print speed and expert placement")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"local transformers directory or hub id, or tiny:ARCH ({', '.join(ARCHITECTURES)})")
+    e = sub.add_parser("eval-ppl", help="held-out perplexity, unpatched vs patched in a mode")
+    t = sub.add_parser("trace", help="record per-token expert routing on held-out prompts to a trace file")
+    for p in (g, e, t):
+        p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    for p in (g, e):
+        p.add_argument("--expert-budget", type=float, default=0.25)
+        p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+        p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     g.add_argument("--prompt", default="def fibonacci(n):")
     g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--expert-budget", type=float, default=0.25)
-    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--mode", default="exact", choices=["exact"], help="approximate modes join here as they land")
+    e.add_argument("--max-tokens", type=int, default=16384)
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--prompts", type=int, default=8)
+    t.add_argument("--prompt-tokens", type=int, default=64)
+    t.add_argument("--offset", type=int, default=0, help="token offset of each prompt in its held-out slice")
+    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--hidden-every", type=int, default=4)
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 2:
+    if args.command == "generate" and args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill token, one decode token)")
-    return generate(args)
+    return {"generate": generate, "eval-ppl": eval_ppl, "trace": trace}[args.command](args)
 
 
 if __name__ == "__main__":

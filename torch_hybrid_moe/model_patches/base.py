@@ -33,6 +33,7 @@ class ArchSpec:
     num_experts_attr: str
     intermediate_attr: str
     is_moe_layer: Callable[[object, int], bool]
+    score_fn: str  # "softmax" or "sigmoid": how router logits become the scores top-k picks from
     routing: str  # one line for the docs: how the model's own router picks and weights experts
 
 

@@ -8,6 +8,7 @@ SPEC = ArchSpec(
     num_experts_attr="num_local_experts",
     intermediate_attr="intermediate_size",
     is_moe_layer=lambda cfg, idx: True,
+    score_fn="softmax",
     routing="softmax (fp32) -> top-k -> renormalise; every layer sparse",
 )
 patch_mixtral = make_patch_function(SPEC)

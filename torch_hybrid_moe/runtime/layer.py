@@ -48,16 +48,10 @@ class HybridMoELayer:
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         if plan.accelerator:
             store.wait_for_copies()
-            slot_of = [-1] * store.num_experts
-            for e in plan.accelerator:
-                slot_of[e] = store.expert_slot[e]
-            slot_ids = torch.tensor(slot_of, device=topk_ids.device)[topk_ids]
+            slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in plan.accelerator})
             accumulate_experts_(acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down)
         if plan.cpu:
-            own = [-1] * store.num_experts
-            for e in plan.cpu:
-                own[e] = e
-            cpu_ids = torch.tensor(own)[topk_ids.cpu()]
+            cpu_ids = self._relabel(topk_ids.cpu(), {e: e for e in plan.cpu})
             cpu_acc = torch.zeros(hidden.shape, dtype=torch.float32)
             torch.ops.hybrid_moe.cpu_experts(
                 hidden.cpu(), cpu_ids, topk_weights.cpu(), store.host_gate_up, store.host_down, cpu_acc
@@ -90,6 +84,13 @@ class HybridMoELayer:
                 if not self._fill(expert, keep=keep):
                     break
                 self.stats.prefetched_experts += 1
+
+    def _relabel(self, topk_ids: torch.Tensor, index_of: dict[int, int]) -> torch.Tensor:
+        """Expert ids rewritten as indices into one device's weights; -1 for pairs another device computes."""
+        table = [-1] * self.store.num_experts
+        for expert, index in index_of.items():
+            table[expert] = index
+        return torch.tensor(table, device=topk_ids.device)[topk_ids]
 
     def _fill(self, expert: int, keep: set[int]) -> bool:
         """Bring `expert` into the slot the cache policy gives up; False when no slot may be given up."""

@@ -1,0 +1,77 @@
+"""Held-out perplexity, the unigram baseline, and routing statistics (specialisation, temporal reuse)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+SEQ = 256
+
+
+def windows(ids: torch.Tensor, seq: int = SEQ) -> torch.Tensor:
+    """Consecutive [n, seq + 1] windows sharing one boundary token, so every token is predicted once."""
+    n = (ids.numel() - 1) // seq
+    return torch.stack([ids[i * seq : i * seq + seq + 1] for i in range(n)])
+
+
+@torch.no_grad()
+def perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ, batch: int = 8) -> float:
+    """exp(mean next-token negative log-likelihood) over `ids`, in windows of `seq`."""
+    w = windows(ids, seq)
+    nll, count = 0.0, 0
+    device = next(model.parameters()).device
+    for chunk in tqdm(w.split(batch), desc="perplexity", unit="batch", leave=False):
+        chunk = chunk.to(device)
+        logits = model(input_ids=chunk[:, :-1]).logits.float()
+        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum").item()
+        count += chunk[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+def unigram_perplexity(train_ids: torch.Tensor, heldout_ids: torch.Tensor, vocab: int) -> float:
+    """Perplexity of add-one-smoothed training token frequencies on the held-out tokens."""
+    counts = torch.bincount(train_ids, minlength=vocab).double() + 1
+    logp = (counts / counts.sum()).log()
+    return math.exp(-logp[heldout_ids[1:]].mean().item())
+
+
+@contextmanager
+def record_routing(model: torch.nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Collects each MoE layer's top-k expert ids ([tokens, k] per call) while the block is active."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    for idx, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            seen[idx] = []
+            handles.append(experts.register_forward_pre_hook(lambda m, a, idx=idx: seen[idx].append(a[1].cpu())))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def routing_report(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ, max_windows: int = 16) -> dict:
+    """Per MoE layer: load entropy / log(E) (1.0 = uniform) and temporal reuse P(e at t+1 | e at t)."""
+    w = windows(ids, seq)[:max_windows]
+    with record_routing(model) as seen:
+        model(input_ids=w[:, :-1])
+    layers = {}
+    for idx, calls in seen.items():
+        topk = calls[0].view(w.shape[0], seq, -1)
+        num_experts = model.model.layers[idx].mlp.experts.num_experts
+        k = topk.shape[-1]
+        load = torch.bincount(topk.reshape(-1), minlength=num_experts).double()
+        p = load / load.sum()
+        entropy = -(p[p > 0] * p[p > 0].log()).sum().item() / math.log(num_experts)
+        onehot = F.one_hot(topk, num_experts).sum(-2).bool()  # [windows, seq, E]
+        reuse = (onehot[:, 1:] & onehot[:, :-1]).sum().item() / (onehot[:, :-1].sum().item())
+        layers[idx] = {"load_entropy": entropy, "temporal_reuse": reuse, "random_reuse": k / num_experts}
+    return {"routing": layers}

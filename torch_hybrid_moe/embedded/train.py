@@ -1,0 +1,174 @@
+"""Train the embedded MoE language models on the Python standard library (seeded, CPU, minutes).
+
+    python -m torch_hybrid_moe.embedded.train [--only deepseek-tiny] [--steps 1200] [--out DIR]
+
+Each model is a transformers class (DeepseekV3ForCausalLM, MixtralForCausalLM) with a byte-level BPE
+tokenizer trained on the same corpus. Experts are kept balanced the way each architecture does it:
+DeepSeek-V3's auxiliary-loss-free bias update (the score-correction bias moves against each expert's
+load after every step), Mixtral's load-balancing auxiliary loss. The report (held-out perplexity
+against a unigram baseline, per-layer load entropy, temporal reuse) is written beside the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm.auto import tqdm
+from transformers import DeepseekV3Config, MixtralConfig, PretrainedConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
+
+from .corpus import SEPARATOR, SHIPPED_HELDOUT, split_corpus
+from .evaluation import perplexity, routing_report, unigram_perplexity
+
+VOCAB = 2048
+SEQ = 256
+MODELS_DIR = Path(__file__).parent / "models"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    config: Callable[[int], PretrainedConfig]
+    lr: float
+    bias_update: float  # DeepSeek-V3 load-balancing bias step; 0 to disable
+
+
+def deepseek_tiny(vocab: int) -> PretrainedConfig:
+    return DeepseekV3Config(
+        vocab_size=vocab, hidden_size=128, intermediate_size=320, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=32, head_dim=16, n_routed_experts=32, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.0,
+        norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )
+
+
+def mixtral_tiny(vocab: int) -> PretrainedConfig:
+    return MixtralConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, output_router_logits=True, router_aux_loss_coef=0.02, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )
+
+
+RECIPES = {
+    "deepseek-tiny": Recipe("deepseek-tiny", deepseek_tiny, lr=3e-3, bias_update=1e-3),
+    "mixtral-tiny": Recipe("mixtral-tiny", mixtral_tiny, lr=3e-3, bias_update=0.0),
+}
+
+
+def train_tokenizer(texts: list[str], vocab: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=[SEPARATOR], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SEPARATOR, eos_token=SEPARATOR, pad_token=SEPARATOR, model_max_length=1024
+    )
+
+
+def encode(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    for chunk in tokenizer(texts, add_special_tokens=False).input_ids:
+        ids.extend(chunk)
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _balance_bias_(model: torch.nn.Module, loads: dict[int, torch.Tensor], step: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
+    for idx, layer in enumerate(model.model.layers):
+        if idx in loads:
+            load = loads[idx]
+            layer.mlp.gate.e_score_correction_bias.add_(step * torch.sign(load.mean() - load))
+
+
+def train(recipe: Recipe, train_ids: torch.Tensor, steps: int, batch: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(recipe.config(VOCAB)).train()
+    loads: dict[int, torch.Tensor] = {}
+
+    def count(idx: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            loads[idx] = torch.bincount(args[1].reshape(-1), minlength=module.num_experts).float()
+
+        return hook
+
+    for idx, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts.register_forward_pre_hook(count(idx))
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    gen = torch.Generator().manual_seed(seed)
+    bar = tqdm(range(steps), desc=f"training {recipe.name}", unit="step")
+    for _ in bar:
+        starts = torch.randint(0, train_ids.numel() - SEQ - 1, (batch,), generator=gen)
+        x = torch.stack([train_ids[s : s + SEQ] for s in starts.tolist()])
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if recipe.bias_update:
+            with torch.no_grad():
+                _balance_bias_(model, loads, recipe.bias_update)
+        bar.set_postfix(loss=f"{out.loss.item():.3f}")
+    return model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(RECIPES), action="append")
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-train-chars", type=int, default=12_000_000)
+    parser.add_argument("--out", type=Path, default=MODELS_DIR)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    train_texts, heldout_texts = split_corpus(args.max_train_chars)
+    SHIPPED_HELDOUT.parent.mkdir(parents=True, exist_ok=True)
+    SHIPPED_HELDOUT.write_text(SEPARATOR.join(heldout_texts)[:400_000], encoding="utf-8")
+    tokenizer = train_tokenizer(train_texts, VOCAB)
+    train_ids = encode(tokenizer, train_texts)
+    heldout_ids = encode(tokenizer, [SHIPPED_HELDOUT.read_text(encoding="utf-8")])
+    print(f"corpus: {len(train_texts)} training files, {train_ids.numel()} tokens; held out {heldout_ids.numel()} tokens")
+    for name in args.only or sorted(RECIPES):
+        start = time.time()
+        model = train(RECIPES[name], train_ids, args.steps, args.batch, args.seed)
+        out = args.out / name
+        model.generation_config.update(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        report = {
+            "steps": args.steps, "batch": args.batch, "seq": SEQ, "seed": args.seed,
+            "train_tokens_seen": args.steps * args.batch * SEQ, "train_minutes": (time.time() - start) / 60,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "heldout_ppl": perplexity(model, heldout_ids),
+            "unigram_ppl": unigram_perplexity(train_ids, heldout_ids, VOCAB),
+            **routing_report(model, heldout_ids),
+        }
+        (out / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
