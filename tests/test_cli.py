@@ -27,3 +27,11 @@ def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert message in str(exc.value) + capsys.readouterr().err
+
+
+def test_eval_ppl_exact_mode_costs_nothing(capsys):
+    assert main(["eval-ppl", "--max-tokens", "512", "--expert-budget", "0.5"]) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("perplexity:")][0]
+    unpatched, exact = float(line.split()[2]), float(line.split()[4])
+    assert exact == pytest.approx(unpatched, rel=1e-5)
+    assert 5 < unpatched < 100  # a trained model, far below the ~600 unigram perplexity
