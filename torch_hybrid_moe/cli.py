@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, resolve_model
-from torch_hybrid_moe.tiny_models import ARCHITECTURES, tiny_model
+from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
+from torch_hybrid_moe.tiny_models import ARCHITECTURES
 
 
 class _TimingStreamer(BaseStreamer):
@@ -33,23 +33,6 @@ class _TimingStreamer(BaseStreamer):
         self.bar.close()
 
 
-def _load(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object | None]:
-    if name.startswith("tiny:"):
-        arch = name.removeprefix("tiny:")
-        if arch not in ARCHITECTURES:
-            raise SystemExit(f"unknown tiny model {arch!r}; choose from {', '.join(ARCHITECTURES)}")
-        return tiny_model(arch, dtype=dtype), None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model(name)
-    with tqdm(total=2, desc="loading", leave=False) as bar:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        bar.update()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        bar.update()
-    return model, tokenizer
-
-
 def _prompt_ids(tokenizer: object | None, prompt: str, vocab_size: int) -> torch.Tensor:
     if tokenizer is None:  # random-weight model without a tokenizer: bytes folded into the vocabulary
         return torch.tensor([[3 + b % (vocab_size - 3) for b in prompt.encode()]])
@@ -60,7 +43,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def generate(args: argparse.Namespace) -> int:
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
+    model, tokenizer = load_model(args.model, _DTYPES[args.dtype])
     thm.patch_model(model, thm.HybridMoEConfig(expert_budget=args.expert_budget, device=args.device))
     device = next(model.parameters()).device
     ids = _prompt_ids(tokenizer, args.prompt, model.config.vocab_size).to(device)
@@ -91,7 +74,7 @@ def eval_ppl(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.embedded.corpus import heldout_text
     from torch_hybrid_moe.embedded.evaluation import perplexity
 
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
+    model, tokenizer = load_model(args.model, _DTYPES[args.dtype])
     if tokenizer is None:
         raise SystemExit("eval-ppl needs a model with a tokenizer (an embedded model or a local directory)")
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
@@ -107,7 +90,7 @@ def trace(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.embedded.corpus import heldout_text
     from torch_hybrid_moe.traces import record_trace
 
-    model, tokenizer = _load(args.model, torch.float32)
+    model, tokenizer = load_model(args.model, torch.float32)
     if tokenizer is None:
         raise SystemExit("trace needs a model with a tokenizer (an embedded model or a local directory)")
     text = heldout_text()
