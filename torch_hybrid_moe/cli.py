@@ -42,6 +42,13 @@ def _prompt_ids(tokenizer: object | None, prompt: str, vocab_size: int) -> torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[torch.nn.Module, object]:
+    model, tokenizer = load_model(name, dtype)
+    if tokenizer is None:
+        raise SystemExit(f"{command} needs a model with a tokenizer (an embedded model or a local directory)")
+    return model, tokenizer
+
+
 def generate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, _DTYPES[args.dtype])
     thm.patch_model(model, thm.HybridMoEConfig(expert_budget=args.expert_budget, device=args.device))
@@ -74,9 +81,7 @@ def eval_ppl(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.embedded.corpus import heldout_text
     from torch_hybrid_moe.embedded.evaluation import perplexity
 
-    model, tokenizer = load_model(args.model, _DTYPES[args.dtype])
-    if tokenizer is None:
-        raise SystemExit("eval-ppl needs a model with a tokenizer (an embedded model or a local directory)")
+    model, tokenizer = _load_with_tokenizer(args.model, _DTYPES[args.dtype], "eval-ppl")
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
     reference = perplexity(model, ids)
     thm.patch_model(model, thm.HybridMoEConfig(expert_budget=args.expert_budget, device=args.device))
@@ -90,9 +95,7 @@ def trace(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.embedded.corpus import heldout_text
     from torch_hybrid_moe.traces import record_trace
 
-    model, tokenizer = load_model(args.model, torch.float32)
-    if tokenizer is None:
-        raise SystemExit("trace needs a model with a tokenizer (an embedded model or a local directory)")
+    model, tokenizer = _load_with_tokenizer(args.model, torch.float32, "trace")
     text = heldout_text()
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
     stride = ids.numel() // args.prompts
