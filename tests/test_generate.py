@@ -64,3 +64,15 @@ def test_stock_model_generate_through_backend(reference_models):
     assert torch.equal(got, want)
     assert counter.frame_count == 1
     assert all(s.steps == 7 for s in thm.stats(stock).values())  # the 7 decode steps went through dispatch
+
+
+def test_issue_snippet_patch_compile_generate(reference_models):
+    """The README's flow verbatim: patch, torch.compile with the backend, generate with a static cache."""
+    ref = reference_models["mixtral"]
+    x = prompts()
+    want = ref.generate(x, max_new_tokens=8, do_sample=False)
+    model = thm.patch_model(copy.deepcopy(ref), thm.HybridMoEConfig(expert_budget=0.25))
+    model = torch.compile(model, backend="hybrid_moe")
+    got = model.generate(x, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert torch.equal(got, want)
+    assert hasattr(model._orig_mod, "_compiled_call")  # generate's decode step went through the backend
