@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.tiny_models import ARCHITECTURES, tiny_model
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 torch.set_num_threads(2)
 
@@ -12,7 +12,7 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="session")
 def reference_models() -> dict[str, torch.nn.Module]:
     """One unpatched fp32 model per architecture; tests patch deep copies, never these."""
-    return {arch: tiny_model(arch) for arch in ARCHITECTURES}
+    return {arch: tiny_model(arch) for arch in TINY_ARCHITECTURES}
 
 
 def patched_copy(model: torch.nn.Module, **config) -> torch.nn.Module:

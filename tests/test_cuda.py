@@ -5,7 +5,7 @@ import torch
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.runtime import model_layers
-from torch_hybrid_moe.tiny_models import ARCHITECTURES, tiny_model
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 pytestmark = [
     pytest.mark.cuda,
@@ -14,7 +14,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.25, 1.0])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_cuda_matches_reference(arch, budget):
     ref = tiny_model(arch).cuda()
     model = thm.patch_model(tiny_model(arch), expert_budget=budget, device="cuda")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.tiny_models import ARCHITECTURES, tiny_model
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 from .conftest import patched_copy
 
@@ -28,7 +28,7 @@ def assert_logits_close(got, want, rel=1e-5):
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.25, 1.0])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_patched_compiled_matches_reference(reference_models, arch, budget):
     ref = reference_models[arch]
     model = patched_copy(ref, expert_budget=budget)
@@ -51,7 +51,7 @@ def test_patched_compiled_matches_reference(reference_models, arch, budget):
             assert s.cpu_experts > 0 and s.accelerator_experts > 0
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_stock_model_compiled_with_backend_matches_reference(reference_models, arch):
     ref = reference_models[arch]
     stock = copy.deepcopy(ref)

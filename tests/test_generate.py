@@ -7,7 +7,7 @@ import torch
 from transformers import CompileConfig
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.tiny_models import ARCHITECTURES
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
 
 from .conftest import DeepcopySafeCounter, patched_copy
 
@@ -16,7 +16,7 @@ def prompts(batch=2, length=6):
     return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(batch * length))
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_plain_generate_after_patch_gives_reference_tokens(reference_models, arch):
     ref = reference_models[arch]
     x = prompts()

@@ -14,7 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
-from torch_hybrid_moe.tiny_models import ARCHITECTURES
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
 
 
 class _TimingStreamer(BaseStreamer):
@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     model_help = (
         f"embedded model ({', '.join(embedded_models())}), local transformers directory, hub id, "
-        f"or tiny:ARCH for random weights ({', '.join(ARCHITECTURES)})"
+        f"or tiny:ARCH for random weights ({', '.join(TINY_ARCHITECTURES)})"
     )
     g = sub.add_parser("generate", help="patch, compile and generate; print speed and expert placement")
     e = sub.add_parser("eval-ppl", help="held-out perplexity, unpatched vs patched in a mode")

@@ -60,4 +60,4 @@ def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float3
     return model
 
 
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+TINY_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")

@@ -124,7 +124,7 @@ def record_trace(
             "top_k": top_k, "hidden_size": cfg.hidden_size, "layers": moe, "score_fn": spec.score_fn,
             "hidden_every": hidden_every,
         },
-        tokens=_cat(tokens), sequence=_cat(sequence), step=_cat(step), position=_cat(position),
+        tokens=_int32_cat(tokens), sequence=_int32_cat(sequence), step=_int32_cat(step), position=_int32_cat(position),
     )
     for idx in moe:
         topk, score_ids, scores, hidden = (torch.cat(parts) for parts in zip(*rows[idx]))
@@ -138,5 +138,5 @@ def record_trace(
     return trace
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+def _int32_cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts).to(torch.int32)

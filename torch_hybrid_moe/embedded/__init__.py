@@ -23,12 +23,12 @@ def resolve_model(name_or_path: str) -> str:
 
 def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object | None]:
     """(model, tokenizer) for an embedded name, a local directory or hub id, or `tiny:ARCH` (random, no tokenizer)."""
-    from ..tiny_models import ARCHITECTURES, tiny_model
+    from ..tiny_models import TINY_ARCHITECTURES, tiny_model
 
     if name.startswith("tiny:"):
         arch = name.removeprefix("tiny:")
-        if arch not in ARCHITECTURES:
-            raise SystemExit(f"unknown tiny model {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+        if arch not in TINY_ARCHITECTURES:
+            raise SystemExit(f"unknown tiny model {arch!r}; choose from {', '.join(TINY_ARCHITECTURES)}")
         return tiny_model(arch, dtype=dtype), None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -26,7 +26,7 @@ from transformers import DeepseekV3Config, MixtralConfig, PretrainedConfig, PreT
 from transformers import AutoModelForCausalLM
 
 from .corpus import SEPARATOR, SHIPPED_HELDOUT, split_corpus
-from .evaluation import perplexity, routing_report, unigram_perplexity
+from .evaluation import perplexity, record_routing, routing_report, unigram_perplexity
 
 VOCAB = 2048
 SEQ = 256
@@ -89,28 +89,17 @@ def encode(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _balance_bias_(model: torch.nn.Module, loads: dict[int, torch.Tensor], step: float) -> None:
+def _balance_bias_(model: torch.nn.Module, routed: dict[int, list[torch.Tensor]], step: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded."""
-    for idx, layer in enumerate(model.model.layers):
-        if idx in loads:
-            load = loads[idx]
-            layer.mlp.gate.e_score_correction_bias.add_(step * torch.sign(load.mean() - load))
+    for idx, (topk_ids,) in routed.items():
+        gate = model.model.layers[idx].mlp.gate
+        load = torch.bincount(topk_ids.reshape(-1), minlength=gate.e_score_correction_bias.numel()).float()
+        gate.e_score_correction_bias.add_(step * torch.sign(load.mean() - load))
 
 
 def train(recipe: Recipe, train_ids: torch.Tensor, steps: int, batch: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(recipe.config(VOCAB)).train()
-    loads: dict[int, torch.Tensor] = {}
-
-    def count(idx: int) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            loads[idx] = torch.bincount(args[1].reshape(-1), minlength=module.num_experts).float()
-
-        return hook
-
-    for idx, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "experts"):
-            layer.mlp.experts.register_forward_pre_hook(count(idx))
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.1, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -121,7 +110,8 @@ def train(recipe: Recipe, train_ids: torch.Tensor, steps: int, batch: int, seed:
     for _ in bar:
         starts = torch.randint(0, train_ids.numel() - SEQ - 1, (batch,), generator=gen)
         x = torch.stack([train_ids[s : s + SEQ] for s in starts.tolist()])
-        out = model(input_ids=x, labels=x)
+        with record_routing(model) as routed:
+            out = model(input_ids=x, labels=x)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -129,7 +119,7 @@ def train(recipe: Recipe, train_ids: torch.Tensor, steps: int, batch: int, seed:
         opt.zero_grad(set_to_none=True)
         if recipe.bias_update:
             with torch.no_grad():
-                _balance_bias_(model, loads, recipe.bias_update)
+                _balance_bias_(model, routed, recipe.bias_update)
         bar.set_postfix(loss=f"{out.loss.item():.3f}")
     return model.eval()
 

@@ -39,8 +39,9 @@ class HybridMoELayer:
         if len(counts) > store.num_experts:
             raise ValueError(f"{self.name}: expert id {len(counts) - 1} >= num_experts {store.num_experts}")
         resident = store.resident()
+        active = {e for e, c in enumerate(counts) if c}
         plan = self.scheduler.place(counts, resident)
-        self._check_plan(plan, counts, resident)
+        self._check_plan(plan, active, resident)
         for expert in plan.fetch:
             if not self._fill(expert, keep=set(plan.accelerator)):
                 raise RuntimeError(f"{self.name}: no slot free for on-demand fetch of expert {expert}")
@@ -63,9 +64,9 @@ class HybridMoELayer:
         s.tokens += hidden.shape[0]
         s.accelerator_experts += len(plan.accelerator)
         s.cpu_experts += len(plan.cpu)
-        hits = sum(1 for e, c in enumerate(counts) if c and resident[e])
+        hits = sum(resident[e] for e in active)
         s.hits += hits
-        s.misses += len(plan.accelerator) + len(plan.cpu) - hits
+        s.misses += len(active) - hits
 
         admitted: set[int] = set()
         for expert in self.cache_policy.admit(counts, store.resident()):
@@ -102,9 +103,8 @@ class HybridMoELayer:
         self.stats.bytes_transferred += self.store.load(expert, slot)
         return True
 
-    def _check_plan(self, plan: Placement, counts: list[int], resident: list[bool]) -> None:
+    def _check_plan(self, plan: Placement, active: set[int], resident: list[bool]) -> None:
         """A scheduler bug must fail loudly, not silently drop or double-count an expert."""
-        active = {e for e, c in enumerate(counts) if c}
         placed = plan.accelerator + plan.cpu
         if len(placed) != len(active) or set(placed) != active:
             raise RuntimeError(f"{self.name}: scheduler {self.config.scheduler!r} did not place each active expert once")
