@@ -11,6 +11,7 @@ import torch
 
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 
+CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -22,6 +23,10 @@ class HybridMoEConfig:
         or an absolute byte budget for all layers' slots together (an int > 1, or a string such as "6GiB").
     device: "auto" (CUDA when present, else the CPU stands in for the accelerator), "cuda" or "cpu".
     scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries.
+    cpu_weight_dtype: the format of the experts' host copy, which the CPU computes from and slots are filled
+        from: "model" (as loaded), "bfloat16", or weight-only "int8" / "int4" with one scale per
+        `cpu_weight_group_size` columns. Quantised formats are approximate: fewer bytes per weight make
+        bandwidth-bound CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md.
     """
 
     expert_budget: float | int | str = 0.25
@@ -29,8 +34,16 @@ class HybridMoEConfig:
     scheduler: str = "cached_on_accelerator"
     cache_policy: str = "lru"
     prefetcher: str = "none"
+    cpu_weight_dtype: str = "model"
+    cpu_weight_group_size: int = 64
 
     def __post_init__(self) -> None:
+        if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
+            raise ValueError(f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}")
+        if isinstance(self.cpu_weight_group_size, bool) or not isinstance(self.cpu_weight_group_size, int) or (
+            self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32
+        ):
+            raise ValueError(f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         self.budget_bytes()  # validates the budget's form

@@ -17,6 +17,7 @@ from transformers import CompileConfig
 from transformers.integrations.moe import ExpertsInterface
 
 from ..config import HybridMoEConfig
+from ..ops.quantize import check_group_size, to_cpu_format
 from ..runtime import ExpertStore, HybridMoELayer
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
@@ -70,6 +71,7 @@ def patch_with_spec(
     moe_layers = _find_moe_layers(model, spec, cfg)
     device = config.resolve_device()
     first = moe_layers[0][1].experts
+    _check_cpu_format(config, first)
     expert_bytes = first.gate_up_proj[0].nbytes + first.down_proj[0].nbytes
     num_experts = first.gate_up_proj.shape[0]
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
@@ -77,7 +79,12 @@ def patch_with_spec(
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts
-        store = ExpertStore(experts.gate_up_proj, experts.down_proj, slots, device)
+        dtype = experts.gate_up_proj.dtype
+        gate_up, down = (
+            to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size)
+            for w in (experts.gate_up_proj, experts.down_proj)
+        )
+        store = ExpertStore(gate_up, down, slots, device, slot_dtype=dtype)
         # Drop the module's own copy now, so peak host memory grows by at most one layer.
         del experts.gate_up_proj, experts.down_proj
         experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config)
@@ -147,6 +154,16 @@ def _check_experts(idx: int, experts: torch.nn.Module, spec: ArchSpec, cfg: obje
     act = getattr(getattr(experts, "act_fn", None), "__class__", type(None)).__name__
     if "SiLU" not in act:
         raise ValueError(f"layer {idx}: experts use activation {act}; only SiLU-gated experts are supported")
+
+
+def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None:
+    """Quantised CPU weights need group sizes that fit both projections' column counts: check before changing anything."""
+    if config.cpu_weight_dtype in ("int8", "int4"):
+        for name in ("gate_up_proj", "down_proj"):
+            try:
+                check_group_size(getattr(experts, name).shape[-1], config.cpu_weight_group_size)
+            except ValueError as err:
+                raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r}: experts.{name}: {err}") from None
 
 
 def _check_fits(device: torch.device, slot_bytes: int) -> None:

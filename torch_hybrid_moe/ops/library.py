@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from ..runtime.registry import get_layer
+from . import cpu_kernel
 from .expert_math import accumulate_experts_
+from .quantize import QuantizedWeight
 
 # Host synchronisation and CPU compute inside: Inductor must not put these inside a CUDA graph.
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -45,7 +47,8 @@ def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     "hybrid_moe::cpu_experts",
     mutates_args=("out",),
     schema=(
-        "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, Tensor(a!) out) -> ()"
+        "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, Tensor? gate_up_scale, "
+        "Tensor? down_scale, int group_size, Tensor(a!) out) -> ()"
     ),
     device_types="cpu",
 )
@@ -55,24 +58,34 @@ def cpu_experts(
     topk_weights: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
+    gate_up_scale: torch.Tensor | None,
+    down_scale: torch.Tensor | None,
+    group_size: int,
     out: torch.Tensor,
 ) -> None:
-    """Accumulate into `out` the experts of the pairs whose id is >= 0 (-1: computed elsewhere).
+    """Accumulate into fp32 `out` the experts of the pairs whose id is >= 0 (-1: computed elsewhere).
 
-    Writing into a caller-owned accumulator (fp32 in the dispatch) lets partial sums from several
-    devices combine with one final rounding, and lets a captured graph point at a static buffer.
+    Weights are bf16 / fp16 / fp32 [E, 2I, H] and [E, H, I], or int8 / packed-int4 (uint8) with fp32 scales
+    per `group_size` columns (see ops/quantize.py). Writing into a caller-owned accumulator lets partial
+    sums from several devices combine with one final rounding, and lets a captured graph point at a
+    static buffer. Runs the C++ kernel; the per-expert torch loop where it could not be built.
     """
     _check_routing(hidden, topk_ids, topk_weights)
     num_experts = gate_up.shape[0]
     if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"topk_ids must lie in [-1, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
-    if out.shape != hidden.shape:
-        raise ValueError(f"out must have hidden's shape {tuple(hidden.shape)}, got {tuple(out.shape)}")
-    accumulate_experts_(out, hidden, topk_ids, topk_weights, gate_up, down)
+    if out.shape != hidden.shape or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 shaped like hidden {tuple(hidden.shape)}, got {out.dtype} {tuple(out.shape)}")
+    if cpu_kernel.best_isa() >= 0:
+        cpu_kernel.moe_experts(hidden, topk_ids, topk_weights, gate_up, down, out, gate_up_scale, down_scale, group_size)
+        return
+    experts = [w if s is None else QuantizedWeight(w, s, 8 if w.dtype == torch.int8 else 4, group_size)
+               for w, s in ((gate_up, gate_up_scale), (down, down_scale))]
+    accumulate_experts_(out, hidden, topk_ids, topk_weights, *experts)
 
 
 @cpu_experts.register_fake
-def _(hidden, topk_ids, topk_weights, gate_up, down, out) -> None:  # noqa: ANN001
+def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, group_size, out) -> None:  # noqa: ANN001
     _check_routing(hidden, topk_ids, topk_weights)
 
 

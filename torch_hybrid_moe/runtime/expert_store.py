@@ -4,23 +4,32 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.quantize import QuantizedWeight, dequantize
+
+HostWeight = torch.Tensor | QuantizedWeight
+
 
 class ExpertStore:
     """Master weights of every routed expert in host memory, plus `num_slots` accelerator slots.
 
-    The master copy is pinned when the accelerator is a CUDA device, so slot fills are asynchronous
-    copies on a side stream. On a CPU-only machine the slots are CPU tensors and fills are plain
-    copies: the same code path and numerics, which makes everything testable without a GPU.
+    The master is in the CPU weight format (the model's dtype, bf16, or int8 / int4 with scales); slots
+    hold `slot_dtype` weights. The master is pinned when the accelerator is a CUDA device, so slot fills
+    are asynchronous copies on a side stream (quantised experts cross PCIe quantised and are dequantised
+    on the device). On a CPU-only machine the slots are CPU tensors and fills are plain copies: the same
+    code path, which makes everything testable without a GPU.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, gate_up: HostWeight, down: HostWeight, num_slots: int, device: torch.device, slot_dtype: torch.dtype
+    ) -> None:
         self.device = device
+        pin = device.type == "cuda"
+        self.host_gate_up = _host_copy(gate_up, pin)
+        self.host_down = _host_copy(down, pin)
         self.num_experts = gate_up.shape[0]
-        self.host_gate_up = _host_copy(gate_up, pin=device.type == "cuda")
-        self.host_down = _host_copy(down, pin=device.type == "cuda")
-        self.expert_bytes = (gate_up[0].numel() * gate_up.element_size()) + (down[0].numel() * down.element_size())
-        self.slot_gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device)
-        self.slot_down = torch.empty((num_slots, *down.shape[1:]), dtype=down.dtype, device=device)
+        self.expert_bytes = _expert_bytes(gate_up) + _expert_bytes(down)
+        self.slot_gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=slot_dtype, device=device)
+        self.slot_down = torch.empty((num_slots, *down.shape[1:]), dtype=slot_dtype, device=device)
         self.slot_experts: list[int] = [-1] * num_slots
         self.expert_slot: list[int] = [-1] * self.num_experts
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -42,15 +51,22 @@ class ExpertStore:
         self.slot_experts[slot] = expert
         self.expert_slot[expert] = slot
         if self._copy_stream is None:
-            self.slot_gate_up[slot].copy_(self.host_gate_up[expert])
-            self.slot_down[slot].copy_(self.host_down[expert])
+            self._fill(slot, expert)
         else:
             # The slot may still be read by queued compute: the copy waits for it.
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                self.slot_gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
-                self.slot_down[slot].copy_(self.host_down[expert], non_blocking=True)
+                self._fill(slot, expert)
         return self.expert_bytes
+
+    def _fill(self, slot: int, expert: int) -> None:
+        for dst, src in ((self.slot_gate_up[slot], self.host_gate_up), (self.slot_down[slot], self.host_down)):
+            if isinstance(src, QuantizedWeight):
+                data = src.data[expert].to(self.device, non_blocking=True)
+                scale = src.scale[expert].to(self.device, non_blocking=True)
+                dst.copy_(dequantize(data, scale, src.bits, src.group_size))
+            else:
+                dst.copy_(src[expert], non_blocking=True)
 
     def wait_for_copies(self) -> None:
         """Order the compute stream after every queued slot fill."""
@@ -58,8 +74,14 @@ class ExpertStore:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
 
 
-def _host_copy(weight: torch.Tensor, pin: bool) -> torch.Tensor:
+def _expert_bytes(weight: HostWeight) -> int:
+    return weight.nbytes_per_expert() if isinstance(weight, QuantizedWeight) else weight[0].nbytes
+
+
+def _host_copy(weight: HostWeight, pin: bool) -> HostWeight:
     """The host master: the CPU tensor itself when no pinning is needed (no second copy), else a pinned copy."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(_host_copy(weight.data, pin), _host_copy(weight.scale, pin), weight.bits, weight.group_size)
     weight = weight.detach()
     if weight.device.type == "cpu" and not pin:
         return weight

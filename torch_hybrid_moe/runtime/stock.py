@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..config import HybridMoEConfig
+from ..ops.quantize import to_cpu_format
 from .expert_store import ExpertStore
 from .layer import HybridMoELayer
 
@@ -26,7 +27,8 @@ def layer_for_parameters(
     layer = getattr(gate_up, LAYER_ATTR, None)
     if layer is None:
         num_slots = config.slots_per_layer(gate_up.shape[0], gate_up[0].nbytes + down[0].nbytes, num_layers)
-        store = ExpertStore(gate_up, down, num_slots, config.resolve_device())
+        host = (to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size) for w in (gate_up, down))
+        store = ExpertStore(*host, num_slots, config.resolve_device(), slot_dtype=gate_up.dtype)
         layer = HybridMoELayer(name, layer_idx, store, config)
         setattr(gate_up, LAYER_ATTR, layer)
     return layer

@@ -1,0 +1,415 @@
+// CPU kernels for one MoE layer's routed experts: the SiLU-gated FFN over (token, expert) pairs.
+//
+// Why a kernel of our own: at decode an expert is a matrix-vector product whose time is its bytes over
+// DRAM bandwidth, and a per-expert torch loop reaches about half of that. Here every active expert's weight
+// rows are streamed once by all threads together, for all of that expert's tokens at a time, in the
+// stored format (bf16 / fp16 / fp32, or int8 / int4 with one fp32 scale per `group` columns).
+//
+// Three phases:
+//   A  gu[p, :] = gate_up[e] . x[token(p)]            every active expert, for its pairs p
+//      h[p, :]  = silu(gu[p, :I]) * gu[p, I:]          (ATen, vectorised)
+//   B  y[p, :]  = down[e] . h[p]
+//   C  out[t, :] += sum_k weight[t, k] * y[pair(t, k)]   (k in order)
+// A projection takes one of two routes per expert. Few tokens (decode, bandwidth-bound): the micro-kernels
+// of rows_kernel.h stream rows once and dot them with up to a few tokens at a time, work items handed to
+// torch's threads dynamically. Many tokens (prefill, compute-bound): blocks of rows are converted to fp32
+// panels and multiplied by the expert's gathered tokens with torch's GEMM (oneDNN / MKL).
+// On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
+// not depend on the thread count nor on which other tokens share the batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define HMOE_X86 1
+#endif
+
+namespace {
+
+enum class Fmt { F32, BF16, F16, I8, I4 };
+constexpr int64_t bits_of(Fmt f) { return f == Fmt::F32 ? 32 : f == Fmt::I8 ? 8 : f == Fmt::I4 ? 4 : 16; }
+// ISA levels of the micro-kernels; the caller passes one the CPU supports (best_isa()).
+enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
+
+// An expert gets the GEMM route once it has this many tokens: below it the micro-kernels, which read the
+// weights once, win; above it the weight panel's conversion is amortised and GEMM's blocking wins.
+constexpr int64_t kGemmTokens = 32;
+constexpr int64_t kPanelRows = 256;  // rows per fp32 weight panel on the GEMM route
+
+// One expert's [N, K] weight in its stored format.
+struct Matrix {
+  const uint8_t* data;
+  const float* scale;  // [N, K / group] for int8 / int4, else null
+  int64_t row_bytes;
+  int64_t K;
+  int64_t group;
+  Fmt fmt;
+  const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
+  const float* row_scale(int64_t r) const { return scale ? scale + r * (K / group) : nullptr; }
+};
+
+// A layer's weight: every expert's Matrix is a fixed stride apart.
+struct Layer {
+  Matrix first;
+  int64_t expert_bytes;
+  int64_t expert_scales;
+  int64_t N;
+  Matrix expert(int64_t e) const {
+    Matrix m = first;
+    m.data += e * expert_bytes;
+    if (m.scale) m.scale += e * expert_scales;
+    return m;
+  }
+};
+
+Fmt format_of(const at::Tensor& w) {
+  switch (w.scalar_type()) {
+    case at::kFloat: return Fmt::F32;
+    case at::kBFloat16: return Fmt::BF16;
+    case at::kHalf: return Fmt::F16;
+    case at::kChar: return Fmt::I8;
+    case at::kByte: return Fmt::I4;
+    default: TORCH_CHECK(false, "unsupported expert weight dtype ", w.scalar_type());
+  }
+}
+
+Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K,
+                 int64_t group) {
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.device().is_cpu(), name, " must be a contiguous CPU [E, N, K] tensor");
+  const Fmt fmt = format_of(w);
+  const bool quantised = fmt == Fmt::I8 || fmt == Fmt::I4;
+  const int64_t stored_k = fmt == Fmt::I4 ? K / 2 : K;
+  TORCH_CHECK(w.size(2) == stored_k, name, " has ", w.size(2), " columns, expected ", stored_k);
+  Layer layer{};
+  layer.N = w.size(1);
+  layer.expert_bytes = w.stride(0) * w.element_size();
+  layer.first = Matrix{static_cast<const uint8_t*>(w.data_ptr()), nullptr, stored_k * w.element_size(), K, K, fmt};
+  if (quantised) {
+    TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
+    TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, name, ": group size ", group,
+                " must be a multiple of 32 dividing ", K);
+    const at::Tensor& s = *scale;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 3 && s.size(0) == w.size(0) &&
+                    s.size(1) == layer.N && s.size(2) == K / group,
+                name, " scales must be contiguous fp32 [E, N, K / group]");
+    layer.first.scale = s.data_ptr<float>();
+    layer.first.group = group;
+    layer.expert_scales = s.stride(0);
+  } else {
+    TORCH_CHECK(!scale.has_value(), name, ": scales given for unquantised weights");
+  }
+  return layer;
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Weight (row, column k) as fp32, `s` the scale of k's group (quantised formats). int4 packs columns 2j and
+// 2j + 1 into byte j (low, high nibble), each stored as q + 8 with q in [-8, 7].
+template <Fmt F>
+inline float weight_at_fmt(const uint8_t* row, int64_t k, float s) {
+  if constexpr (F == Fmt::F32) return reinterpret_cast<const float*>(row)[k];
+  if constexpr (F == Fmt::BF16) return bf16_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
+  if constexpr (F == Fmt::F16) return c10::detail::fp16_ieee_to_fp32_value(reinterpret_cast<const uint16_t*>(row)[k]);
+  if constexpr (F == Fmt::I8) return float(reinterpret_cast<const int8_t*>(row)[k]) * s;
+  if constexpr (F == Fmt::I4) return float(((k % 2) ? row[k / 2] >> 4 : row[k / 2] & 15) - 8) * s;
+}
+
+inline float weight_at(const Matrix& m, const uint8_t* row, const float* scales, int64_t k) {
+  const float s = scales ? scales[k / m.group] : 1.f;
+  switch (m.fmt) {
+    case Fmt::F32: return weight_at_fmt<Fmt::F32>(row, k, s);
+    case Fmt::BF16: return weight_at_fmt<Fmt::BF16>(row, k, s);
+    case Fmt::F16: return weight_at_fmt<Fmt::F16>(row, k, s);
+    case Fmt::I8: return weight_at_fmt<Fmt::I8>(row, k, s);
+    case Fmt::I4: return weight_at_fmt<Fmt::I4>(row, k, s);
+  }
+  return 0.f;
+}
+
+// bf16 and int4 hold two columns per 32 or 8 bits: their kernels take activations with each kStep-column
+// block split into its even then its odd columns (tail columns stay in place).
+inline bool pairs_layout(Fmt f) { return f == Fmt::BF16 || f == Fmt::I4; }
+
+constexpr int kRows = 4;  // weight rows per micro-kernel call
+
+namespace level0 {
+#define HMOE_VBYTES 16
+#define HMOE_LEVEL 0
+#include "rows_kernel.h"
+#undef HMOE_VBYTES
+#undef HMOE_LEVEL
+}  // namespace level0
+
+#ifdef HMOE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace level1 {
+#define HMOE_VBYTES 32
+#define HMOE_LEVEL 1
+#include "rows_kernel.h"
+#undef HMOE_VBYTES
+#undef HMOE_LEVEL
+}  // namespace level1
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace level2 {
+#define HMOE_VBYTES 64
+#define HMOE_LEVEL 2
+#include "rows_kernel.h"
+#undef HMOE_VBYTES
+#undef HMOE_LEVEL
+}  // namespace level2
+#pragma GCC pop_options
+#endif
+
+// The kernels of one ISA level.
+struct Kernels {
+  int64_t step;  // columns per inner step: the block size of pairs_layout
+  void (*matvec_block)(const Matrix&, int64_t, int64_t, const void* const*, int64_t, float*, int64_t);
+  void (*dequant_rows)(const Matrix&, int64_t, int64_t, float*);
+};
+
+Kernels kernels_for(Isa isa) {
+#ifdef HMOE_X86
+  if (isa == AVX512) return {level2::kStep, level2::matvec_block, level2::dequant_rows};
+  if (isa == AVX2) return {level1::kStep, level1::matvec_block, level1::dequant_rows};
+#endif
+  return {level0::kStep, level0::matvec_block, level0::dequant_rows};
+}
+
+// Pairs grouped by expert (in token order within an expert), and each token's pairs in k order.
+struct Routing {
+  std::vector<int64_t> experts;      // active experts
+  std::vector<int64_t> offsets;      // pairs of experts[a]: [offsets[a], offsets[a + 1])
+  std::vector<int64_t> pair_token;
+  std::vector<int64_t> token_pair;   // [T * K]: pair of (t, k), or -1
+};
+
+Routing group_by_expert(const at::Tensor& ids, int64_t num_experts) {
+  const int64_t T = ids.size(0), K = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> count(num_experts, 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    TORCH_CHECK(id[i] >= -1 && id[i] < num_experts, "expert id ", id[i], " outside [-1, ", num_experts, ")");
+    if (id[i] >= 0) ++count[id[i]];
+  }
+  Routing r;
+  std::vector<int64_t> next(num_experts, 0);
+  int64_t total = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (!count[e]) continue;
+    r.experts.push_back(e);
+    r.offsets.push_back(total);
+    next[e] = total;
+    total += count[e];
+  }
+  r.offsets.push_back(total);
+  r.pair_token.resize(total);
+  r.token_pair.assign(T * K, -1);
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (id[i] < 0) continue;
+    const int64_t p = next[id[i]]++;
+    r.pair_token[p] = i / K;
+    r.token_pair[i] = p;
+  }
+  return r;
+}
+
+// Runs item(i) for i in [0, n) on torch's intra-op threads, handing out items dynamically.
+template <typename Fn>
+void parallel_items(int64_t n, const Fn& item) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) item(i);
+  });
+}
+
+// Where column c of a K-column activation row sits in the layout format f's kernels read (see pairs_layout).
+inline int64_t layout_pos(int64_t c, int64_t K, Fmt f, int64_t step) {
+  if (!pairs_layout(f) || c >= K / step * step) return c;
+  const int64_t j = c % step;
+  return c - j + (j % 2) * (step / 2) + j / 2;
+}
+
+template <typename T, typename ToFloat>
+void lay_out_rows(const T* src, int64_t rows, int64_t K, Fmt f, int64_t step, ToFloat to_float, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < K; ++c) dst[r * K + layout_pos(c, K, f, step)] = to_float(src[r * K + c]);
+}
+
+// hidden [T, H] as fp32 in format f's layout: one pass, no ATen op (their fixed cost matters at decode).
+void activations(const at::Tensor& hidden, Fmt f, int64_t step, float* dst) {
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  const at::Tensor x = hidden.contiguous();
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return lay_out_rows(x.data_ptr<float>(), T, H, f, step, [](float v) { return v; }, dst);
+    case at::kBFloat16:
+      return lay_out_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), T, H, f, step, bf16_to_float, dst);
+    case at::kHalf:
+      return lay_out_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), T, H, f, step,
+                          c10::detail::fp16_ieee_to_fp32_value, dst);
+    default: TORCH_CHECK(false, "hidden must be fp32, bf16 or fp16, got ", x.scalar_type());
+  }
+}
+
+inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+
+// Rows [r0, r1) of expert matrix m times the n activation rows xs (fp32, m's layout), by fp32 panels and
+// torch's GEMM: the compute-bound route. Returns [n, r1 - r0].
+at::Tensor gemm_rows(const Kernels& kern, const Matrix& m, int64_t r0, int64_t r1, const at::Tensor& xs) {
+  at::Tensor out = at::empty({xs.size(0), r1 - r0}, xs.options());
+  at::Tensor panel = at::empty({std::min(kPanelRows, r1 - r0), m.K}, xs.options());
+  float* pp = panel.data_ptr<float>();
+  for (int64_t b0 = r0; b0 < r1; b0 += kPanelRows) {
+    const int64_t b1 = std::min(r1, b0 + kPanelRows);
+    at::parallel_for(b0, b1, 16, [&](int64_t b, int64_t e) { kern.dequant_rows(m, b, e, pp + (b - b0) * m.K); });
+    at::Tensor dst = out.narrow(1, b0 - r0, b1 - b0);
+    at::mm_out(dst, xs, panel.narrow(0, 0, b1 - b0).t());
+  }
+  return out;
+}
+
+// Rows of expert a's pairs gathered from a [rows, K] fp32 buffer, for the GEMM route.
+at::Tensor gather_rows(const float* x, int64_t K, const int64_t* rows, int64_t n) {
+  at::Tensor out = at::empty({n, K}, at::TensorOptions().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) std::memcpy(o + i * K, x + rows[i] * K, K * sizeof(float));
+  });
+  return out;
+}
+
+// Row blocks for the micro-kernel route: small enough that there are several items per thread.
+int64_t row_block(int64_t rows) { return std::min<int64_t>(64, std::max<int64_t>(kRows, rows / 8 / kRows * kRows)); }
+
+}  // namespace
+
+// out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0.
+void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
+                 const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                 const c10::optional<at::Tensor>& down_scale, int64_t group, int64_t isa_level, at::Tensor& out) {
+  TORCH_CHECK(hidden.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == hidden.size(0),
+              "expected hidden [T, H], ids and weights [T, K]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous(), "weights must be contiguous fp32");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == hidden.sizes(),
+              "out must be a contiguous fp32 tensor shaped like hidden");
+  TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
+  const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
+  const Layer gu = make_layer("gate_up", gate_up, gate_up_scale, H, group);
+  TORCH_CHECK(gu.N % 2 == 0, "gate_up must have 2 * I rows");
+  const int64_t I = gu.N / 2;
+  const Layer dn = make_layer("down", down, down_scale, I, group);
+  TORCH_CHECK(dn.N == H && down.size(0) == gate_up.size(0), "down must be [E, H, I] for the same experts as gate_up");
+  TORCH_CHECK(gu.first.fmt == dn.first.fmt, "gate_up and down must share one format");
+  const Fmt fmt = gu.first.fmt;
+
+  const Routing r = group_by_expert(ids, gate_up.size(0));
+  const int64_t P = r.offsets.back();
+  if (P == 0) return;
+  const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
+  std::vector<int64_t> small, large;
+  for (int64_t a = 0; a < int64_t(r.experts.size()); ++a)
+    (r.offsets[a + 1] - r.offsets[a] >= kGemmTokens ? large : small).push_back(a);
+
+  std::vector<float> x(T * H), h(P * I), y(P * H);
+  activations(hidden, fmt, kern.step, x.data());
+  std::vector<const void*> x_of_pair(P), h_of_pair(P);
+  for (int64_t p = 0; p < P; ++p) {
+    x_of_pair[p] = x.data() + r.pair_token[p] * H;
+    h_of_pair[p] = h.data() + p * I;
+  }
+  std::vector<int64_t> h_pos(I);  // h is written straight into the layout the down projection reads
+  for (int64_t c = 0; c < I; ++c) h_pos[c] = layout_pos(c, I, fmt, kern.step);
+
+  // Phase A, micro-kernel route. Item i = row block (i / n) of small expert (i % n): all experts stream at
+  // once, so an expert with more tokens does not leave one thread working alone at the end.
+  const int64_t n_small = int64_t(small.size()), block_a = row_block(I), block_b = row_block(H);
+  if (n_small) {
+    parallel_items((I + block_a - 1) / block_a * n_small, [&](int64_t i) {
+      const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
+      const int64_t r0 = (i / n_small) * block_a, r1 = std::min(I, r0 + block_a), nr = r1 - r0;
+      const Matrix m = gu.expert(r.experts[a]);
+      float g[kGemmTokens * 64], u[kGemmTokens * 64];
+      kern.matvec_block(m, r0, r1, x_of_pair.data() + p0, n, g, nr);
+      kern.matvec_block(m, I + r0, I + r1, x_of_pair.data() + p0, n, u, nr);
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t c = 0; c < nr; ++c) h[(p0 + t) * I + h_pos[r0 + c]] = silu_mul(g[t * nr + c], u[t * nr + c]);
+    });
+  }
+  // Phase A, GEMM route.
+  for (const int64_t a : large) {
+    const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
+    const at::Tensor g_u = gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I,
+                                     gather_rows(x.data(), H, r.pair_token.data() + p0, n));
+    const float* gp = g_u.data_ptr<float>();
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t c = 0; c < I; ++c) h[(p0 + t) * I + h_pos[c]] = silu_mul(gp[t * 2 * I + c], gp[t * 2 * I + I + c]);
+    });
+  }
+
+  // Phase B: y[p] = down[e] . h[p].
+  if (n_small) {
+    parallel_items((H + block_b - 1) / block_b * n_small, [&](int64_t i) {
+      const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
+      const int64_t r0 = (i / n_small) * block_b, r1 = std::min(H, r0 + block_b);
+      kern.matvec_block(dn.expert(r.experts[a]), r0, r1, h_of_pair.data() + p0, n, y.data() + p0 * H + r0, H);
+    });
+  }
+  for (const int64_t a : large) {
+    const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
+    const at::Tensor ye = gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
+                                    at::from_blob(h.data() + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)));
+    std::memcpy(y.data() + p0 * H, ye.data_ptr<float>(), n * H * sizeof(float));
+  }
+
+  // Phase C: each token's pairs summed in k order.
+  const float* wp = weights.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t p = r.token_pair[t * K + k];
+        if (p < 0) continue;
+        const float w = wp[t * K + k];
+        const float* src = y.data() + p * H;
+        float* dst = op + t * H;
+        for (int64_t j = 0; j < H; ++j) dst[j] += w * src[j];
+      }
+  });
+}
+
+// The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512.
+int64_t best_isa() {
+#ifdef HMOE_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+#endif
+  return GENERIC;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output");
+  m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512");
+}
