@@ -72,7 +72,7 @@ def test_cpu_experts_skips_pairs_marked_minus_one():
     hidden, ids, weights = routing("random", 7, 3)
     ids[::2, 1] = -1
     out = torch.zeros(7, H)
-    torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, gate_up, down, None, None, 0, out)
+    torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, gate_up, down, None, None, out)
     torch.testing.assert_close(out.double(), reference_moe(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6)
 
 
@@ -80,7 +80,7 @@ def test_cpu_experts_accumulates_in_bf16_weights():
     gate_up, down = make_experts(dtype=torch.bfloat16)
     hidden, ids, weights = routing("random", 5, 2)
     out = torch.zeros(5, H)
-    torch.ops.hybrid_moe.cpu_experts(hidden.bfloat16(), ids, weights, gate_up, down, None, None, 0, out)
+    torch.ops.hybrid_moe.cpu_experts(hidden.bfloat16(), ids, weights, gate_up, down, None, None, out)
     ref = reference_moe(hidden.bfloat16(), ids, weights, gate_up, down)
     torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
 
@@ -90,7 +90,7 @@ def test_cpu_experts_rejects_bad_ids():
     hidden, ids, weights = routing("random", 3, 2)
     ids[0, 0] = E
     with pytest.raises(ValueError, match="topk_ids must lie in"):
-        torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, gate_up, down, None, None, 0, torch.zeros(3, H))
+        torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, gate_up, down, None, None, torch.zeros(3, H))
 
 
 def test_dispatch_rejects_mismatched_routing():
@@ -106,7 +106,7 @@ def test_opcheck_all_ops():
     hidden, ids, weights = routing("random", 5, 2)
     torch.library.opcheck(torch.ops.hybrid_moe.dispatch.default, (hidden, ids, weights, layer.handle))
     torch.library.opcheck(
-        torch.ops.hybrid_moe.cpu_experts.default, (hidden, ids, weights, gate_up, down, None, None, 0, torch.zeros(5, H))
+        torch.ops.hybrid_moe.cpu_experts.default, (hidden, ids, weights, gate_up, down, None, None, torch.zeros(5, H))
     )
     torch.library.opcheck(torch.ops.hybrid_moe.prefetch.default, (hidden, ids, nxt.handle))
     assert nxt.stats.prefetch_calls > 0

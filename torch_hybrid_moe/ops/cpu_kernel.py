@@ -59,7 +59,6 @@ def moe_experts(
     out: torch.Tensor,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
-    group_size: int = 0,
     isa: int | None = None,
 ) -> None:
     """out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]); `isa` below the CPU's best is for tests."""
@@ -68,5 +67,5 @@ def moe_experts(
         raise ValueError(f"ISA level {level} not available here (best: {best_isa()})")
     extension().moe_experts(
         hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous(), gate_up, gate_up_scale,
-        down, down_scale, group_size, level, out,
+        down, down_scale, level, out,
     )

@@ -48,7 +48,7 @@ def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
     mutates_args=("out",),
     schema=(
         "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, Tensor? gate_up_scale, "
-        "Tensor? down_scale, int group_size, Tensor(a!) out) -> ()"
+        "Tensor? down_scale, Tensor(a!) out) -> ()"
     ),
     device_types="cpu",
 )
@@ -60,13 +60,12 @@ def cpu_experts(
     down: torch.Tensor,
     gate_up_scale: torch.Tensor | None,
     down_scale: torch.Tensor | None,
-    group_size: int,
     out: torch.Tensor,
 ) -> None:
     """Accumulate into fp32 `out` the experts of the pairs whose id is >= 0 (-1: computed elsewhere).
 
     Weights are bf16 / fp16 / fp32 [E, 2I, H] and [E, H, I], or int8 / packed-int4 (uint8) with fp32 scales
-    per `group_size` columns (see ops/quantize.py). Writing into a caller-owned accumulator lets partial
+    [E, N, K / group] (see ops/quantize.py). Writing into a caller-owned accumulator lets partial
     sums from several devices combine with one final rounding, and lets a captured graph point at a
     static buffer. Runs the C++ kernel; the per-expert torch loop where it could not be built.
     """
@@ -77,15 +76,15 @@ def cpu_experts(
     if out.shape != hidden.shape or out.dtype != torch.float32:
         raise ValueError(f"out must be fp32 shaped like hidden {tuple(hidden.shape)}, got {out.dtype} {tuple(out.shape)}")
     if cpu_kernel.best_isa() >= 0:
-        cpu_kernel.moe_experts(hidden, topk_ids, topk_weights, gate_up, down, out, gate_up_scale, down_scale, group_size)
+        cpu_kernel.moe_experts(hidden, topk_ids, topk_weights, gate_up, down, out, gate_up_scale, down_scale)
         return
-    experts = [w if s is None else QuantizedWeight(w, s, 8 if w.dtype == torch.int8 else 4, group_size)
+    experts = [w if s is None else QuantizedWeight.from_kernel_operands(w, s)
                for w, s in ((gate_up, gate_up_scale), (down, down_scale))]
     accumulate_experts_(out, hidden, topk_ids, topk_weights, *experts)
 
 
 @cpu_experts.register_fake
-def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, group_size, out) -> None:  # noqa: ANN001
+def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, out) -> None:  # noqa: ANN001
     _check_routing(hidden, topk_ids, topk_weights)
 
 

@@ -24,6 +24,13 @@ class QuantizedWeight:
     bits: int
     group_size: int
 
+    @classmethod
+    def from_kernel_operands(cls, data: torch.Tensor, scale: torch.Tensor) -> QuantizedWeight:
+        """The weight `hybrid_moe::cpu_experts` was given: int8 or packed int4 (uint8), group size from the scales."""
+        bits = 8 if data.dtype == torch.int8 else 4
+        columns = data.shape[-1] * (8 // bits)
+        return cls(data, scale, bits, columns // scale.shape[-1])
+
     @property
     def shape(self) -> tuple[int, int, int]:
         e, n, k = self.data.shape
@@ -92,8 +99,8 @@ def to_cpu_format(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tens
     return quantize(weight, BITS[fmt], group_size)
 
 
-def kernel_operands(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """(weights, scales or None, group size) as `hybrid_moe::cpu_experts` takes them."""
+def kernel_operands(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weights, scales or None) as `hybrid_moe::cpu_experts` takes them."""
     if isinstance(weight, QuantizedWeight):
-        return weight.data, weight.scale, weight.group_size
-    return weight, None, 0
+        return weight.data, weight.scale
+    return weight, None

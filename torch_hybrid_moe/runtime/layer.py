@@ -53,17 +53,17 @@ class HybridMoELayer:
             slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in plan.accelerator})
             if store.device.type == "cpu":  # the CPU standing in for the accelerator: the fast kernel there too
                 torch.ops.hybrid_moe.cpu_experts(
-                    hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, 0, acc
+                    hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc
                 )
             else:
                 accumulate_experts_(acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down)
         if plan.cpu:
             cpu_ids = self._relabel(topk_ids.cpu(), {e: e for e in plan.cpu})
             cpu_acc = torch.zeros(hidden.shape, dtype=torch.float32)
-            gate_up, gate_up_scale, group = kernel_operands(store.host_gate_up)
-            down, down_scale, _ = kernel_operands(store.host_down)
+            gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
+            down, down_scale = kernel_operands(store.host_down)
             torch.ops.hybrid_moe.cpu_experts(
-                hidden.cpu(), cpu_ids, topk_weights.cpu(), gate_up, down, gate_up_scale, down_scale, group, cpu_acc
+                hidden.cpu(), cpu_ids, topk_weights.cpu(), gate_up, down, gate_up_scale, down_scale, cpu_acc
             )
             acc += cpu_acc.to(acc.device, non_blocking=True)
 

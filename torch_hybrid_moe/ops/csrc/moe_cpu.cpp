@@ -81,8 +81,8 @@ Fmt format_of(const at::Tensor& w) {
   }
 }
 
-Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K,
-                 int64_t group) {
+// A quantised weight's group size is K over its scales' last dimension.
+Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K) {
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.device().is_cpu(), name, " must be a contiguous CPU [E, N, K] tensor");
   const Fmt fmt = format_of(w);
   const bool quantised = fmt == Fmt::I8 || fmt == Fmt::I4;
@@ -94,12 +94,13 @@ Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::
   layer.first = Matrix{static_cast<const uint8_t*>(w.data_ptr()), nullptr, stored_k * w.element_size(), K, K, fmt};
   if (quantised) {
     TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
-    TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, name, ": group size ", group,
-                " must be a multiple of 32 dividing ", K);
     const at::Tensor& s = *scale;
     TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 3 && s.size(0) == w.size(0) &&
-                    s.size(1) == layer.N && s.size(2) == K / group,
+                    s.size(1) == layer.N && s.size(2) > 0,
                 name, " scales must be contiguous fp32 [E, N, K / group]");
+    const int64_t group = K / s.size(2);
+    TORCH_CHECK(K % s.size(2) == 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(2),
+                " must be a whole multiple of 32");
     layer.first.scale = s.data_ptr<float>();
     layer.first.group = group;
     layer.expert_scales = s.stride(0);
@@ -304,7 +305,7 @@ int64_t row_block(int64_t rows) { return std::min<int64_t>(64, std::max<int64_t>
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0.
 void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
                  const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                 const c10::optional<at::Tensor>& down_scale, int64_t group, int64_t isa_level, at::Tensor& out) {
+                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, at::Tensor& out) {
   TORCH_CHECK(hidden.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == hidden.size(0),
               "expected hidden [T, H], ids and weights [T, K]");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
@@ -313,10 +314,10 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
               "out must be a contiguous fp32 tensor shaped like hidden");
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
   const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
-  const Layer gu = make_layer("gate_up", gate_up, gate_up_scale, H, group);
+  const Layer gu = make_layer("gate_up", gate_up, gate_up_scale, H);
   TORCH_CHECK(gu.N % 2 == 0, "gate_up must have 2 * I rows");
   const int64_t I = gu.N / 2;
-  const Layer dn = make_layer("down", down, down_scale, I, group);
+  const Layer dn = make_layer("down", down, down_scale, I);
   TORCH_CHECK(dn.N == H && down.size(0) == gate_up.size(0), "down must be [E, H, I] for the same experts as gate_up");
   TORCH_CHECK(gu.first.fmt == dn.first.fmt, "gate_up and down must share one format");
   const Fmt fmt = gu.first.fmt;

@@ -1,0 +1,189 @@
+"""The C++ CPU expert kernel against float64, for every weight format and every ISA level this CPU runs."""
+
+import copy
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.embedded import load_model
+from torch_hybrid_moe.ops import cpu_kernel
+from torch_hybrid_moe.ops.expert_math import accumulate_experts_
+from torch_hybrid_moe.ops.quantize import QuantizedWeight, dequantize, quantize
+
+pytestmark = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ kernel could not be built here")
+
+LEVELS = range(cpu_kernel.best_isa() + 1)
+FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
+
+
+def experts(fmt, num_experts, hidden, inter, seed=0):
+    """(kernel operands, the float64 weights they stand for)."""
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1
+    down = torch.randn(num_experts, hidden, inter, generator=g) * 0.1
+    if fmt in ("int8", "int4"):
+        q = [quantize(w, 8 if fmt == "int8" else 4, 32) for w in (gate_up, down)]
+        ref = [torch.stack([w[e] for e in range(num_experts)]).double() for w in q]
+        return (q[0].data, q[1].data, q[0].scale, q[1].scale), ref
+    gate_up, down = gate_up.to(getattr(torch, fmt)), down.to(getattr(torch, fmt))
+    return (gate_up, down, None, None), [gate_up.double(), down.double()]
+
+
+def reference(hidden, ids, weights, gate_up, down):
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    h = hidden.double()
+    for t, k in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
+        e = int(ids[t, k])
+        gate, up = (gate_up[e] @ h[t]).chunk(2)
+        out[t] += float(weights[t, k]) * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+def run(operands, hidden, ids, weights, isa=None):
+    gate_up, down, gate_up_scale, down_scale = operands
+    out = torch.zeros(hidden.shape)
+    cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, out, gate_up_scale, down_scale, isa=isa)
+    return out
+
+
+def routing(tokens, num_experts, top_k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    return ids, torch.rand(ids.shape, generator=g)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("tokens", [1, 5, 70])  # 70 x top-4 of 8: experts over the GEMM route's threshold
+def test_formats_match_float64(fmt, isa, tokens):
+    operands, (gate_up, down) = experts(fmt, 8, 64, 96)
+    hidden = torch.randn(tokens, 64)
+    ids, weights = routing(tokens, 8, 4)
+    ref = reference(hidden, ids, weights, gate_up, down)
+    out = run(operands, hidden, ids, weights, isa)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("hidden_size, inter", [(40, 24), (7, 5), (100, 33)])
+def test_column_counts_not_multiple_of_the_vector_step(isa, hidden_size, inter):
+    operands, (gate_up, down) = experts("bfloat16", 4, hidden_size, inter)
+    hidden = torch.randn(6, hidden_size)
+    ids, weights = routing(6, 4, 2)
+    out = run(operands, hidden, ids, weights, isa)
+    torch.testing.assert_close(out.double(), reference(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["unused_expert", "one_token", "all_on_one_expert", "all_skipped", "top_k_equals_e"])
+def test_routing_edge_cases(case):
+    operands, (gate_up, down) = experts("bfloat16", 6, 64, 32)
+    tokens = {"one_token": 1, "all_on_one_expert": 40}.get(case, 9)
+    hidden = torch.randn(tokens, 64)
+    ids, weights = routing(tokens, 6, 6 if case == "top_k_equals_e" else 2)
+    if case == "unused_expert":
+        ids[ids == 5] = 4
+    if case == "all_on_one_expert":
+        ids = torch.full((tokens, 1), 3)
+        weights = weights[:, :1]
+    if case == "all_skipped":
+        ids[:] = -1
+    out = run(operands, hidden, ids, weights)
+    torch.testing.assert_close(out.double(), reference(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6)
+    if case == "all_skipped":
+        assert not out.any()
+
+
+def test_thread_count_and_batch_do_not_change_results():
+    """Each dot product is one thread's full-row sum in a fixed order: bitwise equal across thread counts,
+    and a token's output does not depend on the other tokens of its batch (decode route)."""
+    operands, _ = experts("bfloat16", 16, 128, 64)
+    hidden = torch.randn(8, 128)
+    ids, weights = routing(8, 16, 4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(operands, hidden, ids, weights)
+        torch.set_num_threads(2)
+        two = run(operands, hidden, ids, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    alone = run(operands, hidden[3:4], ids[3:4], weights[3:4])
+    assert torch.equal(alone[0], two[3])
+
+
+def test_quantisation_error_is_half_a_step_and_int4_packs_pairs():
+    w = torch.randn(2, 3, 64)
+    for bits, qmax in ((8, 127), (4, 7)):
+        q = quantize(w, bits, 32)
+        step = q.scale.repeat_interleave(32, dim=-1)
+        back = dequantize(q.data, q.scale, bits, 32)
+        assert (back - w).abs().le(step / 2 + 1e-6).all()
+        assert torch.allclose(q.scale, w.unflatten(-1, (2, 32)).abs().amax(-1) / qmax)
+    q4 = quantize(w, 4, 32)
+    codes = torch.round(w / q4.scale.repeat_interleave(32, dim=-1)).clamp(-8, 7) + 8
+    assert torch.equal(q4.data & 15, codes[..., 0::2].to(torch.uint8))  # column 2j: low nibble of byte j
+    assert torch.equal(q4.data >> 4, codes[..., 1::2].to(torch.uint8))
+
+
+def test_torch_fallback_agrees_with_kernel_on_quantised_weights():
+    operands, _ = experts("int4", 8, 64, 96)
+    hidden = torch.randn(5, 64)
+    ids, weights = routing(5, 8, 3)
+    gate_up, down, gus, dns = operands
+    fallback = torch.zeros(5, 64)
+    accumulate_experts_(fallback, hidden, ids, weights, QuantizedWeight.from_kernel_operands(gate_up, gus),
+                        QuantizedWeight.from_kernel_operands(down, dns))
+    torch.testing.assert_close(run(operands, hidden, ids, weights), fallback, rtol=1e-5, atol=1e-6)
+
+
+def test_kernel_rejects_bad_operands():
+    operands, _ = experts("int8", 4, 64, 32)
+    gate_up, down, gus, dns = operands
+    hidden = torch.randn(2, 64)
+    ids, weights = routing(2, 4, 2)
+    with pytest.raises(RuntimeError, match="multiple of 32"):  # 64 columns in 4 groups of 16
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64), gus.repeat(1, 1, 2), dns)
+    with pytest.raises(RuntimeError, match="need scales"):
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="ISA level"):
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64), gus, dns, isa=3)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantised_model_equals_the_model_with_dequantised_experts(fmt):
+    """Patching with cpu_weight_dtype=int8/int4 computes exactly the model whose expert weights are the
+    dequantised ones, wherever each expert runs (budget 0: all CPU; 0.5: split)."""
+    model, _ = load_model("deepseek-tiny", dtype=torch.float32)
+    reference = copy.deepcopy(model)
+    bits = 8 if fmt == "int8" else 4
+    for layer in reference.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            for name in ("gate_up_proj", "down_proj"):
+                w = getattr(experts, name)
+                q = quantize(w, bits, 64)
+                w.data.copy_(dequantize(q.data, q.scale, bits, q.group_size))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(ids).logits
+        for budget in (0.0, 0.5):
+            patched = thm.patch_model(copy.deepcopy(model), expert_budget=budget, device="cpu", cpu_weight_dtype=fmt)
+            torch.testing.assert_close(patched(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_quantised_patch_with_unfit_group_is_a_clear_error_and_leaves_the_model_alone():
+    model, _ = load_model("deepseek-tiny", dtype=torch.float32)  # moe_intermediate_size 32
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="multiple of 32"):
+        thm.patch_model(model, cpu_weight_dtype="int8", cpu_weight_group_size=96)
+    assert not thm.model_patches.base.is_patched(model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("field, value", [("cpu_weight_dtype", "int3"), ("cpu_weight_group_size", 48),
+                                          ("cpu_weight_group_size", 0)])
+def test_config_rejects_unknown_cpu_formats(field, value):
+    with pytest.raises(ValueError, match=field):
+        thm.HybridMoEConfig(**{field: value})
