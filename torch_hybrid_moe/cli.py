@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES
 from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
 
@@ -42,6 +43,13 @@ def _prompt_ids(tokenizer: object | None, prompt: str, vocab_size: int) -> torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _config(args: argparse.Namespace) -> thm.HybridMoEConfig:
+    return thm.HybridMoEConfig(
+        expert_budget=args.expert_budget, device=args.device, cpu_weight_dtype=args.cpu_weight_dtype,
+        cpu_weight_group_size=args.cpu_weight_group_size,
+    )
+
+
 def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[torch.nn.Module, object]:
     model, tokenizer = load_model(name, dtype)
     if tokenizer is None:
@@ -51,7 +59,7 @@ def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[t
 
 def generate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, _DTYPES[args.dtype])
-    thm.patch_model(model, thm.HybridMoEConfig(expert_budget=args.expert_budget, device=args.device))
+    thm.patch_model(model, _config(args))
     device = next(model.parameters()).device
     ids = _prompt_ids(tokenizer, args.prompt, model.config.vocab_size).to(device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -84,10 +92,12 @@ def eval_ppl(args: argparse.Namespace) -> int:
     model, tokenizer = _load_with_tokenizer(args.model, _DTYPES[args.dtype], "eval-ppl")
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
     reference = perplexity(model, ids)
-    thm.patch_model(model, thm.HybridMoEConfig(expert_budget=args.expert_budget, device=args.device))
+    config = _config(args)
+    thm.patch_model(model, config)
     patched = perplexity(model, ids)
-    print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {args.mode}  budget {args.expert_budget}")
-    print(f"perplexity: unpatched {reference:.4f}   {args.mode} {patched:.4f}   ratio {patched / reference:.6f}")
+    mode = args.mode if config.cpu_weight_dtype in ("model", args.dtype) else f"approximate ({config.cpu_weight_dtype} experts)"
+    print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {mode}  budget {args.expert_budget}")
+    print(f"perplexity: unpatched {reference:.4f}   patched {patched:.4f}   ratio {patched / reference:.6f}")
     return 0
 
 
@@ -133,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--expert-budget", type=float, default=0.25)
         p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
         p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    for p in (g, e):
+        p.add_argument("--cpu-weight-dtype", default="model", choices=CPU_WEIGHT_DTYPES,
+                       help="format of the experts' host copy; int8 / int4 are approximate")
+        p.add_argument("--cpu-weight-group-size", type=int, default=64)
     g.add_argument("--prompt", default="def fibonacci(n):")
     g.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--mode", default="exact", choices=["exact"], help="approximate modes join here as they land")
