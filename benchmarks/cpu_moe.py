@@ -1,10 +1,13 @@
 """CPU MoE layer cost against the machine's memory-bandwidth floor and its matmul rate.
 
 Measures read bandwidth first, then for real layer shapes (DeepSeek-V2-Lite, Qwen3-30B-A3B, one Mixtral
-8x7B layer) times decode (1 and 8 tokens: bandwidth-bound, reported as GB/s and % of the measured
-bandwidth) and a 512-token prefill (compute-bound: TFLOP/s and % of a large bf16 matmul), for each
-implementation side by side: a per-expert torch loop and the `hybrid_moe::cpu_experts` op. Fresh random routing and hidden states every repetition,
-median of the repetitions; each implementation is first checked against a float64 reference.
+8x7B layer) times decode (1 and 8 tokens: bandwidth-bound, reported as GB/s of weights read and % of the
+measured bandwidth) and a 512-token prefill (compute-bound: TFLOP/s and % of a large bf16 matmul's rate,
+plus % of fp32's), side by side in one run: a per-expert torch loop, our kernel (`hybrid_moe::cpu_experts`)
+with bf16, int8 and int4 weights, and KTransformers' CPU MoE when `kt-kernel` is installed. Every
+repetition draws fresh routing and hidden states and runs every implementation on them; medians are
+reported. Each implementation is first checked against a float64 reference of the weights it holds
+(dequantised ones for int8 / int4).
 
     python benchmarks/cpu_moe.py [--shape deepseek-v2-lite] [--repeats 7] [--json]
 """
@@ -12,16 +15,24 @@ median of the repetitions; each implementation is first checked against a float6
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import torch_hybrid_moe  # noqa: F401  (registers the ops)
+from torch_hybrid_moe.ops import cpu_kernel
+from torch_hybrid_moe.ops.quantize import QuantizedWeight, kernel_operands, to_cpu_format
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kt_kernel_baseline  # noqa: E402  (beside this file)
 
 
 @dataclass(frozen=True)
@@ -81,23 +92,59 @@ def torch_loop(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     return out
 
 
-def hybrid_moe_op(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(hidden.shape, dtype=torch.float32)
-    torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, gate_up, down, out)
-    return out
+@dataclass
+class Impl:
+    """One implementation on one shape: its call, the bytes one expert's weights occupy, and the float64
+    weights it stands for (for the correctness check)."""
+
+    name: str
+    dtype: str
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    expert_bytes: int
+    reference_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
-IMPLS: dict[str, Callable] = {"torch_loop": torch_loop, "hybrid_moe": hybrid_moe_op}
+def implementations(gate_up: torch.Tensor, down: torch.Tensor) -> list[Impl]:
+    """The torch loop and our kernel in each CPU weight format."""
+    dense = (lambda e: (gate_up[e].double(), down[e].double()))
+    bf16_bytes = gate_up[0].nbytes + down[0].nbytes
+
+    def ours(gu: torch.Tensor | QuantizedWeight, dn: torch.Tensor | QuantizedWeight):
+        (g, gs), (d, ds) = kernel_operands(gu), kernel_operands(dn)
+
+        def run(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(hidden.shape, dtype=torch.float32)
+            torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, g, d, gs, ds, out)
+            return out
+        return run
+
+    impls = [
+        Impl("torch_loop", "bf16", lambda h, i, w: torch_loop(h, i, w, gate_up, down), bf16_bytes, dense),
+        Impl("hybrid_moe", "bf16", ours(gate_up, down), bf16_bytes, dense),
+    ]
+    for fmt in ("int8", "int4"):
+        gu, dn = (to_cpu_format(w, fmt, 64) for w in (gate_up, down))
+        impls.append(Impl("hybrid_moe", fmt, ours(gu, dn), gu.nbytes_per_expert() + dn.nbytes_per_expert(),
+                          lambda e, gu=gu, dn=dn: (gu[e].double(), dn[e].double())))
+    return impls
 
 
-def reference(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def kt_kernel_impl(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> Impl:
+    """KTransformers' BF16 CPU MoE on the same weights. Its worker threads are pinned and stay busy while it
+    lives, which would slow everything else on a small machine: build it only for its own timing block."""
+    kt = kt_kernel_baseline.KTMoE(gate_up, down, top_k, max_tokens=512, threads=torch.get_num_threads())
+    return Impl("kt-kernel", "bf16", lambda h, i, w: kt(h, i, w).float(), gate_up[0].nbytes + down[0].nbytes,
+                lambda e: (gate_up[e].double(), down[e].double()))
+
+
+def reference(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: Callable, rows: list[int]) -> torch.Tensor:
     """float64 result for the given token rows."""
     out = torch.zeros(len(rows), hidden.shape[1], dtype=torch.float64)
     for i, t in enumerate(rows):
         for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            gate, up = (gate_up[e].double() @ hidden[t].double()).chunk(2)
-            out[i] += float(weights[t, k]) * (down[e].double() @ (F.silu(gate) * up))
+            gate_up, down = expert(int(ids[t, k]))
+            gate, up = (gate_up @ hidden[t].double()).chunk(2)
+            out[i] += float(weights[t, k]) * (down @ (F.silu(gate) * up))
     return out
 
 
@@ -108,33 +155,62 @@ def routing(shape: Shape, tokens: int, gen: torch.Generator) -> tuple[torch.Tens
     return hidden, ids, weights
 
 
-def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_tflops: float) -> list[dict]:
+def check(impl: Impl, shape: Shape, regime: str, tokens: int, gen: torch.Generator) -> None:
+    """Two token rows against float64 of the weights the implementation holds."""
+    inputs = routing(shape, tokens, gen)
+    rows = list(range(min(tokens, 2)))
+    want = reference(*inputs, impl.reference_weights, rows)
+    got = impl.run(*inputs)[rows].double()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    if err > 2e-2:
+        raise AssertionError(f"{impl.name} {impl.dtype} on {shape.name} {regime} {tokens}: relative error {err:.3g}")
+
+
+def median_ms(impls: list[Impl], shape: Shape, tokens: int, repeats: int, gen: torch.Generator) -> tuple[list[float], float]:
+    """Median ms per implementation, every repetition running all of them on the same fresh inputs (interleaved,
+    so machine noise hits them alike), and the mean number of distinct experts the inputs activated."""
+    times: list[list[float]] = [[] for _ in impls]
+    active = []
+    for _ in range(repeats):
+        inputs = routing(shape, tokens, gen)
+        active.append(len(inputs[1].unique()))
+        for i, impl in enumerate(impls):
+            start = time.perf_counter()
+            impl.run(*inputs)
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times], statistics.mean(active)
+
+
+def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm_fp32: float) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(shape.experts, 2 * shape.inter, shape.hidden, generator=gen) * 0.02).bfloat16()
     down = (torch.randn(shape.experts, shape.hidden, shape.inter, generator=gen) * 0.02).bfloat16()
-    expert_bytes = (gate_up[0].nbytes + down[0].nbytes)
-    records = []
-    for regime, tokens in REGIMES:
-        check = routing(shape, tokens, gen)
-        rows = list(range(min(tokens, 4)))
-        want = reference(*check, gate_up, down, rows)
-        for impl, fn in IMPLS.items():
-            got = fn(*check, gate_up, down)[rows].double()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            if err > 2e-2:
-                raise AssertionError(f"{impl} on {shape.name} {regime} {tokens}: relative error {err:.3g}")
-            inputs: list[tuple] = []
-            seconds = _median_seconds(lambda: fn(*inputs[-1], gate_up, down), repeats,
-                                      setup=lambda: inputs.append(routing(shape, tokens, gen)))
-            active = sum(len(inp[1].unique()) for inp in inputs) / len(inputs)
-            gb_s = active * expert_bytes / seconds / 1e9
-            flops = 2 * 3 * shape.hidden * shape.inter * tokens * shape.top_k
-            records.append({
-                "shape": shape.name, "regime": regime, "tokens": tokens, "impl": impl, "dtype": "bf16",
-                "ms": seconds * 1e3, "gb_per_s": gb_s, "pct_of_bandwidth": 100 * gb_s / bandwidth,
-                "tflops": flops / seconds / 1e12, "pct_of_matmul": 100 * flops / seconds / 1e12 / mm_tflops,
-            })
-    return records
+    groups = [implementations(gate_up, down)]
+    if kt_kernel_baseline.available():
+        groups.append(lambda: [kt_kernel_impl(gate_up, down, shape.top_k)])
+    records: list[dict] = []
+    loop_ms: dict[int, float] = {}
+    for group in groups:
+        impls = group if isinstance(group, list) else group()
+        for regime, tokens in REGIMES:
+            for impl in impls:
+                check(impl, shape, regime, tokens, gen)
+            reps = repeats if regime == "decode" else max(3, repeats // 2)
+            ms, active = median_ms(impls, shape, tokens, reps, gen)
+            loop_ms.setdefault(tokens, ms[0])
+            for impl, m in zip(impls, ms):
+                gb_s = active * impl.expert_bytes / m / 1e6
+                tflops = 2 * 3 * shape.hidden * shape.inter * tokens * shape.top_k / m / 1e9
+                records.append({
+                    "shape": shape.name, "regime": regime, "tokens": tokens, "impl": impl.name, "dtype": impl.dtype,
+                    "ms": m, "gb_per_s": gb_s, "pct_of_bandwidth": 100 * gb_s / bandwidth, "tflops": tflops,
+                    "pct_of_matmul": 100 * tflops / mm_bf16, "pct_of_fp32_matmul": 100 * tflops / mm_fp32,
+                    "x_torch_loop": loop_ms[tokens] / m,
+                })
+        del impls
+        gc.collect()  # ends kt-kernel's worker pool before the next shape
+    order = {(r["impl"], r["dtype"]): i for i, r in enumerate(records)}
+    return sorted(records, key=lambda r: (r["tokens"], order[(r["impl"], r["dtype"])]))
 
 
 def main() -> None:
@@ -152,16 +228,18 @@ def main() -> None:
         {"impl": "fp32_matmul", "tflops": mm32},
     ]
     for name in args.shape or list(SHAPES):
-        records += bench_shape(SHAPES[name], args.repeats, bandwidth, mm)
+        records += bench_shape(SHAPES[name], args.repeats, bandwidth, mm, mm32)
     if args.json:
         print(json.dumps(records, indent=1))
         return
-    print(f"{torch.get_num_threads()} threads; read bandwidth {bandwidth:.1f} GB/s; "
-          f"matmul bf16 {mm:.4f} / fp32 {mm32:.4f} TFLOP/s")
-    print(f"{'shape':<17} {'regime':<8} {'tok':>4} {'impl':<11} {'ms':>8} {'GB/s':>7} {'%bw':>5} {'TFLOP/s':>8} {'%mm':>5}")
+    print(f"{torch.get_num_threads()} threads, kernel ISA {cpu_kernel.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}; "
+          f"read bandwidth {bandwidth:.1f} GB/s; matmul bf16 {mm:.4f} / fp32 {mm32:.4f} TFLOP/s")
+    print(f"{'shape':<17} {'regime':<8} {'tok':>4} {'impl':<11} {'dtype':<5} {'ms':>9} {'GB/s':>6} {'%bw':>4} "
+          f"{'TFLOP/s':>8} {'%mm':>5} {'%mm32':>5} {'x loop':>6}")
     for r in records[3:]:
-        print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {r['impl']:<11} {r['ms']:>8.2f} "
-              f"{r['gb_per_s']:>7.1f} {r['pct_of_bandwidth']:>5.0f} {r['tflops']:>8.4f} {r['pct_of_matmul']:>5.0f}")
+        print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {r['impl']:<11} {r['dtype']:<5} {r['ms']:>9.2f} "
+              f"{r['gb_per_s']:>6.1f} {r['pct_of_bandwidth']:>4.0f} {r['tflops']:>8.4f} {r['pct_of_matmul']:>5.0f} "
+              f"{r['pct_of_fp32_matmul']:>5.0f} {r['x_torch_loop']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
 // weights once, win; above it the weight panel's conversion is amortised and GEMM's blocking wins.
 constexpr int64_t kGemmTokens = 32;
 constexpr int64_t kPanelRows = 256;  // rows per fp32 weight panel on the GEMM route
+constexpr int64_t kMaxBlock = 64;    // rows per work item on the micro-kernel route
 
 // One expert's [N, K] weight in its stored format.
 struct Matrix {
@@ -298,7 +299,7 @@ at::Tensor gather_rows(const float* x, int64_t K, const int64_t* rows, int64_t n
 }
 
 // Row blocks for the micro-kernel route: small enough that there are several items per thread.
-int64_t row_block(int64_t rows) { return std::min<int64_t>(64, std::max<int64_t>(kRows, rows / 8 / kRows * kRows)); }
+int64_t row_block(int64_t rows) { return std::min<int64_t>(kMaxBlock, std::max<int64_t>(kRows, rows / 8 / kRows * kRows)); }
 
 }  // namespace
 
@@ -348,7 +349,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
       const int64_t r0 = (i / n_small) * block_a, r1 = std::min(I, r0 + block_a), nr = r1 - r0;
       const Matrix m = gu.expert(r.experts[a]);
-      float g[kGemmTokens * 64], u[kGemmTokens * 64];
+      float g[kGemmTokens * kMaxBlock], u[kGemmTokens * kMaxBlock];
       kern.matvec_block(m, r0, r1, x_of_pair.data() + p0, n, g, nr);
       kern.matvec_block(m, I + r0, I + r1, x_of_pair.data() + p0, n, u, nr);
       for (int64_t t = 0; t < n; ++t)
