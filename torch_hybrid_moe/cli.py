@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
 from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
 
@@ -116,6 +117,33 @@ def trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def simulate(args: argparse.Namespace) -> int:
+    """Replay a trace through every policy stack on a hardware preset; one row per stack."""
+    import json
+    from dataclasses import asdict
+
+    from torch_hybrid_moe.cost_model import CostModel
+    from torch_hybrid_moe.simulator import STACKS
+    from torch_hybrid_moe.simulator import simulate as replay
+    from torch_hybrid_moe.traces import Trace
+
+    trace = Trace.load(args.trace)
+    costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
+    results = [replay(trace, stack, costs, args.batch, args.cache_ratio)
+               for stack in tqdm(STACKS.values(), desc="simulating", unit="stack", leave=False)]
+    if args.json:
+        print(json.dumps([asdict(r) | {"prefetch_accuracy": None} for r in results], indent=1))
+        return 0
+    print(f"trace {args.trace} ({trace.meta['model']}), hardware {args.hardware}: {costs.hardware.description}")
+    print(f"experts sized as {args.expert_shape}; batch {args.batch}; cache ratio {args.cache_ratio}")
+    print(f"{'stack':<15} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'PCIe GB':>8} "
+          f"{'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}")
+    for r in results:
+        print(f"{r.stack:<15} {r.decode_tok_s:>12.1f} {r.prefill_tok_s:>13.1f} {r.hit_rate:>8.1%} {r.pcie_gb:>8.2f} "
+              f"{r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}")
+    return 0
+
+
 def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
     rows = [f"{'layer':>5} {'tokens':>7} {'hit rate':>8} {'on accel':>8} {'on CPU':>7} {'MB moved':>9}"]
     for idx, s in per_layer.items():
@@ -137,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     g = sub.add_parser("generate", help="patch, compile and generate; print speed and expert placement")
     e = sub.add_parser("eval-ppl", help="held-out perplexity, unpatched vs patched in a mode")
     t = sub.add_parser("trace", help="record per-token expert routing on held-out prompts to a trace file")
+    s = sub.add_parser("simulate", help="replay a routing trace through every policy stack on a hardware model")
     for p in (g, e, t):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     for p in (g, e):
@@ -151,6 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=32)
     e.add_argument("--mode", default="exact", choices=["exact"], help="approximate modes join here as they land")
     e.add_argument("--max-tokens", type=int, default=16384)
+    s.add_argument("--trace", type=Path, required=True)
+    s.add_argument("--hardware", default="dali", choices=sorted(HARDWARE))
+    s.add_argument("--expert-shape", default="deepseek-v2-lite", choices=sorted(EXPERT_SHAPES),
+                   help="expert size the costs assume (the trace gives only the routing)")
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--cache-ratio", type=float, default=0.25)
+    s.add_argument("--json", action="store_true")
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--prompts", type=int, default=8)
     t.add_argument("--prompt-tokens", type=int, default=64)
@@ -160,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill token, one decode token)")
-    return {"generate": generate, "eval-ppl": eval_ppl, "trace": trace}[args.command](args)
+    return {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each MoE layer owns one scheduler, one cache policy and one prefetcher. They see plain Python
 lists (per-expert token counts, which expert each slot holds) so the same objects drive the live
-runtime and, later, the trace simulator.
+runtime and the trace simulator (`torch_hybrid_moe/simulator`).
 """
 
 from __future__ import annotations

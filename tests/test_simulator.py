@@ -1,0 +1,165 @@
+"""Schedulers against brute force, the simulator against closed-form timings, and against the live runtime."""
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_hybrid_moe.embedded
+from torch_hybrid_moe.cli import main
+from torch_hybrid_moe.config import HybridMoEConfig
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
+from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
+from torch_hybrid_moe.policies.schedulers import exhaustive_optimum, makespan
+from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
+from torch_hybrid_moe.simulator import STACKS, simulate
+from torch_hybrid_moe.simulator.stacks import Stack
+from torch_hybrid_moe.traces import LayerTrace, Trace
+
+TRACES = Path(torch_hybrid_moe.embedded.__file__).parent / "traces"
+COSTS = CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])
+
+
+def random_case(rng, num_experts=10, slots=4):
+    counts = [rng.choice([0, 0, 1, 2, 5, 40]) for _ in range(num_experts)]
+    resident = [False] * num_experts
+    for e in rng.sample(range(num_experts), slots):
+        resident[e] = True
+    return counts, resident, LayerInfo(0, num_experts, slots, COSTS.expert.nbytes)
+
+
+def brute_force_min(counts, resident, info):
+    active = [e for e, c in enumerate(counts) if c]
+    room = info.num_slots - sum(resident[e] for e in active)
+    best = float("inf")
+    for mask in itertools.product((0, 1), repeat=len(active)):
+        gpu = [e for e, g in zip(active, mask) if g]
+        if sum(not resident[e] for e in gpu) <= room:
+            best = min(best, makespan(counts, resident, gpu, COSTS))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_optimal_scheduler_matches_brute_force_and_others_never_beat_it(seed):
+    rng = random.Random(seed)
+    counts, resident, info = random_case(rng)
+    want = brute_force_min(counts, resident, info)
+    for name, kwargs in (("optimal", {}), ("optimal", {"exhaustive_up_to": 0})):  # exhaustive, then MILP
+        plan = SCHEDULERS.create(name, info=info, costs=COSTS, **kwargs).place(counts, resident)
+        assert makespan(counts, resident, plan.accelerator, COSTS) == pytest.approx(want, rel=1e-9)
+    for name in ("dali_greedy", "fiddler", "cached_on_accelerator", "all_cpu"):
+        plan = SCHEDULERS.create(name, info=info, costs=COSTS).place(counts, resident)
+        assert sorted(plan.accelerator + plan.cpu) == [e for e, c in enumerate(counts) if c]
+        assert set(plan.fetch) == {e for e in plan.accelerator if not resident[e]}
+        assert len(plan.fetch) <= info.num_slots - sum(resident[e] for e, c in enumerate(counts) if c)
+        assert makespan(counts, resident, plan.accelerator, COSTS) >= want * (1 - 1e-12)
+
+
+def test_fiddler_fetches_exactly_when_cpu_is_slower_than_copy_plus_gpu():
+    info = LayerInfo(0, 4, 2, COSTS.expert.nbytes)
+    heavy = next(n for n in range(1, 10_000) if COSTS.t_cpu(n) > COSTS.t_transfer() + COSTS.t_gpu(n))
+    plan = SCHEDULERS.create("fiddler", info=info, costs=COSTS).place([heavy, heavy - 1, 0, 1], [False, False, True, True])
+    assert plan.fetch == [0] and plan.cpu == [1] and sorted(plan.accelerator) == [0, 3]
+
+
+def test_dali_greedy_stays_within_ten_percent_of_the_optimum_on_average():
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(200):
+        counts, resident, info = random_case(rng, num_experts=12, slots=5)
+        if not any(counts):
+            continue
+        plan = SCHEDULERS.create("dali_greedy", info=info, costs=COSTS).place(counts, resident)
+        ratios.append(brute_force_min(counts, resident, info) / makespan(counts, resident, plan.accelerator, COSTS))
+    assert sum(ratios) / len(ratios) >= 0.9
+
+
+def test_exhaustive_optimum_prefers_fewer_transfers_on_ties():
+    counts, resident = [1, 0], [False, False]
+    free = CostModel(HARDWARE["dali"], ExpertShape("x", 8, 8))
+    assert exhaustive_optimum(counts, resident, 0, free) == set()
+
+
+def tiny_trace(steps):
+    """One MoE layer, 4 experts, top-1; `steps` is a list of expert-id lists (the first is the prefill)."""
+    ids, seq, step, pos = [], [], [], []
+    for s, experts in enumerate(steps):
+        for e in experts:
+            ids.append([e])
+            seq.append(0)
+            step.append(s)
+            pos.append(len(pos))
+    n = len(ids)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    layer = LayerTrace(torch.tensor(ids, dtype=torch.int16), torch.zeros(n, 2, dtype=torch.int16),
+                       torch.zeros(n, 2, dtype=torch.float16), i32([]), torch.zeros(0, 8, dtype=torch.float16))
+    meta = {"version": 1, "model": "tiny", "num_experts": 4, "top_k": 1, "hidden_size": 8, "layers": [0],
+            "score_fn": "softmax", "hidden_every": 4}
+    return Trace(meta, i32([0] * n), i32(seq), i32(step), i32(pos), {0: layer})
+
+
+def test_all_cpu_stack_time_is_the_sum_of_cpu_expert_times():
+    trace = tiny_trace([[0, 0, 1], [2], [2], [3]])
+    r = simulate(trace, STACKS["ktransformers"], COSTS)
+    want_prefill = COSTS.t_cpu(2) + COSTS.t_cpu(1)
+    want_decode = 2 * COSTS.t_cpu(1) + COSTS.t_cpu(1)
+    assert r.moe_time_s == pytest.approx(want_prefill + want_decode)
+    assert r.decode_tok_s == pytest.approx(3 / want_decode)
+    assert r.prefill_tok_s == pytest.approx(3 / want_prefill)
+    assert r.pcie_gb == 0 and r.hit_rate == 0
+
+
+def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
+    """Slots start holding experts 0 and 1 (cache ratio 0.5). Step 0 uses 2 (CPU), LRU then copies 2 in;
+    step 1 uses 2 on the GPU, which must wait for that copy."""
+    trace = tiny_trace([[2], [2]])
+    r = simulate(trace, STACKS["cached"], COSTS, cache_ratio=0.5)
+    t0 = COSTS.t_cpu(1)
+    ready = t0 + COSTS.t_transfer()
+    t1 = max(t0, ready) + COSTS.t_gpu(1)
+    assert r.moe_time_s == pytest.approx(t1)
+    assert (r.hits, r.misses) == (1, 1)
+    assert r.pcie_gb == pytest.approx(COSTS.expert.nbytes / 1e9)
+
+
+@pytest.mark.parametrize("cache_policy", ["lru", "lfu"])
+def test_live_runtime_and_simulator_agree_on_hits(cache_policy):
+    trace = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
+    layer_idx = trace.meta["layers"][0]
+    trace.layers = {layer_idx: trace.layers[layer_idx]}
+    num_experts = trace.meta["num_experts"]
+    stack = Stack("t", "cached_on_accelerator", cache_policy, True, "")
+    sim = simulate(trace, stack, COSTS, batch=1, cache_ratio=0.25)
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(num_experts, 8, 4, generator=g), torch.randn(num_experts, 4, 4, generator=g)
+    config = HybridMoEConfig(expert_budget=0.25, device="cpu", cache_policy=cache_policy)
+    store = ExpertStore(gate_up, down, config.slots_per_layer(num_experts, 1, 1), torch.device("cpu"), torch.float32)
+    live = HybridMoELayer("live", layer_idx, store, config)
+    topk = trace.layers[layer_idx].topk_ids.long()
+    # the simulator's order (batch 1): each sequence's steps in turn, the prefill as one step
+    for seq in sorted(set(trace.sequence.tolist())):
+        for s in sorted(set(trace.step[trace.sequence == seq].tolist())):
+            ids = topk[(trace.step == s) & (trace.sequence == seq)]
+            live.forward(torch.randn(ids.shape[0], 4), ids, torch.full(ids.shape, 0.25))
+    assert (sim.hits, sim.misses) == (live.stats.hits, live.stats.misses)
+
+
+def test_cost_model_knows_its_regimes():
+    assert COSTS.t_cpu(0) == 0
+    assert COSTS.t_cpu(1) == pytest.approx(COSTS.t_cpu(2))  # decode: bandwidth-bound, tokens are free
+    assert COSTS.t_cpu(4096) > 2 * COSTS.t_cpu(1)  # prefill: compute-bound
+    assert set(CACHE_POLICIES.names()) >= {"lru", "lfu"}
+
+
+def test_simulate_cli_json_has_one_record_per_stack(capsys):
+    trace = TRACES / "mixtral-tiny-heldout-at0.safetensors"
+    assert main(["simulate", "--trace", str(trace), "--hardware", "dali", "--batch", "4", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["stack"] for r in records] == list(STACKS)
+    keys = {"stack", "hardware", "batch", "cache_ratio", "decode_tok_s", "prefill_tok_s", "hit_rate",
+            "prefetch_accuracy", "moe_time_s"}
+    assert all(keys <= r.keys() and r["batch"] == 4 and r["decode_tok_s"] > 0 for r in records)

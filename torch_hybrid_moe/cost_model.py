@@ -1,0 +1,105 @@
+"""Time of one expert on the CPU, on the GPU, and over PCIe, from a hardware profile and an expert's size.
+
+Schedulers weigh placements with it and the simulator replays traces with it, so both agree on what a
+placement costs. Hardware figures are published peak specifications times uniform efficiency factors
+(stated below), or a profile measured on the machine at hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Fractions of the spec-sheet peaks a well-written kernel sustains (our CPU kernel: 76-87% of measured
+# read bandwidth; GEMMs at small token counts run well below their peak rate).
+BANDWIDTH_EFFICIENCY = 0.8
+COMPUTE_EFFICIENCY = 0.5
+PCIE_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One machine: CPU, GPU and the link between them (peak figures; efficiencies applied in CostModel)."""
+
+    name: str
+    description: str
+    cpu_bandwidth_gb_s: float
+    cpu_tflops: float
+    gpu_bandwidth_gb_s: float
+    gpu_tflops: float
+    pcie_gb_s: float
+    cpu_overhead_us: float = 20.0  # per expert call: dispatch, threads, activations
+    gpu_overhead_us: float = 10.0  # per expert kernel launch
+    pcie_latency_us: float = 10.0
+
+
+# Spec-sheet figures (bf16 tensor throughput with fp32 accumulation, dense; DRAM channels x speed).
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        Hardware("dali", "RTX 3090 + PCIe 4.0 x16 + 16 cores of an EPYC 7532 (8ch DDR4-3200), as in DALI",
+                 204.8, 1.2, 936.0, 71.0, 32.0),
+        Hardware("hybrimoe", "RTX A6000 + PCIe 4.0 x16 + 10-core Xeon (6ch DDR4-2933), as in HybriMoE",
+                 140.8, 1.4, 768.0, 154.8, 32.0),
+        Hardware("ktransformers", "RTX 4080 + PCIe 4.0 x16 + Xeon Platinum 8452Y (36 cores, AMX, 8ch DDR5-4800), "
+                 "as in KTransformers", 307.2, 20.0, 716.8, 97.5, 32.0),
+        Hardware("moe-infinity", "RTX A5000 + PCIe 4.0 x16 + 16-core Xeon (6ch DDR4-2933), as in MoE-Infinity",
+                 140.8, 1.5, 768.0, 111.1, 32.0),
+        Hardware("rtx4090", "RTX 4090 + PCIe 4.0 x16 + Ryzen 9 7950X (2ch DDR5-6000)", 96.0, 4.4, 1008.0, 165.2, 32.0),
+        Hardware("rtx5090", "RTX 5090 + PCIe 5.0 x16 + Ryzen 9 9950X (2ch DDR5-6000)", 96.0, 4.4, 1792.0, 209.5, 64.0),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """Size of one routed expert (a SiLU-gated FFN of hidden x inter, `bytes_per_weight` per weight)."""
+
+    name: str
+    hidden: int
+    inter: int
+    bytes_per_weight: float = 2.0
+
+    @property
+    def nbytes(self) -> int:
+        return int(3 * self.hidden * self.inter * self.bytes_per_weight)
+
+    @property
+    def flops_per_token(self) -> int:
+        return 6 * self.hidden * self.inter
+
+
+EXPERT_SHAPES: dict[str, ExpertShape] = {
+    s.name: s
+    for s in (
+        ExpertShape("deepseek-v2-lite", 2048, 1408),
+        ExpertShape("qwen3-30b-a3b", 2048, 768),
+        ExpertShape("mixtral-8x7b", 4096, 14336),
+    )
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds for one expert of `expert` size: t_cpu(tokens), t_gpu(tokens), t_transfer()."""
+
+    hardware: Hardware
+    expert: ExpertShape
+
+    def _time(self, tokens: int, bandwidth_gb_s: float, tflops: float, overhead_us: float) -> float:
+        if tokens <= 0:
+            return 0.0
+        read = self.expert.nbytes / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+        compute = tokens * self.expert.flops_per_token / (tflops * 1e12 * COMPUTE_EFFICIENCY)
+        return overhead_us * 1e-6 + max(read, compute)
+
+    def t_cpu(self, tokens: int) -> float:
+        h = self.hardware
+        return self._time(tokens, h.cpu_bandwidth_gb_s, h.cpu_tflops, h.cpu_overhead_us)
+
+    def t_gpu(self, tokens: int) -> float:
+        h = self.hardware
+        return self._time(tokens, h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us)
+
+    def t_transfer(self) -> float:
+        h = self.hardware
+        return h.pcie_latency_us * 1e-6 + self.expert.nbytes / (h.pcie_gb_s * 1e9 * PCIE_EFFICIENCY)

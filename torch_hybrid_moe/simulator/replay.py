@@ -1,0 +1,143 @@
+"""Replay a routing trace through a policy stack on a hardware model.
+
+Per MoE layer step: the scheduler splits the activated experts; the CPU runs its share back to back; the
+GPU runs its share, each expert once its weights are in a slot; missing experts it was given are fetched
+over PCIe first (one transfer at a time on the link's own timeline); after the step the cache policy's
+admissions are copied in the background and become usable when their transfer ends. The layer ends when
+both sides are done. Policies are the live runtime's objects, driven the same way (same calls, same
+order), so hit counts agree with a live run on the same routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..cost_model import CostModel
+from ..policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
+from ..traces import Trace
+from .stacks import Stack
+
+
+@dataclass
+class SimResult:
+    stack: str
+    hardware: str
+    batch: int
+    cache_ratio: float
+    decode_tok_s: float
+    prefill_tok_s: float
+    hit_rate: float
+    moe_time_s: float
+    pcie_gb: float
+    cpu_busy: float
+    gpu_busy: float
+    hits: int = 0
+    misses: int = 0
+
+
+def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[int, list[int]]]]:
+    """(is_prefill, token rows, per-layer expert counts) of each forward step of `batch` sequences run together."""
+    num_experts = trace.meta["num_experts"]
+    sequences = trace.sequence.long()
+    ids = sorted(set(sequences.tolist()))
+    for first in range(0, len(ids), batch):
+        group = torch.isin(sequences, torch.tensor(ids[first : first + batch]))
+        for step in sorted(set(trace.step[group].tolist())):
+            rows = group & (trace.step == step)
+            counts = {
+                layer: torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist()
+                for layer, t in trace.layers.items()
+            }
+            yield step == 0, int(rows.sum()), counts
+
+
+class _Layer:
+    """One layer's slots and policies, advanced exactly as runtime.HybridMoELayer advances them."""
+
+    def __init__(self, info: LayerInfo, stack: Stack, costs: CostModel) -> None:
+        self.info = info
+        self.scheduler = SCHEDULERS.create(stack.scheduler, info=info, costs=costs)
+        self.cache = CACHE_POLICIES.create(stack.cache_policy, info=info, costs=costs)
+        self.slot_experts = [-1] * info.num_slots
+        self.expert_slot = [-1] * info.num_experts
+        self.ready = [0.0] * info.num_experts  # when an expert's slot copy is complete
+        for slot in range(min(info.num_slots, info.num_experts)):  # the store fills slots 0..S-1 at start
+            self._put(slot, slot)
+
+    def resident(self) -> list[bool]:
+        return [s >= 0 for s in self.expert_slot]
+
+    def _put(self, expert: int, slot: int) -> None:
+        old = self.slot_experts[slot]
+        if old >= 0:
+            self.expert_slot[old] = -1
+        self.slot_experts[slot] = expert
+        self.expert_slot[expert] = slot
+
+    def fill(self, expert: int, keep: set[int]) -> bool:
+        if self.info.num_slots == 0:
+            return False
+        slot = self.cache.victim(self.slot_experts, keep)
+        if slot < 0:
+            return False
+        self._put(expert, slot)
+        return True
+
+
+def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache_ratio: float = 0.25) -> SimResult:
+    """Replay `trace` in batches of `batch` sequences with `cache_ratio` of each layer's experts in slots."""
+    num_experts = trace.meta["num_experts"]
+    slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
+    layers = {idx: _Layer(LayerInfo(idx, num_experts, slots, costs.expert.nbytes), stack, costs) for idx in trace.layers}
+    now = pcie_free = 0.0
+    cpu_busy = gpu_busy = 0.0
+    transfers = hits = misses = 0
+    phase_time = {True: 0.0, False: 0.0}
+    phase_tokens = {True: 0, False: 0}
+
+    def transfer(start: float) -> float:
+        nonlocal pcie_free, transfers
+        pcie_free = max(start, pcie_free) + costs.t_transfer()
+        transfers += 1
+        return pcie_free
+
+    for prefill, tokens, counts_by_layer in batched_steps(trace, batch):
+        step_start = now
+        for idx, layer in layers.items():
+            counts = counts_by_layer[idx]
+            resident = layer.resident()
+            active = [e for e, c in enumerate(counts) if c]
+            plan = layer.scheduler.place(counts, resident)
+            for e in plan.fetch:
+                if not layer.fill(e, keep=set(plan.accelerator)):
+                    raise RuntimeError(f"{stack.name}: no slot free for on-demand fetch of expert {e}")
+                layer.ready[e] = transfer(now)
+            cpu_time = sum(costs.t_cpu(counts[e]) for e in plan.cpu)
+            gpu_end = now
+            for e in sorted(plan.accelerator, key=lambda e: layer.ready[e]):
+                gpu_end = max(gpu_end, layer.ready[e]) + costs.t_gpu(counts[e])
+                gpu_busy += costs.t_gpu(counts[e])
+            cpu_busy += cpu_time
+            end = max(now + cpu_time, gpu_end)
+            layer_hits = sum(resident[e] for e in active)
+            hits += layer_hits
+            misses += len(active) - layer_hits
+            admitted: set[int] = set()
+            for e in layer.cache.admit(counts, layer.resident()):
+                admitted.add(e)
+                if not layer.fill(e, keep=admitted):
+                    break
+                layer.ready[e] = transfer(end)
+            now = end
+        phase_time[prefill] += now - step_start
+        phase_tokens[prefill] += tokens
+    return SimResult(
+        stack=stack.name, hardware=costs.hardware.name, batch=batch, cache_ratio=cache_ratio,
+        decode_tok_s=phase_tokens[False] / phase_time[False] if phase_time[False] else 0.0,
+        prefill_tok_s=phase_tokens[True] / phase_time[True] if phase_time[True] else 0.0,
+        hit_rate=hits / max(hits + misses, 1), moe_time_s=now, pcie_gb=transfers * costs.expert.nbytes / 1e9,
+        cpu_busy=cpu_busy / now if now else 0.0, gpu_busy=gpu_busy / now if now else 0.0, hits=hits, misses=misses,
+    )
