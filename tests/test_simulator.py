@@ -163,3 +163,14 @@ def test_simulate_cli_json_has_one_record_per_stack(capsys):
     keys = {"stack", "hardware", "batch", "cache_ratio", "decode_tok_s", "prefill_tok_s", "hit_rate",
             "prefetch_accuracy", "moe_time_s"}
     assert all(keys <= r.keys() and r["batch"] == 4 and r["decode_tok_s"] > 0 for r in records)
+
+
+def test_cost_aware_scheduler_cannot_run_live_and_leaves_the_model_alone():
+    from torch_hybrid_moe import patch_model
+    from torch_hybrid_moe.model_patches.base import is_patched
+    from torch_hybrid_moe.tiny_models import tiny_model
+
+    model = tiny_model("mixtral")
+    with pytest.raises(ValueError, match="costs=CostModel"):
+        patch_model(model, scheduler="fiddler", device="cpu")
+    assert not is_patched(model) and all(hasattr(l.mlp.experts, "gate_up_proj") for l in model.model.layers)

@@ -18,6 +18,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..config import HybridMoEConfig
 from ..ops.quantize import check_group_size, to_cpu_format
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..runtime import ExpertStore, HybridMoELayer
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
@@ -76,6 +77,7 @@ def patch_with_spec(
     num_experts = first.gate_up_proj.shape[0]
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
     _check_fits(device, slots * expert_bytes * len(moe_layers))
+    _check_policies(config, LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes))
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts
@@ -164,6 +166,14 @@ def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None
                 check_group_size(getattr(experts, name).shape[-1], config.cpu_weight_group_size)
             except ValueError as err:
                 raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r}: experts.{name}: {err}") from None
+
+
+def _check_policies(config: HybridMoEConfig, info: LayerInfo) -> None:
+    """Build each policy once before anything changes: one that cannot run live (a cost-aware scheduler
+    without a cost model) fails here, not halfway through the layers."""
+    SCHEDULERS.create(config.scheduler, info=info)
+    CACHE_POLICIES.create(config.cache_policy, info=info)
+    PREFETCHERS.create(config.prefetcher, info=info)
 
 
 def _check_fits(device: torch.device, slot_bytes: int) -> None:
