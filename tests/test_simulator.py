@@ -116,7 +116,7 @@ def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     """Slots start holding experts 0 and 1 (cache ratio 0.5). Step 0 uses 2 (CPU), LRU then copies 2 in;
     step 1 uses 2 on the GPU, which must wait for that copy."""
     trace = tiny_trace([[2], [2]])
-    r = simulate(trace, STACKS["cached"], COSTS, cache_ratio=0.5)
+    r = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5)
     t0 = COSTS.t_cpu(1)
     ready = t0 + COSTS.t_transfer()
     t1 = max(t0, ready) + COSTS.t_gpu(1)
@@ -174,3 +174,69 @@ def test_cost_aware_scheduler_cannot_run_live_and_leaves_the_model_alone():
     with pytest.raises(ValueError, match="costs=CostModel"):
         patch_model(model, scheduler="fiddler", device="cpu")
     assert not is_patched(model) and all(hasattr(l.mlp.experts, "gate_up_proj") for l in model.model.layers)
+
+
+def drive(policy, steps, slots, num_experts):
+    """Advance a cache policy the way the runtime does; returns hits (active experts already resident)."""
+    slot_experts = list(range(slots))
+    hits = 0
+    for active, scores in steps:
+        counts = [int(e in active) for e in range(num_experts)]
+        resident = [e in slot_experts for e in range(num_experts)]
+        hits += sum(resident[e] for e in active)
+        admitted = set()
+        for e in policy.admit(counts, resident, scores):
+            admitted.add(e)
+            slot = policy.victim(slot_experts, admitted)
+            if slot < 0:
+                break
+            slot_experts[slot] = e
+    return hits, slot_experts
+
+
+def offline_optimum(steps, slots, num_experts):
+    """Most hits any admission/eviction choice can get (admissions: only this step's missing experts)."""
+    best = {frozenset(range(slots)): 0}
+    for active, _ in steps:
+        nxt = {}
+        for res, h in best.items():
+            h += len(active & res)
+            pool = sorted(res | active)
+            for k in range(min(slots, len(pool)) + 1):
+                for keep in itertools.combinations(pool, k):
+                    keep = frozenset(keep)
+                    if keep - res <= active:
+                        nxt[keep] = max(nxt.get(keep, -1), h)
+        best = nxt
+    return max(best.values())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_belady_reaches_the_offline_optimum(seed):
+    rng = random.Random(seed)
+    steps = [(set(rng.sample(range(6), 2)), [0.0] * 6) for _ in range(9)]
+    info = LayerInfo(0, 6, 2, 1)
+    belady = CACHE_POLICIES.create("belady", info=info, future=[a for a, _ in steps])
+    hits, _ = drive(belady, steps, 2, 6)
+    assert hits == offline_optimum(steps, 2, 6)
+    for name in ("lru", "lfu", "mrs", "dali_window"):
+        assert drive(CACHE_POLICIES.create(name, info=info), steps, 2, 6)[0] <= hits
+
+
+def test_mrs_follows_the_recency_weighted_score_by_hand():
+    """alpha 0.5, one slot holding expert 0. Scores: step 1 gives e1 0.8 (S1 = 0.4 > S0 = 0.1: e1 replaces e0);
+    step 2 gives e0 0.9 (S0 = 0.5 > S1 = 0.2: e0 comes back)."""
+    info = LayerInfo(0, 2, 1, 1)
+    mrs = CACHE_POLICIES.create("mrs", info=info)
+    _, slots = drive(mrs, [({0}, [0.2, 0.0]), ({1}, [0.0, 0.8])], 1, 2)
+    assert slots == [1] and mrs.score == pytest.approx([0.05, 0.4])
+    _, slots = drive(mrs, [({0}, [0.9, 0.0])], 1, 2)
+    assert mrs.score == pytest.approx([0.475, 0.2])
+
+
+def test_dali_window_changes_slots_only_every_u_steps_by_windowed_workload():
+    info = LayerInfo(0, 3, 1, 1)
+    window = CACHE_POLICIES.create("dali_window", info=info, w_size=2, u_size=2)
+    assert window.admit([0, 5, 0], [True, False, False], [0.0] * 3) == []  # step 1: not an update step
+    assert window.admit([0, 0, 3], [True, False, False], [0.0] * 3) == [2]  # window sums e1 5, e2 3, e0 0; only active e2 may come in
+    assert window.value(1) == 5 and window.value(2) == 3 and window.value(0) == 0

@@ -43,8 +43,9 @@ class Scheduler(Protocol):
 
 
 class CachePolicy(Protocol):
-    def admit(self, counts: Sequence[int], resident: Sequence[bool]) -> list[int]:
-        """Record one step's activations; return missing experts to bring into slots, best first."""
+    def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
+        """Record one step's activations (token counts and summed router scores per expert); return missing
+        experts to bring into slots, best first."""
 
     def victim(self, slot_experts: Sequence[int], keep: set[int]) -> int:
         """The slot to overwrite next (slot_experts[s] is -1 for a free slot), never one holding `keep`;

@@ -19,7 +19,7 @@ class LRU:
         self.clock = 0
         self.last_used = [-1] * info.num_experts
 
-    def admit(self, counts: Sequence[int], resident: Sequence[bool]) -> list[int]:
+    def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
         self.clock += 1
         missing = []
         for e, c in enumerate(counts):
@@ -39,23 +39,107 @@ class LRU:
         return min(candidates, key=age) if candidates else -1
 
 
-@CACHE_POLICIES.register("lfu")
-class LFU:
-    """Admit a missed expert when it has been used more often (tokens routed, all time) than the least
-    used resident one, which leaves: popularity without recency."""
+class RankedCache:
+    """Keep the experts of highest `value`: a missed expert is admitted into a free slot, or when it
+    outranks the least valuable resident expert, which then leaves. Subclasses say what value means."""
 
     def __init__(self, info: LayerInfo, costs: object = None) -> None:
         self.info = info
-        self.uses = [0] * info.num_experts
 
-    def admit(self, counts: Sequence[int], resident: Sequence[bool]) -> list[int]:
-        for e, c in enumerate(counts):
-            self.uses[e] += c
-        coldest = min((self.uses[e] for e in range(self.info.num_experts) if resident[e]), default=-1)
+    def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
+        """Record one step; False when this step may not change the slots."""
+        raise NotImplementedError
+
+    def value(self, expert: int) -> float:
+        raise NotImplementedError
+
+    def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
+        if not self.observe(counts, scores):
+            return []
+        coldest = min((self.value(e) for e in range(self.info.num_experts) if resident[e]), default=float("-inf"))
         free = self.info.num_slots - sum(resident)
-        missing = sorted((e for e, c in enumerate(counts) if c and not resident[e]), key=lambda e: -self.uses[e])
-        return [e for i, e in enumerate(missing) if i < free or self.uses[e] > coldest][: self.info.num_slots]
+        missing = sorted((e for e, c in enumerate(counts) if c and not resident[e]), key=lambda e: -self.value(e))
+        return [e for i, e in enumerate(missing) if i < free or self.value(e) > coldest][: self.info.num_slots]
 
     def victim(self, slot_experts: Sequence[int], keep: set[int]) -> int:
         candidates = [s for s, e in enumerate(slot_experts) if e not in keep]
-        return min(candidates, key=lambda s: -1 if slot_experts[s] < 0 else self.uses[slot_experts[s]], default=-1)
+        return min(candidates, key=lambda s: float("-inf") if slot_experts[s] < 0 else self.value(slot_experts[s]),
+                   default=-1)
+
+
+@CACHE_POLICIES.register("lfu")
+class LFU(RankedCache):
+    """Popularity without recency: value = tokens routed to the expert so far."""
+
+    def __init__(self, info: LayerInfo, costs: object = None) -> None:
+        super().__init__(info)
+        self.uses = [0] * info.num_experts
+
+    def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
+        for e, c in enumerate(counts):
+            self.uses[e] += c
+        return True
+
+    def value(self, expert: int) -> float:
+        return self.uses[expert]
+
+
+@CACHE_POLICIES.register("mrs")
+class MinusRecentScore(RankedCache):
+    """HybriMoE's score-aware cache: S = alpha * TopP(s) + (1 - alpha) * S every step (router scores of the
+    step's top-p experts, summed over its tokens); the lowest S leaves."""
+
+    def __init__(self, info: LayerInfo, costs: object = None, alpha: float = 0.5) -> None:
+        super().__init__(info)
+        self.alpha = alpha
+        self.score = [0.0] * info.num_experts
+
+    def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
+        self.score = [self.alpha * s + (1 - self.alpha) * old for s, old in zip(scores, self.score)]
+        return True
+
+    def value(self, expert: int) -> float:
+        return self.score[expert]
+
+
+@CACHE_POLICIES.register("dali_window")
+class WorkloadWindow(RankedCache):
+    """DALI's workload-aware replacement: value = tokens routed in the last `w_size` steps; the slots may
+    change only every `u_size` steps, so copies come in bursts the scheduler can plan around."""
+
+    def __init__(self, info: LayerInfo, costs: object = None, w_size: int = 8, u_size: int = 4) -> None:
+        super().__init__(info)
+        self.w_size, self.u_size = w_size, u_size
+        self.window: list[Sequence[int]] = []
+        self.steps = 0
+
+    def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
+        self.window = (self.window + [list(counts)])[-self.w_size :]
+        self.steps += 1
+        return self.steps % self.u_size == 0
+
+    def value(self, expert: int) -> float:
+        return sum(step[expert] for step in self.window)
+
+
+@CACHE_POLICIES.register("belady")
+class Belady(RankedCache):
+    """The offline optimum (evict the expert used farthest in the future, admit only what is used sooner):
+    the hit-rate ceiling. Needs `future`, the active expert sets of this layer's steps in order."""
+
+    def __init__(self, info: LayerInfo, costs: object = None, future: Sequence[set[int]] | None = None) -> None:
+        super().__init__(info)
+        if future is None:
+            raise ValueError("cache policy 'belady' needs the future routing (future=...): simulator only")
+        self.future = future
+        self.step = 0
+
+    def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
+        self.step += 1
+        return True
+
+    def value(self, expert: int) -> float:
+        for ahead, active in enumerate(self.future[self.step :]):
+            if expert in active:
+                return -ahead
+        return float("-inf")

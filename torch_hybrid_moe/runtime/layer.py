@@ -77,7 +77,8 @@ class HybridMoELayer:
         s.misses += len(active) - hits
 
         admitted: set[int] = set()
-        for expert in self.cache_policy.admit(counts, store.resident()):
+        scores = torch.bincount(topk_ids.reshape(-1), topk_weights.reshape(-1).float(), store.num_experts).tolist()
+        for expert in self.cache_policy.admit(counts, store.resident(), scores):
             admitted.add(expert)
             if not self._fill(expert, keep=admitted):
                 break

@@ -38,8 +38,9 @@ class SimResult:
     misses: int = 0
 
 
-def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[int, list[int]]]]:
-    """(is_prefill, token rows, per-layer expert counts) of each forward step of `batch` sequences run together."""
+def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[int, tuple[list[int], list[float]]]]]:
+    """(is_prefill, token rows, per layer: expert token counts and summed router scores) of each forward step
+    of `batch` sequences run together. Scores are the trace's top-2k router scores (HybriMoE's TopP, p = 2k)."""
     num_experts = trace.meta["num_experts"]
     sequences = trace.sequence.long()
     ids = sorted(set(sequences.tolist()))
@@ -48,7 +49,9 @@ def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[in
         for step in sorted(set(trace.step[group].tolist())):
             rows = group & (trace.step == step)
             counts = {
-                layer: torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist()
+                layer: (torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist(),
+                        torch.bincount(t.score_ids[rows].long().flatten(), t.scores[rows].float().flatten(),
+                                       num_experts).tolist())
                 for layer, t in trace.layers.items()
             }
             yield step == 0, int(rows.sum()), counts
@@ -57,10 +60,11 @@ def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[in
 class _Layer:
     """One layer's slots and policies, advanced exactly as runtime.HybridMoELayer advances them."""
 
-    def __init__(self, info: LayerInfo, stack: Stack, costs: CostModel) -> None:
+    def __init__(self, info: LayerInfo, stack: Stack, costs: CostModel, future: list[set[int]]) -> None:
         self.info = info
         self.scheduler = SCHEDULERS.create(stack.scheduler, info=info, costs=costs)
-        self.cache = CACHE_POLICIES.create(stack.cache_policy, info=info, costs=costs)
+        extra = {"future": future} if stack.cache_policy == "belady" else {}  # the oracle sees what comes
+        self.cache = CACHE_POLICIES.create(stack.cache_policy, info=info, costs=costs, **extra)
         self.slot_experts = [-1] * info.num_slots
         self.expert_slot = [-1] * info.num_experts
         self.ready = [0.0] * info.num_experts  # when an expert's slot copy is complete
@@ -91,7 +95,12 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
     """Replay `trace` in batches of `batch` sequences with `cache_ratio` of each layer's experts in slots."""
     num_experts = trace.meta["num_experts"]
     slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
-    layers = {idx: _Layer(LayerInfo(idx, num_experts, slots, costs.expert.nbytes), stack, costs) for idx in trace.layers}
+    steps = list(batched_steps(trace, batch))
+    layers = {
+        idx: _Layer(LayerInfo(idx, num_experts, slots, costs.expert.nbytes), stack, costs,
+                    [{e for e, c in enumerate(step[2][idx][0]) if c} for step in steps])
+        for idx in trace.layers
+    }
     now = pcie_free = 0.0
     cpu_busy = gpu_busy = 0.0
     transfers = hits = misses = 0
@@ -104,10 +113,10 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
         transfers += 1
         return pcie_free
 
-    for prefill, tokens, counts_by_layer in batched_steps(trace, batch):
+    for prefill, tokens, counts_by_layer in steps:
         step_start = now
         for idx, layer in layers.items():
-            counts = counts_by_layer[idx]
+            counts, scores = counts_by_layer[idx]
             resident = layer.resident()
             active = [e for e, c in enumerate(counts) if c]
             plan = layer.scheduler.place(counts, resident)
@@ -126,7 +135,7 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
             hits += layer_hits
             misses += len(active) - layer_hits
             admitted: set[int] = set()
-            for e in layer.cache.admit(counts, layer.resident()):
+            for e in layer.cache.admit(counts, layer.resident(), scores):
                 admitted.add(e)
                 if not layer.fill(e, keep=admitted):
                     break

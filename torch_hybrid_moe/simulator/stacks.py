@@ -19,8 +19,12 @@ STACKS: dict[str, Stack] = {
     for s in (
         Stack("ktransformers", "all_cpu", "lru", False, "all routed experts on the CPU, GPU for the rest of the model"),
         Stack("fiddler", "fiddler", "lfu", True, "Fiddler's CPU-or-transfer rule over popularity-cached slots"),
-        Stack("cached", "cached_on_accelerator", "lru", True, "cached experts on the GPU, the rest on the CPU (our default)"),
-        Stack("dali", "dali_greedy", "lfu", True, "DALI's greedy 0-1 assignment (cache policy: LFU until the window policy lands)"),
-        Stack("optimal-sched", "optimal", "lru", True, "exact 0-1 optimum per layer step over LRU slots"),
+        Stack("dali", "dali_greedy", "dali_window", True, "DALI's greedy 0-1 assignment and workload-window cache"),
+        Stack("mrs-cache", "cached_on_accelerator", "mrs", True,
+              "HybriMoE's MRS cache with cached-on-GPU placement (its simulation scheduler: not yet)"),
+        Stack("lru-cache", "cached_on_accelerator", "lru", True, "cached experts on the GPU, LRU slots (our default)"),
+        Stack("ours", "fiddler", "dali_window", True, "Fiddler's rule over DALI's window cache (no paper ran this pair)"),
+        Stack("oracle-cache", "optimal", "belady", True,
+              "Belady's offline-optimal slots (the hit-rate ceiling) with the exact per-step 0-1 optimum"),
     )
 }
