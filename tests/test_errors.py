@@ -58,7 +58,9 @@ def test_patched_twice():
 def test_unknown_policy_and_field():
     model = tiny_model("mixtral")
     before = snapshot(model)
-    with pytest.raises(ValueError, match="unknown cache policy 'belady'; registered: .*lru"):
+    with pytest.raises(ValueError, match="unknown cache policy 'clairvoyant'; registered: .*lru"):
+        thm.patch_model(model, cache_policy="clairvoyant")
+    with pytest.raises(ValueError, match="simulator only"):  # registered, but needs the future routing
         thm.patch_model(model, cache_policy="belady")
     with pytest.raises(TypeError, match="unknown HybridMoEConfig field"):
         thm.patch_model(model, expert_budgt=0.5)
