@@ -13,7 +13,7 @@ from torch_hybrid_moe.cli import main
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
 from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
-from torch_hybrid_moe.policies.schedulers import exhaustive_optimum, makespan
+from torch_hybrid_moe.policies.schedulers import exhaustive_optimum, layer_time, makespan
 from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
 from torch_hybrid_moe.simulator import STACKS, simulate
 from torch_hybrid_moe.simulator.stacks import Stack
@@ -240,3 +240,57 @@ def test_dali_window_changes_slots_only_every_u_steps_by_windowed_workload():
     assert window.admit([0, 5, 0], [True, False, False], [0.0] * 3) == []  # step 1: not an update step
     assert window.admit([0, 0, 3], [True, False, False], [0.0] * 3) == [2]  # window sums e1 5, e2 3, e0 0; only active e2 may come in
     assert window.value(1) == 5 and window.value(2) == 3 and window.value(0) == 0
+
+
+class FakeTimeline:
+    def __init__(self, rng, num_experts):
+        self.link = rng.choice([0.0, 0.5e-3, 3e-3])
+        self.ready = [rng.choice([0.0, 0.0, 1e-3, 4e-3]) for _ in range(num_experts)]
+
+    def link_free_in(self):
+        return self.link
+
+    def ready_in(self, expert):
+        return self.ready[expert]
+
+
+def test_queue_aware_never_loses_to_cached_placement_and_is_near_the_exhaustive_optimum():
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(150):
+        counts, resident, info = random_case(rng, num_experts=10, slots=4)
+        if not any(counts):
+            continue
+        timeline = FakeTimeline(rng, 10)
+        ours = SCHEDULERS.create("queue_aware", info=info, costs=COSTS, timeline=timeline).place(counts, resident)
+        cached = SCHEDULERS.create("cached_on_accelerator", info=info).place(counts, resident)
+        t_ours = layer_time(counts, resident, ours.accelerator, COSTS, timeline)
+        assert t_ours <= layer_time(counts, resident, cached.accelerator, COSTS, timeline) * (1 + 1e-12)
+        active = [e for e, c in enumerate(counts) if c]
+        room = info.num_slots - sum(resident[e] for e in active)
+        best = min(
+            layer_time(counts, resident, [e for e, g in zip(active, mask) if g], COSTS, timeline)
+            for mask in itertools.product((0, 1), repeat=len(active))
+            if sum(not resident[e] for e, g in zip(active, mask) if g) <= room
+        )
+        ratios.append(best / t_ours)
+    assert sum(ratios) / len(ratios) >= 0.95
+
+
+def test_layer_time_is_what_the_simulator_plays():
+    """One step of one layer: the simulator's MoE time equals layer_time of the plan it ran."""
+    trace = tiny_trace([[0, 0, 0, 2, 2, 3]])
+    stack = Stack("t", "queue_aware", "lru", True, "")
+    r = simulate(trace, stack, COSTS, cache_ratio=0.5)
+
+    class Idle:
+        def link_free_in(self):
+            return 0.0
+
+        def ready_in(self, expert):
+            return 0.0
+
+    info = LayerInfo(0, 4, 2, COSTS.expert.nbytes)
+    counts, resident = [3, 0, 2, 1], [True, True, False, False]
+    plan = SCHEDULERS.create("queue_aware", info=info, costs=COSTS, timeline=Idle()).place(counts, resident)
+    assert r.moe_time_s == pytest.approx(layer_time(counts, resident, plan.accelerator, COSTS, Idle()))

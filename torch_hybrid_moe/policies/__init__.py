@@ -1,6 +1,6 @@
 """Pluggable placement policies (scheduler, cache policy, prefetcher) and their registries."""
 
-from .base import CachePolicy, LayerInfo, Placement, Prefetcher, Scheduler
+from .base import CachePolicy, LayerInfo, Placement, Prefetcher, Scheduler, Timeline
 from .caching import CACHE_POLICIES
 from .prefetching import PREFETCHERS
 from .registry import Registry
@@ -16,4 +16,5 @@ __all__ = [
     "Prefetcher",
     "Registry",
     "Scheduler",
+    "Timeline",
 ]

@@ -37,6 +37,16 @@ class Placement:
     fetch: list[int] = field(default_factory=list)
 
 
+class Timeline(Protocol):
+    """What a layer's copies are doing now, for schedulers that plan around the link's queue."""
+
+    def link_free_in(self) -> float:
+        """Seconds until the host-to-device link can start a new copy."""
+
+    def ready_in(self, expert: int) -> float:
+        """Seconds until a resident expert's slot copy is complete (0 when ready)."""
+
+
 class Scheduler(Protocol):
     def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
         """Split the activated experts (counts[e] > 0) between accelerator and CPU."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import itertools
 
 from ..cost_model import CostModel
-from .base import LayerInfo, Placement
+from .base import LayerInfo, Placement, Timeline
 from .registry import Registry
 
 SCHEDULERS: Registry = Registry("scheduler")
@@ -23,6 +23,26 @@ def makespan(counts: Sequence[int], resident: Sequence[bool], on_gpu: Sequence[i
     gpu = set(on_gpu)
     cpu_time = sum(costs.t_cpu(c) for e, c in enumerate(counts) if c and e not in gpu)
     gpu_time = sum(costs.t_gpu(counts[e]) + (0.0 if resident[e] else costs.t_transfer()) for e in gpu)
+    return max(cpu_time, gpu_time)
+
+
+def layer_time(
+    counts: Sequence[int], resident: Sequence[bool], on_gpu: Sequence[int], costs: CostModel, timeline: Timeline
+) -> float:
+    """The step's time as the simulator plays it: the CPU's experts back to back; on the GPU each expert once
+    its weights are there (resident copies finishing, then fetches queued behind the link's backlog)."""
+    cpu_time = sum(costs.t_cpu(c) for e, c in enumerate(counts) if c and e not in set(on_gpu))
+    link = timeline.link_free_in()
+    ready = []
+    for e in sorted(on_gpu, key=lambda e: (not resident[e], e)):
+        if resident[e]:
+            ready.append((timeline.ready_in(e), e))
+        else:
+            link += costs.t_transfer()
+            ready.append((link, e))
+    gpu_time = 0.0
+    for at, e in sorted(ready):
+        gpu_time = max(gpu_time, at) + costs.t_gpu(counts[e])
     return max(cpu_time, gpu_time)
 
 
@@ -165,3 +185,37 @@ def exhaustive_optimum(counts: Sequence[int], resident: Sequence[bool], room: in
         if key < best[:2]:
             best = (*key, gpu)
     return best[2]
+
+
+@SCHEDULERS.register("queue_aware")
+class QueueAware:
+    """Ours: local search on the step's real time (`layer_time`), which sees the link's backlog and the
+    copies still in flight, so it neither queues fetches behind background traffic nor waits on a slot
+    that is not filled yet. Starts from cached-on-GPU and flips the single expert that helps most until
+    nothing helps."""
+
+    def __init__(self, info: LayerInfo, costs: CostModel | None = None, timeline: Timeline | None = None) -> None:
+        self.info = info
+        self.costs = _need_costs("queue_aware", costs)
+        if timeline is None:
+            raise ValueError("scheduler 'queue_aware' plans around in-flight copies: pass timeline=...")
+        self.timeline = timeline
+
+    def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
+        active = [e for e, n in enumerate(counts) if n]
+        room = _fetch_capacity(self.info, counts, resident)
+        gpu = {e for e in active if resident[e]}
+        best = layer_time(counts, resident, gpu, self.costs, self.timeline)
+        while True:
+            trials = []
+            for e in active:
+                flipped = gpu ^ {e}
+                if sum(not resident[x] for x in flipped) <= room:
+                    trials.append((layer_time(counts, resident, flipped, self.costs, self.timeline), e, flipped))
+            if not trials:
+                break
+            t, _, flipped = min(trials, key=lambda x: x[:2])
+            if t >= best * (1 - 1e-9):
+                break
+            best, gpu = t, flipped
+        return _plan(counts, resident, gpu)

@@ -57,12 +57,30 @@ def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[in
             yield step == 0, int(rows.sum()), counts
 
 
+class _Link:
+    """The host-to-device link: one copy at a time, on its own timeline."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.now = 0.0
+        self.free_at = 0.0
+        self.copies = 0
+
+    def copy(self, start: float) -> float:
+        """Queue one expert copy no earlier than `start`; returns when it completes."""
+        self.free_at = max(start, self.free_at) + self.costs.t_transfer()
+        self.copies += 1
+        return self.free_at
+
+
 class _Layer:
     """One layer's slots and policies, advanced exactly as runtime.HybridMoELayer advances them."""
 
-    def __init__(self, info: LayerInfo, stack: Stack, costs: CostModel, future: list[set[int]]) -> None:
+    def __init__(self, info: LayerInfo, stack: Stack, costs: CostModel, link: _Link, future: list[set[int]]) -> None:
         self.info = info
-        self.scheduler = SCHEDULERS.create(stack.scheduler, info=info, costs=costs)
+        self.link = link
+        context = {"timeline": self} if stack.scheduler == "queue_aware" else {}
+        self.scheduler = SCHEDULERS.create(stack.scheduler, info=info, costs=costs, **context)
         extra = {"future": future} if stack.cache_policy == "belady" else {}  # the oracle sees what comes
         self.cache = CACHE_POLICIES.create(stack.cache_policy, info=info, costs=costs, **extra)
         self.slot_experts = [-1] * info.num_slots
@@ -73,6 +91,12 @@ class _Layer:
 
     def resident(self) -> list[bool]:
         return [s >= 0 for s in self.expert_slot]
+
+    def link_free_in(self) -> float:
+        return max(0.0, self.link.free_at - self.link.now)
+
+    def ready_in(self, expert: int) -> float:
+        return max(0.0, self.ready[expert] - self.link.now)
 
     def _put(self, expert: int, slot: int) -> None:
         old = self.slot_experts[slot]
@@ -96,34 +120,30 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
     num_experts = trace.meta["num_experts"]
     slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
     steps = list(batched_steps(trace, batch))
+    link = _Link(costs)
     layers = {
-        idx: _Layer(LayerInfo(idx, num_experts, slots, costs.expert.nbytes), stack, costs,
+        idx: _Layer(LayerInfo(idx, num_experts, slots, costs.expert.nbytes), stack, costs, link,
                     [{e for e, c in enumerate(step[2][idx][0]) if c} for step in steps])
         for idx in trace.layers
     }
-    now = pcie_free = 0.0
+    now = 0.0
     cpu_busy = gpu_busy = 0.0
-    transfers = hits = misses = 0
+    hits = misses = 0
     phase_time = {True: 0.0, False: 0.0}
     phase_tokens = {True: 0, False: 0}
-
-    def transfer(start: float) -> float:
-        nonlocal pcie_free, transfers
-        pcie_free = max(start, pcie_free) + costs.t_transfer()
-        transfers += 1
-        return pcie_free
 
     for prefill, tokens, counts_by_layer in steps:
         step_start = now
         for idx, layer in layers.items():
             counts, scores = counts_by_layer[idx]
+            link.now = now
             resident = layer.resident()
             active = [e for e, c in enumerate(counts) if c]
             plan = layer.scheduler.place(counts, resident)
             for e in plan.fetch:
                 if not layer.fill(e, keep=set(plan.accelerator)):
                     raise RuntimeError(f"{stack.name}: no slot free for on-demand fetch of expert {e}")
-                layer.ready[e] = transfer(now)
+                layer.ready[e] = link.copy(now)
             cpu_time = sum(costs.t_cpu(counts[e]) for e in plan.cpu)
             gpu_end = now
             for e in sorted(plan.accelerator, key=lambda e: layer.ready[e]):
@@ -139,7 +159,7 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
                 admitted.add(e)
                 if not layer.fill(e, keep=admitted):
                     break
-                layer.ready[e] = transfer(end)
+                layer.ready[e] = link.copy(end)
             now = end
         phase_time[prefill] += now - step_start
         phase_tokens[prefill] += tokens
@@ -147,6 +167,6 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
         stack=stack.name, hardware=costs.hardware.name, batch=batch, cache_ratio=cache_ratio,
         decode_tok_s=phase_tokens[False] / phase_time[False] if phase_time[False] else 0.0,
         prefill_tok_s=phase_tokens[True] / phase_time[True] if phase_time[True] else 0.0,
-        hit_rate=hits / max(hits + misses, 1), moe_time_s=now, pcie_gb=transfers * costs.expert.nbytes / 1e9,
+        hit_rate=hits / max(hits + misses, 1), moe_time_s=now, pcie_gb=link.copies * costs.expert.nbytes / 1e9,
         cpu_busy=cpu_busy / now if now else 0.0, gpu_busy=gpu_busy / now if now else 0.0, hits=hits, misses=misses,
     )

@@ -23,7 +23,8 @@ STACKS: dict[str, Stack] = {
         Stack("mrs-cache", "cached_on_accelerator", "mrs", True,
               "HybriMoE's MRS cache with cached-on-GPU placement (its simulation scheduler: not yet)"),
         Stack("lru-cache", "cached_on_accelerator", "lru", True, "cached experts on the GPU, LRU slots (our default)"),
-        Stack("ours", "fiddler", "dali_window", True, "Fiddler's rule over DALI's window cache (no paper ran this pair)"),
+        Stack("ours", "queue_aware", "dali_window", True,
+              "queue-aware placement (sees copies in flight) over DALI's window cache"),
         Stack("oracle-cache", "optimal", "belady", True,
               "Belady's offline-optimal slots (the hit-rate ceiling) with the exact per-step 0-1 optimum"),
     )
