@@ -71,8 +71,10 @@ def cpu_experts(
     """
     _check_routing(hidden, topk_ids, topk_weights)
     num_experts = gate_up.shape[0]
-    if topk_ids.numel() and (int(topk_ids.min()) < -1 or int(topk_ids.max()) >= num_experts):
-        raise ValueError(f"topk_ids must lie in [-1, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    if topk_ids.numel():
+        low, high = (int(v) for v in torch.aminmax(topk_ids))
+        if low < -1 or high >= num_experts:
+            raise ValueError(f"topk_ids must lie in [-1, {num_experts}), got [{low}, {high}]")
     if out.shape != hidden.shape or out.dtype != torch.float32:
         raise ValueError(f"out must be fp32 shaped like hidden {tuple(hidden.shape)}, got {out.dtype} {tuple(out.shape)}")
     if cpu_kernel.best_isa() >= 0:

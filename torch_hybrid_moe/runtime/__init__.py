@@ -4,6 +4,7 @@ from .expert_store import ExpertStore
 from .layer import HybridMoELayer
 from .registry import get_layer, register_layer
 from .stats import LayerStats, model_layers, reset_stats, stats
+from .slot_map import SlotMap
 from .stock import layer_for_parameters
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "get_layer",
     "layer_for_parameters",
     "model_layers",
+    "SlotMap",
     "register_layer",
     "reset_stats",
     "stats",

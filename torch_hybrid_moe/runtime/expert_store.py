@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..ops.quantize import QuantizedWeight, dequantize
+from .slot_map import SlotMap
 
 HostWeight = torch.Tensor | QuantizedWeight
 
 
-class ExpertStore:
+class ExpertStore(SlotMap):
     """Master weights of every routed expert in host memory, plus `num_slots` accelerator slots.
 
     The master is in the CPU weight format (the model's dtype, bf16, or int8 / int4 with scales); slots
@@ -22,6 +23,7 @@ class ExpertStore:
     def __init__(
         self, gate_up: HostWeight, down: HostWeight, num_slots: int, device: torch.device, slot_dtype: torch.dtype
     ) -> None:
+        super().__init__(num_slots, gate_up.shape[0])
         self.device = device
         pin = device.type == "cuda"
         self.host_gate_up = _host_copy(gate_up, pin)
@@ -30,26 +32,13 @@ class ExpertStore:
         self.expert_bytes = _expert_bytes(gate_up) + _expert_bytes(down)
         self.slot_gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=slot_dtype, device=device)
         self.slot_down = torch.empty((num_slots, *down.shape[1:]), dtype=slot_dtype, device=device)
-        self.slot_experts: list[int] = [-1] * num_slots
-        self.expert_slot: list[int] = [-1] * self.num_experts
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for slot in range(min(num_slots, self.num_experts)):
             self.load(slot, slot)
 
-    @property
-    def num_slots(self) -> int:
-        return len(self.slot_experts)
-
-    def resident(self) -> list[bool]:
-        return [s >= 0 for s in self.expert_slot]
-
     def load(self, expert: int, slot: int) -> int:
         """Copy `expert` from host into `slot` (evicting its occupant); returns the bytes moved."""
-        old = self.slot_experts[slot]
-        if old >= 0:
-            self.expert_slot[old] = -1
-        self.slot_experts[slot] = expert
-        self.expert_slot[expert] = slot
+        self.assign(expert, slot)
         if self._copy_stream is None:
             self._fill(slot, expert)
         else:

@@ -36,7 +36,13 @@ class HybridMoELayer:
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         store = self.store
-        counts = torch.bincount(topk_ids.reshape(-1), minlength=store.num_experts).tolist()
+        # Token counts and summed routing weights per expert, read back in one host synchronisation.
+        flat = topk_ids.reshape(-1)
+        counts_f, scores = torch.stack((
+            torch.bincount(flat, minlength=store.num_experts).float(),
+            torch.bincount(flat, topk_weights.reshape(-1).float(), store.num_experts),
+        )).tolist()
+        counts = [int(c) for c in counts_f]
         if len(counts) > store.num_experts:
             raise ValueError(f"{self.name}: expert id {len(counts) - 1} >= num_experts {store.num_experts}")
         resident = store.resident()
@@ -77,7 +83,6 @@ class HybridMoELayer:
         s.misses += len(active) - hits
 
         admitted: set[int] = set()
-        scores = torch.bincount(topk_ids.reshape(-1), topk_weights.reshape(-1).float(), store.num_experts).tolist()
         for expert in self.cache_policy.admit(counts, store.resident(), scores):
             admitted.add(expert)
             if not self._fill(expert, keep=admitted):
@@ -104,9 +109,7 @@ class HybridMoELayer:
 
     def _fill(self, expert: int, keep: set[int]) -> bool:
         """Bring `expert` into the slot the cache policy gives up; False when no slot may be given up."""
-        if self.store.num_slots == 0:
-            return False
-        slot = self.cache_policy.victim(self.store.slot_experts, keep)
+        slot = self.store.choose_slot(self.cache_policy, keep)
         if slot < 0:
             return False
         self.stats.bytes_transferred += self.store.load(expert, slot)

@@ -17,6 +17,7 @@ import torch
 
 from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
+from ..runtime.slot_map import SlotMap
 from ..traces import Trace
 from .stacks import Stack
 
@@ -73,24 +74,20 @@ class _Link:
         return self.free_at
 
 
-class _Layer:
+class _Layer(SlotMap):
     """One layer's slots and policies, advanced exactly as runtime.HybridMoELayer advances them."""
 
     def __init__(self, info: LayerInfo, stack: Stack, costs: CostModel, link: _Link, future: list[set[int]]) -> None:
+        super().__init__(info.num_slots, info.num_experts)
         self.info = info
         self.link = link
         context = {"timeline": self} if stack.scheduler == "queue_aware" else {}
         self.scheduler = SCHEDULERS.create(stack.scheduler, info=info, costs=costs, **context)
         extra = {"future": future} if stack.cache_policy == "belady" else {}  # the oracle sees what comes
         self.cache = CACHE_POLICIES.create(stack.cache_policy, info=info, costs=costs, **extra)
-        self.slot_experts = [-1] * info.num_slots
-        self.expert_slot = [-1] * info.num_experts
         self.ready = [0.0] * info.num_experts  # when an expert's slot copy is complete
         for slot in range(min(info.num_slots, info.num_experts)):  # the store fills slots 0..S-1 at start
-            self._put(slot, slot)
-
-    def resident(self) -> list[bool]:
-        return [s >= 0 for s in self.expert_slot]
+            self.assign(slot, slot)
 
     def link_free_in(self) -> float:
         return max(0.0, self.link.free_at - self.link.now)
@@ -98,20 +95,11 @@ class _Layer:
     def ready_in(self, expert: int) -> float:
         return max(0.0, self.ready[expert] - self.link.now)
 
-    def _put(self, expert: int, slot: int) -> None:
-        old = self.slot_experts[slot]
-        if old >= 0:
-            self.expert_slot[old] = -1
-        self.slot_experts[slot] = expert
-        self.expert_slot[expert] = slot
-
     def fill(self, expert: int, keep: set[int]) -> bool:
-        if self.info.num_slots == 0:
-            return False
-        slot = self.cache.victim(self.slot_experts, keep)
+        slot = self.choose_slot(self.cache, keep)
         if slot < 0:
             return False
-        self._put(expert, slot)
+        self.assign(expert, slot)
         return True
 
 
