@@ -27,6 +27,11 @@ class HybridMoEConfig:
         from: "model" (as loaded), "bfloat16", or weight-only "int8" / "int4" with one scale per
         `cpu_weight_group_size` columns. Quantised formats are approximate: fewer bytes per weight make
         bandwidth-bound CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md.
+    cuda_graph: on CUDA, capture each decode step of `generate()` as one CUDA graph (CPU experts run from host
+        functions inside it; slot decisions are made by tensor ops at replay). False: run decode uncaptured.
+    fills_per_step: inside a graph, the most missed experts one layer step may copy into slots (each is a PCIe
+        copy overlapping the following layers).
+    cpu_threads: threads the CPU experts use inside graphs; 0 means torch's current thread count.
     """
 
     expert_budget: float | int | str = 0.25
@@ -36,6 +41,9 @@ class HybridMoEConfig:
     prefetcher: str = "none"
     cpu_weight_dtype: str = "model"
     cpu_weight_group_size: int = 64
+    cuda_graph: bool = True
+    fills_per_step: int = 1
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
@@ -44,6 +52,12 @@ class HybridMoEConfig:
             self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32
         ):
             raise ValueError(f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}")
+        for name in ("fills_per_step", "cpu_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         self.budget_bytes()  # validates the budget's form
@@ -81,6 +95,9 @@ class HybridMoEConfig:
         if total is None:
             return math.floor(float(self.expert_budget) * num_experts + 1e-9)
         return min(num_experts, total // max(1, expert_bytes * num_layers))
+
+    def resolve_cpu_threads(self) -> int:
+        return self.cpu_threads or torch.get_num_threads()
 
     def resolve_device(self) -> torch.device:
         """The accelerator device; the CPU stands in for it when no CUDA device exists."""

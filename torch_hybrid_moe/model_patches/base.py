@@ -19,7 +19,9 @@ from transformers.integrations.moe import ExpertsInterface
 from ..config import HybridMoEConfig
 from ..ops.quantize import check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
+from ..policies.device_caching import device_ranking
 from ..runtime import ExpertStore, HybridMoELayer
+from ..runtime.decode_graphs import DecodeGraphs
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,7 +79,8 @@ def patch_with_spec(
     num_experts = first.gate_up_proj.shape[0]
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
     _check_fits(device, slots * expert_bytes * len(moe_layers))
-    _check_policies(config, LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes))
+    capture = device.type == "cuda" and config.cuda_graph
+    _check_policies(config, LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes), capture)
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts
@@ -96,7 +99,7 @@ def patch_with_spec(
     for (_, block), (_, nxt) in zip(moe_layers, moe_layers[1:]):
         block.experts._hybrid_moe_next = block.experts._hybrid_moe_layer.next_handle = nxt.experts._hybrid_moe_handle
     model.to(device)  # dense weights, attention, routers and shared experts
-    _compile_decode_with_backend(model)
+    _compile_decode_with_backend(model, capture)
     setattr(model, _PATCHED_ATTR, config)
     return model
 
@@ -168,12 +171,19 @@ def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None
                 raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r}: experts.{name}: {err}") from None
 
 
-def _check_policies(config: HybridMoEConfig, info: LayerInfo) -> None:
+def _check_policies(config: HybridMoEConfig, info: LayerInfo, capture: bool) -> None:
     """Build each policy once before anything changes: one that cannot run live (a cost-aware scheduler
-    without a cost model) fails here, not halfway through the layers."""
+    without a cost model) or, with `capture`, cannot run inside a CUDA graph fails here, not halfway through."""
     SCHEDULERS.create(config.scheduler, info=info)
-    CACHE_POLICIES.create(config.cache_policy, info=info)
+    cache = CACHE_POLICIES.create(config.cache_policy, info=info)
     PREFETCHERS.create(config.prefetcher, info=info)
+    if capture:
+        device_ranking(cache, info.num_experts, torch.device("cpu"))
+        for field, value, default in (("scheduler", config.scheduler, "cached_on_accelerator"),
+                                      ("prefetcher", config.prefetcher, "none")):
+            if value != default:
+                raise ValueError(f"{field} {value!r} has no replay-safe form for CUDA graphs yet (only {default!r}); "
+                                 "use HybridMoEConfig(cuda_graph=False) to run it uncaptured")
 
 
 def _check_fits(device: torch.device, slot_bytes: int) -> None:
@@ -187,8 +197,9 @@ def _check_fits(device: torch.device, slot_bytes: int) -> None:
         )
 
 
-def _compile_decode_with_backend(model: torch.nn.Module) -> None:
-    """Make plain `generate()` use a static cache and compile its decode step with `backend="hybrid_moe"`."""
+def _compile_decode_with_backend(model: torch.nn.Module, capture: bool) -> None:
+    """Make plain `generate()` use a static cache and compile its decode step with `backend="hybrid_moe"`;
+    with `capture`, each decode step then runs as one CUDA graph (runtime/decode_graphs.py)."""
     gen = getattr(model, "generation_config", None)
     if gen is None:
         return
@@ -196,3 +207,5 @@ def _compile_decode_with_backend(model: torch.nn.Module) -> None:
     compile_config = CompileConfig(fullgraph=True, backend="hybrid_moe", mode="default")
     compile_config._compile_all_devices = True  # transformers auto-compiles on CUDA only unless told
     gen.compile_config = compile_config
+    if capture:
+        model.get_compiled_call = DecodeGraphs(model).get_compiled_call

@@ -1,4 +1,5 @@
-"""Build and call the C++ CPU expert kernel (`csrc/moe_cpu.cpp`).
+"""Build and call the C++ CPU side: the expert kernel (`csrc/moe_cpu.cpp`) and the CUDA host-function
+bridge that runs it from inside captured graphs (`csrc/host_bridge.cpp`).
 
 The kernel is compiled on first use with torch's own extension builder (g++ and ninja; no CUDA toolkit),
 once per machine and torch version, and cached under torch's extensions directory. Where it cannot be
@@ -17,7 +18,8 @@ from types import ModuleType
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "moe_cpu.cpp", _CSRC / "rows_kernel.h")
+_COMPILED = (_CSRC / "module.cpp", _CSRC / "moe_cpu.cpp", _CSRC / "host_bridge.cpp")
+_SOURCES = (*_COMPILED, _CSRC / "moe_cpu.h", _CSRC / "rows_kernel.h")
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
 
 
@@ -32,7 +34,7 @@ def extension() -> ModuleType | None:
     try:
         return cpp_extension.load(
             name=f"hybrid_moe_cpu_{digest}",
-            sources=[str(_SOURCES[0])],
+            sources=[str(p) for p in _COMPILED],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -1,7 +1,8 @@
-"""The SiLU-gated expert FFN over routed (token, expert) pairs, as a per-expert torch loop.
+"""The SiLU-gated expert FFN over routed (token, expert) pairs in torch ops.
 
-It computes the accelerator slots' share on CUDA (one batched GEMM pair per expert suits a GPU), the
-CPU share where the C++ kernel cannot be built, and is the baseline the kernel benchmark compares with.
+`accumulate_experts_` is a per-expert loop: it computes the accelerator slots' share on CUDA in eager steps
+(one batched GEMM pair per expert suits a GPU), the CPU share where the C++ kernel cannot be built, and is
+the baseline the kernel benchmark compares with. `slot_experts_` is its capturable form for CUDA graphs.
 """
 
 from __future__ import annotations
@@ -45,4 +46,38 @@ def accumulate_experts_(
         gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w_down)
         out.index_add_(0, tokens, y.to(out.dtype) * flat_w[pairs].to(out.dtype).unsqueeze(-1))
+    return out
+
+
+def slot_experts_(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    slot_ids: torch.Tensor,
+    weights: torch.Tensor,
+    slot_gate_up: torch.Tensor,
+    slot_down: torch.Tensor,
+) -> torch.Tensor:
+    """out[t] += sum_k weights[t, k] * FFN_{slot_ids[t, k]}(hidden[t]) over pairs with slot id >= 0, with no host
+    synchronisation and only static shapes, so a CUDA graph can replay it under any routing.
+
+    It runs min(T * K, S) slots, the used ones first (padded with unused slots whose weight is zero), each on
+    all T tokens: at decode T * K is small, so this reads about the used experts' weights and no more.
+    """
+    num_tokens, num_k = slot_ids.shape
+    num_slots = slot_gate_up.shape[0]
+    valid = slot_ids >= 0
+    columns = torch.where(valid, slot_ids, num_slots).long()
+    dense = torch.zeros(num_tokens, num_slots + 1, dtype=torch.float32, device=hidden.device)
+    dense.scatter_add_(1, columns, weights.float() * valid)
+    run = min(num_tokens * num_k, num_slots)
+    w_gate_up, w_down, dense = slot_gate_up, slot_down, dense[:, :num_slots]
+    if run < num_slots:
+        used = torch.zeros(num_slots + 1, dtype=torch.int32, device=hidden.device)
+        used.scatter_add_(0, columns.flatten(), torch.ones_like(columns.flatten(), dtype=torch.int32))
+        order = torch.argsort(used[:num_slots], descending=True, stable=True)[:run]
+        w_gate_up, w_down, dense = slot_gate_up[order], slot_down[order], dense[:, order]
+    x = hidden.to(w_gate_up.dtype).T  # [H, T]
+    gate, up = torch.matmul(w_gate_up, x).chunk(2, dim=1)  # [run, I, T] each
+    y = torch.matmul(w_down, F.silu(gate) * up)  # [run, H, T]
+    out += torch.einsum("rht,tr->th", y.float(), dense)
     return out

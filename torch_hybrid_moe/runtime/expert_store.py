@@ -25,6 +25,7 @@ class ExpertStore(SlotMap):
     ) -> None:
         super().__init__(num_slots, gate_up.shape[0])
         self.device = device
+        self.version = 0  # bumped whenever the slot map changes, so a CUDA graph's device tables can follow
         pin = device.type == "cuda"
         self.host_gate_up = _host_copy(gate_up, pin)
         self.host_down = _host_copy(down, pin)
@@ -39,6 +40,7 @@ class ExpertStore(SlotMap):
     def load(self, expert: int, slot: int) -> int:
         """Copy `expert` from host into `slot` (evicting its occupant); returns the bytes moved."""
         self.assign(expert, slot)
+        self.version += 1
         if self._copy_stream is None:
             self._fill(slot, expert)
         else:

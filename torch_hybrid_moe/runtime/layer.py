@@ -9,6 +9,7 @@ from ..ops.expert_math import accumulate_experts_
 from ..ops.quantize import kernel_operands
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement
 from .expert_store import ExpertStore
+from .graph_path import GraphPath
 from .registry import register_layer
 from .stats import LayerStats
 
@@ -33,8 +34,24 @@ class HybridMoELayer:
         self.stats = LayerStats()
         self.next_handle: int | None = None
         self.handle = register_layer(self)
+        self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
+        self._graph_path: GraphPath | None = None
+
+    def graph_path(self) -> GraphPath:
+        """The replay-safe form of this layer's step, built on first use."""
+        if self._graph_path is None:
+            self._graph_path = GraphPath(self)
+        return self._graph_path
+
+    def settle(self) -> None:
+        """Bring slot tables and counters changed by graph replays back into the store and `stats`."""
+        if self._graph_path is not None:
+            self._graph_path.pull()
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.graph_mode:
+            return self.graph_path().forward(hidden, topk_ids, topk_weights)
+        self.settle()
         store = self.store
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
         flat = topk_ids.reshape(-1)

@@ -17,7 +17,8 @@
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count nor on which other tokens share the batch.
 
-#include <torch/extension.h>
+#include "moe_cpu.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -409,9 +410,4 @@ int64_t best_isa() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
 #endif
   return GENERIC;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output");
-  m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512");
 }

@@ -1,0 +1,161 @@
+"""The decode step as one CUDA graph: replay against the unpatched model, host functions, endurance, launches."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.embedded import load_model
+from torch_hybrid_moe.runtime import model_layers
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU; none on this machine"),
+]
+
+
+def _spy(model: torch.nn.Module) -> tuple[object, list[dict]]:
+    """The model's DecodeGraphs and a record of the decode-step arguments generate() hands it."""
+    runner = model.get_compiled_call.__self__
+    calls: list[dict] = []
+
+    def recording(compile_config: object):  # noqa: ANN202
+        runner.get_compiled_call(compile_config)
+
+        def step(**kwargs: object) -> object:
+            calls.append(kwargs)
+            return runner(**kwargs)
+
+        return step
+
+    model.get_compiled_call = recording
+    return runner, calls
+
+
+def _generate(model: torch.nn.Module, x: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out = model.generate(x, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits).double()
+
+
+def _routed(model: torch.nn.Module, x: torch.Tensor, steps: int) -> list[tuple]:
+    """Each decode step's expert ids in the first MoE layer of the reference."""
+    seen: list[tuple] = []
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    handle = experts.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[1].flatten().tolist())))
+    model.generate(x, max_new_tokens=steps, do_sample=False)
+    handle.remove()
+    return seen[1:]
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.25, 1.0])
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_graph_replay_matches_reference_for_32_steps(arch, budget):
+    ref = tiny_model(arch).cuda()
+    model = thm.patch_model(copy.deepcopy(ref).cpu(), expert_budget=budget, device="cuda", fills_per_step=2)
+    runner, calls = _spy(model)
+    x = torch.randint(3, 96, (2, 5), device="cuda")
+    with torch.no_grad():
+        want_tokens, want_logits = _generate(ref, x, 32)
+        got_tokens, got_logits = _generate(model, x, 32)
+    assert runner.captures == 1 and runner.replays == 31 == len(calls)
+    assert torch.equal(got_tokens, want_tokens)
+    assert ((got_logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+    routing = _routed(ref, x, 32)
+    assert sum(a != b for a, b in zip(routing, routing[1:])) > len(routing) // 2  # routing keeps changing
+    stats = thm.stats(model)
+    assert sum(s.steps for s in stats.values()) > 0
+    if 0 < budget < 1:
+        assert sum(s.hits for s in stats.values()) > 0 and sum(s.misses for s in stats.values()) > 0
+    for layer in model_layers(model).values():
+        assert layer.store.resident().count(True) == layer.store.num_slots  # tables pulled back intact
+        for buf in layer.graph_path()._buffers.values():
+            # every replay and the warm-up fired both host functions, and the worker ran each submission
+            assert buf.task.submits == buf.task.syncs == buf.task.runs == runner.replays + runner.captures
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_graph_on_equals_graph_off_with_quantised_cpu_weights(fmt):
+    ref = load_model("deepseek-tiny", dtype=torch.float32)[0]  # experts 32 wide
+    x = torch.randint(3, 96, (2, 5), device="cuda")
+    results = []
+    for graph in (True, False):
+        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, device="cuda", cuda_graph=graph,
+                                cpu_weight_dtype=fmt, cpu_weight_group_size=32, fills_per_step=2)
+        with torch.no_grad():
+            results.append(_generate(model, x, 16))
+    (tokens_on, logits_on), (tokens_off, logits_off) = results
+    assert torch.equal(tokens_on, tokens_off)
+    assert ((logits_on - logits_off).abs().max() / logits_off.abs().max()) < 1e-4
+
+
+def _captured_model() -> tuple[torch.nn.Module, object, dict]:
+    model = thm.patch_model(tiny_model("mixtral"), expert_budget=0.25, device="cuda")
+    runner, calls = _spy(model)
+    with torch.no_grad():
+        model.generate(torch.randint(3, 96, (1, 5), device="cuda"), max_new_tokens=4, do_sample=False)
+    return model, runner, calls[-1]
+
+
+def _replay_at_fixed_position(runner: object, kwargs: dict, n: int) -> None:
+    """Replay the same decode step n times (the cache length reset each time, so positions stay in range)."""
+    cache = kwargs["past_key_values"]
+    lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+    for _ in range(n):
+        for layer, length in zip(cache.layers, lengths):
+            layer.cumulative_length.copy_(length)
+        runner(**kwargs)
+
+
+def test_thousand_replays_no_deadlock_no_leak_with_a_busy_python_thread():
+    model, runner, kwargs = _captured_model()
+    tasks = [b.task for layer in model_layers(model).values() for b in layer.graph_path()._buffers.values()]
+    before_runs = [t.runs for t in tasks]
+    _replay_at_fixed_position(runner, kwargs, 10)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    stop = threading.Event()
+
+    def spin() -> None:  # holds the GIL as much as Python lets it
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    done = threading.Event()
+
+    def replays() -> None:
+        with torch.no_grad():
+            _replay_at_fixed_position(runner, kwargs, 1000)
+        torch.cuda.synchronize()
+        done.set()
+
+    worker = threading.Thread(target=replays, daemon=True)
+    worker.start()
+    worker.join(timeout=300)
+    stop.set()
+    busy.join()
+    assert done.is_set(), "1000 replays did not finish in 300 s: deadlock"
+    assert torch.cuda.memory_allocated() == allocated
+    assert [t.runs - b for t, b in zip(tasks, before_runs)] == [1010] * len(tasks)
+
+
+def test_profiler_shows_one_graph_launch_per_token_and_no_kernel_launches():
+    model, runner, kwargs = _captured_model()
+    _replay_at_fixed_position(runner, kwargs, 3)
+    torch.cuda.synchronize()
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _replay_at_fixed_position(runner, kwargs, 5)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert names.count("cudaGraphLaunch") == 5
+    assert not [n for n in names if n.startswith(("cudaLaunchKernel", "cuLaunchKernel"))]
+
+
+def test_graph_off_runs_uncaptured():
+    model = thm.patch_model(tiny_model("mixtral"), expert_budget=0.25, device="cuda", cuda_graph=False)
+    assert "get_compiled_call" not in vars(model)

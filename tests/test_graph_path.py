@@ -1,0 +1,214 @@
+"""The replay-safe layer step and its parts, on any machine: the CPU task bridge, the static-shape slot
+experts, masked row copies, and the cache policies' tensor forms against their Python forms."""
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.embedded import load_model
+from torch_hybrid_moe.ops import cpu_kernel
+from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
+from torch_hybrid_moe.ops.row_copy import copy_rows_
+from torch_hybrid_moe.policies import CACHE_POLICIES, LayerInfo
+from torch_hybrid_moe.policies.device_caching import DEVICE_CACHE_POLICIES, admissions, device_ranking
+from torch_hybrid_moe.runtime import model_layers
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
+
+needs_kernel = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ CPU kernel could not be built here")
+
+
+def _routing(tokens: int, k: int, experts: int, drop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    ids[torch.rand(ids.shape) < drop] = -1
+    return ids, torch.rand(tokens, k)
+
+
+def _experts(e: int = 6, h: int = 32, i: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(e, 2 * i, h) / h**0.5, torch.randn(e, h, i) / i**0.5
+
+
+@needs_kernel
+def test_cpu_task_runs_the_kernel_on_its_buffers_each_submission():
+    gate_up, down = _experts()
+    hidden, ids, weights, out = torch.randn(5, 32), *_routing(5, 2, 6, drop=0.3), torch.full((5, 32), float("nan"))
+    task = cpu_kernel.extension().CpuTask(hidden, ids, weights, gate_up, None, down, None, out, 2)
+    for round_ in range(3):
+        hidden.copy_(torch.randn(5, 32))  # the task reads the buffers as they are when it runs
+        task.submit()
+        task.wait()
+        want = accumulate_experts_(torch.zeros(5, 32, dtype=torch.float64), hidden.double(), ids, weights.double(),
+                                   gate_up.double(), down.double())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        assert task.submits == task.syncs == task.runs == round_ + 1
+
+
+@needs_kernel
+def test_cpu_task_error_reaches_python_and_wait_without_submit_returns():
+    gate_up, down = _experts()
+    ids = torch.full((2, 2), 9)  # expert 9 of 6: the kernel refuses it on the worker thread
+    task = cpu_kernel.extension().CpuTask(torch.randn(2, 32), ids, torch.rand(2, 2), gate_up, None, down, None,
+                                          torch.zeros(2, 32), 1)
+    task.wait()  # nothing submitted: must not block
+    task.submit()
+    task.wait()
+    assert "9" in cpu_kernel.extension().take_task_error()
+    assert cpu_kernel.extension().take_task_error() == ""
+
+
+@needs_kernel
+def test_cpu_task_rejects_bad_buffers():
+    gate_up, down = _experts()
+    with pytest.raises(RuntimeError, match="int64 ids"):
+        cpu_kernel.extension().CpuTask(torch.randn(2, 32), torch.zeros(2, 2, dtype=torch.int32), torch.rand(2, 2),
+                                       gate_up, None, down, None, torch.zeros(2, 32), 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA driver exists")
+@needs_kernel
+def test_host_function_launch_without_a_driver_is_a_clear_error():
+    gate_up, down = _experts()
+    task = cpu_kernel.extension().CpuTask(torch.randn(1, 32), torch.zeros(1, 2, dtype=torch.int64), torch.rand(1, 2),
+                                          gate_up, None, down, None, torch.zeros(1, 32), 1)
+    with pytest.raises(RuntimeError, match="libcuda|cuLaunchHostFunc"):
+        task.launch_submit(0)
+
+
+@pytest.mark.parametrize("tokens,k,slots", [(1, 2, 4), (3, 2, 4), (2, 2, 2), (4, 3, 8)])
+def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots):
+    gate_up, down = _experts(e=slots)
+    hidden = torch.randn(tokens, 32)
+    ids, weights = _routing(tokens, k, slots, drop=0.4)
+    want = accumulate_experts_(torch.zeros(tokens, 32, dtype=torch.float64), hidden.double(), ids, weights.double(),
+                               gate_up.double(), down.double())
+    got = slot_experts_(torch.zeros(tokens, 32), hidden, ids, weights, gate_up, down)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_copy_rows_copies_only_rows_with_a_source():
+    src, dst = torch.randn(5, 3, 4), torch.randn(4, 3, 4)
+    before = dst.clone()
+    copy_rows_(dst, torch.tensor([2, 0, 3]), src, torch.tensor([4, -1, 1]))
+    want = before.clone()
+    want[2], want[3] = src[4], src[1]
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="differ"):
+        copy_rows_(dst, torch.tensor([0]), src.double(), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("name", DEVICE_CACHE_POLICIES)
+def test_tensor_form_ranks_like_the_python_policy(name):
+    rng = random.Random(0)
+    info = LayerInfo(0, 8, 3, 1)
+    policy = CACHE_POLICIES.create(name, info=info)
+    ranking = device_ranking(policy, 8, torch.device("cpu"))
+    for _ in range(20):
+        counts = [rng.choice([0, 0, 1, 3]) for _ in range(8)]
+        scores = [c * rng.random() for c in counts]
+        may = ranking.update(torch.tensor(counts, dtype=torch.float32), torch.tensor(scores, dtype=torch.float32))
+        if name == "lru":  # LRU records its clock while admitting
+            policy.admit(counts, [False] * 8, scores)
+            python_values, changes = policy.last_used, True
+        else:
+            changes = policy.observe(counts, scores)
+            python_values = [policy.value(e) for e in range(8)]
+        torch.testing.assert_close(ranking.values.double(), torch.tensor(python_values, dtype=torch.float64),
+                                   rtol=1e-6, atol=1e-6)
+        if name == "dali_window":
+            assert bool(may) == changes
+
+
+def test_tensor_form_of_an_offline_policy_is_refused():
+    info = LayerInfo(0, 4, 2, 1)
+    with pytest.raises(ValueError, match="no tensor form"):
+        device_ranking(CACHE_POLICIES.create("belady", info=info, future=[set()]), 4, torch.device("cpu"))
+
+
+def _best_swaps(values, active, expert_slot, slot_expert, fills):  # noqa: ANN001, ANN202
+    """Brute force: the admission set maximising the total value held after at most `fills` swaps, where each
+    newcomer must be worth more than the occupant it replaces (free slots are worth -inf)."""
+    missing = [e for e in range(len(values)) if active[e] and expert_slot[e] < 0]
+    held = [values[e] if e >= 0 else float("-inf") for e in slot_expert]
+    best = (0.0, 0)
+    for n in range(1, fills + 1):
+        for newcomers in itertools.combinations(missing, n):
+            for slots in itertools.permutations(range(len(slot_expert)), n):
+                if all(values[e] > held[s] for e, s in zip(newcomers, slots)):
+                    gain = sum(values[e] - max(held[s], 0.0) for e, s in zip(newcomers, slots))
+                    best = max(best, (gain, n))
+    return best
+
+
+def test_admissions_equal_brute_force_best_swaps():
+    rng = random.Random(1)
+    for _ in range(150):
+        experts, slots, fills = 7, rng.randint(1, 4), rng.randint(1, 3)
+        fills = min(fills, slots)
+        occupants = rng.sample(range(experts), rng.randint(0, slots))
+        slot_expert = occupants + [-1] * (slots - len(occupants))
+        rng.shuffle(slot_expert)
+        expert_slot = [-1] * experts
+        for s, e in enumerate(slot_expert):
+            if e >= 0:
+                expert_slot[e] = s
+        values = [float(rng.randint(0, 9)) + rng.random() for _ in range(experts)]
+        active = [rng.random() < 0.5 for _ in range(experts)]
+        expert, slot = admissions(torch.tensor(values), torch.tensor(True), torch.tensor(active),
+                                  torch.tensor(expert_slot), torch.tensor(slot_expert), fills)
+        chosen = [(int(e), int(s)) for e, s in zip(expert, slot) if e >= 0]
+        held = [values[e] if e >= 0 else float("-inf") for e in slot_expert]
+        assert all(active[e] and expert_slot[e] < 0 and values[e] > held[s] for e, s in chosen)
+        assert len({s for _, s in chosen}) == len(chosen)
+        gain = sum(values[e] - max(held[s], 0.0) for e, s in chosen)
+        best_gain, best_n = _best_swaps(values, active, expert_slot, slot_expert, fills)
+        assert gain == pytest.approx(best_gain) and len(chosen) == best_n
+
+
+@needs_kernel
+@pytest.mark.parametrize("budget", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_replay_safe_path_matches_reference_model(reference_models, arch, budget):
+    """The graph path run step by step (host functions called directly) against unpatched transformers."""
+    ref = reference_models[arch]
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=budget, fills_per_step=2)
+    layers = model_layers(model).values()
+    for layer in layers:
+        layer.graph_mode = True
+    with torch.no_grad():
+        for _ in range(3):  # slots change between steps
+            x = torch.randint(3, 96, (2, 6))
+            want, got = ref(x).logits.double(), model(x).logits.double()
+            assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    stats = thm.stats(model)
+    for layer in layers:
+        assert sorted(e for e in layer.store.slot_experts if e >= 0) == sorted(
+            e for e, s in enumerate(layer.store.expert_slot) if s >= 0)
+        assert [layer.store.slot_experts[s] for s in layer.store.expert_slot if s >= 0] == [
+            e for e, s in enumerate(layer.store.expert_slot) if s >= 0]
+    assert all(s.steps == 3 and s.hits + s.misses > 0 for s in stats.values())
+    if budget == 0.0:
+        assert all(s.hits == 0 for s in stats.values())
+    if budget == 1.0:
+        assert all(s.misses == 0 for s in stats.values())
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
+    ref = load_model("deepseek-tiny", dtype=torch.float32)[0]  # experts 32 wide
+    results = []
+    for graph in (True, False):
+        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.5, cpu_weight_dtype=fmt, cpu_weight_group_size=32,
+                                fills_per_step=2, cache_policy="lfu")
+        for layer in model_layers(model).values():
+            layer.graph_mode = graph
+        torch.manual_seed(3)
+        with torch.no_grad():
+            results.append([model(torch.randint(3, 96, (2, 6))).logits for _ in range(4)])
+        if graph:
+            assert sum(s.bytes_transferred for s in thm.stats(model).values()) > 0  # slots were refilled
+    for on, off in zip(*results):
+        assert ((on - off).abs().max() / off.abs().max()) < 1e-5

@@ -1,0 +1,8 @@
+// The Python module of the CPU side: expert kernel plus the CUDA host-function bridge.
+#include "moe_cpu.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output");
+  m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512");
+  bind_host_bridge(m);
+}

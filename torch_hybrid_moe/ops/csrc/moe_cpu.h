@@ -1,0 +1,15 @@
+// The CPU expert kernel's entry points, shared by its Python binding and the CUDA host-function bridge.
+#pragma once
+
+#include <torch/extension.h>
+
+// out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0.
+void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
+                 const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, at::Tensor& out);
+
+// The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512.
+int64_t best_isa();
+
+// Adds the host-function bridge (host_bridge.cpp) to the module.
+void bind_host_bridge(pybind11::module_& m);

@@ -1,0 +1,114 @@
+"""Cache policies as tensor functions, for steps replayed from a CUDA graph.
+
+A replayed graph runs no Python, so the slot decisions of a captured decode step are made by tensor ops on
+the device: each cache policy's ranking (`values`, the same numbers its Python form ranks by, tested equal)
+is updated in place from the step's per-expert token counts and summed router scores; then `admissions`
+pairs the best missed experts with the least valuable slots, at most `fills` per layer step (each admission
+is a PCIe copy that must finish inside the step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .caching import LFU, LRU, MinusRecentScore, WorkloadWindow
+
+
+class DeviceRanking:
+    """Per-expert values of one layer, kept in device tensors and updated without host synchronisation."""
+
+    def __init__(self, num_experts: int, device: torch.device) -> None:
+        self.values = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Record one step (float counts and scores per expert); returns whether the slots may change now."""
+        self.step += 1
+        self._observe(counts, scores)
+        return torch.ones((), dtype=torch.bool, device=counts.device)
+
+    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class LRURanking(DeviceRanking):
+    """value = the step an expert was last used (LRU's clock; -1: never)."""
+
+    def __init__(self, num_experts: int, device: torch.device) -> None:
+        super().__init__(num_experts, device)
+        self.values.fill_(-1)
+
+    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        self.values.copy_(torch.where(counts > 0, self.step.float(), self.values))
+
+
+class LFURanking(DeviceRanking):
+    """value = tokens routed to the expert so far."""
+
+    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        self.values += counts
+
+
+class MRSRanking(DeviceRanking):
+    """HybriMoE's minus-recent score: S = alpha * s + (1 - alpha) * S."""
+
+    def __init__(self, num_experts: int, device: torch.device, alpha: float) -> None:
+        super().__init__(num_experts, device)
+        self.alpha = alpha
+
+    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        self.values.mul_(1 - self.alpha).add_(scores, alpha=self.alpha)
+
+
+class WindowRanking(DeviceRanking):
+    """DALI's window: tokens routed in the last `w_size` steps (a ring of steps); slots change every `u_size`."""
+
+    def __init__(self, num_experts: int, device: torch.device, w_size: int, u_size: int) -> None:
+        super().__init__(num_experts, device)
+        self.u_size = u_size
+        self.ring = torch.zeros(w_size, num_experts, dtype=torch.float32, device=device)
+
+    def update(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        super().update(counts, scores)
+        return self.step % self.u_size == 0
+
+    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        self.ring.index_copy_(0, (self.step % self.ring.shape[0]).reshape(1), counts.reshape(1, -1))
+        torch.sum(self.ring, 0, out=self.values)
+
+
+def device_ranking(policy: object, num_experts: int, device: torch.device) -> DeviceRanking:
+    """The tensor form of a live cache policy object, with its parameters."""
+    if isinstance(policy, LRU):
+        return LRURanking(num_experts, device)
+    if isinstance(policy, LFU):
+        return LFURanking(num_experts, device)
+    if isinstance(policy, MinusRecentScore):
+        return MRSRanking(num_experts, device, policy.alpha)
+    if isinstance(policy, WorkloadWindow):
+        return WindowRanking(num_experts, device, policy.w_size, policy.u_size)
+    raise ValueError(
+        f"cache policy {type(policy).__name__} has no tensor form, so it cannot run inside a CUDA graph; "
+        f"use one of {', '.join(DEVICE_CACHE_POLICIES)} or HybridMoEConfig(cuda_graph=False)"
+    )
+
+
+DEVICE_CACHE_POLICIES = ("lru", "lfu", "mrs", "dali_window")
+
+
+def admissions(
+    values: torch.Tensor, may_change: torch.Tensor, active: torch.Tensor, expert_slot: torch.Tensor,
+    slot_expert: torch.Tensor, fills: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `fills` (missed expert, slot) pairs: the i-th most valuable active non-resident expert takes the i-th
+    least valuable slot (a free slot first) when it is worth more; -1 expert where no admission happens.
+
+    expert_slot [E] (-1: not resident) and slot_expert [S] (-1: free) are the current tables.
+    """
+    neg = torch.tensor(float("-inf"), device=values.device)
+    candidates = torch.where(active & (expert_slot < 0) & may_change, values, neg)
+    cand_value, cand = candidates.topk(fills)
+    held = torch.where(slot_expert >= 0, values[slot_expert.clamp(min=0)], neg)
+    victim_value, victim = (-held).topk(fills)
+    admit = (cand_value > neg) & (cand_value > -victim_value)
+    return torch.where(admit, cand, -1), victim

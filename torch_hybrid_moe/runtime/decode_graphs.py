@@ -1,0 +1,137 @@
+"""The whole decode step of `generate()` as one CUDA graph per input signature.
+
+transformers calls `model.get_compiled_call(...)` for its decode steps (prefill stays uncaptured). For a
+patched model on CUDA that call returns a `DecodeGraphs`: on the first decode step of a batch size it warms the
+hybrid_moe-compiled forward up on a side stream and captures it, with every MoE layer on its replay-safe path
+(`graph_path.py`), into one graph; each later step copies its inputs into the graph's static buffers and
+replays it: one launch per token. The static KV cache (fixed addresses, a device-side length counter) makes
+the step capturable; signatures it cannot capture run the compiled forward uncaptured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import StaticCache, StaticLayer
+
+from .graph_path import check_task_errors, fill_stream, note_replay
+from .layer import HybridMoELayer
+from .stats import model_layers
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: object
+
+
+class DecodeGraphs:
+    """Captures and replays `compiled(**kwargs)` of one model, keyed by shapes, dtypes, flags and cache buffers."""
+
+    def __init__(self, model: torch.nn.Module, max_graphs: int = 8) -> None:
+        self.model = model
+        self.layers: list[HybridMoELayer] = list(model_layers(model).values())
+        self.device = self.layers[0].store.device
+        self.max_graphs = max_graphs
+        self.compiled: Callable | None = None
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.captures = 0
+        self.replays = 0
+
+    def get_compiled_call(self, compile_config: object) -> DecodeGraphs:
+        """Stands in for the model's own method: compile as transformers would, then capture around it."""
+        self.compiled = type(self.model).get_compiled_call(self.model, compile_config)
+        return self
+
+    def __call__(self, **kwargs: object) -> object:
+        key = self._key(kwargs)
+        if key is None:
+            return self.compiled(**kwargs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, kwargs)
+        self.graphs.move_to_end(key)
+        for name, buf in entry.inputs.items():
+            buf.copy_(kwargs[name], non_blocking=True)
+        for layer in self.layers:
+            layer.graph_path().prepare_replay()
+        entry.graph.replay()
+        self.replays += 1
+        note_replay()
+        check_task_errors()
+        return entry.output
+
+    def _key(self, kwargs: dict[str, object]) -> tuple | None:
+        """What a captured graph is valid for; None when this call cannot be captured."""
+        cache = kwargs.get("past_key_values")
+        if type(cache) is not StaticCache or not all(
+            type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers
+        ):
+            return None
+        parts = []
+        for name, value in sorted(kwargs.items()):
+            if isinstance(value, torch.Tensor):
+                if value.device != self.device:
+                    return None
+                parts.append((name, tuple(value.shape), value.dtype))
+            elif name != "past_key_values":
+                try:
+                    hash(value)
+                except TypeError:
+                    return None
+                parts.append((name, value))
+        # The graph writes into this cache's buffers: a new cache object needs its own graph.
+        parts.append(tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)))
+        return tuple(parts)
+
+    def _capture(self, key: tuple, kwargs: dict[str, object]) -> _Captured:
+        if len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        inputs = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        static = {**kwargs, **inputs}
+        cache = kwargs["past_key_values"]
+        lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+        with self._graph_mode():
+            # Warm up (compilation, Triton and allocator) without moving the decode state: undo the cache length
+            # bump and the layers' counters afterwards (the KV row it wrote is rewritten by the real step).
+            counters = [layer.graph_path().counters.clone() for layer in self.layers]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.compiled(**static)
+                self._join_fills()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            check_task_errors()
+            for layer, saved in zip(self.layers, counters):
+                layer.graph_path().counters.copy_(saved)
+            for cache_layer, length in zip(cache.layers, lengths):
+                cache_layer.cumulative_length.copy_(length)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                output = self.compiled(**static)
+                self._join_fills()
+        self.captures += 1
+        self.graphs[key] = entry = _Captured(graph, inputs, output)
+        return entry
+
+    def _join_fills(self) -> None:
+        """Slot fills overlap the following layers; the step (and its graph) ends when they are done."""
+        torch.cuda.current_stream(self.device).wait_stream(fill_stream(self.device))
+
+    @contextlib.contextmanager
+    def _graph_mode(self) -> Iterator[None]:
+        for layer in self.layers:
+            layer.settle()
+            layer.graph_path().prepare_replay()
+            layer.graph_mode = True
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.graph_mode = False

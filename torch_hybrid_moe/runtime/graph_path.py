@@ -1,0 +1,239 @@
+"""One MoE layer's step in a form a CUDA graph can capture once and replay under any routing.
+
+Per step, in stream order: look up each routed expert's slot in a device table; copy the hidden states, the
+CPU's (token, expert) pairs and the routing weights into pinned buffers; the `submit` host function hands the
+CPU share to the worker thread; the GPU computes the slot share (static shapes, `slot_experts_`); the `sync`
+host function waits for the CPU; its fp32 output is copied in and added. Then, on a side stream overlapping the
+following layers, the cache policy's tensor form updates its ranking and admits up to `fills_per_step` missed
+experts: a Triton kernel copies them from the pinned host master into the slots the ranking gives up, and the
+slot tables are updated. No decision that depends on routing is taken in Python, so none is frozen at capture.
+
+Without CUDA the same code runs eagerly (host functions called directly, torch indexing for the copies), which
+is how the CPU-only test suite checks this path against the reference model.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..ops.cpu_kernel import extension
+from ..ops.expert_math import slot_experts_
+from ..ops.quantize import QuantizedWeight, dequantize, kernel_operands
+from ..ops.row_copy import copy_rows_, device_view
+from ..policies.device_caching import admissions, device_ranking
+
+if TYPE_CHECKING:
+    from .layer import HybridMoELayer
+
+_replays = itertools.count(1)
+_last_replay = [0]
+
+
+def note_replay() -> None:
+    """Called after each graph replay: device-side slot tables are now newer than the Python ones."""
+    _last_replay[0] = next(_replays)
+
+
+@functools.cache
+def fill_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream all layers' slot fills run on (PCIe moves one copy at a time anyway)."""
+    return torch.cuda.Stream(device)
+
+
+def check_task_errors() -> None:
+    """Raise the first exception a CPU task hit on the worker thread (it cannot raise into CUDA's callback)."""
+    err = extension().take_task_error()
+    if err:
+        raise RuntimeError(f"hybrid_moe CPU expert task failed: {err}")
+
+
+@dataclass
+class _TaskBuffers:
+    hidden: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+    task: object  # the extension's CpuTask
+
+
+class GraphPath:
+    """The replay-safe step of one layer; its slot tables are the device copy of the store's `SlotMap`."""
+
+    # Counters accumulated on the device, folded into LayerStats when the tables are pulled.
+    COUNTERS = ("steps", "tokens", "hits", "misses", "admitted")
+
+    def __init__(self, layer: HybridMoELayer) -> None:
+        if extension() is None:
+            raise RuntimeError("the CUDA graph path needs the C++ CPU kernel, which could not be built here")
+        self.layer = layer
+        store = layer.store
+        self.device = store.device
+        self.num_experts, self.num_slots = store.num_experts, store.num_slots
+        self.fills = min(layer.config.fills_per_step, self.num_slots)
+        self.ranking = device_ranking(layer.cache_policy, self.num_experts, self.device)
+        self.expert_slot = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
+        self.slot_expert = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
+        self.counters = torch.zeros(len(self.COUNTERS), dtype=torch.float64, device=self.device)
+        self._buffers: dict[tuple, _TaskBuffers] = {}
+        self._host = {name: self._readable(getattr(store, f"host_{name}")) for name in ("gate_up", "down")}
+        self.pushed_version = -1
+        self.pulled_replay = _last_replay[0]
+        self.push()
+
+    def _readable(self, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        """The host master as the fill kernel reads it: device-mapped views of the pinned memory on CUDA."""
+        if self.device.type != "cuda":
+            return weight
+        if isinstance(weight, QuantizedWeight):
+            return QuantizedWeight(device_view(weight.data, self.device), device_view(weight.scale, self.device),
+                                   weight.bits, weight.group_size)
+        return device_view(weight, self.device)
+
+    # -- keeping the device tables and the store's SlotMap in step ------------------------------------------
+
+    def push(self) -> None:
+        """Copy the store's slot map (changed by eager steps) into the device tables."""
+        store = self.layer.store
+        self.expert_slot.copy_(torch.tensor(store.expert_slot, dtype=torch.int64))
+        self.slot_expert.copy_(torch.tensor(store.slot_experts, dtype=torch.int64))
+        self.pushed_version = store.version
+
+    def pull(self) -> None:
+        """After replays: bring the device tables and counters back into the store and the layer's stats."""
+        if self.pulled_replay == _last_replay[0]:
+            return
+        store = self.layer.store
+        store.slot_experts[:] = self.slot_expert.tolist()
+        store.expert_slot[:] = self.expert_slot.tolist()
+        store.version += 1
+        self.pushed_version = store.version
+        steps, tokens, hits, misses, admitted = (int(v) for v in self.counters.tolist())
+        self.counters.zero_()
+        s = self.layer.stats
+        s.steps += steps
+        s.tokens += tokens
+        s.hits += hits
+        s.misses += misses
+        s.accelerator_experts += hits
+        s.cpu_experts += misses
+        s.bytes_transferred += admitted * store.expert_bytes
+        self.pulled_replay = _last_replay[0]
+
+    def prepare_replay(self) -> None:
+        """Before a replay: eager steps may have moved experts; make the device tables current."""
+        if self.pushed_version != self.layer.store.version:
+            self.push()
+        self.layer.store.wait_for_copies()
+
+    # -- the step ---------------------------------------------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        store = self.layer.store
+        self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
+        ids = topk_ids.long()
+        slot_of = self.expert_slot[ids]
+        on_slots = slot_of >= 0
+        acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        buf = None
+        if self.num_slots < self.num_experts:
+            buf = self._task_buffers(hidden, ids)
+            buf.hidden.copy_(hidden, non_blocking=True)
+            buf.ids.copy_(torch.where(on_slots, -1, ids), non_blocking=True)
+            buf.weights.copy_(topk_weights, non_blocking=True)
+            self._launch(buf.task, "submit")
+        if self.num_slots:
+            slot_experts_(acc, hidden, torch.where(on_slots, slot_of, -1), topk_weights, store.slot_gate_up,
+                          store.slot_down)
+        if buf is not None:
+            self._launch(buf.task, "sync")
+            acc += buf.out.to(acc.device, non_blocking=True)
+        self._account_and_admit(ids, topk_weights)
+        return acc.to(hidden.dtype)
+
+    def _task_buffers(self, hidden: torch.Tensor, ids: torch.Tensor) -> _TaskBuffers:
+        """Static pinned buffers and the CPU task bound to them, one set per (tokens, top-k, dtype)."""
+        key = (*ids.shape, hidden.dtype)
+        if key not in self._buffers:
+            pin = self.device.type == "cuda"
+            store = self.layer.store
+            hid = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=pin)
+            cpu_ids = torch.empty(ids.shape, dtype=torch.int64, pin_memory=pin)
+            weights = torch.empty(ids.shape, dtype=torch.float32, pin_memory=pin)
+            out = torch.empty(hidden.shape, dtype=torch.float32, pin_memory=pin)
+            gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
+            down, down_scale = kernel_operands(store.host_down)
+            task = extension().CpuTask(hid, cpu_ids, weights, gate_up, gate_up_scale, down, down_scale, out,
+                                       self.layer.config.resolve_cpu_threads())
+            self._buffers[key] = _TaskBuffers(hid, cpu_ids, weights, out, task)
+        return self._buffers[key]
+
+    def _launch(self, task: object, what: str) -> None:
+        """On CUDA: a host function in the current stream (captured into the graph); else: call it now."""
+        if self.device.type == "cuda":
+            getattr(task, f"launch_{what}")(torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            (task.submit if what == "submit" else task.wait)()
+
+    def _account_and_admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Counters, the ranking update and slot fills; on CUDA on the fill stream, after this layer's compute."""
+        if self.device.type != "cuda":
+            self._admit(ids, weights)
+            return
+        stream = fill_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in (ids, weights):  # freed on the compute stream while the fill stream may still read them
+            t.record_stream(stream)
+        with torch.cuda.stream(stream):
+            self._admit(ids, weights)
+
+    def _admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        flat = ids.flatten()
+        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        scores = torch.zeros_like(counts).scatter_add_(0, flat, weights.flatten().float())
+        active = counts > 0
+        resident = self.expert_slot >= 0
+        may_change = self.ranking.update(counts, scores)
+        admitted = torch.zeros((), dtype=torch.float64, device=ids.device)
+        if self.fills:
+            expert, slot = admissions(self.ranking.values, may_change, active, self.expert_slot, self.slot_expert,
+                                      self.fills)
+            self._fill(expert, slot)
+            admitted = (expert >= 0).sum().double()
+        self.counters += torch.stack((
+            torch.ones((), dtype=torch.float64, device=ids.device),
+            torch.tensor(float(ids.shape[0]), dtype=torch.float64, device=ids.device),
+            (active & resident).sum().double(), (active & ~resident).sum().double(), admitted,
+        ))
+
+    def _fill(self, expert: torch.Tensor, slot: torch.Tensor) -> None:
+        """Copy admitted experts (id >= 0) into their slots from the host master, then update the tables."""
+        store = self.layer.store
+        for dst, src in ((store.slot_gate_up, self._host["gate_up"]), (store.slot_down, self._host["down"])):
+            if isinstance(src, QuantizedWeight):  # cross PCIe quantised, dequantise on the device
+                staged = [torch.empty((expert.numel(), *t.shape[1:]), dtype=t.dtype, device=self.device)
+                          for t in (src.data, src.scale)]
+                rows = torch.arange(expert.numel(), device=self.device)
+                copy_rows_(staged[0], rows, src.data, expert)
+                copy_rows_(staged[1], rows, src.scale, expert)
+                copy_rows_(dst, slot, dequantize(*staged, src.bits, src.group_size).to(dst.dtype),
+                           torch.where(expert >= 0, rows, -1))
+            else:
+                copy_rows_(dst, slot, src, expert)
+        admit = expert >= 0
+        evicted = self.slot_expert[slot]
+        _set_rows(self.expert_slot, torch.where(admit & (evicted >= 0), evicted, self.num_experts), -1)
+        _set_rows(self.expert_slot, torch.where(admit, expert, self.num_experts), slot)
+        _set_rows(self.slot_expert, torch.where(admit, slot, self.num_slots), expert)
+
+
+def _set_rows(table: torch.Tensor, index: torch.Tensor, value: torch.Tensor | int) -> None:
+    """table[index[i]] = value[i], where index == len(table) means "skip": a masked scatter with static shapes."""
+    padded = torch.cat((table, table.new_full((1,), -1)))
+    padded[index] = value if isinstance(value, torch.Tensor) else torch.full_like(index, value)
+    table.copy_(padded[:-1])
