@@ -100,9 +100,10 @@ def _captured_model() -> tuple[torch.nn.Module, object, dict]:
 
 
 def _replay_at_fixed_position(runner: object, kwargs: dict, n: int) -> None:
-    """Replay the same decode step n times (the cache length reset each time, so positions stay in range)."""
+    """Replay the last decode step of a generate() n more times (the cache length put back to where that step
+    started each time, so positions stay in range)."""
     cache = kwargs["past_key_values"]
-    lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+    lengths = [layer.cumulative_length.clone() - 1 for layer in cache.layers]
     for _ in range(n):
         for layer, length in zip(cache.layers, lengths):
             layer.cumulative_length.copy_(length)

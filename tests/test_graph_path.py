@@ -173,7 +173,7 @@ def test_admissions_equal_brute_force_best_swaps():
 def test_replay_safe_path_matches_reference_model(reference_models, arch, budget):
     """The graph path run step by step (host functions called directly) against unpatched transformers."""
     ref = reference_models[arch]
-    model = thm.patch_model(copy.deepcopy(ref), expert_budget=budget, fills_per_step=2)
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=budget, device="cpu", fills_per_step=2)
     layers = model_layers(model).values()
     for layer in layers:
         layer.graph_mode = True
@@ -201,7 +201,7 @@ def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
     ref = load_model("deepseek-tiny", dtype=torch.float32)[0]  # experts 32 wide
     results = []
     for graph in (True, False):
-        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.5, cpu_weight_dtype=fmt, cpu_weight_group_size=32,
+        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.5, device="cpu", cpu_weight_dtype=fmt, cpu_weight_group_size=32,
                                 fills_per_step=2, cache_policy="lfu")
         for layer in model_layers(model).values():
             layer.graph_mode = graph

@@ -4,7 +4,7 @@
     model = torch.compile(model, backend="hybrid_moe")
 """
 
-from . import ops  # registers torch.ops.hybrid_moe.*
+from . import compile_passes, ops  # registers torch.ops.hybrid_moe.* and the hybrid_moe backend
 from .config import HybridMoEConfig
 from .model_patches import patch_model
 from .runtime import LayerStats, reset_stats, stats

@@ -4,4 +4,16 @@ from .backend import hybrid_moe_backend
 from .moe_regions import find_experts_regions, rewrite_experts_regions
 from .prefetch import insert_prefetch
 
+
+def _register_backend() -> None:
+    """The entry point registers `backend="hybrid_moe"` for installed copies; importing the package does it too
+    (a source checkout on the path has no entry point)."""
+    import torch._dynamo
+
+    if "hybrid_moe" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(hybrid_moe_backend, name="hybrid_moe")
+
+
+_register_backend()
+
 __all__ = ["find_experts_regions", "hybrid_moe_backend", "insert_prefetch", "rewrite_experts_regions"]

@@ -105,7 +105,7 @@ def admissions(
 
     expert_slot [E] (-1: not resident) and slot_expert [S] (-1: free) are the current tables.
     """
-    neg = torch.tensor(float("-inf"), device=values.device)
+    neg = float("-inf")  # a Python scalar: no host-to-device copy inside a graph capture
     candidates = torch.where(active & (expert_slot < 0) & may_change, values, neg)
     cand_value, cand = candidates.topk(fills)
     held = torch.where(slot_expert >= 0, values[slot_expert.clamp(min=0)], neg)

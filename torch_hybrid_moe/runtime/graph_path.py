@@ -199,6 +199,7 @@ class GraphPath:
         active = counts > 0
         resident = self.expert_slot >= 0
         may_change = self.ranking.update(counts, scores)
+        # Device-made constants only (torch.full): a host-to-device copy cannot be captured.
         admitted = torch.zeros((), dtype=torch.float64, device=ids.device)
         if self.fills:
             expert, slot = admissions(self.ranking.values, may_change, active, self.expert_slot, self.slot_expert,
@@ -207,7 +208,7 @@ class GraphPath:
             admitted = (expert >= 0).sum().double()
         self.counters += torch.stack((
             torch.ones((), dtype=torch.float64, device=ids.device),
-            torch.tensor(float(ids.shape[0]), dtype=torch.float64, device=ids.device),
+            torch.full((), float(ids.shape[0]), dtype=torch.float64, device=ids.device),
             (active & resident).sum().double(), (active & ~resident).sum().double(), admitted,
         ))
 

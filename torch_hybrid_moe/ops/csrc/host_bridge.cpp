@@ -105,6 +105,11 @@ class CpuTask {
     TORCH_CHECK(ids_.scalar_type() == at::kLong && weights_.scalar_type() == at::kFloat &&
                     out_.scalar_type() == at::kFloat && out_.sizes() == hidden_.sizes(),
                 "expected int64 ids, fp32 weights and an fp32 output shaped like hidden");
+    // Check shapes and formats here, on the caller's thread, by a run with no pairs: the worker must not throw
+    // (an exception built on a thread Python does not know can crash the interpreter).
+    at::Tensor none = at::full_like(ids_, -1);
+    at::Tensor scratch = at::zeros_like(out_);
+    moe_experts(hidden_, none, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, scratch);
   }
 
   ~CpuTask() { wait_done(); }
@@ -126,13 +131,17 @@ class CpuTask {
   }
 
   void run() {
-    try {
-      if (at::get_num_threads() != threads_) at::set_num_threads(threads_);
-      out_.zero_();
-      moe_experts(hidden_, ids_, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, out_);
-    } catch (const std::exception& err) {
-      std::lock_guard<std::mutex> lock(error_mutex);
-      if (first_error.empty()) first_error = err.what();
+    const std::string bad = check_ids();
+    if (!bad.empty()) {
+      record_error(bad);
+    } else {
+      try {
+        if (at::get_num_threads() != threads_) at::set_num_threads(threads_);
+        out_.zero_();
+        moe_experts(hidden_, ids_, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, out_);
+      } catch (const std::exception& err) {
+        record_error(err.what());
+      }
     }
     runs_.fetch_add(1);
     {
@@ -150,6 +159,21 @@ class CpuTask {
   int64_t runs() const { return runs_.load(); }
 
  private:
+  // The ids are written by the device at replay time: validate them without throwing.
+  std::string check_ids() const {
+    const int64_t* id = ids_.data_ptr<int64_t>();
+    const int64_t experts = gate_up_.size(0);
+    for (int64_t i = 0; i < ids_.numel(); ++i)
+      if (id[i] < -1 || id[i] >= experts)
+        return "expert id " + std::to_string(id[i]) + " outside [-1, " + std::to_string(experts) + ")";
+    return {};
+  }
+
+  static void record_error(const std::string& what) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (first_error.empty()) first_error = what;
+  }
+
   void wait_done() {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [this] { return completed_ >= submitted_; });
