@@ -84,31 +84,39 @@ def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def expert_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """Activated experts found in slots and computed on the CPU, summed over layers since the last reset."""
+    stats = thm.stats(model).values()
+    return sum(s.hits for s in stats), sum(s.misses for s in stats)
+
+
 def measure(setting: dict, args: argparse.Namespace, config: DeepseekV2Config, bandwidth: float) -> dict:
     model = thm.patch_model(random_model(config), device="cuda", **setting)
     prompt = torch.randint(3, config.vocab_size, (1, args.prompt), device="cuda")
     short = prompt[:, :16]
     with torch.no_grad():
         generate_s(model, short, args.tokens)  # compile and capture
-        thm.reset_stats(model)
-        prefill, decode = [], []
+        prefill, decode, hits, misses = [], [], [], []
         for _ in range(args.repeats):
+            thm.reset_stats(model)
             one = generate_s(model, short, 1)
+            one_hits, one_misses = expert_counts(model)
+            thm.reset_stats(model)
             many = generate_s(model, short, args.tokens + 1)
+            many_hits, many_misses = expert_counts(model)
             decode.append((many - one) / args.tokens)
+            hits.append(many_hits - one_hits)
+            misses.append(many_misses - one_misses)  # the decode steps' experts computed on the CPU
             prefill.append(args.prompt / generate_s(model, prompt, 1))
-    stats = thm.stats(model).values()
-    steps = max(1, max(s.steps for s in stats))
-    misses = sum(s.misses for s in stats) / steps  # experts the CPU computed per layer step, summed over layers
     expert_bytes = next(iter(thm.runtime.model_layers(model).values())).store.expert_bytes
-    hits = sum(s.hits for s in stats)
-    total = hits + sum(s.misses for s in stats)
+    cpu_bytes_per_token = statistics.median(misses) / args.tokens * expert_bytes
+    hit_rate = sum(hits) / max(1, sum(hits) + sum(misses))
     del model
     torch.cuda.empty_cache()
     return {
         **setting, "decode_tok_s": 1 / statistics.median(decode), "prefill_tok_s": statistics.median(prefill),
-        "hit_rate": hits / total if total else 0.0,
-        "floor_tok_s": bandwidth * 1e9 / (misses * expert_bytes) if misses else float("inf"),
+        "hit_rate": hit_rate,
+        "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else float("inf"),
     }
 
 

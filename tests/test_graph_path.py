@@ -212,3 +212,30 @@ def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
             assert sum(s.bytes_transferred for s in thm.stats(model).values()) > 0  # slots were refilled
     for on, off in zip(*results):
         assert ((on - off).abs().max() / off.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_decode_graph_signature_covers_every_decode_call_of_generate(arch):
+    """Each decode step generate() makes is capturable (masks may be a dict per layer type), steps at different
+    positions share one graph, and another batch size or cache gets its own."""
+    from torch_hybrid_moe.runtime.decode_graphs import DecodeGraphs
+
+    model = thm.patch_model(tiny_model(arch), device="cpu")
+    runner = DecodeGraphs(model)
+    signatures = []
+
+    def record(compile_config: object):  # noqa: ANN202
+        def step(**kwargs: object) -> object:
+            signatures.append(runner._signature(kwargs))
+            return model(**kwargs)
+
+        return step
+
+    model.get_compiled_call = record
+    with torch.no_grad():
+        model.generate(torch.randint(3, 96, (2, 5)), max_new_tokens=4, do_sample=False)
+        model.generate(torch.randint(3, 96, (1, 5)), max_new_tokens=3, do_sample=False)
+    keys = [s[0] for s in signatures]
+    assert None not in signatures and len(keys) == 5
+    assert len(set(keys[:3])) == 1 and len(set(keys[3:])) == 1 and keys[0] != keys[3]
+    assert all(any(isinstance(leaf, torch.Tensor) for leaf in s[1]) for s in signatures)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from .graph_path import check_task_errors, fill_stream, note_replay
@@ -26,7 +27,7 @@ from .stats import model_layers
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]
+    inputs: list[torch.Tensor | None]  # a static buffer per tensor leaf of the flattened arguments
     output: object
 
 
@@ -49,15 +50,17 @@ class DecodeGraphs:
         return self
 
     def __call__(self, **kwargs: object) -> object:
-        key = self._key(kwargs)
-        if key is None:
+        signature = self._signature(kwargs)
+        if signature is None:
             return self.compiled(**kwargs)
+        key, leaves, _ = signature
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key, kwargs)
         self.graphs.move_to_end(key)
-        for name, buf in entry.inputs.items():
-            buf.copy_(kwargs[name], non_blocking=True)
+        for buf, leaf in zip(entry.inputs, leaves):
+            if buf is not None:
+                buf.copy_(leaf, non_blocking=True)
         for layer in self.layers:
             layer.graph_path().prepare_replay()
         entry.graph.replay()
@@ -66,35 +69,42 @@ class DecodeGraphs:
         check_task_errors()
         return entry.output
 
-    def _key(self, kwargs: dict[str, object]) -> tuple | None:
-        """What a captured graph is valid for; None when this call cannot be captured."""
+    def _signature(self, kwargs: dict[str, object]) -> tuple[tuple, list, pytree.TreeSpec] | None:
+        """(key, leaves, spec) of a call: what a captured graph is valid for; None when it cannot be captured.
+
+        The arguments other than the cache are flattened as a tree (masks may come as a dict per layer type):
+        tensor leaves become static input buffers, other leaves and the tree's shape are part of the key.
+        """
         cache = kwargs.get("past_key_values")
         if type(cache) is not StaticCache or not all(
             type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers
         ):
             return None
-        parts = []
-        for name, value in sorted(kwargs.items()):
-            if isinstance(value, torch.Tensor):
-                if value.device != self.device:
+        leaves, spec = pytree.tree_flatten({k: v for k, v in kwargs.items() if k != "past_key_values"})
+        parts: list[object] = [str(spec)]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.device != self.device:
                     return None
-                parts.append((name, tuple(value.shape), value.dtype))
-            elif name != "past_key_values":
+                parts.append((tuple(leaf.shape), leaf.dtype))
+            else:
                 try:
-                    hash(value)
+                    hash(leaf)
                 except TypeError:
                     return None
-                parts.append((name, value))
+                parts.append(leaf)
         # The graph writes into this cache's buffers: a new cache object needs its own graph.
         parts.append(tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)))
-        return tuple(parts)
+        return tuple(parts), leaves, spec
 
     def _capture(self, key: tuple, kwargs: dict[str, object]) -> _Captured:
         if len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
-        inputs = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        static = {**kwargs, **inputs}
+        _, leaves, spec = self._signature(kwargs)
+        inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         cache = kwargs["past_key_values"]
+        static = {**pytree.tree_unflatten([b if b is not None else v for b, v in zip(inputs, leaves)], spec),
+                  "past_key_values": cache}
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
         with self._graph_mode():
             # Warm up (compilation, Triton and allocator) without moving the decode state: undo the cache length
