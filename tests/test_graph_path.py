@@ -239,3 +239,19 @@ def test_decode_graph_signature_covers_every_decode_call_of_generate(arch):
     assert None not in signatures and len(keys) == 5
     assert len(set(keys[:3])) == 1 and len(set(keys[3:])) == 1 and keys[0] != keys[3]
     assert all(any(isinstance(leaf, torch.Tensor) for leaf in s[1]) for s in signatures)
+
+
+@pytest.mark.parametrize("field, value", [("fills_per_step", -1), ("cpu_threads", 1.5), ("cuda_graph", 1)])
+def test_graph_options_are_validated(field, value):
+    with pytest.raises((ValueError, TypeError), match=field):
+        thm.HybridMoEConfig(**{field: value})
+
+
+def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching():
+    from torch_hybrid_moe.model_patches.base import _check_policies
+
+    config = thm.HybridMoEConfig(scheduler="all_cpu")
+    info = LayerInfo(0, 8, 2, 1)
+    with pytest.raises(ValueError, match="replay-safe"):
+        _check_policies(config, info, capture=True)
+    _check_policies(config, info, capture=False)  # fine uncaptured
