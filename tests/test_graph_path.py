@@ -124,7 +124,7 @@ def test_tensor_form_ranks_like_the_python_policy(name):
 def test_tensor_form_of_an_offline_policy_is_refused():
     info = LayerInfo(0, 4, 2, 1)
     with pytest.raises(ValueError, match="no tensor form"):
-        device_ranking(CACHE_POLICIES.create("belady", info=info, future=[set()]), 4, torch.device("cpu"))
+        device_ranking(CACHE_POLICIES.create("belady", info=info, future=[[0] * 4]), 4, torch.device("cpu"))
 
 
 def _best_swaps(values, active, expert_slot, slot_expert, fills):  # noqa: ANN001, ANN202

@@ -218,7 +218,7 @@ def test_belady_reaches_the_offline_optimum(seed):
     rng = random.Random(seed)
     steps = [(set(rng.sample(range(6), 2)), [0.0] * 6) for _ in range(9)]
     info = LayerInfo(0, 6, 2, 1)
-    belady = CACHE_POLICIES.create("belady", info=info, future=[a for a, _ in steps])
+    belady = CACHE_POLICIES.create("belady", info=info, future=[[int(e in a) for e in range(6)] for a, _ in steps])
     hits, _ = drive(belady, steps, 2, 6)
     assert hits == offline_optimum(steps, 2, 6)
     for name in ("lru", "lfu", "mrs", "dali_window"):

@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--prompt-tokens", type=int, default=64)
     t.add_argument("--offset", type=int, default=0, help="token offset of each prompt in its held-out slice")
     t.add_argument("--max-new-tokens", type=int, default=64)
-    t.add_argument("--hidden-every", type=int, default=4)
+    t.add_argument("--hidden-every", type=int, default=1)
     args = parser.parse_args(argv)
     if args.command == "generate" and args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill token, one decode token)")

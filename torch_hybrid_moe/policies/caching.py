@@ -125,9 +125,9 @@ class WorkloadWindow(RankedCache):
 @CACHE_POLICIES.register("belady")
 class Belady(RankedCache):
     """The offline optimum (evict the expert used farthest in the future, admit only what is used sooner):
-    the hit-rate ceiling. Needs `future`, the active expert sets of this layer's steps in order."""
+    the hit-rate ceiling. Needs `future`, this layer's per-expert token counts of every step in order."""
 
-    def __init__(self, info: LayerInfo, costs: object = None, future: Sequence[set[int]] | None = None) -> None:
+    def __init__(self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None) -> None:
         super().__init__(info)
         if future is None:
             raise ValueError("cache policy 'belady' needs the future routing (future=...): simulator only")
@@ -140,6 +140,6 @@ class Belady(RankedCache):
 
     def value(self, expert: int) -> float:
         for ahead, active in enumerate(self.future[self.step :]):
-            if expert in active:
+            if active[expert]:
                 return -ahead
         return float("-inf")

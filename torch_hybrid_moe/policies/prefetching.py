@@ -1,15 +1,94 @@
-"""Prefetchers: which next-layer experts to copy into slots before that layer's routing is known."""
+"""Prefetchers: which next-layer experts to copy into slots before that layer's routing is known.
+
+A layer's prefetcher is asked with the previous MoE layer's gate input (`hidden`) and routing, while that
+layer computes. "gate" (DAOP, HybriMoE) applies this layer's router to that hidden state; "residual" (DALI)
+first adds a calibrated mean inter-layer residual, so the input looks more like this layer's own gate input;
+"impact" (HybriMoE) keeps only the gate's candidates whose copy the cost model says shortens the step.
+They need the router (`router=`), which the live runtime does not pass yet: there they refuse to build.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..cost_model import CostModel
 from .base import LayerInfo
 from .registry import Registry
+from .schedulers import DaliGreedy, makespan
 
 PREFETCHERS: Registry = Registry("prefetcher")
+
+
+@dataclass(frozen=True)
+class Router:
+    """One MoE layer's gate, replayed off the model: `weight` [E, H]; scores softmax or sigmoid of the logits.
+
+    Sigmoid routers are DeepSeek-V3's: the choice adds `bias` (e_score_correction_bias) and keeps only the
+    `topk_group` of `n_group` expert groups with the highest sum of their two best scores; without that group
+    limit, a third of the embedded deepseek-tiny's choices differ from its real routing.
+    """
+
+    weight: torch.Tensor
+    top_k: int
+    score_fn: str = "softmax"
+    bias: torch.Tensor | None = None
+    n_group: int = 1
+    topk_group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.score_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"router score_fn must be 'softmax' or 'sigmoid', not {self.score_fn!r}")
+        if self.weight.dim() != 2 or not 0 < self.top_k <= self.weight.shape[0]:
+            raise ValueError(f"router weight must be [experts, hidden] with top_k <= experts; got "
+                             f"{tuple(self.weight.shape)}, top_k {self.top_k}")
+        if self.weight.shape[0] % self.n_group:
+            raise ValueError(f"{self.weight.shape[0]} experts do not split into {self.n_group} groups")
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-k expert ids [rows, k], their scores [rows, k]) as the model's gate chooses them."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"hidden must be [rows, {self.weight.shape[1]}], got {tuple(hidden.shape)}")
+        logits = hidden.float() @ self.weight.float().T
+        scores = logits.softmax(-1) if self.score_fn == "softmax" else logits.sigmoid()
+        choice = scores if self.bias is None else scores + self.bias.float()
+        if self.n_group > 1:
+            groups = choice.view(choice.shape[0], self.n_group, -1)
+            best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros(best.shape[0], self.n_group, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(groups.shape[2], dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        return ids, scores.gather(1, ids)
+
+
+def residual_vectors(trace: object) -> dict[int, torch.Tensor]:
+    """DALI's res_vec(l) = mean over rows of (gate input of the next MoE layer - gate input of layer l), from
+    the rows whose gate inputs a trace (a `traces.Trace` or its file) kept; keyed by l, the last layer has none.
+    Accumulated in float64, returned as float32."""
+    from ..traces import Trace
+
+    if isinstance(trace, (str, Path)):
+        trace = Trace.load(trace)
+    order = list(trace.layers)
+    vectors = {}
+    for layer, nxt in zip(order, order[1:]):
+        here, there = trace.layers[layer], trace.layers[nxt]
+        if here.hidden.shape[0] == 0 or not torch.equal(here.hidden_rows, there.hidden_rows):
+            raise ValueError(f"layers {layer} and {nxt}: the trace has no gate inputs of the same rows to calibrate on")
+        vectors[layer] = (there.hidden.double() - here.hidden.double()).mean(0).float()
+    return vectors
+
+
+def _need_router(name: str, router: Router | None, info: LayerInfo) -> Router:
+    if router is None:
+        raise ValueError(f"prefetcher {name!r} applies this layer's router to the previous layer's hidden state: "
+                         "pass router=Router(...) (the simulator does; the live runtime does not yet, use 'none')")
+    if router.weight.shape[0] != info.num_experts:
+        raise ValueError(f"prefetcher {name!r}: router has {router.weight.shape[0]} experts, layer {info.num_experts}")
+    return router
 
 
 @PREFETCHERS.register("none")
@@ -21,3 +100,98 @@ class NoPrefetch:
 
     def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
         return []
+
+
+@PREFETCHERS.register("gate")
+class GatePrefetch:
+    """DAOP / HybriMoE: this layer's router on the previous layer's gate input; the `size` experts the most
+    rows would be routed to (ties: higher summed score) are prefetched."""
+
+    name = "gate"
+
+    def __init__(self, info: LayerInfo, router: Router | None = None, size: int = 1) -> None:
+        self.info = info
+        self.router = _need_router(self.name, router, info)
+        if size < 1:
+            raise ValueError(f"prefetch size must be at least 1, got {size}")
+        self.size = size
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float()
+
+    def predict(self, hidden: torch.Tensor) -> list[tuple[int, float, int]]:
+        """Predicted (token count, summed score, expert) of every expert some row would use, heaviest first."""
+        ids, scores = self.router.route(self.features(hidden))
+        counts = torch.bincount(ids.flatten(), minlength=self.info.num_experts).tolist()
+        sums = torch.zeros(self.info.num_experts).index_add_(0, ids.flatten(), scores.flatten()).tolist()
+        return sorted(((c, s, e) for e, (c, s) in enumerate(zip(counts, sums)) if c), key=lambda x: (-x[0], -x[1], x[2]))
+
+    def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
+        return [e for _, _, e in self.predict(hidden)[: self.size]]
+
+
+@PREFETCHERS.register("residual")
+class ResidualPrefetch(GatePrefetch):
+    """DALI: the gate prefetch on hidden + res_vec, the mean residual between the two layers' gate inputs
+    (`residual_vectors`), which brings the input closer to this layer's own gate input."""
+
+    name = "residual"
+
+    def __init__(self, info: LayerInfo, router: Router | None = None, residual: torch.Tensor | None = None,
+                 size: int = 1) -> None:
+        super().__init__(info, router, size)
+        if residual is None or residual.shape != (self.router.weight.shape[1],):
+            raise ValueError(f"prefetcher 'residual' needs residual=[{self.router.weight.shape[1]}] "
+                             "(residual_vectors of a calibration trace)")
+        self.residual = residual.float()
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.float() + self.residual
+
+
+@PREFETCHERS.register("impact")
+class ImpactPrefetch(GatePrefetch):
+    """HybriMoE's impact-driven choice: among the gate's candidates, greedily the one whose copy most shortens
+    the predicted step (DALI's makespan under DALI's greedy placement, on the predicted token counts), while
+    that gain is positive, up to `size`. The copy overlaps the previous layer, so its price is the resident
+    expert it displaces once the slots are full, taken to be the one the predicted step needs least."""
+
+    name = "impact"
+
+    def __init__(self, info: LayerInfo, router: Router | None = None, costs: CostModel | None = None,
+                 size: int = 1) -> None:
+        super().__init__(info, router, size)
+        if costs is None:
+            raise ValueError("prefetcher 'impact' weighs each copy by its simulated gain: pass costs=CostModel(...)")
+        self.costs = costs
+        self.scheduler = DaliGreedy(info, costs)
+
+    def step_time(self, counts: Sequence[int], resident: Sequence[bool]) -> float:
+        return makespan(counts, resident, self.scheduler.place(counts, resident).accelerator, self.costs)
+
+    def with_copy(self, expert: int, counts: Sequence[int], resident: list[bool], keep: set[int]) -> list[bool]:
+        """Slots after copying `expert` in, displacing the least-needed resident expert outside `keep` if full."""
+        after = list(resident)
+        if sum(after) >= self.info.num_slots:
+            out = min((e for e in range(self.info.num_experts) if after[e] and e not in keep),
+                      key=lambda e: (counts[e], e))
+            after[out] = False
+        after[expert] = True
+        return after
+
+    def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
+        counts = [0] * self.info.num_experts
+        for c, _, e in self.predict(hidden):
+            counts[e] = c
+        current = list(resident)
+        picked: list[int] = []
+        while len(picked) < min(self.size, self.info.num_slots):
+            now = self.step_time(counts, current)
+            gains = [(now - self.step_time(counts, self.with_copy(e, counts, current, set(picked))), e)
+                     for e in range(self.info.num_experts) if counts[e] and not current[e]]
+            gain, best = max(gains, key=lambda g: (g[0], -g[1]), default=(0.0, -1))
+            if gain <= 0:
+                break
+            current = self.with_copy(best, counts, current, set(picked))
+            picked.append(best)
+        return picked

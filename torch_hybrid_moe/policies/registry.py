@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -32,5 +33,13 @@ class Registry(Generic[T]):
             raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}")
 
     def create(self, name: str, **context: object) -> T:
+        """Build `name` from the context on offer (layer info, costs, timeline, future routing, request
+        tracker, router...): each factory takes the keys its signature names and ignores the rest, so callers
+        offer everything they have and a policy that lacks what it needs says so itself."""
         self.check(name)
-        return self._factories[name](**context)
+        factory = self._factories[name]
+        params = inspect.signature(factory).parameters.values()
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            names = {p.name for p in params}
+            context = {k: v for k, v in context.items() if k in names}
+        return factory(**context)

@@ -6,6 +6,14 @@ over PCIe first (one transfer at a time on the link's own timeline); after the s
 admissions are copied in the background and become usable when their transfer ends. The layer ends when
 both sides are done. Policies are the live runtime's objects, driven the same way (same calls, same
 order), so hit counts agree with a live run on the same routing.
+
+Prefetching: when a stack names a prefetcher, layer l+1's prefetcher is asked at the start of layer l (after
+l's own fetches are queued) with l's routing and the gate inputs the trace kept for the step's rows (all of
+them in the embedded traces, `hidden_every` 1), and its copies go over the link while l computes.
+
+Policies are built from one context on offer (`Registry.create`): costs, this layer's timeline, a
+`RequestActivations` shared by all layers, and a `Calibration` learnt before the replay (routers, residuals,
+popularity, past requests); only the oracles take `future`, the routing still to come.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ..cost_model import CostModel
-from ..policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
+from ..policies.requests import RequestActivations
 from ..runtime.slot_map import SlotMap
 from ..traces import Trace
+from .calibration import Calibration
 from .stacks import Stack
 
 
@@ -37,54 +47,92 @@ class SimResult:
     gpu_busy: float
     hits: int = 0
     misses: int = 0
+    prefetch_accuracy: float | None = None  # DALI's metric (`top_workload_overlap`); None without a prefetcher
+
+
+def top_workload_overlap(predicted: Sequence[int], counts: Sequence[int], k: int) -> tuple[int, int]:
+    """DALI's prefetch accuracy for one layer step, as (hits, out of): how many of the k highest-workload
+    experts (the active ones if fewer) are among `predicted`. Experts tied with the k-th workload count as
+    top experts up to the k places, so a tie is never held against the prediction."""
+    active = sorted((c for c in counts if c), reverse=True)
+    out_of = min(k, len(active))
+    if not out_of:
+        return 0, 0
+    kth = active[out_of - 1]
+    chosen = set(predicted)
+    above = sum(1 for e, c in enumerate(counts) if c > kth and e in chosen)
+    tied = sum(1 for e, c in enumerate(counts) if c == kth and e in chosen)
+    return above + min(tied, out_of - sum(1 for c in active if c > kth)), out_of
+
+
+@dataclass(frozen=True)
+class Event:
+    """One busy interval of a lane ("cpu", "gpu", "pcie"), for timelines: what ran or was copied, when."""
+
+    step: int
+    layer: int
+    lane: str
+    kind: str  # "expert" on cpu/gpu; "fetch", "prefetch" or "admit" on pcie
+    expert: int
+    start: float
+    end: float
+
+
+def step_rows(trace: Trace, batch: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(step, row mask) of each forward step of `batch` sequences run together, in replay order."""
+    sequences = trace.sequence.long()
+    ids = sorted(set(sequences.tolist()))
+    for first in range(0, len(ids), batch):
+        group = torch.isin(sequences, torch.tensor(ids[first : first + batch]))
+        for step in sorted(set(trace.step[group].tolist())):
+            yield step, group & (trace.step == step)
 
 
 def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[int, tuple[list[int], list[float]]]]]:
     """(is_prefill, token rows, per layer: expert token counts and summed router scores) of each forward step
     of `batch` sequences run together. Scores are the trace's top-2k router scores (HybriMoE's TopP, p = 2k)."""
     num_experts = trace.meta["num_experts"]
-    sequences = trace.sequence.long()
-    ids = sorted(set(sequences.tolist()))
-    for first in range(0, len(ids), batch):
-        group = torch.isin(sequences, torch.tensor(ids[first : first + batch]))
-        for step in sorted(set(trace.step[group].tolist())):
-            rows = group & (trace.step == step)
-            counts = {
-                layer: (torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist(),
-                        torch.bincount(t.score_ids[rows].long().flatten(), t.scores[rows].float().flatten(),
-                                       num_experts).tolist())
-                for layer, t in trace.layers.items()
-            }
-            yield step == 0, int(rows.sum()), counts
+    for step, rows in step_rows(trace, batch):
+        counts = {
+            layer: (torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist(),
+                    torch.bincount(t.score_ids[rows].long().flatten(), t.scores[rows].float().flatten(),
+                                   num_experts).tolist())
+            for layer, t in trace.layers.items()
+        }
+        yield step == 0, int(rows.sum()), counts
 
 
 class _Link:
     """The host-to-device link: one copy at a time, on its own timeline."""
 
-    def __init__(self, costs: CostModel) -> None:
+    def __init__(self, costs: CostModel, events: list[Event] | None = None) -> None:
         self.costs = costs
         self.now = 0.0
         self.free_at = 0.0
         self.copies = 0
+        self.events = events
+        self.where = (0, 0)  # (step, layer) the next copies belong to, for events
 
-    def copy(self, start: float) -> float:
+    def copy(self, start: float, kind: str = "fetch", expert: int = -1) -> float:
         """Queue one expert copy no earlier than `start`; returns when it completes."""
-        self.free_at = max(start, self.free_at) + self.costs.t_transfer()
+        begin = max(start, self.free_at)
+        self.free_at = begin + self.costs.t_transfer()
         self.copies += 1
+        if self.events is not None:
+            self.events.append(Event(*self.where, "pcie", kind, expert, begin, self.free_at))
         return self.free_at
 
 
 class _Layer(SlotMap):
     """One layer's slots and policies, advanced exactly as runtime.HybridMoELayer advances them."""
 
-    def __init__(self, info: LayerInfo, stack: Stack, costs: CostModel, link: _Link, future: list[set[int]]) -> None:
+    def __init__(self, info: LayerInfo, stack: Stack, link: _Link, context: dict[str, object]) -> None:
         super().__init__(info.num_slots, info.num_experts)
         self.info = info
         self.link = link
-        context = {"timeline": self} if stack.scheduler == "queue_aware" else {}
-        self.scheduler = SCHEDULERS.create(stack.scheduler, info=info, costs=costs, **context)
-        extra = {"future": future} if stack.cache_policy == "belady" else {}  # the oracle sees what comes
-        self.cache = CACHE_POLICIES.create(stack.cache_policy, info=info, costs=costs, **extra)
+        context = context | {"info": info, "timeline": self}
+        self.scheduler = SCHEDULERS.create(stack.scheduler, **context)
+        self.cache = CACHE_POLICIES.create(stack.cache_policy, **context)
         self.ready = [0.0] * info.num_experts  # when an expert's slot copy is complete
         for slot in range(min(info.num_slots, info.num_experts)):  # the store fills slots 0..S-1 at start
             self.assign(slot, slot)
@@ -103,40 +151,101 @@ class _Layer(SlotMap):
         return True
 
 
-def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache_ratio: float = 0.25) -> SimResult:
-    """Replay `trace` in batches of `batch` sequences with `cache_ratio` of each layer's experts in slots."""
+def _gate_input_index(trace: Trace, layer: int) -> torch.Tensor:
+    """Row -> index into the layer's kept gate inputs, -1 for rows without one."""
+    kept = trace.layers[layer].hidden_rows.long()
+    index = torch.full((trace.tokens.numel(),), -1, dtype=torch.long)
+    index[kept] = torch.arange(kept.numel())
+    return index
+
+
+def _prefetch(trace: Trace, source: int, target: int, rows: torch.Tensor, gate_input: torch.Tensor,
+              prefetcher: object, layer: _Layer, now: float) -> tuple[int, int]:
+    """Ask `target`'s prefetcher with `source`'s routing and the gate inputs its rows kept, queue its copies
+    on the link at `now` (the source layer's start); returns its accuracy as `top_workload_overlap` counts it
+    (on the rows with gate inputs when there are any, else on all)."""
+    picked = rows.nonzero().flatten()
+    kept = picked[gate_input[picked] >= 0]
+    src = trace.layers[source]
+    wanted = prefetcher.select(src.hidden[gate_input[kept]], src.topk_ids[picked].long(), layer.resident())
+    for e in wanted:
+        if layer.expert_slot[e] < 0:
+            if not layer.fill(e, keep=set(wanted)):
+                break
+            layer.ready[e] = layer.link.copy(now, "prefetch", e)
+    scored = kept if len(kept) else picked
+    real = torch.bincount(trace.layers[target].topk_ids[scored].long().flatten(), minlength=layer.info.num_experts)
+    return top_workload_overlap(wanted, real.tolist(), prefetcher.size)
+
+
+def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache_ratio: float = 0.25,
+             calibration: Calibration | None = None, events: list[Event] | None = None) -> SimResult:
+    """Replay `trace` in batches of `batch` sequences with `cache_ratio` of each layer's experts in slots.
+    `calibration`: what the policies learn beforehand (default: `Calibration.from_trace(trace)`, the trace
+    itself); `events`, when given, receives every busy interval of the CPU, GPU and link."""
     num_experts = trace.meta["num_experts"]
     slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
     steps = list(batched_steps(trace, batch))
-    link = _Link(costs)
-    layers = {
-        idx: _Layer(LayerInfo(idx, num_experts, slots, costs.expert.nbytes), stack, costs, link,
-                    [{e for e, c in enumerate(step[2][idx][0]) if c} for step in steps])
-        for idx in trace.layers
-    }
+    link = _Link(costs, events)
+    calibration = calibration or Calibration.from_trace(trace)
+    request = RequestActivations(list(trace.layers), num_experts, history=calibration.requests)
+    layers: dict[int, _Layer] = {}
+    prefetchers: dict[int, object] = {}
+    for prev, idx in zip([None, *trace.layers], trace.layers):
+        info = LayerInfo(idx, num_experts, slots, costs.expert.nbytes)
+        context = {  # everything a policy may use; each takes what its signature names
+            "costs": costs, "request": request, "size": calibration.size,
+            "future": [step[2][idx][0] for step in steps],  # the routing to come: for the oracles only
+            "popularity": calibration.popularity.get(idx), "router": calibration.routers.get(idx),
+            "residual": calibration.residuals.get(prev),
+        }
+        layers[idx] = _Layer(info, stack, link, context)
+        if prev is not None and stack.uses_slots and stack.prefetcher != "none":
+            prefetchers[idx] = PREFETCHERS.create(stack.prefetcher, **context, info=info)
+    following = {prev: idx for prev, idx in zip(layers, list(layers)[1:]) if idx in prefetchers}
+    gate_input = {prev: _gate_input_index(trace, prev) for prev in following}
+    predicted = out_of = 0
     now = 0.0
     cpu_busy = gpu_busy = 0.0
     hits = misses = 0
     phase_time = {True: 0.0, False: 0.0}
     phase_tokens = {True: 0, False: 0}
 
-    for prefill, tokens, counts_by_layer in steps:
+    for step_no, ((prefill, tokens, counts_by_layer), (_, rows)) in enumerate(zip(steps, step_rows(trace, batch))):
         step_start = now
+        if prefill:
+            request.begin()
         for idx, layer in layers.items():
             counts, scores = counts_by_layer[idx]
+            request.record(idx, counts)
             link.now = now
+            link.where = (step_no, idx)
             resident = layer.resident()
             active = [e for e, c in enumerate(counts) if c]
             plan = layer.scheduler.place(counts, resident)
             for e in plan.fetch:
                 if not layer.fill(e, keep=set(plan.accelerator)):
                     raise RuntimeError(f"{stack.name}: no slot free for on-demand fetch of expert {e}")
-                layer.ready[e] = link.copy(now)
-            cpu_time = sum(costs.t_cpu(counts[e]) for e in plan.cpu)
+                layer.ready[e] = link.copy(now, "fetch", e)
+            if idx in following:
+                link.where = (step_no, following[idx])
+                hit, of = _prefetch(trace, idx, following[idx], rows, gate_input[idx],
+                                    prefetchers[following[idx]], layers[following[idx]], now)
+                predicted, out_of = predicted + hit, out_of + of
+                link.where = (step_no, idx)
+            cpu_time = 0.0
+            for e in plan.cpu:
+                t_cpu = costs.t_cpu(counts[e])
+                if events is not None:
+                    events.append(Event(step_no, idx, "cpu", "expert", e, now + cpu_time, now + cpu_time + t_cpu))
+                cpu_time += t_cpu
             gpu_end = now
             for e in sorted(plan.accelerator, key=lambda e: layer.ready[e]):
-                gpu_end = max(gpu_end, layer.ready[e]) + costs.t_gpu(counts[e])
+                start = max(gpu_end, layer.ready[e])
+                gpu_end = start + costs.t_gpu(counts[e])
                 gpu_busy += costs.t_gpu(counts[e])
+                if events is not None:
+                    events.append(Event(step_no, idx, "gpu", "expert", e, start, gpu_end))
             cpu_busy += cpu_time
             end = max(now + cpu_time, gpu_end)
             layer_hits = sum(resident[e] for e in active)
@@ -147,7 +256,7 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
                 admitted.add(e)
                 if not layer.fill(e, keep=admitted):
                     break
-                layer.ready[e] = link.copy(end)
+                layer.ready[e] = link.copy(end, "admit", e)
             now = end
         phase_time[prefill] += now - step_start
         phase_tokens[prefill] += tokens
@@ -157,4 +266,5 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
         prefill_tok_s=phase_tokens[True] / phase_time[True] if phase_time[True] else 0.0,
         hit_rate=hits / max(hits + misses, 1), moe_time_s=now, pcie_gb=link.copies * costs.expert.nbytes / 1e9,
         cpu_busy=cpu_busy / now if now else 0.0, gpu_busy=gpu_busy / now if now else 0.0, hits=hits, misses=misses,
+        prefetch_accuracy=predicted / out_of if out_of else None,
     )

@@ -1,0 +1,78 @@
+"""What policies learn before a replay, from a calibration trace: routers, residuals, popularity, and past
+requests' activation matrices."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..policies.prefetching import Router, residual_vectors
+from ..traces import Trace
+
+# Where each architecture's checkpoint keeps layer L's router (Mixtral's original name, everyone else's).
+_ROUTER_KEYS = ("model.layers.{}.mlp.gate", "model.layers.{}.block_sparse_moe.gate")
+
+
+def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:
+    """The routers of `layers` from a model directory's safetensors (or an embedded model's name), as the
+    model's config scores them (sigmoid with bias and group limit for DeepSeek-V3, softmax otherwise)."""
+    from ..embedded import resolve_model
+
+    directory = Path(resolve_model(str(model)))
+    files = sorted(directory.glob("*.safetensors"))
+    if not (directory / "config.json").exists() or not files:
+        raise ValueError(f"{model}: no model directory with config.json and safetensors weights to read routers from")
+    config = json.loads((directory / "config.json").read_text())
+    sigmoid = config["model_type"] in ("deepseek_v3",)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            tensors |= {k: f.get_tensor(k) for k in f.keys() if k.endswith((".gate.weight", ".e_score_correction_bias"))}
+    routers = {}
+    for layer in layers:
+        prefix = next((p.format(layer) for p in _ROUTER_KEYS if p.format(layer) + ".weight" in tensors), None)
+        if prefix is None:
+            raise ValueError(f"{directory}: no router weight for layer {layer} (looked for {', '.join(_ROUTER_KEYS)})")
+        routers[layer] = Router(
+            tensors[prefix + ".weight"], config["num_experts_per_tok"], "sigmoid" if sigmoid else "softmax",
+            tensors.get(prefix + ".e_score_correction_bias"), config.get("n_group") or 1, config.get("topk_group") or 1,
+        )
+    return routers
+
+
+@dataclass
+class Calibration:
+    """What policies may learn before serving, from a calibration trace (best another one than the trace
+    replayed): per MoE layer its router, DALI's residual to the next layer's gate input, and its popularity
+    (tokens per expert); the calibration requests' activation matrices (MoE-Infinity's collection); and
+    `size`, how many experts a prefetcher loads per layer step."""
+
+    routers: dict[int, Router]
+    residuals: dict[int, torch.Tensor]
+    popularity: dict[int, list[int]]
+    requests: list[torch.Tensor]
+    size: int = 1
+
+    @classmethod
+    def from_trace(cls, trace: Trace, calibration: Trace | None = None, size: int = 1,
+                   model: str | Path | None = None) -> Calibration:
+        """Routers of the traced model (`model`, default the trace's model name; none for synthetic traces),
+        everything else learnt from `calibration` (default: the trace itself)."""
+        source = calibration or trace
+        if source.meta["num_experts"] != trace.meta["num_experts"] or source.meta["layers"] != trace.meta["layers"]:
+            raise ValueError("the calibration trace must come from the same model as the trace it calibrates for")
+        gate_inputs = all(layer.hidden.shape[0] for layer in source.layers.values())
+        routers = load_routers(model or trace.meta["model"], trace.meta["layers"]) if gate_inputs else {}
+        residuals = residual_vectors(source) if gate_inputs else {}
+        num_experts = source.meta["num_experts"]
+        popularity = {idx: torch.bincount(t.topk_ids.long().flatten(), minlength=num_experts).tolist()
+                      for idx, t in source.layers.items()}
+        requests = [torch.stack([torch.bincount(t.topk_ids[source.sequence == seq].long().flatten(),
+                                                minlength=num_experts).double() for t in source.layers.values()])
+                    for seq in sorted(set(source.sequence.tolist()))]
+        return cls(routers, residuals, popularity, requests, size)
