@@ -90,13 +90,31 @@ def eval_ppl(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.embedded.corpus import heldout_text
     from torch_hybrid_moe.embedded.evaluation import perplexity
 
+    if args.deferred_experts is not None and args.mode != "expert_deferral":
+        raise SystemExit("--deferred-experts needs --mode expert_deferral")
     model, tokenizer = _load_with_tokenizer(args.model, _DTYPES[args.dtype], "eval-ppl")
+    config = _config(args)
+    if args.mode == "expert_deferral":
+        top_k = model.config.get_text_config().num_experts_per_tok
+        # default: the paper's heuristic, defer as many as possible while keeping 2 immediate (1 at top-2)
+        deferred = args.deferred_experts if args.deferred_experts is not None else max(1, top_k - 2)
+        try:
+            config = config.replace(mode="expert_deferral", deferred_experts=deferred)
+            config.check_top_k(top_k)
+        except ValueError as err:
+            raise SystemExit(f"--deferred-experts: {err}") from None
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
     reference = perplexity(model, ids)
-    config = _config(args)
     thm.patch_model(model, config)
-    patched = perplexity(model, ids)
-    mode = args.mode if config.cpu_weight_dtype in ("model", args.dtype) else f"approximate ({config.cpu_weight_dtype} experts)"
+    # Expert Deferral is a pass of the hybrid_moe backend, so that mode measures the compiled forward.
+    run = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False) if args.mode != "exact" else model
+    patched = perplexity(run, ids)
+    mode = args.mode
+    if mode == "expert_deferral":
+        mode = f"expert_deferral ({top_k - config.deferred_experts} immediate + {config.deferred_experts} deferred)"
+    if config.cpu_weight_dtype not in ("model", args.dtype):
+        quantised = f"{config.cpu_weight_dtype} experts"
+        mode = f"approximate ({quantised})" if mode == "exact" else f"{mode}, {quantised}"
     print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {mode}  budget {args.expert_budget}")
     print(f"perplexity: unpatched {reference:.4f}   patched {patched:.4f}   ratio {patched / reference:.6f}")
     return 0
@@ -117,6 +135,22 @@ def trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_profile(args: argparse.Namespace) -> object:
+    """This machine's measured cost profile (profiling.py): from the disk cache, else measured now."""
+    from torch_hybrid_moe.profiling import profile_hardware
+
+    return profile_hardware(EXPERT_SHAPES[args.expert_shape], preset=args.gpu_preset,
+                            refresh=getattr(args, "refresh", False))
+
+
+def _ours_spec(text: str) -> tuple[int, int, float, int]:
+    try:
+        w, u, decay, prefetch = text.split(",")
+        return int(w), int(u), float(decay), int(prefetch)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected W,U,DECAY,PREFETCH such as 4,1,0.5,0, got {text!r}") from None
+
+
 def simulate(args: argparse.Namespace) -> int:
     """Replay a trace through every policy stack on a hardware preset; one row per stack."""
     import json
@@ -125,22 +159,94 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.cost_model import CostModel
     from torch_hybrid_moe.simulator import STACKS
     from torch_hybrid_moe.simulator import simulate as replay
+    from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.tuning import oracle_of, ours, tune
     from torch_hybrid_moe.traces import Trace
 
     trace = Trace.load(args.trace)
-    costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
-    results = [replay(trace, stack, costs, args.batch, args.cache_ratio)
-               for stack in tqdm(STACKS.values(), desc="simulating", unit="stack", leave=False)]
+    held = Trace.load(args.calibration) if args.calibration else None
+    calibration = Calibration.from_trace(trace, held)
+    if args.hardware == "local":
+        costs = _local_profile(args).cost_model()
+    else:
+        costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
+    if args.ours:
+        mine = ours(*args.ours)
+    else:
+        mine, _ = tune(held or trace, costs, args.batch, args.cache_ratio, calibration)
+    stacks = [*STACKS.values(), mine, oracle_of(mine)]
+    events: dict[str, list] = {s.name: [] for s in stacks} if args.plot_dir else {}
+    results = [replay(trace, stack, costs, args.batch, args.cache_ratio, calibration, events.get(stack.name))
+               for stack in tqdm(stacks, desc="simulating", unit="stack", leave=False)]
+    plots = _simulation_plots(args, trace, costs, calibration, stacks, events, results) if args.plot_dir else []
     if args.json:
-        print(json.dumps([asdict(r) | {"prefetch_accuracy": None} for r in results], indent=1))
+        print(json.dumps([asdict(r) for r in results], indent=1))
+        for path in plots:
+            print(f"wrote {path}", file=sys.stderr)
         return 0
     print(f"trace {args.trace} ({trace.meta['model']}), hardware {args.hardware}: {costs.hardware.description}")
-    print(f"experts sized as {args.expert_shape}; batch {args.batch}; cache ratio {args.cache_ratio}")
-    print(f"{'stack':<15} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'PCIe GB':>8} "
-          f"{'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}")
+    print(f"experts sized as {args.expert_shape}; batch {args.batch}; cache ratio {args.cache_ratio}"
+          f"{f'; calibrated on {args.calibration}' if args.calibration else ''}")
+    tuned_on = "given by --ours" if args.ours else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
+    print(f"ours: {mine.description} ({tuned_on}); oracle: the same with perfect knowledge of the routing to come")
+    print(f"{'stack':<15} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'prefetch acc':>12} "
+          f"{'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}")
     for r in results:
-        print(f"{r.stack:<15} {r.decode_tok_s:>12.1f} {r.prefill_tok_s:>13.1f} {r.hit_rate:>8.1%} {r.pcie_gb:>8.2f} "
-              f"{r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}")
+        acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.1%}"
+        print(f"{r.stack:<15} {r.decode_tok_s:>12.1f} {r.prefill_tok_s:>13.1f} {r.hit_rate:>8.1%} {acc:>12} "
+              f"{r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}")
+    for path in plots:
+        print(f"wrote {path}")
+    return 0
+
+
+def _simulation_plots(args: argparse.Namespace, trace: object, costs: object, calibration: object, stacks: list,
+                      events: dict[str, list], results: list) -> list[Path]:
+    """Each stack's timeline of decode steps 1-3, and hit rate and decode speed against the cache ratio."""
+    from torch_hybrid_moe.simulator import plots
+
+    where = f"{Path(args.trace).stem}, {costs.hardware.name}, batch {args.batch}"
+    paths = [plots.plot_timeline(events[name], args.plot_dir / f"timeline-{name}.png",
+                                 title=f"{name}: steps 1-3 at cache ratio {args.cache_ratio} ({where})")
+             for name in events]
+    ratios = sorted({*plots.DEFAULT_RATIOS, args.cache_ratio})
+    sweep = plots.sweep_cache_ratio(trace, stacks, costs, ratios, args.batch, calibration, progress=True,
+                                    done=results)
+    paths.append(plots.plot_hit_rate(sweep, args.plot_dir / "hit-rate-vs-cache-ratio.png", title=where))
+    paths.append(plots.plot_decode_speed(sweep, args.plot_dir / "decode-vs-cache-ratio.png", title=where))
+    return paths
+
+
+def profile(args: argparse.Namespace) -> int:
+    """Measure (or read from the cache) this machine's expert costs; print them next to the presets'."""
+    from torch_hybrid_moe.cost_model import CostModel
+
+    p = _local_profile(args)
+    m, shape = p.measured, p.expert
+    source = f"read from {p.path}" if p.cached else f"measured in {m.seconds:.1f} s, cached at {p.path}"
+    load = f"; load average {m.load:.1f} when measured" if m.load is not None else ""
+    print(f"experts sized as {shape.name} ({shape.nbytes / 1e6:.1f} MB in bf16); {source}{load}")
+    print(p.hardware.description)
+    tokens = list(m.cpu_s)
+    fitted = p.cost_model()
+    print(f"{'ms per expert call':<22}" + "".join(f"{f'{n} tok':>10}" for n in tokens))
+    rows = [("CPU measured", m.cpu_s), ("CPU fitted", {n: fitted.t_cpu(n) for n in tokens})]
+    if m.gpu_s:
+        rows += [("GPU measured", m.gpu_s), ("GPU fitted", {n: fitted.t_gpu(n) for n in tokens})]
+    for label, times in rows:
+        print(f"{label:<22}" + "".join(f"{times[n] * 1e3:>10.3f}" for n in tokens))
+    if m.transfer_s is not None:
+        print(f"{'PCIe copy measured':<22}{m.transfer_s * 1e3:>10.3f}   fitted {fitted.t_transfer() * 1e3:.3f}")
+    print()
+    print(f"{'hardware':<14} {'CPU GB/s':>9} {'CPU TFLOPS':>10} {'CPU us':>7} {'GPU GB/s':>9} {'GPU TFLOPS':>10} "
+          f"{'PCIe GB/s':>9} {'t_cpu(1) ms':>11} {'t_cpu(64) ms':>12} {'t_gpu(1) ms':>11} {'copy ms':>8}")
+    for h in (p.hardware, *HARDWARE.values()):
+        c = CostModel(h, shape)
+        print(f"{h.name:<14} {h.cpu_bandwidth_gb_s:>9.1f} {h.cpu_tflops:>10.2f} {h.cpu_overhead_us:>7.1f} "
+              f"{h.gpu_bandwidth_gb_s:>9.1f} {h.gpu_tflops:>10.1f} {h.pcie_gb_s:>9.1f} {c.t_cpu(1) * 1e3:>11.3f} "
+              f"{c.t_cpu(64) * 1e3:>12.3f} {c.t_gpu(1) * 1e3:>11.3f} {c.t_transfer() * 1e3:>8.3f}")
+    print("(peak figures: the cost model applies its efficiency factors; local ones are fitted so that it gives "
+          "back the measured times)")
     return 0
 
 
@@ -166,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     e = sub.add_parser("eval-ppl", help="held-out perplexity, unpatched vs patched in a mode")
     t = sub.add_parser("trace", help="record per-token expert routing on held-out prompts to a trace file")
     s = sub.add_parser("simulate", help="replay a routing trace through every policy stack on a hardware model")
+    pr = sub.add_parser("profile", help="measure this machine's per-expert CPU / GPU / PCIe times, next to the presets")
     for p in (g, e, t):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     for p in (g, e):
@@ -178,17 +285,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--cpu-weight-group-size", type=int, default=64)
     g.add_argument("--prompt", default="def fibonacci(n):")
     g.add_argument("--max-new-tokens", type=int, default=32)
-    e.add_argument("--mode", default="exact", choices=["exact"], help="approximate modes join here as they land")
+    e.add_argument("--mode", default="exact", choices=["exact", "expert_deferral"],
+                   help="exact, or an approximate mode: expert_deferral (KTransformers' Expert Deferral, compiled)")
+    e.add_argument("--deferred-experts", type=int, default=None,
+                   help="with --mode expert_deferral: experts deferred per token (default: top-k - 2, at least 1)")
     e.add_argument("--max-tokens", type=int, default=16384)
     s.add_argument("--trace", type=Path, required=True)
-    s.add_argument("--hardware", default="dali", choices=sorted(HARDWARE))
-    s.add_argument("--expert-shape", default="deepseek-v2-lite", choices=sorted(EXPERT_SHAPES),
-                   help="expert size the costs assume (the trace gives only the routing)")
+    s.add_argument("--hardware", default="dali", choices=[*sorted(HARDWARE), "local"],
+                   help="a preset, or local: this machine, measured (cached) by a short warm-up profile")
+    for p in (s, pr):
+        p.add_argument("--expert-shape", default="deepseek-v2-lite", choices=sorted(EXPERT_SHAPES),
+                       help="expert size the costs assume (the trace gives only the routing)")
+        p.add_argument("--gpu-preset", default="rtx4090", choices=sorted(HARDWARE),
+                       help="with local hardware and no CUDA device: the preset the GPU and link figures come from")
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--cache-ratio", type=float, default=0.25)
+    s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")
+    s.add_argument("--plot-dir", type=Path, help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)")
+    s.add_argument("--ours", type=_ours_spec, metavar="W,U,DECAY,PREFETCH",
+                   help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
+                        "them on the calibration trace, e.g. 4,1,0.5,0")
     s.add_argument("--json", action="store_true")
+    pr.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--prompts", type=int, default=8)
+    t.add_argument("--prompts", type=int, default=16)
     t.add_argument("--prompt-tokens", type=int, default=64)
     t.add_argument("--offset", type=int, default=0, help="token offset of each prompt in its held-out slice")
     t.add_argument("--max-new-tokens", type=int, default=64)
@@ -196,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and args.max_new_tokens < 2:
         parser.error("--max-new-tokens must be at least 2 (one prefill token, one decode token)")
-    return {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate}[args.command](args)
+    commands = {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate, "profile": profile}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

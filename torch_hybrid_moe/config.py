@@ -12,6 +12,7 @@ import torch
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
+MODES = ("exact", "expert_deferral")
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -32,6 +33,13 @@ class HybridMoEConfig:
     fills_per_step: inside a graph, the most missed experts one layer step may copy into slots (each is a PCIe
         copy overlapping the following layers).
     cpu_threads: threads the CPU experts use inside graphs; 0 means torch's current thread count.
+    mode: "exact" (the default: outputs are the unpatched model's) or "expert_deferral", KTransformers'
+        approximate Expert Deferral: at every MoE layer but the last, each token's `deferred_experts`
+        lowest-weight routed experts are left out of that layer's output and added to the residual stream
+        after the next MoE layer's block instead (compile_passes/expert_deferral.py; compiled forwards only).
+    deferred_experts: with mode "expert_deferral", how many of each token's top-k experts are deferred,
+        1 <= deferred_experts < top_k (checked against the model's top-k when patching or compiling);
+        0 with mode "exact".
     """
 
     expert_budget: float | int | str = 0.25
@@ -44,6 +52,8 @@ class HybridMoEConfig:
     cuda_graph: bool = True
     fills_per_step: int = 1
     cpu_threads: int = 0
+    mode: str = "exact"
+    deferred_experts: int = 0
 
     def __post_init__(self) -> None:
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
@@ -61,9 +71,29 @@ class HybridMoEConfig:
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         self.budget_bytes()  # validates the budget's form
+        self._check_mode()
         SCHEDULERS.check(self.scheduler)
         CACHE_POLICIES.check(self.cache_policy)
         PREFETCHERS.check(self.prefetcher)
+
+    def _check_mode(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        n = self.deferred_experts
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"deferred_experts must be an int, got {n!r}")
+        if self.mode == "exact" and n != 0:
+            raise ValueError(f"deferred_experts={n} needs mode='expert_deferral' (mode 'exact' defers nothing)")
+        if self.mode == "expert_deferral" and n < 1:
+            raise ValueError(f"mode='expert_deferral' needs deferred_experts >= 1 (and < the model's top-k), got {n}")
+
+    def check_top_k(self, top_k: int) -> None:
+        """With Expert Deferral, at least one of each token's `top_k` experts must stay immediate."""
+        if self.mode == "expert_deferral" and not 0 < self.deferred_experts < top_k:
+            raise ValueError(
+                f"deferred_experts must lie in [1, top_k - 1] = [1, {top_k - 1}] for a model that routes each "
+                f"token to top_k = {top_k} experts, got {self.deferred_experts}"
+            )
 
     def replace(self, **overrides: object) -> HybridMoEConfig:
         """A copy with fields overridden; unknown names are an error, not silently ignored."""

@@ -1,5 +1,8 @@
 """The `hybrid_moe` torch.compile backend: MoE passes on the Dynamo graph, then Inductor.
 
+Passes: rewrite stock experts regions into dispatch (moe_regions.py), insert prefetches (prefetch.py),
+and, for layers configured with mode="expert_deferral" only, Expert Deferral (expert_deferral.py).
+
 Registered through the `torch_dynamo_backends` entry point, so `backend="hybrid_moe"` works in a
 fresh interpreter. `options` may carry HybridMoEConfig fields (used for stock models the backend
 rewrites); the remaining options and the mode go to Inductor.
@@ -13,6 +16,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from ..config import HybridMoEConfig
+from .expert_deferral import insert_expert_deferral
 from .moe_regions import rewrite_experts_regions
 from .prefetch import insert_prefetch
 
@@ -29,6 +33,7 @@ def hybrid_moe_backend(
     config = HybridMoEConfig(**{k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS})
     rewrite_experts_regions(gm, example_inputs, config)
     insert_prefetch(gm)
+    insert_expert_deferral(gm)  # only layers whose config has mode="expert_deferral"; others stay exact
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options

@@ -81,6 +81,7 @@ def patch_with_spec(
     _check_fits(device, slots * expert_bytes * len(moe_layers))
     capture = device.type == "cuda" and config.cuda_graph
     _check_policies(config, LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes), capture)
+    config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts

@@ -104,22 +104,46 @@ class MinusRecentScore(RankedCache):
 
 @CACHE_POLICIES.register("dali_window")
 class WorkloadWindow(RankedCache):
-    """DALI's workload-aware replacement: value = tokens routed in the last `w_size` steps; the slots may
-    change only every `u_size` steps, so copies come in bursts the scheduler can plan around."""
+    """DALI's workload-aware replacement (Algorithm 2): tokens per expert are summed over a tumbling window of
+    `w_size` steps; when a window closes, the `u_size` highest-scoring experts on the CPU replace the `u_size`
+    lowest-scoring ones on the GPU, pair by pair while the newcomer scores higher (a free slot takes any expert
+    with a score), and the scores restart from zero. Copies come in bursts of at most `u_size`, which the
+    scheduler can plan around. u_size defaults to the paper's settings, 8 of DeepSeek's 64 experts and 1 of
+    Mixtral's 8: num_experts // 8. Ours adds `decay` (0 in DALI): a closing window's scores keep `decay` times
+    the previous ones, so one quiet window does not erase an expert's history."""
 
-    def __init__(self, info: LayerInfo, costs: object = None, w_size: int = 8, u_size: int = 4) -> None:
+    def __init__(self, info: LayerInfo, w_size: int = 4, u_size: int | None = None, decay: float = 0.0) -> None:
         super().__init__(info)
-        self.w_size, self.u_size = w_size, u_size
-        self.window: list[Sequence[int]] = []
+        u_size = max(1, info.num_experts // 8) if u_size is None else u_size
+        if w_size < 1 or u_size < 1 or not 0 <= decay < 1:
+            raise ValueError(f"dali_window needs w_size >= 1, u_size >= 1 and 0 <= decay < 1; got {w_size}, {u_size}, "
+                             f"{decay}")
+        self.w_size, self.u_size, self.decay = w_size, u_size, decay
+        self.window = [0] * info.num_experts  # tokens so far in the open window
+        self.scores = [0] * info.num_experts  # the last closed window's: what replacement ranks by
         self.steps = 0
 
     def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
-        self.window = (self.window + [list(counts)])[-self.w_size :]
+        self.window = [w + c for w, c in zip(self.window, counts)]
         self.steps += 1
-        return self.steps % self.u_size == 0
+        if self.steps % self.w_size:
+            return False
+        self.scores = [w + self.decay * s for w, s in zip(self.window, self.scores)]
+        self.window = [0] * self.info.num_experts
+        return True
 
     def value(self, expert: int) -> float:
-        return sum(step[expert] for step in self.window)
+        return self.scores[expert]
+
+    def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
+        if not self.observe(counts, scores):
+            return []
+        on_cpu = sorted((e for e in range(self.info.num_experts) if not resident[e] and self.scores[e] > 0),
+                        key=lambda e: (-self.scores[e], e))
+        on_gpu = sorted((self.scores[e] for e in range(self.info.num_experts) if resident[e]))
+        free = self.info.num_slots - len(on_gpu)
+        out = [float("-inf")] * free + on_gpu  # what each newcomer would displace, cheapest first
+        return [e for e, displaced in zip(on_cpu[: self.u_size], out) if self.scores[e] > displaced]
 
 
 @CACHE_POLICIES.register("belady")
@@ -143,3 +167,25 @@ class Belady(RankedCache):
             if active[expert]:
                 return -ahead
         return float("-inf")
+
+
+@CACHE_POLICIES.register("oracle_window")
+class FutureWindow(WorkloadWindow):
+    """DALI's replacement ranked by the workload still to come: when a window closes, scores are the tokens of
+    the next `w_size` steps (`future`, this layer's per-expert token counts of every step), so the same bursts
+    of at most `u_size` copies bring in what will really be used. The cache half of the oracle stack."""
+
+    def __init__(self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None, w_size: int = 4,
+                 u_size: int | None = None) -> None:
+        super().__init__(info, w_size, u_size)
+        if future is None:
+            raise ValueError("cache policy 'oracle_window' needs the future routing (future=...): simulator only")
+        self.future = future
+
+    def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
+        self.steps += 1
+        if self.steps % self.w_size:
+            return False
+        ahead = self.future[self.steps : self.steps + self.w_size]
+        self.scores = [sum(step[e] for step in ahead) for e in range(self.info.num_experts)]
+        return True

@@ -17,9 +17,15 @@ from .caching import LFU, LRU, MinusRecentScore, WorkloadWindow
 class DeviceRanking:
     """Per-expert values of one layer, kept in device tensors and updated without host synchronisation."""
 
+    max_fills: int | None = None  # a cap on admissions per update, where the policy sets one
+
     def __init__(self, num_experts: int, device: torch.device) -> None:
         self.values = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.step = torch.zeros((), dtype=torch.int64, device=device)
+
+    def candidates(self, active: torch.Tensor) -> torch.Tensor:
+        """Which missing experts may be admitted: the step's active ones, unless the policy ranks others."""
+        return active
 
     def update(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Record one step (float counts and scores per expert); returns whether the slots may change now."""
@@ -61,20 +67,24 @@ class MRSRanking(DeviceRanking):
 
 
 class WindowRanking(DeviceRanking):
-    """DALI's window: tokens routed in the last `w_size` steps (a ring of steps); slots change every `u_size`."""
+    """DALI's window: tokens summed over a tumbling window of `w_size` steps; when it closes, they become the
+    values and the slots may change (at most `u_size` copies: `admissions` takes min(fills, u_size))."""
 
     def __init__(self, num_experts: int, device: torch.device, w_size: int, u_size: int) -> None:
         super().__init__(num_experts, device)
-        self.u_size = u_size
-        self.ring = torch.zeros(w_size, num_experts, dtype=torch.float32, device=device)
+        self.w_size, self.max_fills = w_size, u_size
+        self.window = torch.zeros(num_experts, dtype=torch.float32, device=device)
+
+    def candidates(self, active: torch.Tensor) -> torch.Tensor:
+        return self.values > 0  # every expert the closed window saw
 
     def update(self, counts: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        super().update(counts, scores)
-        return self.step % self.u_size == 0
-
-    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
-        self.ring.index_copy_(0, (self.step % self.ring.shape[0]).reshape(1), counts.reshape(1, -1))
-        torch.sum(self.ring, 0, out=self.values)
+        self.step += 1
+        self.window += counts
+        closes = self.step % self.w_size == 0
+        self.values.copy_(torch.where(closes, self.window, self.values))
+        self.window.mul_((~closes).float())
+        return closes
 
 
 def device_ranking(policy: object, num_experts: int, device: torch.device) -> DeviceRanking:
@@ -97,16 +107,16 @@ DEVICE_CACHE_POLICIES = ("lru", "lfu", "mrs", "dali_window")
 
 
 def admissions(
-    values: torch.Tensor, may_change: torch.Tensor, active: torch.Tensor, expert_slot: torch.Tensor,
+    values: torch.Tensor, may_change: torch.Tensor, eligible: torch.Tensor, expert_slot: torch.Tensor,
     slot_expert: torch.Tensor, fills: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `fills` (missed expert, slot) pairs: the i-th most valuable active non-resident expert takes the i-th
+    """Up to `fills` (missed expert, slot) pairs: the i-th most valuable eligible non-resident expert takes the i-th
     least valuable slot (a free slot first) when it is worth more; -1 expert where no admission happens.
 
     expert_slot [E] (-1: not resident) and slot_expert [S] (-1: free) are the current tables.
     """
     neg = float("-inf")  # a Python scalar: no host-to-device copy inside a graph capture
-    candidates = torch.where(active & (expert_slot < 0) & may_change, values, neg)
+    candidates = torch.where(eligible & (expert_slot < 0) & may_change, values, neg)
     cand_value, cand = candidates.topk(fills)
     held = torch.where(slot_expert >= 0, values[slot_expert.clamp(min=0)], neg)
     victim_value, victim = (-held).topk(fills)

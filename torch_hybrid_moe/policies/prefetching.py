@@ -105,13 +105,15 @@ class NoPrefetch:
 @PREFETCHERS.register("gate")
 class GatePrefetch:
     """DAOP / HybriMoE: this layer's router on the previous layer's gate input; the `size` experts the most
-    rows would be routed to (ties: higher summed score) are prefetched."""
+    rows would be routed to (ties: higher summed score) are prefetched. `size` defaults to DALI's settings,
+    4 of DeepSeek's top-6 and 1 of Mixtral's top-2: 2 * top_k // 3, at least 1."""
 
     name = "gate"
 
-    def __init__(self, info: LayerInfo, router: Router | None = None, size: int = 1) -> None:
+    def __init__(self, info: LayerInfo, router: Router | None = None, size: int | None = None) -> None:
         self.info = info
         self.router = _need_router(self.name, router, info)
+        size = max(1, 2 * self.router.top_k // 3) if size is None else size
         if size < 1:
             raise ValueError(f"prefetch size must be at least 1, got {size}")
         self.size = size
@@ -138,7 +140,7 @@ class ResidualPrefetch(GatePrefetch):
     name = "residual"
 
     def __init__(self, info: LayerInfo, router: Router | None = None, residual: torch.Tensor | None = None,
-                 size: int = 1) -> None:
+                 size: int | None = None) -> None:
         super().__init__(info, router, size)
         if residual is None or residual.shape != (self.router.weight.shape[1],):
             raise ValueError(f"prefetcher 'residual' needs residual=[{self.router.weight.shape[1]}] "
@@ -159,7 +161,7 @@ class ImpactPrefetch(GatePrefetch):
     name = "impact"
 
     def __init__(self, info: LayerInfo, router: Router | None = None, costs: CostModel | None = None,
-                 size: int = 1) -> None:
+                 size: int | None = None) -> None:
         super().__init__(info, router, size)
         if costs is None:
             raise ValueError("prefetcher 'impact' weighs each copy by its simulated gain: pass costs=CostModel(...)")
@@ -195,3 +197,22 @@ class ImpactPrefetch(GatePrefetch):
             current = self.with_copy(best, counts, current, set(picked))
             picked.append(best)
         return picked
+
+
+@PREFETCHERS.register("oracle")
+class OraclePrefetch:
+    """Perfect foresight: the `size` (default: all) heaviest experts this layer really routes to at the step
+    being prefetched for (`future`, its per-expert token counts of every step; asked once per step, in order).
+    The prefetch half of the oracle stack, simulator only."""
+
+    def __init__(self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None, size: int | None = None) -> None:
+        if future is None:
+            raise ValueError("prefetcher 'oracle' needs the future routing (future=...): simulator only")
+        self.info, self.future = info, future
+        self.size = info.num_experts if size is None else size
+        self.step = 0
+
+    def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
+        counts = self.future[self.step]
+        self.step += 1
+        return sorted((e for e, c in enumerate(counts) if c), key=lambda e: (-counts[e], e))[: self.size]

@@ -88,6 +88,21 @@ class AllOnCPU:
         return _plan(counts, resident, set())
 
 
+@SCHEDULERS.register("on_demand")
+class OnDemand:
+    """GPU-centric offloading (MoE-Infinity, accelerate-style): every activated expert runs on the GPU, a
+    missing one after an on-demand fetch, heaviest first; only what cannot get a slot this step (more
+    missing experts than slots free) falls back to the CPU."""
+
+    def __init__(self, info: LayerInfo) -> None:
+        self.info = info
+
+    def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
+        room = _fetch_capacity(self.info, counts, resident)
+        missing = sorted((e for e, n in enumerate(counts) if n and not resident[e]), key=lambda e: (-counts[e], e))
+        return _plan(counts, resident, {e for e, n in enumerate(counts) if n and resident[e]} | set(missing[:room]))
+
+
 @SCHEDULERS.register("fiddler")
 class Fiddler:
     """Fiddler's rule: a cached expert runs on the GPU; a missing one on the CPU unless copying it over and
@@ -130,6 +145,47 @@ class DaliGreedy:
                 room -= not resident[e]
             else:
                 cpu_t += c.t_cpu(counts[e])
+        return _plan(counts, resident, gpu)
+
+
+@SCHEDULERS.register("hybrimoe")
+class HybriMoE:
+    """HybriMoE's simulation scheduler (its priority rules, as its released code plays them): the activated
+    experts in one queue, cached ones by load descending, then missing ones by load descending. The GPU takes
+    from the head (heavy cached experts first, then heavy missing ones, each after its copy on the link's own
+    timeline), the CPU from the tail (light missing experts first, then light cached ones); at every step the
+    side that would finish its next expert earlier takes it, until the queue is empty. Sees the link's backlog
+    when given a timeline."""
+
+    def __init__(self, info: LayerInfo, costs: CostModel | None = None, timeline: Timeline | None = None) -> None:
+        self.info = info
+        self.costs = _need_costs("hybrimoe", costs)
+        self.timeline = timeline
+
+    def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
+        c = self.costs
+        queue = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (not resident[e], -counts[e], e))
+        room = _fetch_capacity(self.info, counts, resident)
+        link = self.timeline.link_free_in() if self.timeline else 0.0
+        cpu_t = gpu_t = 0.0
+        gpu: set[int] = set()
+        head, tail = 0, len(queue) - 1
+        while head <= tail:
+            e = queue[head]
+            ready = self.timeline.ready_in(e) if self.timeline and resident[e] else 0.0
+            if not resident[e]:
+                ready = link + c.t_transfer() if room > 0 else float("inf")
+            gpu_end = max(gpu_t, ready) + c.t_gpu(counts[e])
+            cpu_end = cpu_t + c.t_cpu(counts[queue[tail]])
+            if gpu_end <= cpu_end:
+                gpu_t = gpu_end
+                gpu.add(e)
+                if not resident[e]:
+                    link, room = ready, room - 1
+                head += 1
+            else:
+                cpu_t = cpu_end
+                tail -= 1
         return _plan(counts, resident, gpu)
 
 
@@ -187,12 +243,32 @@ def exhaustive_optimum(counts: Sequence[int], resident: Sequence[bool], room: in
     return best[2]
 
 
+def local_search(counts: Sequence[int], resident: Sequence[bool], gpu: set[int], room: int, costs: CostModel,
+                 timeline: Timeline) -> tuple[float, set[int]]:
+    """From the GPU set `gpu`, flip the single expert that shortens `layer_time` most until none does (never
+    more than `room` missing experts on the GPU); returns (time, GPU set)."""
+    active = [e for e, n in enumerate(counts) if n]
+    best = layer_time(counts, resident, gpu, costs, timeline)
+    while True:
+        trials = []
+        for e in active:
+            flipped = gpu ^ {e}
+            if sum(not resident[x] for x in flipped) <= room:
+                trials.append((layer_time(counts, resident, flipped, costs, timeline), e, flipped))
+        if not trials:
+            return best, gpu
+        t, _, flipped = min(trials, key=lambda x: x[:2])
+        if t >= best * (1 - 1e-9):
+            return best, gpu
+        best, gpu = t, flipped
+
+
 @SCHEDULERS.register("queue_aware")
 class QueueAware:
     """Ours: local search on the step's real time (`layer_time`), which sees the link's backlog and the
     copies still in flight, so it neither queues fetches behind background traffic nor waits on a slot
-    that is not filled yet. Starts from cached-on-GPU and flips the single expert that helps most until
-    nothing helps."""
+    that is not filled yet. Starts from the best of cached-on-GPU, DALI's greedy and HybriMoE's rules (all
+    cheap), then flips the single expert that helps most until nothing helps: never worse than any of them."""
 
     def __init__(self, info: LayerInfo, costs: CostModel | None = None, timeline: Timeline | None = None) -> None:
         self.info = info
@@ -200,22 +276,38 @@ class QueueAware:
         if timeline is None:
             raise ValueError("scheduler 'queue_aware' plans around in-flight copies: pass timeline=...")
         self.timeline = timeline
+        self.starts = (DaliGreedy(info, self.costs), HybriMoE(info, self.costs, timeline))
+
+    def start(self, counts: Sequence[int], resident: Sequence[bool]) -> set[int]:
+        """The best of the cheap placements, by `layer_time`."""
+        cached = {e for e, n in enumerate(counts) if n and resident[e]}
+        starts = [cached] + [set(s.place(counts, resident).accelerator) for s in self.starts]
+        return min(starts, key=lambda g: layer_time(counts, resident, g, self.costs, self.timeline))
+
+    def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
+        room = _fetch_capacity(self.info, counts, resident)
+        start = self.start(counts, resident)
+        return _plan(counts, resident, local_search(counts, resident, start, room, self.costs, self.timeline)[1])
+
+
+@SCHEDULERS.register("oracle")
+class OraclePlacement(QueueAware):
+    """The least `layer_time` found for the step (what the simulator plays, link backlog included): exhaustive
+    over every assignment up to `exhaustive_up_to` active experts; beyond, local search from the best of
+    queue_aware's starts and the exact makespan optimum. The placement half of the oracle stack."""
+
+    def __init__(self, info: LayerInfo, costs: CostModel | None = None, timeline: Timeline | None = None,
+                 exhaustive_up_to: int = 10) -> None:
+        super().__init__(info, costs, timeline)
+        self.exhaustive_up_to = exhaustive_up_to
+        self.starts = (*self.starts, Optimal(info, self.costs))
 
     def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
         active = [e for e, n in enumerate(counts) if n]
+        if len(active) > self.exhaustive_up_to:
+            return super().place(counts, resident)
         room = _fetch_capacity(self.info, counts, resident)
-        gpu = {e for e in active if resident[e]}
-        best = layer_time(counts, resident, gpu, self.costs, self.timeline)
-        while True:
-            trials = []
-            for e in active:
-                flipped = gpu ^ {e}
-                if sum(not resident[x] for x in flipped) <= room:
-                    trials.append((layer_time(counts, resident, flipped, self.costs, self.timeline), e, flipped))
-            if not trials:
-                break
-            t, _, flipped = min(trials, key=lambda x: x[:2])
-            if t >= best * (1 - 1e-9):
-                break
-            best, gpu = t, flipped
+        candidates = ({e for e, g in zip(active, mask) if g} for mask in itertools.product((False, True), repeat=len(active)))
+        fits = (g for g in candidates if sum(not resident[e] for e in g) <= room)
+        gpu = min(fits, key=lambda g: (layer_time(counts, resident, g, self.costs, self.timeline), len(g)))
         return _plan(counts, resident, gpu)

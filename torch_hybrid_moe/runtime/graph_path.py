@@ -202,8 +202,8 @@ class GraphPath:
         # Device-made constants only (torch.full): a host-to-device copy cannot be captured.
         admitted = torch.zeros((), dtype=torch.float64, device=ids.device)
         if self.fills:
-            expert, slot = admissions(self.ranking.values, may_change, active, self.expert_slot, self.slot_expert,
-                                      self.fills)
+            expert, slot = admissions(self.ranking.values, may_change, self.ranking.candidates(active),
+                                      self.expert_slot, self.slot_expert, min(self.fills, self.ranking.max_fills or self.fills))
             self._fill(expert, slot)
             admitted = (expert >= 0).sum().double()
         self.counters += torch.stack((

@@ -49,18 +49,15 @@ def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:
 class Calibration:
     """What policies may learn before serving, from a calibration trace (best another one than the trace
     replayed): per MoE layer its router, DALI's residual to the next layer's gate input, and its popularity
-    (tokens per expert); the calibration requests' activation matrices (MoE-Infinity's collection); and
-    `size`, how many experts a prefetcher loads per layer step."""
+    (tokens per expert); and the calibration requests' activation matrices (MoE-Infinity's collection)."""
 
     routers: dict[int, Router]
     residuals: dict[int, torch.Tensor]
     popularity: dict[int, list[int]]
     requests: list[torch.Tensor]
-    size: int = 1
 
     @classmethod
-    def from_trace(cls, trace: Trace, calibration: Trace | None = None, size: int = 1,
-                   model: str | Path | None = None) -> Calibration:
+    def from_trace(cls, trace: Trace, calibration: Trace | None = None, model: str | Path | None = None) -> Calibration:
         """Routers of the traced model (`model`, default the trace's model name; none for synthetic traces),
         everything else learnt from `calibration` (default: the trace itself)."""
         source = calibration or trace
@@ -75,4 +72,4 @@ class Calibration:
         requests = [torch.stack([torch.bincount(t.topk_ids[source.sequence == seq].long().flatten(),
                                                 minlength=num_experts).double() for t in source.layers.values()])
                     for seq in sorted(set(source.sequence.tolist()))]
-        return cls(routers, residuals, popularity, requests, size)
+        return cls(routers, residuals, popularity, requests)

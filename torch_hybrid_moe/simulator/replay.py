@@ -18,6 +18,7 @@ popularity, past requests); only the oracles take `future`, the routing still to
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class SimResult:
     hits: int = 0
     misses: int = 0
     prefetch_accuracy: float | None = None  # DALI's metric (`top_workload_overlap`); None without a prefetcher
+    planning_us: float = 0.0  # wall time of the policies' decisions per layer step (this machine, Python)
 
 
 def top_workload_overlap(predicted: Sequence[int], counts: Sequence[int], k: int) -> tuple[int, int]:
@@ -160,14 +162,16 @@ def _gate_input_index(trace: Trace, layer: int) -> torch.Tensor:
 
 
 def _prefetch(trace: Trace, source: int, target: int, rows: torch.Tensor, gate_input: torch.Tensor,
-              prefetcher: object, layer: _Layer, now: float) -> tuple[int, int]:
+              prefetcher: object, layer: _Layer, now: float) -> tuple[int, int, float]:
     """Ask `target`'s prefetcher with `source`'s routing and the gate inputs its rows kept, queue its copies
     on the link at `now` (the source layer's start); returns its accuracy as `top_workload_overlap` counts it
-    (on the rows with gate inputs when there are any, else on all)."""
+    (on the rows with gate inputs when there are any, else on all) and the seconds the prefetcher took."""
     picked = rows.nonzero().flatten()
     kept = picked[gate_input[picked] >= 0]
     src = trace.layers[source]
+    began = time.perf_counter()
     wanted = prefetcher.select(src.hidden[gate_input[kept]], src.topk_ids[picked].long(), layer.resident())
+    took = time.perf_counter() - began
     for e in wanted:
         if layer.expert_slot[e] < 0:
             if not layer.fill(e, keep=set(wanted)):
@@ -175,7 +179,7 @@ def _prefetch(trace: Trace, source: int, target: int, rows: torch.Tensor, gate_i
             layer.ready[e] = layer.link.copy(now, "prefetch", e)
     scored = kept if len(kept) else picked
     real = torch.bincount(trace.layers[target].topk_ids[scored].long().flatten(), minlength=layer.info.num_experts)
-    return top_workload_overlap(wanted, real.tolist(), prefetcher.size)
+    return *top_workload_overlap(wanted, real.tolist(), prefetcher.size), took
 
 
 def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache_ratio: float = 0.25,
@@ -194,10 +198,10 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
     for prev, idx in zip([None, *trace.layers], trace.layers):
         info = LayerInfo(idx, num_experts, slots, costs.expert.nbytes)
         context = {  # everything a policy may use; each takes what its signature names
-            "costs": costs, "request": request, "size": calibration.size,
+            "costs": costs, "request": request,
             "future": [step[2][idx][0] for step in steps],  # the routing to come: for the oracles only
             "popularity": calibration.popularity.get(idx), "router": calibration.routers.get(idx),
-            "residual": calibration.residuals.get(prev),
+            "residual": calibration.residuals.get(prev), **dict(stack.options),
         }
         layers[idx] = _Layer(info, stack, link, context)
         if prev is not None and stack.uses_slots and stack.prefetcher != "none":
@@ -205,6 +209,7 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
     following = {prev: idx for prev, idx in zip(layers, list(layers)[1:]) if idx in prefetchers}
     gate_input = {prev: _gate_input_index(trace, prev) for prev in following}
     predicted = out_of = 0
+    planning = 0.0
     now = 0.0
     cpu_busy = gpu_busy = 0.0
     hits = misses = 0
@@ -222,16 +227,18 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
             link.where = (step_no, idx)
             resident = layer.resident()
             active = [e for e, c in enumerate(counts) if c]
+            began = time.perf_counter()
             plan = layer.scheduler.place(counts, resident)
+            planning += time.perf_counter() - began
             for e in plan.fetch:
                 if not layer.fill(e, keep=set(plan.accelerator)):
                     raise RuntimeError(f"{stack.name}: no slot free for on-demand fetch of expert {e}")
                 layer.ready[e] = link.copy(now, "fetch", e)
             if idx in following:
                 link.where = (step_no, following[idx])
-                hit, of = _prefetch(trace, idx, following[idx], rows, gate_input[idx],
-                                    prefetchers[following[idx]], layers[following[idx]], now)
-                predicted, out_of = predicted + hit, out_of + of
+                hit, of, took = _prefetch(trace, idx, following[idx], rows, gate_input[idx],
+                                          prefetchers[following[idx]], layers[following[idx]], now)
+                predicted, out_of, planning = predicted + hit, out_of + of, planning + took
                 link.where = (step_no, idx)
             cpu_time = 0.0
             for e in plan.cpu:
@@ -252,7 +259,10 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
             hits += layer_hits
             misses += len(active) - layer_hits
             admitted: set[int] = set()
-            for e in layer.cache.admit(counts, layer.resident(), scores):
+            began = time.perf_counter()
+            admissions = layer.cache.admit(counts, layer.resident(), scores)
+            planning += time.perf_counter() - began
+            for e in admissions:
                 admitted.add(e)
                 if not layer.fill(e, keep=admitted):
                     break
@@ -267,4 +277,5 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
         hit_rate=hits / max(hits + misses, 1), moe_time_s=now, pcie_gb=link.copies * costs.expert.nbytes / 1e9,
         cpu_busy=cpu_busy / now if now else 0.0, gpu_busy=gpu_busy / now if now else 0.0, hits=hits, misses=misses,
         prefetch_accuracy=predicted / out_of if out_of else None,
+        planning_us=planning * 1e6 / max(len(steps) * len(layers), 1),
     )

@@ -1,4 +1,5 @@
-"""Named policy stacks: each paper's own combination, and ours, as registry names."""
+"""Named policy stacks: each paper's own combination as registry names (ours and the oracle are tuned per
+hardware profile: `simulator/tuning.py`)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,19 @@ class Stack:
     uses_slots: bool
     description: str
     prefetcher: str = "none"  # a PREFETCHERS name; asked for each layer during the previous one
+    options: tuple[tuple[str, object], ...] = ()  # policy parameters (w_size, u_size, alpha, size...) by name
 
 
 STACKS: dict[str, Stack] = {
     s.name: s
     for s in (
         Stack("ktransformers", "all_cpu", "lru", False, "all routed experts on the CPU, GPU for the rest of the model"),
-        Stack("fiddler", "fiddler", "lfu", True, "Fiddler's CPU-or-transfer rule over popularity-cached slots"),
+        Stack("fiddler", "fiddler", "lfu", True, "Fiddler: popular experts on the GPU, CPU-or-transfer rule for the rest"),
+        Stack("hybrimoe", "hybrimoe", "mrs", True,
+              "HybriMoE: simulation scheduler, MRS cache, impact-driven prefetch", "impact"),
         Stack("dali", "dali_greedy", "dali_window", True,
-              "DALI's greedy 0-1 assignment, workload-window cache and residual-based prefetch", "residual"),
-        Stack("mrs-cache", "cached_on_accelerator", "mrs", True,
-              "HybriMoE's MRS cache with cached-on-GPU placement (its simulation scheduler: not yet)"),
-        Stack("lru-cache", "cached_on_accelerator", "lru", True, "cached experts on the GPU, LRU slots (our default)"),
-        Stack("ours", "queue_aware", "dali_window", True,
-              "queue-aware placement (sees copies in flight) over DALI's window cache"),
+              "DALI: greedy 0-1 assignment, workload-window cache, residual-based prefetch", "residual"),
+        Stack("lru-cache", "cached_on_accelerator", "lru", True, "cached experts on the GPU, LRU slots (live default)"),
         Stack("oracle-cache", "optimal", "belady", True,
               "Belady's offline-optimal slots (the hit-rate ceiling) with the exact per-step 0-1 optimum"),
     )

@@ -1,0 +1,210 @@
+"""Warm-up cost profile (fit, disk cache, CPU-only fallback), simulator figures, and the simulate / profile CLI."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_hybrid_moe.embedded
+from torch_hybrid_moe import profiling
+from torch_hybrid_moe.cli import main
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
+from torch_hybrid_moe.simulator import STACKS, simulate
+from torch_hybrid_moe.traces import Trace
+
+TRACES = Path(torch_hybrid_moe.embedded.__file__).parent / "traces"
+SMALL = ExpertShape("test-small", 512, 256)
+TOKENS = (1, 4, 16, 64, 256, 1024)
+
+
+def synthetic(expert, preset, tokens=TOKENS, gpu=False):
+    """Measurements that a machine exactly like `preset` would give (GPU side and link only if `gpu`)."""
+    c = CostModel(HARDWARE[preset], expert)
+    m = profiling.Measurements(profiling.profile_key(expert, tokens), {n: c.t_cpu(n) for n in tokens})
+    if gpu:
+        small = CostModel(HARDWARE[preset], ExpertShape("copy", 1, 1, profiling.SMALL_COPY / 3))
+        m.gpu_s, m.transfer_s, m.small_transfer_s = {n: c.t_gpu(n) for n in tokens}, c.t_transfer(), small.t_transfer()
+    return m
+
+
+@pytest.mark.parametrize("preset", ["dali", "ktransformers"])
+def test_fit_gives_back_the_hardware_that_produced_the_times(preset):
+    expert = EXPERT_SHAPES["deepseek-v2-lite"]
+    p = profiling.HardwareProfile(expert, synthetic(expert, preset, gpu=True))
+    want, got = CostModel(HARDWARE[preset], expert), p.cost_model()
+    for n in (1, 2, 4, 16, 64, 100, 256, 1024, 4096):  # between and beyond the measured counts too
+        assert got.t_cpu(n) == pytest.approx(want.t_cpu(n), rel=1e-6)
+        assert got.t_gpu(n) == pytest.approx(want.t_gpu(n), rel=1e-6)
+    assert got.t_transfer() == pytest.approx(want.t_transfer(), rel=1e-6)
+    h, ref = p.hardware, HARDWARE[preset]
+    for name in ("cpu_bandwidth_gb_s", "cpu_tflops", "cpu_overhead_us", "gpu_bandwidth_gb_s", "gpu_tflops",
+                 "gpu_overhead_us", "pcie_gb_s", "pcie_latency_us"):
+        assert getattr(h, name) == pytest.approx(getattr(ref, name), rel=1e-5), name
+    assert h.name == "local" and "measured" in h.description
+
+
+def test_fit_of_noisy_times_stays_close():
+    c = CostModel(HARDWARE["rtx4090"], SMALL)
+    noise = dict(zip(TOKENS, (1.08, 0.93, 1.05, 0.96, 1.02, 0.98)))
+    fit = profiling.fit_curve(TOKENS, [c.t_cpu(n) * noise[n] for n in TOKENS])
+    assert all(fit(n) == pytest.approx(c.t_cpu(n), rel=0.1) for n in TOKENS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
+def test_real_profile_fits_its_measurements_and_is_cached(tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: steady times on a shared box (the key records it)
+    try:
+        p = profiling.profile_hardware(SMALL, tokens=(1, 4, 16, 64), preset="dali", directory=tmp_path,
+                                       pool_bytes=8 << 20, progress=False)
+        assert not p.cached and p.path.parent == tmp_path and p.measured.key["threads"] == 1
+        assert all(t > 0 for t in p.measured.cpu_s.values()) and p.measured.gpu_s is None
+        errors = p.fit_errors()["cpu"]
+        assert set(errors) == {1, 4, 16, 64}
+        assert all(abs(e) < 0.35 for e in errors.values()), errors
+        costs = p.cost_model()
+        assert [costs.t_cpu(n) for n in (1, 4, 16, 64)] == pytest.approx([p.cpu_fit(n) for n in (1, 4, 16, 64)])
+        # No CUDA device: GPU side and link are the named preset's, and the profile says so.
+        h, dali = p.hardware, HARDWARE["dali"]
+        assert (h.gpu_bandwidth_gb_s, h.gpu_tflops, h.pcie_gb_s) == (dali.gpu_bandwidth_gb_s, dali.gpu_tflops,
+                                                                    dali.pcie_gb_s)
+        assert "preset dali" in h.description
+
+        def must_not_measure(*args, **kwargs):
+            raise AssertionError("measured again despite the cache")
+
+        monkeypatch.setattr(profiling, "measure", must_not_measure)
+        again = profiling.profile_hardware(SMALL, tokens=(1, 4, 16, 64), preset="dali", directory=tmp_path)
+        assert again.cached and again.measured == p.measured and again.hardware == p.hardware
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_refresh_and_a_new_key_measure_again(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(expert, tokens, *args, **kwargs):
+        calls.append(tuple(tokens))
+        return synthetic(expert, "rtx4090", tokens)
+
+    monkeypatch.setattr(profiling, "measure", fake)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = profiling.profile_hardware(SMALL, tokens=(1, 8, 64))
+    assert first.path.parent == tmp_path / "torch_hybrid_moe" and json.loads(first.path.read_text())["cpu_s"]
+    assert profiling.profile_hardware(SMALL, tokens=(1, 8, 64)).cached and len(calls) == 1
+    assert not profiling.profile_hardware(SMALL, tokens=(1, 8, 64), refresh=True).cached and len(calls) == 2
+    assert not profiling.profile_hardware(SMALL, tokens=(1, 16, 64)).cached and len(calls) == 3
+    other = ExpertShape("test-other", 256, 128)
+    assert not profiling.profile_hardware(other, tokens=(1, 8, 64)).cached and len(calls) == 4
+    with pytest.raises(ValueError, match="unknown preset"):
+        profiling.profile_hardware(SMALL, preset="nope")
+
+
+def test_importing_the_package_leaves_matplotlib_alone():
+    code = ("import sys, torch_hybrid_moe, torch_hybrid_moe.cli, torch_hybrid_moe.profiling, "
+            "torch_hybrid_moe.simulator.plots; print('matplotlib' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
+
+
+@pytest.fixture(scope="module")
+def mixtral_trace():
+    return Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")
+
+
+def test_timeline_draws_one_bar_per_event_of_the_window(mixtral_trace, tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (extra: plot)")
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    from torch_hybrid_moe.simulator import plots
+
+    events = []
+    simulate(mixtral_trace, STACKS["lru-cache"], CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"]),
+             cache_ratio=0.25, events=events)
+    shown = plots.window(events, 1, 3)
+    assert shown and {e.step for e in shown} == {1, 2, 3} and {e.lane for e in shown} == {"cpu", "gpu", "pcie"}
+    ax = Figure().add_subplot()
+    drawn = plots.draw_timeline(ax, events, first_step=1, steps=3)
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(bars) == len(drawn) == len(shown) and Counter(drawn) == Counter(shown)
+    origin = min(e.start for e in shown)
+    for bar, e in zip(bars, drawn):
+        assert bar.get_x() == pytest.approx((e.start - origin) * 1e3)
+        assert bar.get_width() == pytest.approx((e.end - e.start) * 1e3)
+        assert bar.get_y() + bar.get_height() / 2 == pytest.approx(plots.LANES.index(e.lane))
+    path = plots.plot_timeline(events, tmp_path / "t" / "timeline.png", first_step=1, steps=3)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    with pytest.raises(ValueError, match="no events"):
+        plots.plot_timeline(events, tmp_path / "empty.png", first_step=10**6)
+
+
+def test_oracle_hit_rate_never_falls_as_the_cache_grows(mixtral_trace, tmp_path):
+    from torch_hybrid_moe.simulator import plots
+
+    costs = CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])
+    sweep = plots.sweep_cache_ratio(mixtral_trace, [STACKS["oracle-cache"]], costs, (1.0, 0.125, 0.5, 0.25))
+    results = sweep["oracle-cache"]
+    assert [r.cache_ratio for r in results] == [0.125, 0.25, 0.5, 1.0]
+    rates = [r.hit_rate for r in results]
+    assert rates == sorted(rates) and rates[0] > 0 and rates[-1] == 1.0
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (extra: plot)")
+    for draw in (plots.plot_hit_rate, plots.plot_decode_speed):
+        path = draw(sweep, tmp_path / f"{draw.__name__}.png")
+        assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 5000
+
+
+def test_simulate_cli_json_reports_prefetch_accuracy(capsys):
+    trace = TRACES / "mixtral-tiny-heldout-at0.safetensors"
+    assert main(["simulate", "--trace", str(trace), "--batch", "8", "--ours", "4,1,0.5,1", "--json"]) == 0
+    records = {r["stack"]: r for r in json.loads(capsys.readouterr().out)}
+    assert list(records) == [*STACKS, "ours", "oracle"]
+    prefetching = {name for name, s in STACKS.items() if s.prefetcher != "none"} | {"ours", "oracle"}
+    for r in records.values():
+        assert {"stack", "hardware", "batch", "cache_ratio", "decode_tok_s", "prefill_tok_s", "hit_rate",
+                "prefetch_accuracy", "moe_time_s", "planning_us"} <= r.keys() and r["batch"] == 8
+        assert (r["prefetch_accuracy"] is None) == (r["stack"] not in prefetching)
+    assert 0 < records["dali"]["prefetch_accuracy"] <= 1 and records["oracle"]["prefetch_accuracy"] == 1
+
+
+def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(profiling, "measure", lambda expert, tokens, *a, **k: synthetic(expert, "dali", tokens))
+    assert main(["profile", "--expert-shape", "qwen3-30b-a3b", "--gpu-preset", "rtx5090"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU measured" in out and "CPU fitted" in out and "GPU and link from preset rtx5090" in out
+    table = out[out.index("hardware "):].splitlines()
+    assert [line.split()[0] for line in table[1 : 2 + len(HARDWARE)]] == ["local", *HARDWARE]
+    local, dali = table[1].split(), table[1 + list(HARDWARE).index("dali") + 1].split()
+    assert local[1:4] == dali[1:4]  # the CPU measured to be exactly dali's CPU is fitted back to its figures
+
+    trace, calibration = (str(TRACES / f"mixtral-tiny-heldout-at{at}.safetensors") for at in (0, 512))
+    assert main(["simulate", "--trace", trace, "--calibration", calibration, "--hardware", "local",
+                 "--expert-shape", "qwen3-30b-a3b", "--gpu-preset", "rtx5090", "--batch", "8",
+                 "--ours", "2,1,0,0"]) == 0
+    out = capsys.readouterr().out
+    assert "hardware local: measured on this machine" in out and f"calibrated on {calibration}" in out
+    rows = {line.split()[0]: line for line in out.splitlines()[4:]}
+    assert "prefetch acc" in out and list(rows) == [*STACKS, "ours", "oracle"]
+    assert rows["ktransformers"].split()[4] == "-" and rows["dali"].split()[4].endswith("%")
+
+
+def test_simulate_cli_plot_dir_writes_every_figure(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (extra: plot)")
+    from torch_hybrid_moe.simulator import plots
+
+    monkeypatch.setattr(plots, "DEFAULT_RATIOS", ())  # the sweep is the run's own ratio only: nothing re-run
+    trace = TRACES / "mixtral-tiny-heldout-at0.safetensors"
+    assert main(["simulate", "--trace", str(trace), "--batch", "8", "--plot-dir", str(tmp_path), "--ours", "4,1,0,0",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    names = [*STACKS, "ours", "oracle"]
+    assert len(json.loads(captured.out)) == len(names)  # the figures' paths go to stderr with --json
+    want = {f"timeline-{name}.png" for name in names} | {"hit-rate-vs-cache-ratio.png", "decode-vs-cache-ratio.png"}
+    assert {p.name for p in tmp_path.iterdir()} == want
+    assert all(f"wrote {tmp_path / name}" in captured.err for name in want)
+    assert all((tmp_path / name).read_bytes()[:4] == b"\x89PNG" for name in want)

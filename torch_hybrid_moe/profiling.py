@@ -1,0 +1,337 @@
+"""Warm-up cost profile of the machine at hand: one expert's time on the CPU (the project's own kernel,
+`hybrid_moe::cpu_experts`), on the GPU and over the pinned host-to-device link, fitted to the cost model's
+form so that schedulers and the simulator keep their one interface (`CostModel.t_cpu`, `t_gpu`, `t_transfer`).
+
+`profile_hardware(expert)` measures each side at a few token counts (median of repeats, bf16 weights as the
+models serve them), fits `overhead + max(read time, tokens x compute time)` to each curve and returns a
+`HardwareProfile` whose `hardware` is a `Hardware(name="local", ...)` preset and whose `cost_model()` is the
+`CostModel` built from it. Without CUDA the GPU side and the link come from a named preset, and the profile
+says so. Measurements are cached on disk as JSON (`$XDG_CACHE_HOME/torch_hybrid_moe/` or
+`~/.cache/torch_hybrid_moe/`), keyed by CPU model, thread count, torch version, kernel ISA, expert shape,
+token counts and GPU name, so the second call measures nothing; `refresh=True` measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .cost_model import (BANDWIDTH_EFFICIENCY, COMPUTE_EFFICIENCY, HARDWARE, PCIE_EFFICIENCY, CostModel, ExpertShape,
+                         Hardware)
+
+FORMAT = 1  # bump when what a cached measurement means changes
+DEFAULT_TOKENS = (1, 4, 16, 64)
+DEFAULT_PRESET = "rtx4090"  # GPU and link figures where this machine has no CUDA device
+POOL_BYTES = 256 * 2**20  # experts cycled through per measurement, so that their weights come from DRAM, not cache
+SMALL_COPY = 64 * 2**10  # bytes of the second, latency-bound copy that separates the link's latency from its rate
+
+
+@dataclass(frozen=True)
+class CurveFit:
+    """`overhead_s + max(read_s, tokens * token_s)`: the cost model's form of one expert's time on a device."""
+
+    overhead_s: float
+    read_s: float
+    token_s: float
+
+    def __call__(self, tokens: int) -> float:
+        return self.overhead_s + max(self.read_s, tokens * self.token_s) if tokens > 0 else 0.0
+
+
+def fit_curve(tokens: Sequence[int], seconds: Sequence[float]) -> CurveFit:
+    """Least relative squared error fit of `CurveFit` to measured (tokens, seconds), all terms >= 0.
+
+    Each split of the token counts into a read-bound low part and a compute-bound high part is a linear
+    least-squares problem (non-negative, rows scaled by 1 / measured); the split whose fitted curve is
+    closest to the measurements wins. Where no point is read-bound the read time is put at the smallest
+    count's compute time (the least bandwidth the data allows), and likewise the other way round.
+    """
+    import numpy as np
+    from scipy.optimize import minimize, nnls
+
+    pairs = sorted(zip(tokens, seconds))
+    if not pairs or any(n <= 0 or s <= 0 for n, s in pairs):
+        raise ValueError(f"need positive token counts and times, got {pairs}")
+    best: tuple[float, CurveFit] | None = None
+    for split in range(len(pairs) + 1):
+        rows = [[1.0, 1.0, 0.0] if i < split else [1.0, 0.0, float(n)] for i, (n, _) in enumerate(pairs)]
+        a = [[v / s for v in row] for row, (_, s) in zip(rows, pairs)]
+        (overhead, read, token), _ = nnls(np.array(a), np.ones(len(pairs)))
+        if split == 0:
+            read = token * pairs[0][0]
+        elif split == len(pairs):
+            token = read / pairs[-1][0]
+        fit = CurveFit(float(overhead), max(float(read), 1e-12), max(float(token), 1e-15))
+        error = sum((fit(n) / s - 1) ** 2 for n, s in pairs)
+        if best is None or error < best[0] - 1e-15:
+            best = (error, fit)
+    if best[0] < 1e-18:
+        return best[1]
+    # A split's linear solution may break the max()'s own order (a read-bound point whose compute time is
+    # higher): polish the best one on the real objective, in log space (every term stays >= 0).
+    start = best[1]
+    floor = 1e-9 * min(s for _, s in pairs)
+
+    def objective(x: np.ndarray) -> float:
+        f = CurveFit(*(float(v) for v in np.exp(x)))
+        return sum((f(n) / s - 1) ** 2 for n, s in pairs)
+
+    x0 = np.log([max(start.overhead_s, floor), start.read_s, start.token_s])
+    polished = minimize(objective, x0, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-14, "maxiter": 2000})
+    return CurveFit(*(float(v) for v in np.exp(polished.x))) if polished.fun < best[0] else start
+
+
+@dataclass
+class Measurements:
+    """What the warm-up measured (seconds): per expert call at each token count, and the link."""
+
+    key: dict
+    cpu_s: dict[int, float]
+    gpu_s: dict[int, float] | None = None  # None: no CUDA device
+    transfer_s: float | None = None  # one expert's bytes, pinned host -> device
+    small_transfer_s: float | None = None  # SMALL_COPY bytes, for the link's latency
+    seconds: float = 0.0  # how long measuring took
+    load: float | None = None  # 1-minute load average when measuring began (other work skews the times)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Measurements:
+        ints = lambda d: None if d is None else {int(k): float(v) for k, v in d.items()}  # noqa: E731
+        return cls(data["key"], ints(data["cpu_s"]), ints(data["gpu_s"]), data["transfer_s"],
+                   data["small_transfer_s"], data["seconds"], data.get("load"))
+
+
+@dataclass
+class HardwareProfile:
+    """Measurements of one machine for one expert shape, and the `Hardware` fitted to them."""
+
+    expert: ExpertShape
+    measured: Measurements
+    preset: str = DEFAULT_PRESET  # where the GPU side and link come from when `measured` has none
+    cached: bool = False  # read from the disk cache rather than measured now
+    path: Path | None = field(default=None, compare=False)
+
+    @property
+    def gpu_measured(self) -> bool:
+        return self.measured.gpu_s is not None
+
+    @cached_property
+    def cpu_fit(self) -> CurveFit:
+        return fit_curve(list(self.measured.cpu_s), list(self.measured.cpu_s.values()))
+
+    @cached_property
+    def gpu_fit(self) -> CurveFit | None:
+        g = self.measured.gpu_s
+        return fit_curve(list(g), list(g.values())) if g else None
+
+    @cached_property
+    def hardware(self) -> Hardware:
+        """The measured machine as a `Hardware` preset: fitted effective figures over the cost model's efficiencies,
+        so `CostModel(hardware, expert)` gives back the fitted curves."""
+        e, m = self.expert, self.measured
+        cpu = self.cpu_fit
+        fields = dict(
+            cpu_bandwidth_gb_s=e.nbytes / cpu.read_s / 1e9 / BANDWIDTH_EFFICIENCY,
+            cpu_tflops=e.flops_per_token / cpu.token_s / 1e12 / COMPUTE_EFFICIENCY,
+            cpu_overhead_us=cpu.overhead_s * 1e6,
+        )
+        where = f"CPU {m.key['cpu']} ({m.key['threads']} threads, kernel {m.key['kernel']})"
+        if self.gpu_fit is not None:
+            gpu = self.gpu_fit
+            latency = max(0.0, m.small_transfer_s - SMALL_COPY * (m.transfer_s - m.small_transfer_s)
+                          / max(e.nbytes - SMALL_COPY, 1))
+            rate = e.nbytes / max(m.transfer_s - latency, 1e-12)  # bytes per second
+            fields |= dict(
+                gpu_bandwidth_gb_s=e.nbytes / gpu.read_s / 1e9 / BANDWIDTH_EFFICIENCY,
+                gpu_tflops=e.flops_per_token / gpu.token_s / 1e12 / COMPUTE_EFFICIENCY,
+                gpu_overhead_us=gpu.overhead_s * 1e6,
+                pcie_gb_s=rate / 1e9 / PCIE_EFFICIENCY,
+                pcie_latency_us=latency * 1e6,
+            )
+            where += f" + GPU {m.key['device']}, measured"
+        else:
+            p = HARDWARE[self.preset]
+            fields |= dict(gpu_bandwidth_gb_s=p.gpu_bandwidth_gb_s, gpu_tflops=p.gpu_tflops,
+                           gpu_overhead_us=p.gpu_overhead_us, pcie_gb_s=p.pcie_gb_s, pcie_latency_us=p.pcie_latency_us)
+            where += f"; no CUDA device: GPU and link from preset {self.preset}"
+        return Hardware("local", f"measured on this machine: {where}", **fields)
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.hardware, self.expert)
+
+    def fit_errors(self) -> dict[str, dict[int, float]]:
+        """Relative error of the fitted cost model at each measured token count (fitted / measured - 1)."""
+        costs = self.cost_model()
+        out = {"cpu": {n: costs.t_cpu(n) / s - 1 for n, s in self.measured.cpu_s.items()}}
+        if self.measured.gpu_s:
+            out["gpu"] = {n: costs.t_gpu(n) / s - 1 for n, s in self.measured.gpu_s.items()}
+        return out
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "torch_hybrid_moe"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def profile_key(expert: ExpertShape, tokens: Sequence[int]) -> dict:
+    """What a measurement depends on: the cache key."""
+    from .ops import cpu_kernel
+
+    isa = cpu_kernel.best_isa()
+    return {
+        "format": FORMAT, "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "kernel": cpu_kernel.ISA_NAMES.get(isa, "torch loop"), "expert": asdict(expert),
+        "tokens": sorted(int(n) for n in tokens),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+    }
+
+
+def _expert_pool(expert: ExpertShape, pool_bytes: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 gate_up [E, 2I, H] and down [E, H, I] of enough experts to fill `pool_bytes` (at least 2)."""
+    count = max(2, -(-pool_bytes // expert.nbytes))
+    g = torch.Generator().manual_seed(0)
+    h, i = expert.hidden, expert.inter
+    one_gu = (torch.randn(1, 2 * i, h, generator=g) * h**-0.5).to(torch.bfloat16)
+    one_dn = (torch.randn(1, h, i, generator=g) * i**-0.5).to(torch.bfloat16)
+    return (one_gu.to(device).expand(count, -1, -1).contiguous(),  # every page written: no first-touch faults
+            one_dn.to(device).expand(count, -1, -1).contiguous())
+
+
+def measure_cpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int,
+                bar: tqdm | None = None, budget_s: float = 3.0) -> dict[int, float]:
+    """Median seconds of one `hybrid_moe::cpu_experts` call computing one expert for n tokens, each n in
+    `tokens`. Consecutive calls use different experts of the pool, so weights are read from memory; the token
+    counts take turns (one round = one call of each), so a burst of load from elsewhere skews all alike.
+    After one warm-up round, `repeats` rounds, or at least 3 once `budget_s` has passed."""
+    from .ops import library  # noqa: F401 - registers torch.ops.hybrid_moe
+
+    gate_up, down = _expert_pool(expert, pool_bytes)
+    count = gate_up.shape[0]
+    g = torch.Generator().manual_seed(0)
+    cases = {int(n): (torch.randn(n, expert.hidden, generator=g).to(torch.bfloat16), torch.ones(n, 1),
+                      torch.zeros(n, expert.hidden)) for n in tokens}
+    ids = {n: [torch.full((n, 1), e, dtype=torch.long) for e in range(count)] for n in cases}
+    times: dict[int, list[float]] = {n: [] for n in cases}
+    call = 0
+    started = time.perf_counter()
+    for round_ in range(repeats + 1):
+        for n, (hidden, weights, acc) in cases.items():
+            t = time.perf_counter()
+            torch.ops.hybrid_moe.cpu_experts(hidden, ids[n][call % count], weights, gate_up, down, None, None, acc)
+            if round_:  # round 0 warms up
+                times[n].append(time.perf_counter() - t)
+            call += 1
+        if bar is not None and round_:
+            bar.update(1)
+        if round_ >= 3 and time.perf_counter() - started > budget_s:
+            if bar is not None:
+                bar.update(repeats - round_)
+            break
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def measure_gpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int,
+                bar: tqdm | None = None) -> tuple[dict[int, float], float, float]:
+    """On CUDA device 0: median seconds of one expert for n tokens with the runtime's GPU expert math, and of
+    copying one expert's bytes and SMALL_COPY bytes from pinned host memory (CUDA events)."""
+    from .ops.expert_math import accumulate_experts_
+
+    gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
+    count = gate_up.shape[0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(fn: Callable[[int], None]) -> float:
+        times = []
+        fn(0)
+        for i in range(1, repeats + 1):
+            torch.cuda.synchronize()
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    gpu: dict[int, float] = {}
+    for n in tokens:
+        hidden = torch.randn(n, expert.hidden, device="cuda", dtype=torch.bfloat16)
+        ids = [torch.full((n, 1), e, dtype=torch.long, device="cuda") for e in range(count)]
+        weights = torch.ones(n, 1, device="cuda")
+        acc = torch.zeros(n, expert.hidden, device="cuda")
+        gpu[int(n)] = timed(lambda i: accumulate_experts_(acc, hidden, ids[i % count], weights, gate_up, down))
+        if bar is not None:
+            bar.update(1)
+    del gate_up, down
+    copies = []
+    for nbytes in (expert.nbytes, SMALL_COPY):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        copies.append(timed(lambda i: dev.copy_(host, non_blocking=True)))
+        if bar is not None:
+            bar.update(1)
+    return gpu, copies[0], copies[1]
+
+
+def measure(expert: ExpertShape, tokens: Sequence[int] = DEFAULT_TOKENS, repeats: int = 7,
+            pool_bytes: int = POOL_BYTES, progress: bool = True) -> Measurements:
+    """Measure this machine now (no cache): the CPU kernel, and where CUDA exists the GPU and the link."""
+    tokens = sorted(int(n) for n in tokens)
+    cuda = torch.cuda.is_available()
+    began = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with tqdm(total=repeats + (len(tokens) + 2) * cuda, desc=f"profiling {expert.name}", unit="run",
+              leave=False, disable=not progress) as bar:
+        m = Measurements(profile_key(expert, tokens), measure_cpu(expert, tokens, repeats, pool_bytes, bar))
+        if cuda:
+            m.gpu_s, m.transfer_s, m.small_transfer_s = measure_gpu(expert, tokens, repeats, pool_bytes, bar)
+    m.seconds, m.load = time.perf_counter() - began, load
+    return m
+
+
+def profile_hardware(expert: ExpertShape, *, tokens: Sequence[int] = DEFAULT_TOKENS, preset: str = DEFAULT_PRESET,
+                     refresh: bool = False, directory: str | Path | None = None, repeats: int = 7,
+                     pool_bytes: int = POOL_BYTES, progress: bool = True) -> HardwareProfile:
+    """This machine's cost profile for experts of `expert` size, from the disk cache when it has one for this
+    machine (unless `refresh`), else measured now (a few seconds) and cached. `preset`: the `HARDWARE` entry
+    the GPU side and link come from where no CUDA device exists. `directory`: the cache (default `cache_dir()`)."""
+    if preset not in HARDWARE:
+        raise ValueError(f"unknown preset {preset!r}; one of {', '.join(HARDWARE)}")
+    key = profile_key(expert, tokens)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(directory or cache_dir()) / f"profile-{expert.name}-{digest}.json"
+    if not refresh and path.exists():
+        try:
+            m = Measurements.from_json(json.loads(path.read_text()))
+            if m.key == key:
+                return HardwareProfile(expert, m, preset, cached=True, path=path)
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable or from another format: measure again
+    m = measure(expert, tokens, repeats, pool_bytes, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(m.to_json(), indent=1))
+    tmp.replace(path)
+    return HardwareProfile(expert, m, preset, cached=False, path=path)
