@@ -1,5 +1,6 @@
 """Pluggable placement policies (scheduler, cache policy, prefetcher) and their registries."""
 
+from . import activation_matrices, sequence_allocation, static_placement  # noqa: F401 - they register policies
 from .base import CachePolicy, LayerInfo, Placement, Prefetcher, Scheduler, Timeline
 from .caching import CACHE_POLICIES
 from .prefetching import PREFETCHERS

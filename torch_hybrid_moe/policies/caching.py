@@ -66,6 +66,15 @@ class RankedCache:
         return min(candidates, key=lambda s: float("-inf") if slot_experts[s] < 0 else self.value(slot_experts[s]),
                    default=-1)
 
+    def paired(self, candidates: Sequence[int], resident: Sequence[bool], limit: int, threshold: float = 1.0) -> list[int]:
+        """Swaps pair by pair: the i-th most valuable missing candidate displaces the i-th least valuable resident
+        expert (a free slot first) while it is worth more than `threshold` times as much; at most `limit`."""
+        newcomers = sorted((e for e in candidates if not resident[e]), key=lambda e: (-self.value(e), e))
+        held = sorted(self.value(e) for e in range(self.info.num_experts) if resident[e])
+        out = [float("-inf")] * (self.info.num_slots - len(held)) + held  # what each would displace, cheapest first
+        return [e for e, displaced in zip(newcomers[:limit], out)
+                if displaced == float("-inf") or self.value(e) > threshold * displaced]
+
 
 @CACHE_POLICIES.register("lfu")
 class LFU(RankedCache):
@@ -138,12 +147,7 @@ class WorkloadWindow(RankedCache):
     def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
         if not self.observe(counts, scores):
             return []
-        on_cpu = sorted((e for e in range(self.info.num_experts) if not resident[e] and self.scores[e] > 0),
-                        key=lambda e: (-self.scores[e], e))
-        on_gpu = sorted((self.scores[e] for e in range(self.info.num_experts) if resident[e]))
-        free = self.info.num_slots - len(on_gpu)
-        out = [float("-inf")] * free + on_gpu  # what each newcomer would displace, cheapest first
-        return [e for e, displaced in zip(on_cpu[: self.u_size], out) if self.scores[e] > displaced]
+        return self.paired([e for e in range(self.info.num_experts) if self.scores[e] > 0], resident, self.u_size)
 
 
 @CACHE_POLICIES.register("belady")

@@ -21,11 +21,16 @@ STACKS: dict[str, Stack] = {
     s.name: s
     for s in (
         Stack("ktransformers", "all_cpu", "lru", False, "all routed experts on the CPU, GPU for the rest of the model"),
-        Stack("fiddler", "fiddler", "lfu", True, "Fiddler: popular experts on the GPU, CPU-or-transfer rule for the rest"),
+        Stack("fiddler", "fiddler", "static", True,
+              "Fiddler: the calibration's most popular experts fixed on the GPU, CPU-or-transfer rule for the rest"),
         Stack("hybrimoe", "hybrimoe", "mrs", True,
               "HybriMoE: simulation scheduler, MRS cache, impact-driven prefetch", "impact"),
         Stack("dali", "dali_greedy", "dali_window", True,
               "DALI: greedy 0-1 assignment, workload-window cache, residual-based prefetch", "residual"),
+        Stack("moe-infinity", "on_demand", "eam", True,
+              "MoE-Infinity: every expert on the GPU, fetched on demand; EAM-guided cache and prefetch", "eam"),
+        Stack("daop", "cached_on_accelerator", "daop", True,
+              "DAOP: per-sequence allocation from prefill (swap at 1.05x), CPU for the rest (exact mode)"),
         Stack("lru-cache", "cached_on_accelerator", "lru", True, "cached experts on the GPU, LRU slots (live default)"),
         Stack("oracle-cache", "optimal", "belady", True,
               "Belady's offline-optimal slots (the hit-rate ceiling) with the exact per-step 0-1 optimum"),
