@@ -1,21 +1,29 @@
-"""Decode and prefill throughput on a GPU: the hybrid path with its decode step as one CUDA graph, against the
-same path uncaptured and against the all-experts-on-CPU layout, side by side in one run, with a physical floor.
+"""Decode and prefill throughput on a GPU: the hybrid path (decode step as one CUDA graph, and uncaptured)
+against the baselines the accelerator issue names, side by side in one run, with a physical floor.
+
+Rows, each on a freshly built model (patching moves its experts into pinned host memory):
+- hybrid: our patch at each expert budget, decode graph on and off;
+- all-cpu: budget 0, every routed expert on the CPU (the Fiddler / KTransformers layout), graph on and off;
+- on-demand: every missing expert fetched into a slot before it runs (MoE-Infinity's GPU-centric placement);
+- accelerate: transformers + accelerate `device_map` offload (the routed experts' modules on "cpu", their
+  weights streamed to the GPU at every forward).
 
 The model is DeepSeek-V2-Lite-shaped with random bf16 weights at full size by default (27 layers, 64 routed
 experts of 2048 x 1408, top-6, 2 shared experts, MLA attention; ~16 B parameters, ~31 GiB in host memory).
-Each setting patches a freshly built model (patching moves its experts into pinned host memory), warms up
-(compilation, graph capture), then times generate(): prefill = the prompt's tokens over the time of a
-1-token generate; decode = the extra tokens over the extra time of a longer generate. Medians of --repeats.
-The floor is the time to stream the experts the CPU computed per token (measured misses) at the host's
-measured copy rate (bytes read plus written, an upper bound on what reads alone reach): a ceiling on tok/s for
-any layout that computes those experts on this CPU.
+Each row warms up (compilation, graph capture) with both prompt lengths, then times generate(): prefill = the
+prompt's tokens over the time of a 1-token generate; decode = the extra tokens over the extra time of a longer
+generate. Medians of --repeats. The floor is the time to stream the experts the CPU computed per token
+(measured misses) at the host's measured copy rate (bytes read plus written, an upper bound on what reads
+alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU.
 
-    python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5] [--tokens 32] [--prompt 512] [--json]
+    python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5] [--rows hybrid all-cpu on-demand accelerate]
+        [--tokens 32] [--prompt 512] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -25,6 +33,9 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 
 import torch_hybrid_moe as thm
+
+
+ROWS = ("hybrid", "all-cpu", "on-demand", "accelerate")
 
 
 def lite_config(layers: int) -> DeepseekV2Config:
@@ -76,10 +87,11 @@ def host_bandwidth_gb_s() -> float:
     return 2 * a.nbytes / statistics.median(times) / 1e9
 
 
-def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: StaticCache) -> float:
+def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: StaticCache | None) -> float:
     """Seconds of one greedy generate() into `cache`: one cache (one shape, one address) for every call, so
-    no call recompiles or recaptures the decode step."""
-    cache.reset()
+    no call recompiles or recaptures the decode step (None: generate's own dynamic cache)."""
+    if cache is not None:
+        cache.reset()
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, past_key_values=cache,
@@ -94,42 +106,97 @@ def expert_counts(model: torch.nn.Module) -> tuple[int, int]:
     return sum(s.hits for s in stats), sum(s.misses for s in stats)
 
 
-def measure(setting: dict, args: argparse.Namespace, config: DeepseekV2Config, bandwidth: float) -> dict:
-    model = thm.patch_model(random_model(config), device="cuda", **setting)
+def accelerate_offload(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """transformers + accelerate's CPU offload: routed experts' modules on "cpu" (their weights streamed to
+    `device` at every forward), everything else on `device`."""
+    from accelerate import dispatch_model
+
+    def is_experts(module: torch.nn.Module) -> bool:
+        return type(module).__name__.endswith("Experts")
+
+    def place(module: torch.nn.Module, prefix: str) -> dict[str, object]:
+        if is_experts(module):
+            return {prefix: "cpu"}
+        if not any(is_experts(m) for m in module.modules()):
+            return {prefix: device}
+        assert not list(module.named_parameters(recurse=False)), prefix  # children cover the whole module
+        return {k: v for name, child in module.named_children() for k, v in place(child, f"{prefix}{name}.").items()}
+
+    device_map = {name.rstrip("."): where for name, where in place(model, "").items()}
+    return dispatch_model(model, device_map=device_map, main_device=device)
+
+
+def build(row: dict, config: DeepseekV2Config) -> torch.nn.Module:
+    model = random_model(config)
+    if row["row"] == "accelerate":
+        return accelerate_offload(model, torch.device("cuda", 0))
+    return thm.patch_model(model, device="cuda", **{k: v for k, v in row.items() if k != "row"})
+
+
+def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandwidth: float) -> dict:
+    model = build(row, config)
+    patched = row["row"] != "accelerate"
     prompt = torch.randint(3, config.vocab_size, (1, args.prompt), device="cuda")
     short = prompt[:, :16]
-    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens + 2)
+    # Only the patched model is auto-compiled (transformers skips offloaded ones): it gets the static cache.
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens + 2) if patched else None
     with torch.no_grad():
-        generate_s(model, short, args.tokens, cache)  # compile and capture
+        for ids in (short, prompt):  # compile (both prefill shapes) and capture
+            generate_s(model, ids, args.tokens, cache)
         prefill, decode, hits, misses = [], [], [], []
         for _ in range(args.repeats):
-            thm.reset_stats(model)
-            one = generate_s(model, short, 1, cache)
-            one_hits, one_misses = expert_counts(model)
-            thm.reset_stats(model)
-            many = generate_s(model, short, args.tokens + 1, cache)
-            many_hits, many_misses = expert_counts(model)
+            counts = []
+            for tokens in (1, args.tokens + 1):
+                if patched:
+                    thm.reset_stats(model)
+                seconds = generate_s(model, short, tokens, cache)
+                counts.append((seconds, *(expert_counts(model) if patched else (0, 0))))
+            (one, one_hits, one_misses), (many, many_hits, many_misses) = counts
             decode.append((many - one) / args.tokens)
             hits.append(many_hits - one_hits)
             misses.append(many_misses - one_misses)  # the decode steps' experts computed on the CPU
             prefill.append(args.prompt / generate_s(model, prompt, 1, cache))
-    expert_bytes = next(iter(thm.runtime.model_layers(model).values())).store.expert_bytes
-    cpu_bytes_per_token = statistics.median(misses) / args.tokens * expert_bytes
-    hit_rate = sum(hits) / max(1, sum(hits) + sum(misses))
-    del model
-    torch.cuda.empty_cache()
+    expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
+    # On-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model.
+    on_cpu = row.get("scheduler") != "on_demand"
+    cpu_bytes_per_token = statistics.median(misses) / args.tokens * expert_bytes if on_cpu else 0
+    del model, cache
+    release()
     return {
-        **setting, "decode_tok_s": 1 / statistics.median(decode), "prefill_tok_s": statistics.median(prefill),
-        "hit_rate": hit_rate,
-        "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else float("inf"),
+        **row, "decode_tok_s": 1 / statistics.median(decode), "prefill_tok_s": statistics.median(prefill),
+        "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)) if patched else None,
+        "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else None,
     }
+
+
+def release() -> None:
+    """Free the last row's model before the next is built: ~31 GiB of pinned host memory each at full size
+    (model and decode graphs reference each other, and compiled code holds the model)."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def rows_of(args: argparse.Namespace) -> list[dict]:
+    """The settings to measure, in table order."""
+    rows = []
+    for name in args.rows:
+        if name == "hybrid":
+            rows += [dict(row=name, expert_budget=b, cuda_graph=g) for b in args.budgets for g in (False, True)]
+        elif name == "all-cpu":
+            rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in (False, True)]
+        elif name == "on-demand":  # a fetch decided per step in Python: uncaptured by nature
+            rows += [dict(row=name, expert_budget=b, cuda_graph=False, scheduler="on_demand") for b in args.budgets]
+        else:
+            rows.append(dict(row=name))
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=27)
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5, 0.0],
-                   help="expert budgets; 0 is the all-routed-experts-on-CPU layout (Fiddler / KTransformers)")
+    p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="expert budgets of the hybrid rows")
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
@@ -139,18 +206,25 @@ def main() -> None:
         raise SystemExit("gpu_decode.py needs a CUDA GPU")
     config = lite_config(args.layers)
     bandwidth = host_bandwidth_gb_s()
-    settings = [dict(expert_budget=budget, cuda_graph=graph) for budget in args.budgets for graph in (False, True)]
-    rows = []
-    for setting in settings:
-        row = measure(setting, args, config, bandwidth)
-        rows.append(row)
-        print(f"budget {row['expert_budget']:.2f} graph {'on ' if row['cuda_graph'] else 'off'}  decode "
-              f"{row['decode_tok_s']:7.2f} tok/s  prefill {row['prefill_tok_s']:8.1f} tok/s  hit {row['hit_rate']:.3f}"
-              f"  floor {row['floor_tok_s']:7.2f} tok/s", flush=True)
+    results = []
+    for row in rows_of(args):
+        try:
+            r = measure(row, args, config, bandwidth)
+        except Exception as err:  # noqa: BLE001 - one failing baseline must not lose the other rows
+            print(f"{row}: failed: {type(err).__name__}: {err}", flush=True)
+            release()
+            continue
+        results.append(r)
+        extra = {k: v for k, v in row.items() if k not in ("row", "cuda_graph")}
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        print(f"{row['row']:10s} {extra!s:45s} graph {'on ' if row.get('cuda_graph') else 'off'}  decode "
+              f"{r['decode_tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s  hit "
+              f"{fmt(r['hit_rate'], '.3f')}  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s", flush=True)
     meta = {"device": torch.cuda.get_device_name(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "host_copy_gb_s": round(bandwidth, 1), "layers": args.layers}
+            "threads": torch.get_num_threads(), "host_copy_gb_s": round(bandwidth, 1), "layers": args.layers,
+            "tokens": args.tokens, "prompt": args.prompt, "repeats": args.repeats}
     if args.json:
-        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(json.dumps({"meta": meta, "rows": results}, indent=1))
     print(meta)
 
 
