@@ -106,8 +106,8 @@ def tiny_trace(steps):
 def test_all_cpu_stack_time_is_the_sum_of_cpu_expert_times():
     trace = tiny_trace([[0, 0, 1], [2], [2], [3]])
     r = simulate(trace, STACKS["ktransformers"], COSTS)
-    want_prefill = COSTS.t_cpu(2) + COSTS.t_cpu(1)
-    want_decode = 2 * COSTS.t_cpu(1) + COSTS.t_cpu(1)
+    want_prefill = COSTS.t_dense(3) + COSTS.t_cpu(2) + COSTS.t_cpu(1)  # the block's dense work, then its experts
+    want_decode = 3 * (COSTS.t_dense(1) + COSTS.t_cpu(1))
     assert r.moe_time_s == pytest.approx(want_prefill + want_decode)
     assert r.decode_tok_s == pytest.approx(3 / want_decode)
     assert r.prefill_tok_s == pytest.approx(3 / want_prefill)
@@ -119,12 +119,46 @@ def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     step 1 uses 2 on the GPU, which must wait for that copy."""
     trace = tiny_trace([[2], [2]])
     r = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5)
-    t0 = COSTS.t_cpu(1)
+    t0 = COSTS.t_dense(1) + COSTS.t_cpu(1)
     ready = t0 + COSTS.t_transfer()
-    t1 = max(t0, ready) + COSTS.t_gpu(1)
+    t1 = max(t0 + COSTS.t_dense(1), ready) + COSTS.t_gpu(1)
     assert r.moe_time_s == pytest.approx(t1)
     assert (r.hits, r.misses) == (1, 1)
     assert r.pcie_gb == pytest.approx(COSTS.expert.nbytes / 1e9)
+
+
+def two_layer_trace(decode_steps: int) -> Trace:
+    """Two MoE layers, 4 experts, top-2, one sequence of one token per step; every token routes to experts 1
+    and 0 in that order, expert 0 with the higher weight (so expert 1 is the one deferred)."""
+    n = 1 + decode_steps
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    ids = torch.tensor([[1, 0]] * n, dtype=torch.int16)
+    score_ids = torch.tensor([[0, 1, 2, 3]] * n, dtype=torch.int16)
+    scores = torch.tensor([[0.6, 0.3, 0.06, 0.04]] * n, dtype=torch.float16)
+    layer = LayerTrace(ids, score_ids, scores, i32([]), torch.zeros(0, 8, dtype=torch.float16))
+    meta = {"version": 1, "model": "tiny", "num_experts": 4, "top_k": 2, "hidden_size": 8, "layers": [0, 1],
+            "score_fn": "softmax", "hidden_every": 4}
+    return Trace(meta, i32([0] * n), i32([0] * n), i32(list(range(n))), i32(list(range(n))), {0: layer, 1: layer})
+
+
+@pytest.mark.parametrize("dense", [0.5, 3.6])  # dense work shorter, then longer than an expert on the CPU
+def test_expert_deferral_overlaps_the_next_block_in_closed_form(dense):
+    costs = CostModel(HARDWARE["dali"], ExpertShape("x", 2048, 1408, dense=dense))
+    d, c = costs.t_dense(1), costs.t_cpu(1)
+    plain = Stack("kt", "all_cpu", "lru", False, "all on the CPU")
+    deferring = Stack("kt-deferral", "all_cpu", "lru", False, "all on the CPU, 1 expert deferred", deferred=1)
+    events = []
+    r0 = simulate(two_layer_trace(2), plain, costs)
+    r1 = simulate(two_layer_trace(2), deferring, costs, events=events)
+    assert 1 / r0.decode_tok_s == pytest.approx(2 * d + 4 * c)
+    # layer 0: dense, the immediate expert, then its deferred one on the CPU while layer 1's dense work runs;
+    # layer 1 (the last, deferring nothing) starts its experts once both the CPU and its dense work are free
+    assert 1 / r1.decode_tok_s == pytest.approx(max(2 * d + c, d + 2 * c) + 2 * c)
+    assert r1.prefill_tok_s == pytest.approx(r0.prefill_tok_s)  # decode only
+    deferred = [(e.step, e.layer, e.expert) for e in events if e.kind == "deferred"]
+    assert deferred == [(1, 0, 1), (2, 0, 1)]  # the lower-weight expert, in decode, never at the last layer
+    with pytest.raises(ValueError, match="deferred"):
+        simulate(two_layer_trace(1), Stack("bad", "all_cpu", "lru", False, "", deferred=2), costs)
 
 
 @pytest.mark.parametrize("cache_policy", ["lru", "lfu"])
@@ -285,7 +319,7 @@ def test_queue_aware_never_loses_to_cached_placement_and_is_near_the_exhaustive_
 
 
 def test_layer_time_is_what_the_simulator_plays():
-    """One step of one layer: the simulator's MoE time equals layer_time of the plan it ran."""
+    """One step of one layer: the simulator's time is the block's dense work plus layer_time of the plan it ran."""
     trace = tiny_trace([[0, 0, 0, 2, 2, 3]])
     stack = Stack("t", "queue_aware", "lru", True, "")
     r = simulate(trace, stack, COSTS, cache_ratio=0.5)
@@ -300,4 +334,5 @@ def test_layer_time_is_what_the_simulator_plays():
     info = LayerInfo(0, 4, 2, COSTS.expert.nbytes)
     counts, resident = [3, 0, 2, 1], [True, True, False, False]
     plan = SCHEDULERS.create("queue_aware", info=info, costs=COSTS, timeline=Idle()).place(counts, resident)
-    assert r.moe_time_s == pytest.approx(layer_time(counts, resident, plan.accelerator, COSTS, Idle()))
+    moe = layer_time(counts, resident, plan.accelerator, COSTS, Idle())
+    assert r.moe_time_s == pytest.approx(COSTS.t_dense(6) + moe)

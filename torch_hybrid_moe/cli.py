@@ -160,7 +160,7 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.simulator import STACKS
     from torch_hybrid_moe.simulator import simulate as replay
     from torch_hybrid_moe.simulator.calibration import Calibration
-    from torch_hybrid_moe.simulator.tuning import oracle_of, ours, tune
+    from torch_hybrid_moe.simulator.tuning import oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
 
     trace = Trace.load(args.trace)
@@ -174,7 +174,8 @@ def simulate(args: argparse.Namespace) -> int:
         mine = ours(*args.ours)
     else:
         mine, _ = tune(held or trace, costs, args.batch, args.cache_ratio, calibration)
-    stacks = [*STACKS.values(), mine, oracle_of(mine)]
+    ceiling = oracle(trace, mine, costs, args.batch, args.cache_ratio, calibration)
+    stacks = [*STACKS.values(), mine, ceiling]
     events: dict[str, list] = {s.name: [] for s in stacks} if args.plot_dir else {}
     results = [replay(trace, stack, costs, args.batch, args.cache_ratio, calibration, events.get(stack.name))
                for stack in tqdm(stacks, desc="simulating", unit="stack", leave=False)]
@@ -188,7 +189,7 @@ def simulate(args: argparse.Namespace) -> int:
     print(f"experts sized as {args.expert_shape}; batch {args.batch}; cache ratio {args.cache_ratio}"
           f"{f'; calibrated on {args.calibration}' if args.calibration else ''}")
     tuned_on = "given by --ours" if args.ours else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
-    print(f"ours: {mine.description} ({tuned_on}); oracle: the same with perfect knowledge of the routing to come")
+    print(f"ours: {mine.description} ({tuned_on}); oracle: {ceiling.description}")
     print(f"{'stack':<15} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'prefetch acc':>12} "
           f"{'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}")
     for r in results:

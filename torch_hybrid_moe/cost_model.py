@@ -58,6 +58,7 @@ class ExpertShape:
     hidden: int
     inter: int
     bytes_per_weight: float = 2.0
+    dense: float = 0.0  # the GPU's work between two MoE blocks (attention, shared experts), in routed experts
 
     @property
     def nbytes(self) -> int:
@@ -71,9 +72,9 @@ class ExpertShape:
 EXPERT_SHAPES: dict[str, ExpertShape] = {
     s.name: s
     for s in (
-        ExpertShape("deepseek-v2-lite", 2048, 1408),
-        ExpertShape("qwen3-30b-a3b", 2048, 768),
-        ExpertShape("mixtral-8x7b", 4096, 14336),
+        ExpertShape("deepseek-v2-lite", 2048, 1408, dense=3.6),  # MLA attention 13.8 M weights + 2 shared experts
+        ExpertShape("qwen3-30b-a3b", 2048, 768, dense=4.0),  # GQA attention 18.9 M weights, no shared expert
+        ExpertShape("mixtral-8x7b", 4096, 14336, dense=0.24),  # GQA attention 41.9 M weights
     )
 }
 
@@ -85,11 +86,12 @@ class CostModel:
     hardware: Hardware
     expert: ExpertShape
 
-    def _time(self, tokens: int, bandwidth_gb_s: float, tflops: float, overhead_us: float) -> float:
-        if tokens <= 0:
+    def _time(self, tokens: int, bandwidth_gb_s: float, tflops: float, overhead_us: float,
+              experts: float = 1.0) -> float:
+        if tokens <= 0 or experts <= 0:
             return 0.0
-        read = self.expert.nbytes / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
-        compute = tokens * self.expert.flops_per_token / (tflops * 1e12 * COMPUTE_EFFICIENCY)
+        read = experts * self.expert.nbytes / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+        compute = experts * tokens * self.expert.flops_per_token / (tflops * 1e12 * COMPUTE_EFFICIENCY)
         return overhead_us * 1e-6 + max(read, compute)
 
     def t_cpu(self, tokens: int) -> float:
@@ -99,6 +101,12 @@ class CostModel:
     def t_gpu(self, tokens: int) -> float:
         h = self.hardware
         return self._time(tokens, h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us)
+
+    def t_dense(self, tokens: int) -> float:
+        """GPU time of the rest of one decoder block (attention, shared experts) for `tokens` tokens; the KV
+        cache's reads, which grow with the context, are left out."""
+        h = self.hardware
+        return self._time(tokens, h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, self.expert.dense)
 
     def t_transfer(self) -> float:
         h = self.hardware

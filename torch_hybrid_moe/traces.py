@@ -55,6 +55,16 @@ class Trace:
                 tensors[f"L{idx}.{name}"] = value.contiguous()
         save_file(tensors, str(path), metadata={_META_KEY: json.dumps(self.meta)})
 
+    def select(self, rows: torch.Tensor) -> Trace:
+        """The sub-trace of the rows where the boolean mask `rows` is set (gate inputs re-indexed)."""
+        index = torch.cumsum(rows.long(), 0) - 1
+        layers = {}
+        for idx, t in self.layers.items():
+            keep = rows[t.hidden_rows.long()]
+            layers[idx] = LayerTrace(t.topk_ids[rows], t.score_ids[rows], t.scores[rows],
+                                     index[t.hidden_rows.long()][keep].to(t.hidden_rows.dtype), t.hidden[keep])
+        return Trace(self.meta, self.tokens[rows], self.sequence[rows], self.step[rows], self.position[rows], layers)
+
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         from safetensors import safe_open

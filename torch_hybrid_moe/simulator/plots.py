@@ -19,7 +19,8 @@ from .replay import Event, SimResult, simulate
 from .stacks import Stack
 
 LANES = ("pcie", "gpu", "cpu")  # bottom to top
-KIND_COLOURS = {"expert": "tab:blue", "fetch": "tab:red", "prefetch": "tab:orange", "admit": "tab:green"}
+KIND_COLOURS = {"expert": "tab:blue", "deferred": "tab:cyan", "dense": "tab:gray", "fetch": "tab:red",
+                "prefetch": "tab:orange", "admit": "tab:green"}
 DEFAULT_RATIOS = (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
 BAR_HEIGHT = 0.7
 

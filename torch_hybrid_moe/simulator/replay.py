@@ -7,6 +7,12 @@ admissions are copied in the background and become usable when their transfer en
 both sides are done. Policies are the live runtime's objects, driven the same way (same calls, same
 order), so hit counts agree with a live run on the same routing.
 
+Each MoE block is preceded by the GPU's dense work of its decoder block (attention, shared experts:
+`CostModel.t_dense`); the routing is known, and the layer's experts start, once it ends. With Expert Deferral
+(`Stack.deferred`, decode only, never at the last MoE layer) the CPU runs each token's deferred experts
+after its immediate ones while the next block's dense work and experts proceed; that next block's end waits
+for them. The CPU is one timeline: deferred work delays the next layer's CPU experts.
+
 Prefetching: when a stack names a prefetcher, layer l+1's prefetcher is asked at the start of layer l (after
 l's own fetches are queued) with l's routing and the gate inputs the trace kept for the step's rows (all of
 them in the embedded traces, `hidden_every` 1), and its copies go over the link while l computes.
@@ -28,7 +34,7 @@ from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..policies.requests import RequestActivations
 from ..runtime.slot_map import SlotMap
-from ..traces import Trace
+from ..traces import LayerTrace, Trace
 from .calibration import Calibration
 from .stacks import Stack
 
@@ -74,7 +80,7 @@ class Event:
     step: int
     layer: int
     lane: str
-    kind: str  # "expert" on cpu/gpu; "fetch", "prefetch" or "admit" on pcie
+    kind: str  # "expert" on cpu/gpu, "deferred" on cpu, "dense" on gpu; "fetch", "prefetch" or "admit" on pcie
     expert: int
     start: float
     end: float
@@ -153,6 +159,16 @@ class _Layer(SlotMap):
         return True
 
 
+def _lowest_weight_counts(layer: LayerTrace, rows: torch.Tensor, n: int, num_experts: int) -> list[int]:
+    """Per expert, how many of `rows` have it among their `n` lowest-weight routed experts (weights looked up
+    in the trace's top-2k router scores; one missing there counts as the lowest)."""
+    ids = layer.topk_ids[rows].long()
+    match = layer.score_ids[rows].long()[:, None, :] == ids[:, :, None]
+    weight = (match * layer.scores[rows].float()[:, None, :]).sum(-1)
+    lowest = ids.gather(1, weight.topk(n, dim=1, largest=False).indices)
+    return torch.bincount(lowest.flatten(), minlength=num_experts).tolist()
+
+
 def _gate_input_index(trace: Trace, layer: int) -> torch.Tensor:
     """Row -> index into the layer's kept gate inputs, -1 for rows without one."""
     kept = trace.layers[layer].hidden_rows.long()
@@ -216,12 +232,26 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
     phase_time = {True: 0.0, False: 0.0}
     phase_tokens = {True: 0, False: 0}
 
+    top_k = trace.layers[next(iter(trace.layers))].topk_ids.shape[1]
+    if not 0 <= stack.deferred < top_k:
+        raise ValueError(f"{stack.name}: deferred experts must be in [0, top-k {top_k}), got {stack.deferred}")
+    last = list(layers)[-1]
+    cpu_free = 0.0  # when the CPU finishes what it was given (deferred experts run past their layer's end)
+
     for step_no, ((prefill, tokens, counts_by_layer), (_, rows)) in enumerate(zip(steps, step_rows(trace, batch))):
         step_start = now
         if prefill:
             request.begin()
+        pending = 0.0  # when the previous layer's deferred experts are done
         for idx, layer in layers.items():
+            dense = costs.t_dense(tokens)
+            if events is not None and dense:
+                events.append(Event(step_no, idx, "gpu", "dense", -1, now, now + dense))
+            gpu_busy += dense
+            now += dense
             counts, scores = counts_by_layer[idx]
+            defer = stack.deferred and not prefill and idx != last
+            later = _lowest_weight_counts(trace.layers[idx], rows, stack.deferred, num_experts) if defer else None
             request.record(idx, counts)
             link.now = now
             link.where = (step_no, idx)
@@ -240,12 +270,20 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
                                           prefetchers[following[idx]], layers[following[idx]], now)
                 predicted, out_of, planning = predicted + hit, out_of + of, planning + took
                 link.where = (step_no, idx)
-            cpu_time = 0.0
+            cpu_start = max(now, cpu_free)
+            cpu_time = deferred_time = 0.0
             for e in plan.cpu:
-                t_cpu = costs.t_cpu(counts[e])
-                if events is not None:
-                    events.append(Event(step_no, idx, "cpu", "expert", e, now + cpu_time, now + cpu_time + t_cpu))
+                t_cpu = costs.t_cpu(counts[e] - (later[e] if later else 0))
+                at = cpu_start + cpu_time
+                if events is not None and t_cpu:
+                    events.append(Event(step_no, idx, "cpu", "expert", e, at, at + t_cpu))
                 cpu_time += t_cpu
+            for e in plan.cpu if later else ():
+                t_def = costs.t_cpu(later[e])
+                at = cpu_start + cpu_time + deferred_time
+                if events is not None and t_def:
+                    events.append(Event(step_no, idx, "cpu", "deferred", e, at, at + t_def))
+                deferred_time += t_def
             gpu_end = now
             for e in sorted(plan.accelerator, key=lambda e: layer.ready[e]):
                 start = max(gpu_end, layer.ready[e])
@@ -253,8 +291,10 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
                 gpu_busy += costs.t_gpu(counts[e])
                 if events is not None:
                     events.append(Event(step_no, idx, "gpu", "expert", e, start, gpu_end))
-            cpu_busy += cpu_time
-            end = max(now + cpu_time, gpu_end)
+            cpu_busy += cpu_time + deferred_time
+            end = max(cpu_start + cpu_time, gpu_end, pending)
+            cpu_free = cpu_start + cpu_time + deferred_time
+            pending = cpu_free if deferred_time else 0.0
             layer_hits = sum(resident[e] for e in active)
             hits += layer_hits
             misses += len(active) - layer_hits

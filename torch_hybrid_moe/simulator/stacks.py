@@ -15,6 +15,9 @@ class Stack:
     description: str
     prefetcher: str = "none"  # a PREFETCHERS name; asked for each layer during the previous one
     options: tuple[tuple[str, object], ...] = ()  # policy parameters (w_size, u_size, alpha, size...) by name
+    # KTransformers' Expert Deferral (approximate): in decode, each token's `deferred` lowest-weight experts
+    # finish on the CPU while the next block runs, and only that block's output waits for them
+    deferred: int = 0
 
 
 STACKS: dict[str, Stack] = {
