@@ -7,7 +7,7 @@ takes as long as the slower side. They need a `CostModel` (`costs=`); the simula
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import itertools
 
@@ -26,24 +26,44 @@ def makespan(counts: Sequence[int], resident: Sequence[bool], on_gpu: Sequence[i
     return max(cpu_time, gpu_time)
 
 
+class StepTimer:
+    """`layer_time` of one step's counts for any GPU set, with each expert's CPU, GPU and copy times and the
+    link's state read once: local search and the exhaustive oracle time hundreds of sets per step."""
+
+    def __init__(self, counts: Sequence[int], resident: Sequence[bool], costs: CostModel, timeline: Timeline) -> None:
+        self.active = [e for e, n in enumerate(counts) if n]
+        self.resident = resident
+        self.cpu = {e: costs.t_cpu(counts[e]) for e in self.active}
+        self.gpu = {e: costs.t_gpu(counts[e]) for e in self.active}
+        self.transfer = costs.t_transfer()
+        self.link = timeline.link_free_in()
+        self.timeline = timeline
+        self.ready = {e: timeline.ready_in(e) for e in self.active if resident[e]}
+
+    def __call__(self, on_gpu: Iterable[int]) -> float:
+        """The step's time as the simulator plays it: the CPU's experts back to back; on the GPU each expert
+        once its weights are there (resident copies finishing, then fetches queued behind the link's backlog)."""
+        gpu = set(on_gpu)
+        cpu_time = sum(self.cpu[e] for e in self.active if e not in gpu)
+        link = self.link
+        ready = []
+        for e in sorted(gpu, key=lambda e: (not self.resident[e], e)):
+            if self.resident[e]:
+                ready.append((self.ready[e] if e in self.ready else self.timeline.ready_in(e), e))
+            else:
+                link += self.transfer
+                ready.append((link, e))
+        gpu_time = 0.0
+        for at, e in sorted(ready):
+            gpu_time = max(gpu_time, at) + self.gpu.get(e, 0.0)
+        return max(cpu_time, gpu_time)
+
+
 def layer_time(
     counts: Sequence[int], resident: Sequence[bool], on_gpu: Sequence[int], costs: CostModel, timeline: Timeline
 ) -> float:
-    """The step's time as the simulator plays it: the CPU's experts back to back; on the GPU each expert once
-    its weights are there (resident copies finishing, then fetches queued behind the link's backlog)."""
-    cpu_time = sum(costs.t_cpu(c) for e, c in enumerate(counts) if c and e not in set(on_gpu))
-    link = timeline.link_free_in()
-    ready = []
-    for e in sorted(on_gpu, key=lambda e: (not resident[e], e)):
-        if resident[e]:
-            ready.append((timeline.ready_in(e), e))
-        else:
-            link += costs.t_transfer()
-            ready.append((link, e))
-    gpu_time = 0.0
-    for at, e in sorted(ready):
-        gpu_time = max(gpu_time, at) + costs.t_gpu(counts[e])
-    return max(cpu_time, gpu_time)
+    """The step's time as the simulator plays it (see `StepTimer`)."""
+    return StepTimer(counts, resident, costs, timeline)(on_gpu)
 
 
 def _plan(counts: Sequence[int], resident: Sequence[bool], on_gpu: set[int]) -> Placement:
@@ -243,24 +263,24 @@ def exhaustive_optimum(counts: Sequence[int], resident: Sequence[bool], room: in
     return best[2]
 
 
-def local_search(counts: Sequence[int], resident: Sequence[bool], gpu: set[int], room: int, costs: CostModel,
-                 timeline: Timeline) -> tuple[float, set[int]]:
-    """From the GPU set `gpu`, flip the single expert that shortens `layer_time` most until none does (never
-    more than `room` missing experts on the GPU); returns (time, GPU set)."""
-    active = [e for e, n in enumerate(counts) if n]
-    best = layer_time(counts, resident, gpu, costs, timeline)
+def local_search(timer: StepTimer, gpu: set[int], room: int) -> tuple[float, set[int]]:
+    """From the GPU set `gpu`, flip the single expert that shortens the step's time most until none does
+    (never more than `room` missing experts on the GPU); returns (time, GPU set)."""
+    missing = sum(not timer.resident[e] for e in gpu)
+    best = timer(gpu)
     while True:
         trials = []
-        for e in active:
-            flipped = gpu ^ {e}
-            if sum(not resident[x] for x in flipped) <= room:
-                trials.append((layer_time(counts, resident, flipped, costs, timeline), e, flipped))
+        for e in timer.active:
+            change = 0 if timer.resident[e] else (-1 if e in gpu else 1)
+            if missing + change <= room:
+                flipped = gpu ^ {e}
+                trials.append((timer(flipped), e, flipped, change))
         if not trials:
             return best, gpu
-        t, _, flipped = min(trials, key=lambda x: x[:2])
+        t, _, flipped, change = min(trials, key=lambda x: x[:2])
         if t >= best * (1 - 1e-9):
             return best, gpu
-        best, gpu = t, flipped
+        best, gpu, missing = t, flipped, missing + change
 
 
 @SCHEDULERS.register("queue_aware")
@@ -278,16 +298,16 @@ class QueueAware:
         self.timeline = timeline
         self.starts = (DaliGreedy(info, self.costs), HybriMoE(info, self.costs, timeline))
 
-    def start(self, counts: Sequence[int], resident: Sequence[bool]) -> set[int]:
-        """The best of the cheap placements, by `layer_time`."""
+    def start(self, counts: Sequence[int], resident: Sequence[bool], timer: StepTimer) -> set[int]:
+        """The best of the cheap placements, by the step's time."""
         cached = {e for e, n in enumerate(counts) if n and resident[e]}
         starts = [cached] + [set(s.place(counts, resident).accelerator) for s in self.starts]
-        return min(starts, key=lambda g: layer_time(counts, resident, g, self.costs, self.timeline))
+        return min(starts, key=timer)
 
     def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
         room = _fetch_capacity(self.info, counts, resident)
-        start = self.start(counts, resident)
-        return _plan(counts, resident, local_search(counts, resident, start, room, self.costs, self.timeline)[1])
+        timer = StepTimer(counts, resident, self.costs, self.timeline)
+        return _plan(counts, resident, local_search(timer, self.start(counts, resident, timer), room)[1])
 
 
 @SCHEDULERS.register("oracle")
@@ -309,5 +329,6 @@ class OraclePlacement(QueueAware):
         room = _fetch_capacity(self.info, counts, resident)
         candidates = ({e for e, g in zip(active, mask) if g} for mask in itertools.product((False, True), repeat=len(active)))
         fits = (g for g in candidates if sum(not resident[e] for e in g) <= room)
-        gpu = min(fits, key=lambda g: (layer_time(counts, resident, g, self.costs, self.timeline), len(g)))
+        timer = StepTimer(counts, resident, self.costs, self.timeline)
+        gpu = min(fits, key=lambda g: (timer(g), len(g)))
         return _plan(counts, resident, gpu)

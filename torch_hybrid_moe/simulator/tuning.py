@@ -91,13 +91,17 @@ def oracle_of(stack: Stack) -> Stack:
 
 
 def foresight(stack: Stack) -> list[Stack]:
-    """The oracle's candidates for `stack`: its full mirror (`oracle_of`); the stack with foresight in placement
-    and prefetch only (a cache filled from the future workload can move more experts than it saves when
-    copies are slow); and Belady's slots with the exact per-step optimum."""
-    mirror = oracle_of(stack)
-    partial = replace(mirror, cache_policy=stack.cache_policy, description=mirror.description.replace(
-        "future-window cache", "window cache"))
-    return [mirror, partial, replace(STACKS["oracle-cache"], name="oracle")]
+    """The oracle's candidates for `stack`: its full mirror (`oracle_of`); the stack's own cache with the best
+    placement found, with and without foresight prefetch of every expert the next layer will use (a cache
+    filled from the future workload, or prefetches, can move more experts than they save when copies are
+    slow); and Belady's slots with the exact per-step optimum."""
+    placed = replace(stack, name="oracle", scheduler="oracle",
+                     description="best-found placement over the same cache and prefetch")
+    options = tuple((k, v) for k, v in stack.options if k != "size")
+    prefetched = replace(placed, prefetcher="oracle", options=options,
+                         description=f"perfect knowledge: best-found placement and foresight prefetch of the next "
+                         "layer's experts, over the same cache")
+    return [oracle_of(stack), placed, prefetched, replace(STACKS["oracle-cache"], name="oracle")]
 
 
 def oracle(trace: Trace, stack: Stack, costs: CostModel, batch: int, cache_ratio: float,
