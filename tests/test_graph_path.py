@@ -249,9 +249,11 @@ def test_graph_options_are_validated(field, value):
 
 def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching():
     from torch_hybrid_moe.model_patches.base import _check_policies
+    from torch_hybrid_moe.runtime.costs import policy_context
 
-    config = thm.HybridMoEConfig(scheduler="all_cpu")
-    info = LayerInfo(0, 8, 2, 1)
-    with pytest.raises(ValueError, match="replay-safe"):
-        _check_policies(config, info, capture=True)
-    _check_policies(config, info, capture=False)  # fine uncaptured
+    configs = thm.HybridMoEConfig(scheduler="all_cpu"), thm.HybridMoEConfig(scheduler="dali_greedy", hardware="dali")
+    for config in configs:
+        context = policy_context(config, LayerInfo(0, 8, 2, 24), hidden=2, inter=2)
+        with pytest.raises(ValueError, match="replay-safe"):
+            _check_policies(config, context, capture=True)
+        _check_policies(config, context, capture=False)  # fine uncaptured

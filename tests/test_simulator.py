@@ -161,18 +161,23 @@ def test_expert_deferral_overlaps_the_next_block_in_closed_form(dense):
         simulate(two_layer_trace(1), Stack("bad", "all_cpu", "lru", False, "", deferred=2), costs)
 
 
-@pytest.mark.parametrize("cache_policy", ["lru", "lfu"])
-def test_live_runtime_and_simulator_agree_on_hits(cache_policy):
+@pytest.mark.parametrize(("scheduler", "cache_policy"), [("cached_on_accelerator", "lru"),
+                                                        ("cached_on_accelerator", "lfu"), ("dali_greedy", "lru"),
+                                                        ("fiddler", "lfu")])
+def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
+    """The same routing through a live layer and the simulator: the same hits, misses and copies (cost-aware
+    schedulers live get the simulator's cost model through `hardware=` and `expert_shape=`)."""
     trace = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
     layer_idx = trace.meta["layers"][0]
     trace.layers = {layer_idx: trace.layers[layer_idx]}
     num_experts = trace.meta["num_experts"]
-    stack = Stack("t", "cached_on_accelerator", cache_policy, True, "")
+    stack = Stack("t", scheduler, cache_policy, True, "")
     sim = simulate(trace, stack, COSTS, batch=1, cache_ratio=0.25)
 
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(num_experts, 8, 4, generator=g), torch.randn(num_experts, 4, 4, generator=g)
-    config = HybridMoEConfig(expert_budget=0.25, device="cpu", cache_policy=cache_policy)
+    config = HybridMoEConfig(expert_budget=0.25, device="cpu", scheduler=scheduler, cache_policy=cache_policy,
+                             hardware="dali", expert_shape="deepseek-v2-lite")
     store = ExpertStore(gate_up, down, config.slots_per_layer(num_experts, 1, 1), torch.device("cpu"), torch.float32)
     live = HybridMoELayer("live", layer_idx, store, config)
     topk = trace.layers[layer_idx].topk_ids.long()
@@ -182,6 +187,8 @@ def test_live_runtime_and_simulator_agree_on_hits(cache_policy):
             ids = topk[(trace.step == s) & (trace.sequence == seq)]
             live.forward(torch.randn(ids.shape[0], 4), ids, torch.full(ids.shape, 0.25))
     assert (sim.hits, sim.misses) == (live.stats.hits, live.stats.misses)
+    copies = live.stats.bytes_transferred / store.expert_bytes  # fetches and admissions: the same decisions
+    assert sim.pcie_gb == pytest.approx(copies * COSTS.expert.nbytes / 1e9)
 
 
 def test_cost_model_knows_its_regimes():
@@ -191,15 +198,39 @@ def test_cost_model_knows_its_regimes():
     assert set(CACHE_POLICIES.names()) >= {"lru", "lfu"}
 
 
-def test_cost_aware_scheduler_cannot_run_live_and_leaves_the_model_alone():
+def test_cost_aware_scheduler_needs_a_cost_model_live_and_leaves_the_model_alone():
     from torch_hybrid_moe import patch_model
     from torch_hybrid_moe.model_patches.base import is_patched
     from torch_hybrid_moe.tiny_models import tiny_model
 
     model = tiny_model("mixtral")
-    with pytest.raises(ValueError, match="costs=CostModel"):
+    with pytest.raises(ValueError, match="hardware="):
         patch_model(model, scheduler="fiddler", device="cpu")
     assert not is_patched(model) and all(hasattr(l.mlp.experts, "gate_up_proj") for l in model.model.layers)
+    for bad in (dict(hardware="h100-dream"), dict(expert_shape="tiny")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            HybridMoEConfig(**bad)
+
+
+@pytest.mark.parametrize("scheduler", ["fiddler", "dali_greedy", "optimal", "hybrimoe", "queue_aware"])
+def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler):
+    """Placement never changes the result: each cost-aware scheduler, live on the DALI preset, gives the unpatched
+    model's logits and greedy tokens, while moving experts as it decides (fetches cross into slots)."""
+    import copy
+
+    from torch_hybrid_moe import patch_model, stats
+    from torch_hybrid_moe.tiny_models import tiny_model
+
+    ref = tiny_model("mixtral")
+    model = patch_model(copy.deepcopy(ref), scheduler=scheduler, hardware="dali", expert_budget=0.25, device="cpu")
+    x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(x).logits.double(), model(x).logits.double()
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+        assert torch.equal(model.generate(x, max_new_tokens=6, do_sample=False),
+                           ref.generate(x, max_new_tokens=6, do_sample=False))
+    layers = stats(model).values()
+    assert sum(s.accelerator_experts for s in layers) > 0 and sum(s.cpu_experts for s in layers) > 0
 
 
 def drive(policy, steps, slots, num_experts):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cost_model import EXPERT_SHAPES, HARDWARE
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
@@ -24,6 +25,11 @@ class HybridMoEConfig:
         or an absolute byte budget for all layers' slots together (an int > 1, or a string such as "6GiB").
     device: "auto" (CUDA when present, else the CPU stands in for the accelerator), "cuda" or "cpu".
     scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries.
+    hardware: the cost model that cost-aware schedulers (fiddler, dali_greedy, optimal, hybrimoe, queue_aware)
+        weigh placements with: a `cost_model.HARDWARE` preset, or "local" (this machine's measured profile,
+        `profiling.py`, cached on disk); "" (the default) gives none, and those schedulers are refused.
+    expert_shape: cost the experts as a `cost_model.EXPERT_SHAPES` preset instead of the model's own size
+        (what-if runs, and replaying a simulator's decisions live); "" means the model's own.
     cpu_weight_dtype: the format of the experts' host copy, which the CPU computes from and slots are filled
         from: "model" (as loaded), "bfloat16", or weight-only "int8" / "int4" with one scale per
         `cpu_weight_group_size` columns. Quantised formats are approximate: fewer bytes per weight make
@@ -47,6 +53,8 @@ class HybridMoEConfig:
     scheduler: str = "cached_on_accelerator"
     cache_policy: str = "lru"
     prefetcher: str = "none"
+    hardware: str = ""
+    expert_shape: str = ""
     cpu_weight_dtype: str = "model"
     cpu_weight_group_size: int = 64
     cuda_graph: bool = True
@@ -72,6 +80,10 @@ class HybridMoEConfig:
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         self.budget_bytes()  # validates the budget's form
         self._check_mode()
+        if self.hardware not in ("", "local", *HARDWARE):
+            raise ValueError(f"hardware must be '', 'local' or one of {sorted(HARDWARE)}, got {self.hardware!r}")
+        if self.expert_shape not in ("", *EXPERT_SHAPES):
+            raise ValueError(f"expert_shape must be '' or one of {sorted(EXPERT_SHAPES)}, got {self.expert_shape!r}")
         SCHEDULERS.check(self.scheduler)
         CACHE_POLICIES.check(self.cache_policy)
         PREFETCHERS.check(self.prefetcher)

@@ -21,6 +21,7 @@ from ..ops.quantize import check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..policies.device_caching import device_ranking
 from ..runtime import ExpertStore, HybridMoELayer
+from ..runtime.costs import policy_context
 from ..runtime.decode_graphs import DecodeGraphs
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
@@ -80,7 +81,9 @@ def patch_with_spec(
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
     _check_fits(device, slots * expert_bytes * len(moe_layers))
     capture = device.type == "cuda" and config.cuda_graph
-    _check_policies(config, LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes), capture)
+    _, two_inter, hidden = first.gate_up_proj.shape
+    info = LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes)
+    _check_policies(config, policy_context(config, info, hidden, two_inter // 2), capture)
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
@@ -172,14 +175,14 @@ def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None
                 raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r}: experts.{name}: {err}") from None
 
 
-def _check_policies(config: HybridMoEConfig, info: LayerInfo, capture: bool) -> None:
+def _check_policies(config: HybridMoEConfig, context: dict[str, object], capture: bool) -> None:
     """Build each policy once before anything changes: one that cannot run live (a cost-aware scheduler
-    without a cost model) or, with `capture`, cannot run inside a CUDA graph fails here, not halfway through."""
-    SCHEDULERS.create(config.scheduler, info=info)
-    cache = CACHE_POLICIES.create(config.cache_policy, info=info)
-    PREFETCHERS.create(config.prefetcher, info=info)
+    without `hardware=`) or, with `capture`, cannot run inside a CUDA graph fails here, not halfway through."""
+    SCHEDULERS.create(config.scheduler, **context)
+    cache = CACHE_POLICIES.create(config.cache_policy, **context)
+    PREFETCHERS.create(config.prefetcher, **context)
     if capture:
-        device_ranking(cache, info.num_experts, torch.device("cpu"))
+        device_ranking(cache, context["info"].num_experts, torch.device("cpu"))
         for field, value, default in (("scheduler", config.scheduler, "cached_on_accelerator"),
                                       ("prefetcher", config.prefetcher, "none")):
             if value != default:

@@ -82,7 +82,8 @@ def _fetch_capacity(info: LayerInfo, counts: Sequence[int], resident: Sequence[b
 
 def _need_costs(name: str, costs: CostModel | None) -> CostModel:
     if costs is None:
-        raise ValueError(f"scheduler {name!r} weighs placements by cost: pass costs=CostModel(...)")
+        raise ValueError(f"scheduler {name!r} weighs placements by cost: pass costs=CostModel(...) (live: "
+                         "HybridMoEConfig(hardware=<a cost_model.HARDWARE preset or 'local'>))")
     return costs
 
 

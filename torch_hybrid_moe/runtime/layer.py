@@ -8,6 +8,7 @@ from ..config import HybridMoEConfig
 from ..ops.expert_math import accumulate_experts_
 from ..ops.quantize import kernel_operands
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement
+from .costs import policy_context
 from .expert_store import ExpertStore
 from .graph_path import GraphPath
 from .registry import register_layer
@@ -28,9 +29,11 @@ class HybridMoELayer:
         self.config = config
         info = LayerInfo(layer_idx, store.num_experts, store.num_slots, store.expert_bytes)
         self.info = info
-        self.scheduler = SCHEDULERS.create(config.scheduler, info=info)
-        self.cache_policy = CACHE_POLICIES.create(config.cache_policy, info=info)
-        self.prefetcher = PREFETCHERS.create(config.prefetcher, info=info)
+        _, two_inter, hidden = store.host_gate_up.shape
+        context = policy_context(config, info, hidden, two_inter // 2)
+        self.scheduler = SCHEDULERS.create(config.scheduler, **context)
+        self.cache_policy = CACHE_POLICIES.create(config.cache_policy, **context)
+        self.prefetcher = PREFETCHERS.create(config.prefetcher, **context)
         self.stats = LayerStats()
         self.next_handle: int | None = None
         self.handle = register_layer(self)

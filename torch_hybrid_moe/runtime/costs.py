@@ -1,0 +1,42 @@
+"""What live layers hand their policies: the cost model cost-aware schedulers weigh placements with
+(`HybridMoEConfig.hardware`), and the link's state as they may see it."""
+
+from __future__ import annotations
+
+import functools
+
+from ..config import HybridMoEConfig
+from ..cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
+from ..policies import LayerInfo
+
+
+class IdleLink:
+    """The `Timeline` live layers offer: eager steps do not time their copies (each step waits for the slot
+    fills it uses), so schedulers that plan around the link's queue see it free and every slot filled."""
+
+    def link_free_in(self) -> float:
+        return 0.0
+
+    def ready_in(self, expert: int) -> float:
+        return 0.0
+
+
+@functools.cache
+def _local_model(shape: ExpertShape) -> CostModel:
+    from ..profiling import profile_hardware  # measures once per machine and shape, then reads its disk cache
+
+    return profile_hardware(shape, progress=False).cost_model()
+
+
+def live_costs(config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: int) -> CostModel | None:
+    """The configured cost model for experts of this size (or of `config.expert_shape`); None without one."""
+    if not config.hardware:
+        return None
+    own = ExpertShape("model", hidden, inter, expert_bytes / (3 * hidden * inter))
+    shape = EXPERT_SHAPES.get(config.expert_shape, own)
+    return _local_model(shape) if config.hardware == "local" else CostModel(HARDWARE[config.hardware], shape)
+
+
+def policy_context(config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int) -> dict[str, object]:
+    """Everything a live layer offers its policies (`Registry.create` passes each the keys it names)."""
+    return {"info": info, "costs": live_costs(config, hidden, inter, info.expert_bytes), "timeline": IdleLink()}
