@@ -191,6 +191,43 @@ def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
     assert sim.pcie_gb == pytest.approx(copies * COSTS.expert.nbytes / 1e9)
 
 
+@pytest.mark.parametrize("prefetcher", ["gate", "impact"])
+def test_live_prefetch_and_simulator_agree(prefetcher):
+    """Two layers, the second prefetching from the first's gate inputs with its own router: the live layers and
+    the simulator fill the same slots, so hits, misses and copies agree."""
+    from torch_hybrid_moe.simulator.calibration import Calibration
+
+    trace = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
+    first, second = trace.meta["layers"][:2]
+    trace.layers = {first: trace.layers[first], second: trace.layers[second]}
+    routers = Calibration.from_trace(trace).routers
+    num_experts = trace.meta["num_experts"]
+    sim = simulate(trace, Stack("t", "cached_on_accelerator", "lru", True, "", prefetcher), COSTS, 1, 0.25)
+
+    config = HybridMoEConfig(expert_budget=0.25, device="cpu", prefetcher=prefetcher, hardware="dali",
+                             expert_shape="deepseek-v2-lite")
+    g = torch.Generator().manual_seed(0)
+    layers = {}
+    for idx in (first, second):
+        store = ExpertStore(torch.randn(num_experts, 8, 4, generator=g), torch.randn(num_experts, 4, 4, generator=g),
+                            config.slots_per_layer(num_experts, 1, 1), torch.device("cpu"), torch.float32)
+        layers[idx] = HybridMoELayer(f"l{idx}", idx, store, config, routers[idx])
+    rows = trace.layers[first].hidden_rows.long()
+    assert torch.equal(rows, torch.arange(trace.tokens.numel()))  # every row kept its gate input
+    for seq in sorted(set(trace.sequence.tolist())):
+        for s in sorted(set(trace.step[trace.sequence == seq].tolist())):
+            at = (trace.step == s) & (trace.sequence == seq)
+            ids = {idx: trace.layers[idx].topk_ids[at].long() for idx in layers}
+            layers[first].forward(torch.randn(int(at.sum()), 4), ids[first], torch.full(ids[first].shape, 0.25))
+            layers[second].prefetch(trace.layers[first].hidden[at].float(), ids[first])
+            layers[second].forward(torch.randn(int(at.sum()), 4), ids[second], torch.full(ids[second].shape, 0.25))
+    live = [layer.stats for layer in layers.values()]
+    assert (sim.hits, sim.misses) == (sum(s.hits for s in live), sum(s.misses for s in live))
+    copies = sum(s.bytes_transferred for s in live) / layers[first].store.expert_bytes
+    assert sim.pcie_gb == pytest.approx(copies * COSTS.expert.nbytes / 1e9)
+    assert layers[second].stats.prefetched_experts > 0
+
+
 def test_cost_model_knows_its_regimes():
     assert COSTS.t_cpu(0) == 0
     assert COSTS.t_cpu(1) == pytest.approx(COSTS.t_cpu(2))  # decode: bandwidth-bound, tokens are free
@@ -212,17 +249,21 @@ def test_cost_aware_scheduler_needs_a_cost_model_live_and_leaves_the_model_alone
             HybridMoEConfig(**bad)
 
 
-@pytest.mark.parametrize("scheduler", ["fiddler", "dali_greedy", "optimal", "hybrimoe", "queue_aware"])
-def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler):
-    """Placement never changes the result: each cost-aware scheduler, live on the DALI preset, gives the unpatched
-    model's logits and greedy tokens, while moving experts as it decides (fetches cross into slots)."""
+@pytest.mark.parametrize(("scheduler", "prefetcher"), [
+    ("fiddler", "none"), ("dali_greedy", "none"), ("optimal", "none"), ("hybrimoe", "none"),
+    ("queue_aware", "impact"), ("cached_on_accelerator", "gate"),
+])
+def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler, prefetcher):
+    """Placement never changes the result: each cost-aware scheduler and live prefetcher, on the DALI preset,
+    gives the unpatched model's logits and greedy tokens while moving experts as it decides."""
     import copy
 
     from torch_hybrid_moe import patch_model, stats
     from torch_hybrid_moe.tiny_models import tiny_model
 
     ref = tiny_model("mixtral")
-    model = patch_model(copy.deepcopy(ref), scheduler=scheduler, hardware="dali", expert_budget=0.25, device="cpu")
+    model = patch_model(copy.deepcopy(ref), scheduler=scheduler, prefetcher=prefetcher, hardware="dali",
+                        expert_budget=0.25, device="cpu")
     x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = ref(x).logits.double(), model(x).logits.double()
@@ -231,6 +272,7 @@ def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler):
                            ref.generate(x, max_new_tokens=6, do_sample=False))
     layers = stats(model).values()
     assert sum(s.accelerator_experts for s in layers) > 0 and sum(s.cpu_experts for s in layers) > 0
+    assert (sum(s.prefetched_experts for s in layers) > 0) == (prefetcher != "none")
 
 
 def drive(policy, steps, slots, num_experts):

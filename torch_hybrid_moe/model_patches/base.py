@@ -20,6 +20,7 @@ from ..config import HybridMoEConfig
 from ..ops.quantize import check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..policies.device_caching import device_ranking
+from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context
 from ..runtime.decode_graphs import DecodeGraphs
@@ -83,7 +84,8 @@ def patch_with_spec(
     capture = device.type == "cuda" and config.cuda_graph
     _, two_inter, hidden = first.gate_up_proj.shape
     info = LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes)
-    _check_policies(config, policy_context(config, info, hidden, two_inter // 2), capture)
+    router = _router(moe_layers[0][1], spec, cfg)
+    _check_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
@@ -96,7 +98,8 @@ def patch_with_spec(
         store = ExpertStore(gate_up, down, slots, device, slot_dtype=dtype)
         # Drop the module's own copy now, so peak host memory grows by at most one layer.
         del experts.gate_up_proj, experts.down_proj
-        experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config)
+        experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config,
+                                                   _router(block, spec, cfg))
         experts._hybrid_moe_handle = experts._hybrid_moe_layer.handle
         experts._hybrid_moe_next = None
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
@@ -118,6 +121,13 @@ def make_patch_function(spec: ArchSpec) -> Callable[..., torch.nn.Module]:
         f"Routing stays the model's own: {spec.routing}"
     )
     return patch
+
+
+def _router(block: torch.nn.Module, spec: ArchSpec, cfg: object) -> Router:
+    """The block's gate as prefetchers replay it on other hidden states (the same rule as the simulator's)."""
+    return Router(block.gate.weight.detach(), cfg.num_experts_per_tok, spec.score_fn,
+                  getattr(block.gate, "e_score_correction_bias", None), getattr(cfg, "n_group", None) or 1,
+                  getattr(cfg, "topk_group", None) or 1)
 
 
 def _find_moe_layers(model: torch.nn.Module, spec: ArchSpec, cfg: object) -> list[tuple[int, torch.nn.Module]]:

@@ -4,7 +4,8 @@ A layer's prefetcher is asked with the previous MoE layer's gate input (`hidden`
 layer computes. "gate" (DAOP, HybriMoE) applies this layer's router to that hidden state; "residual" (DALI)
 first adds a calibrated mean inter-layer residual, so the input looks more like this layer's own gate input;
 "impact" (HybriMoE) keeps only the gate's candidates whose copy the cost model says shortens the step.
-They need the router (`router=`), which the live runtime does not pass yet: there they refuse to build.
+They need the layer's router (`router=`): the simulator's calibration and the live patch (the model's own
+gate) both pass it. "residual" also needs a calibrated residual, which only the simulator has so far.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ class Router:
         """(top-k expert ids [rows, k], their scores [rows, k]) as the model's gate chooses them."""
         if hidden.dim() != 2 or hidden.shape[1] != self.weight.shape[1]:
             raise ValueError(f"hidden must be [rows, {self.weight.shape[1]}], got {tuple(hidden.shape)}")
-        logits = hidden.float() @ self.weight.float().T
+        logits = hidden.float() @ self.weight.to(hidden.device, torch.float32).T
         scores = logits.softmax(-1) if self.score_fn == "softmax" else logits.sigmoid()
-        choice = scores if self.bias is None else scores + self.bias.float()
+        choice = scores if self.bias is None else scores + self.bias.to(scores.device, torch.float32)
         if self.n_group > 1:
             groups = choice.view(choice.shape[0], self.n_group, -1)
             best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
-            keep = torch.zeros(best.shape[0], self.n_group, dtype=torch.bool).scatter_(1, best, True)
+            keep = torch.zeros(best.shape[0], self.n_group, dtype=torch.bool, device=best.device)
+            keep.scatter_(1, best, True)
             choice = choice.masked_fill(~keep.repeat_interleave(groups.shape[2], dim=1), float("-inf"))
         ids = choice.topk(self.top_k, dim=-1).indices
         return ids, scores.gather(1, ids)
@@ -85,7 +87,7 @@ def residual_vectors(trace: object) -> dict[int, torch.Tensor]:
 def _need_router(name: str, router: Router | None, info: LayerInfo) -> Router:
     if router is None:
         raise ValueError(f"prefetcher {name!r} applies this layer's router to the previous layer's hidden state: "
-                         "pass router=Router(...) (the simulator does; the live runtime does not yet, use 'none')")
+                         "pass router=Router(...) (the simulator and the live patch do)")
     if router.weight.shape[0] != info.num_experts:
         raise ValueError(f"prefetcher {name!r}: router has {router.weight.shape[0]} experts, layer {info.num_experts}")
     return router

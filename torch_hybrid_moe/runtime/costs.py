@@ -8,6 +8,7 @@ import functools
 from ..config import HybridMoEConfig
 from ..cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
 from ..policies import LayerInfo
+from ..policies.prefetching import Router
 
 
 class IdleLink:
@@ -37,6 +38,9 @@ def live_costs(config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: i
     return _local_model(shape) if config.hardware == "local" else CostModel(HARDWARE[config.hardware], shape)
 
 
-def policy_context(config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int) -> dict[str, object]:
-    """Everything a live layer offers its policies (`Registry.create` passes each the keys it names)."""
-    return {"info": info, "costs": live_costs(config, hidden, inter, info.expert_bytes), "timeline": IdleLink()}
+def policy_context(config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int,
+                   router: Router | None = None) -> dict[str, object]:
+    """Everything a live layer offers its policies (`Registry.create` passes each the keys it names): its
+    own router is what gate-based prefetchers apply to the previous layer's hidden states."""
+    return {"info": info, "costs": live_costs(config, hidden, inter, info.expert_bytes), "timeline": IdleLink(),
+            "router": router}

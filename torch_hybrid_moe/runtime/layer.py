@@ -8,6 +8,7 @@ from ..config import HybridMoEConfig
 from ..ops.expert_math import accumulate_experts_
 from ..ops.quantize import kernel_operands
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement
+from ..policies.prefetching import Router
 from .costs import policy_context
 from .expert_store import ExpertStore
 from .graph_path import GraphPath
@@ -23,14 +24,15 @@ class HybridMoELayer:
     so the split never changes the rounding of the sum), then let the cache policy refill slots.
     """
 
-    def __init__(self, name: str, layer_idx: int, store: ExpertStore, config: HybridMoEConfig) -> None:
+    def __init__(self, name: str, layer_idx: int, store: ExpertStore, config: HybridMoEConfig,
+                 router: Router | None = None) -> None:
         self.name = name
         self.store = store
         self.config = config
         info = LayerInfo(layer_idx, store.num_experts, store.num_slots, store.expert_bytes)
         self.info = info
         _, two_inter, hidden = store.host_gate_up.shape
-        context = policy_context(config, info, hidden, two_inter // 2)
+        context = policy_context(config, info, hidden, two_inter // 2, router)
         self.scheduler = SCHEDULERS.create(config.scheduler, **context)
         self.cache_policy = CACHE_POLICIES.create(config.cache_policy, **context)
         self.prefetcher = PREFETCHERS.create(config.prefetcher, **context)
