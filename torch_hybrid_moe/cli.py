@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES
+from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES, PRECALC_FROM_LAYER
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
 from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
@@ -85,13 +86,39 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode_perplexity(run: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor, batch: int = 8) -> float:
+    """`perplexity` with every token fed as its own decode step through a static KV cache, so a decode-only
+    mode (daop_precalc) applies to every prediction: same windows, same tokens, same average."""
+    from transformers import StaticCache
+
+    from torch_hybrid_moe.embedded.evaluation import SEQ, windows
+
+    w = windows(ids, SEQ)
+    device = next(model.parameters()).device
+    cache = StaticCache(config=model.config, max_cache_len=SEQ)
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for chunk in tqdm(w.split(batch), desc="decode perplexity", unit="batch", leave=False):
+            chunk = chunk.to(device)
+            cache.reset()
+            for t in range(SEQ):
+                logits = run(input_ids=chunk[:, t : t + 1], past_key_values=cache, use_cache=True,
+                             cache_position=torch.tensor([t], device=device)).logits.float()
+                nll += torch.nn.functional.cross_entropy(logits[:, -1], chunk[:, t + 1], reduction="sum").item()
+            count += chunk[:, 1:].numel()
+    return math.exp(nll / count)
+
+
 def eval_ppl(args: argparse.Namespace) -> int:
     """Perplexity of the unpatched model and of the patched model in the chosen mode, on the held-out text."""
+    from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats, reset_precalc_stats
     from torch_hybrid_moe.embedded.corpus import heldout_text
     from torch_hybrid_moe.embedded.evaluation import perplexity
 
     if args.deferred_experts is not None and args.mode != "expert_deferral":
         raise SystemExit("--deferred-experts needs --mode expert_deferral")
+    if args.precalc_from_layer is not None and args.mode != "daop_precalc":
+        raise SystemExit("--precalc-from-layer needs --mode daop_precalc")
     model, tokenizer = _load_with_tokenizer(args.model, _DTYPES[args.dtype], "eval-ppl")
     config = _config(args)
     if args.mode == "expert_deferral":
@@ -103,20 +130,37 @@ def eval_ppl(args: argparse.Namespace) -> int:
             config.check_top_k(top_k)
         except ValueError as err:
             raise SystemExit(f"--deferred-experts: {err}") from None
+    if args.mode == "daop_precalc":
+        start = PRECALC_FROM_LAYER if args.precalc_from_layer is None else args.precalc_from_layer
+        try:  # its routing reads the slot map on the host each step: no CUDA-graph capture
+            config = config.replace(mode="daop_precalc", precalc_from_layer=start, cuda_graph=False)
+        except (TypeError, ValueError) as err:
+            raise SystemExit(f"--precalc-from-layer: {err}") from None
+    # DAOP approximates decode steps only: both sides are then measured one token per step.
+    measure = _decode_perplexity if args.mode == "daop_precalc" else lambda run, model, ids: perplexity(run, ids)
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
-    reference = perplexity(model, ids)
+    reference = measure(model, model, ids)
     thm.patch_model(model, config)
-    # Expert Deferral is a pass of the hybrid_moe backend, so that mode measures the compiled forward.
+    # Expert Deferral and DAOP are passes of the hybrid_moe backend, so those modes measure the compiled forward.
     run = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False) if args.mode != "exact" else model
-    patched = perplexity(run, ids)
+    reset_precalc_stats()
+    patched = measure(run, model, ids)
     mode = args.mode
     if mode == "expert_deferral":
         mode = f"expert_deferral ({top_k - config.deferred_experts} immediate + {config.deferred_experts} deferred)"
+    if mode == "daop_precalc":
+        counts = [c for c in precalc_stats(thm.runtime.model_layers(model)).values() if c.pairs]
+        mode = f"daop_precalc (from decoder block {start}: {len(counts)} MoE layers approximated; decode steps)"
     if config.cpu_weight_dtype not in ("model", args.dtype):
         quantised = f"{config.cpu_weight_dtype} experts"
         mode = f"approximate ({quantised})" if mode == "exact" else f"{mode}, {quantised}"
     print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {mode}  budget {args.expert_budget}")
     print(f"perplexity: unpatched {reference:.4f}   patched {patched:.4f}   ratio {patched / reference:.6f}")
+    if args.mode == "daop_precalc":
+        pairs = max(1, sum(c.pairs for c in counts))
+        print(f"routed pairs of approximated layers: {sum(c.predicted_changed for c in counts) / pairs:.2%} changed by "
+              f"prediction, {sum(c.degraded for c in counts) / pairs:.2%} by degradation, "
+              f"{sum(c.early for c in counts) / pairs:.2%} computed on the earlier hidden state")
     return 0
 
 
@@ -286,10 +330,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--cpu-weight-group-size", type=int, default=64)
     g.add_argument("--prompt", default="def fibonacci(n):")
     g.add_argument("--max-new-tokens", type=int, default=32)
-    e.add_argument("--mode", default="exact", choices=["exact", "expert_deferral"],
-                   help="exact, or an approximate mode: expert_deferral (KTransformers' Expert Deferral, compiled)")
+    e.add_argument("--mode", default="exact", choices=["exact", "expert_deferral", "daop_precalc"],
+                   help="exact, or an approximate mode: expert_deferral (KTransformers' Expert Deferral, compiled), "
+                        "daop_precalc (DAOP's predictive CPU pre-calculation, compiled decode steps)")
     e.add_argument("--deferred-experts", type=int, default=None,
                    help="with --mode expert_deferral: experts deferred per token (default: top-k - 2, at least 1)")
+    e.add_argument("--precalc-from-layer", type=int, default=None,
+                   help=f"with --mode daop_precalc: first decoder block approximated (default {PRECALC_FROM_LAYER})")
     e.add_argument("--max-tokens", type=int, default=16384)
     s.add_argument("--trace", type=Path, required=True)
     s.add_argument("--hardware", default="dali", choices=[*sorted(HARDWARE), "local"],

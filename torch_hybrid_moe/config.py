@@ -13,7 +13,8 @@ from .cost_model import EXPERT_SHAPES, HARDWARE
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
-MODES = ("exact", "expert_deferral")
+MODES = ("exact", "expert_deferral", "daop_precalc")
+PRECALC_FROM_LAYER = 5  # the paper predicts block i + 1 from block i for i >= 4: block 5 is the first approximated
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -42,10 +43,17 @@ class HybridMoEConfig:
     mode: "exact" (the default: outputs are the unpatched model's) or "expert_deferral", KTransformers'
         approximate Expert Deferral: at every MoE layer but the last, each token's `deferred_experts`
         lowest-weight routed experts are left out of that layer's output and added to the residual stream
-        after the next MoE layer's block instead (compile_passes/expert_deferral.py; compiled forwards only).
+        after the next MoE layer's block instead (compile_passes/expert_deferral.py; compiled forwards only);
+        or "daop_precalc", DAOP's approximate decode (prediction-based CPU pre-calculation with graceful
+        degradation, see `precalc_from_layer`).
     deferred_experts: with mode "expert_deferral", how many of each token's top-k experts are deferred,
         1 <= deferred_experts < top_k (checked against the model's top-k when patching or compiling);
-        0 with mode "exact".
+        0 with any other mode.
+    precalc_from_layer: with mode "daop_precalc" (DAOP's approximate decode, compile_passes/daop_precalc.py;
+        compiled decode forwards only), the first decoder-block index whose MoE layer takes its routing from
+        its own router applied to the previous MoE layer's router input, swaps surplus CPU experts for
+        resident ones, and computes its CPU experts on that earlier input. Earlier layers and prefill stay
+        exact. A non-negative int; the paper's 5 by default (i + 1 for i >= 4), and only that default with other modes.
     """
 
     expert_budget: float | int | str = 0.25
@@ -62,6 +70,7 @@ class HybridMoEConfig:
     cpu_threads: int = 0
     mode: str = "exact"
     deferred_experts: int = 0
+    precalc_from_layer: int = PRECALC_FROM_LAYER
 
     def __post_init__(self) -> None:
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
@@ -94,10 +103,19 @@ class HybridMoEConfig:
         n = self.deferred_experts
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"deferred_experts must be an int, got {n!r}")
-        if self.mode == "exact" and n != 0:
-            raise ValueError(f"deferred_experts={n} needs mode='expert_deferral' (mode 'exact' defers nothing)")
+        if self.mode != "expert_deferral" and n != 0:
+            raise ValueError(f"deferred_experts={n} needs mode='expert_deferral' (mode {self.mode!r} defers nothing)")
         if self.mode == "expert_deferral" and n < 1:
             raise ValueError(f"mode='expert_deferral' needs deferred_experts >= 1 (and < the model's top-k), got {n}")
+        start = self.precalc_from_layer
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise TypeError(f"precalc_from_layer must be an int, got {start!r}")
+        if start < 0:
+            raise ValueError(f"precalc_from_layer must be a decoder-block index >= 0, got {start}")
+        if self.mode != "daop_precalc" and start != PRECALC_FROM_LAYER:
+            raise ValueError(
+                f"precalc_from_layer={start} needs mode='daop_precalc' (mode {self.mode!r} predicts nothing)"
+            )
 
     def check_top_k(self, top_k: int) -> None:
         """With Expert Deferral, at least one of each token's `top_k` experts must stay immediate."""

@@ -1,6 +1,7 @@
 """FX passes that rewrite MoE blocks into hybrid_moe ops, and the `hybrid_moe` compile backend."""
 
 from .backend import hybrid_moe_backend
+from .daop_precalc import insert_daop_precalc
 from .expert_deferral import insert_expert_deferral
 from .moe_regions import find_experts_regions, rewrite_experts_regions
 from .prefetch import insert_prefetch
@@ -18,5 +19,6 @@ def _register_backend() -> None:
 _register_backend()
 
 __all__ = [
-    "find_experts_regions", "hybrid_moe_backend", "insert_expert_deferral", "insert_prefetch", "rewrite_experts_regions"
+    "find_experts_regions", "hybrid_moe_backend", "insert_daop_precalc", "insert_expert_deferral", "insert_prefetch",
+    "rewrite_experts_regions",
 ]

@@ -1,7 +1,8 @@
 """The `hybrid_moe` torch.compile backend: MoE passes on the Dynamo graph, then Inductor.
 
 Passes: rewrite stock experts regions into dispatch (moe_regions.py), insert prefetches (prefetch.py),
-and, for layers configured with mode="expert_deferral" only, Expert Deferral (expert_deferral.py).
+and, for layers configured with mode="expert_deferral" only, Expert Deferral (expert_deferral.py), or with
+mode="daop_precalc" only, DAOP's predictive CPU pre-calculation of decode steps (daop_precalc.py).
 
 Registered through the `torch_dynamo_backends` entry point, so `backend="hybrid_moe"` works in a
 fresh interpreter. `options` may carry HybridMoEConfig fields (used for stock models the backend
@@ -16,6 +17,7 @@ from collections.abc import Callable
 import torch.fx as fx
 
 from ..config import HybridMoEConfig
+from .daop_precalc import insert_daop_precalc
 from .expert_deferral import insert_expert_deferral
 from .moe_regions import rewrite_experts_regions
 from .prefetch import insert_prefetch
@@ -34,6 +36,7 @@ def hybrid_moe_backend(
     rewrite_experts_regions(gm, example_inputs, config)
     insert_prefetch(gm)
     insert_expert_deferral(gm)  # only layers whose config has mode="expert_deferral"; others stay exact
+    insert_daop_precalc(gm)  # likewise mode="daop_precalc", and decode graphs only
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options

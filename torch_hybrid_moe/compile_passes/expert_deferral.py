@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime import get_layer
-from .graph_utils import DISPATCH, calls
+from .graph_utils import DISPATCH, block_and_layer, calls, module_paths
 
 _ADDS = {operator.add, operator.iadd, torch.add, torch.Tensor.add, torch.ops.aten.add.Tensor}
 _DEFERRED = "hybrid_moe_deferred"  # node meta flag: a dispatch this pass created or already split
@@ -46,22 +46,14 @@ class _MoELayer:
     residual_add: fx.Node
 
 
-def _module_paths(node: fx.Node) -> list[tuple[str, type]]:
-    return list((node.meta.get("nn_module_stack") or {}).values())
-
-
 def _block_and_layer(node: fx.Node) -> tuple[str, str]:
-    """Module paths of the MoE block holding the dispatch's experts module, and of its decoder layer."""
-    stack = _module_paths(node)
-    for i, (_, cls) in enumerate(stack):
-        if isinstance(cls, type) and hasattr(cls, "_apply_gate"):  # transformers' *Experts modules
-            if i >= 2:
-                return stack[i - 1][0], stack[i - 2][0]
-            break
-    raise ExpertDeferralPatternError(
-        f"expert deferral: dispatch {node.name} has no experts module inside an MoE block inside a decoder "
-        f"layer in its nn_module_stack ({[p for p, _ in stack]})"
-    )
+    found = block_and_layer(node)
+    if found is None:
+        raise ExpertDeferralPatternError(
+            f"expert deferral: dispatch {node.name} has no experts module inside an MoE block inside a decoder "
+            f"layer in its nn_module_stack ({[p for p, _ in module_paths(node)]})"
+        )
+    return found
 
 
 def _is_add(node: fx.Node) -> bool:
@@ -75,7 +67,7 @@ def find_residual_add(dispatch: fx.Node) -> fx.Node:
     block, layer = _block_and_layer(dispatch)
 
     def inside(n: fx.Node) -> bool:
-        return any(path == block for path, _ in _module_paths(n))
+        return any(path == block for path, _ in module_paths(n))
 
     seen, todo, exits = {dispatch}, [dispatch], []
     while todo:
@@ -87,7 +79,7 @@ def find_residual_add(dispatch: fx.Node) -> fx.Node:
                 todo.append(user)
             elif user not in exits:
                 exits.append(user)
-    paths = [_module_paths(n)[-1][0] if _module_paths(n) else None for n in exits]
+    paths = [module_paths(n)[-1][0] if module_paths(n) else None for n in exits]
     if len(exits) != 1 or not _is_add(exits[0]) or paths[0] != layer:
         raise ExpertDeferralPatternError(
             f"expert deferral: the output of dispatch {dispatch.name} (MoE block {block}) should leave the block "

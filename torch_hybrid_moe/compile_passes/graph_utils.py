@@ -23,3 +23,17 @@ def insertion_point_after(graph: fx.Graph, *nodes: fx.Node) -> fx.Node:
     if anchor.op == "placeholder":
         anchor = list(graph.find_nodes(op="placeholder"))[-1]
     return anchor
+
+
+def module_paths(node: fx.Node) -> list[tuple[str, type]]:
+    """The (path, class) of each module enclosing the node, outermost first (Dynamo's `nn_module_stack`)."""
+    return list((node.meta.get("nn_module_stack") or {}).values())
+
+
+def block_and_layer(node: fx.Node) -> tuple[str, str] | None:
+    """Module paths of the MoE block holding a dispatch's experts module and of its decoder layer; None if absent."""
+    stack = module_paths(node)
+    for i, (_, cls) in enumerate(stack):
+        if isinstance(cls, type) and hasattr(cls, "_apply_gate"):  # transformers' *Experts modules
+            return (stack[i - 1][0], stack[i - 2][0]) if i >= 2 else None
+    return None

@@ -24,6 +24,7 @@ from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context
 from ..runtime.decode_graphs import DecodeGraphs
+from ..runtime.layer import RoutingRule
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -40,6 +41,7 @@ class ArchSpec:
     intermediate_attr: str
     is_moe_layer: Callable[[object, int], bool]
     score_fn: str  # "softmax" or "sigmoid": how router logits become the scores top-k picks from
+    renormalises: Callable[[object], bool]  # from the config: are the top-k weights divided by their score sum?
     routing: str  # one line for the docs: how the model's own router picks and weights experts
 
 
@@ -82,11 +84,14 @@ def patch_with_spec(
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
     _check_fits(device, slots * expert_bytes * len(moe_layers))
     capture = device.type == "cuda" and config.cuda_graph
+    if capture and config.mode == "daop_precalc":  # its routing reads the slot map on the host every step
+        raise ValueError("mode='daop_precalc' has no replay-safe form for CUDA graphs; use cuda_graph=False")
     _, two_inter, hidden = first.gate_up_proj.shape
     info = LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes)
     router = _router(moe_layers[0][1], spec, cfg)
     _check_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
+    routing = RoutingRule(spec.score_fn, bool(spec.renormalises(cfg)))
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts
@@ -99,7 +104,7 @@ def patch_with_spec(
         # Drop the module's own copy now, so peak host memory grows by at most one layer.
         del experts.gate_up_proj, experts.down_proj
         experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config,
-                                                   _router(block, spec, cfg))
+                                                   _router(block, spec, cfg), routing)
         experts._hybrid_moe_handle = experts._hybrid_moe_layer.handle
         experts._hybrid_moe_next = None
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION

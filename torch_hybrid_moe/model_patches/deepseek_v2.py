@@ -9,6 +9,7 @@ SPEC = ArchSpec(
     intermediate_attr="moe_intermediate_size",
     is_moe_layer=lambda cfg, idx: idx >= cfg.first_k_dense_replace,
     score_fn="softmax",
+    renormalises=lambda cfg: False,
     routing="softmax (fp32) -> greedy or group_limited_greedy top-k -> x routed_scaling_factor (no renorm); "
     "+ shared experts; first_k_dense_replace dense",
 )

@@ -9,6 +9,7 @@ SPEC = ArchSpec(
     intermediate_attr="moe_intermediate_size",
     is_moe_layer=lambda cfg, idx: idx >= cfg.first_k_dense_replace,
     score_fn="sigmoid",
+    renormalises=lambda cfg: cfg.norm_topk_prob,
     routing="sigmoid -> + e_score_correction_bias for selection -> top-2-sum groups -> top-k of kept groups; "
     "unbiased weights, renormalise if norm_topk_prob, x routed_scaling_factor; + shared experts; "
     "first_k_dense_replace dense",

@@ -9,6 +9,7 @@ SPEC = ArchSpec(
     intermediate_attr="intermediate_size",
     is_moe_layer=lambda cfg, idx: True,
     score_fn="softmax",
+    renormalises=lambda cfg: True,
     routing="softmax (fp32) -> top-k -> renormalise; every layer sparse",
 )
 patch_mixtral = make_patch_function(SPEC)

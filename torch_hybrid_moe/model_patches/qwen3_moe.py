@@ -10,6 +10,7 @@ SPEC = ArchSpec(
     intermediate_attr="moe_intermediate_size",
     is_moe_layer=is_qwen_moe_layer,
     score_fn="softmax",
+    renormalises=lambda cfg: cfg.norm_topk_prob,
     routing="softmax (fp32) -> top-k -> renormalise if norm_topk_prob; mlp_only_layers / decoder_sparse_step dense",
 )
 patch_qwen3_moe = make_patch_function(SPEC)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..config import HybridMoEConfig
@@ -16,17 +18,30 @@ from .registry import register_layer
 from .stats import LayerStats
 
 
+@dataclass(frozen=True)
+class RoutingRule:
+    """How the model's router turns logits into top-k weights, for modes that re-weight a changed expert set
+    (daop_precalc's graceful degradation): scores are softmax or sigmoid of the logits; each chosen expert's
+    weight is its score times a per-token constant, and `renormalise` says whether that constant divides by
+    the chosen experts' score sum (Mixtral, norm_topk_prob) or not (DeepSeek-V2, Qwen without norm_topk_prob)."""
+
+    score_fn: str
+    renormalise: bool
+
+
 class HybridMoELayer:
     """Runs one layer's routed experts split between accelerator slots and the CPU.
 
     Every step: count tokens per expert, ask the scheduler where each activated expert runs, run the
     accelerator share from slots and the CPU share from the host master (into one fp32 accumulator,
     so the split never changes the rounding of the sum), then let the cache policy refill slots.
+    A pair whose expert id is -1 is skipped: another dispatch computes it (daop_precalc splits a step in two).
     """
 
     def __init__(self, name: str, layer_idx: int, store: ExpertStore, config: HybridMoEConfig,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, routing: RoutingRule | None = None) -> None:
         self.name = name
+        self.routing = routing
         self.store = store
         self.config = config
         info = LayerInfo(layer_idx, store.num_experts, store.num_slots, store.expert_bytes)
@@ -59,11 +74,11 @@ class HybridMoELayer:
         self.settle()
         store = self.store
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
-        flat = topk_ids.reshape(-1)
+        flat = topk_ids.reshape(-1) + 1  # -1 (computed by another dispatch) lands in bin 0, dropped below
         counts_f, scores = torch.stack((
-            torch.bincount(flat, minlength=store.num_experts).float(),
-            torch.bincount(flat, topk_weights.reshape(-1).float(), store.num_experts),
-        )).tolist()
+            torch.bincount(flat, minlength=store.num_experts + 1).float(),
+            torch.bincount(flat, topk_weights.reshape(-1).float(), store.num_experts + 1),
+        ))[:, 1:].tolist()
         counts = [int(c) for c in counts_f]
         if len(counts) > store.num_experts:
             raise ValueError(f"{self.name}: expert id {len(counts) - 1} >= num_experts {store.num_experts}")
@@ -127,7 +142,7 @@ class HybridMoELayer:
         table = [-1] * self.store.num_experts
         for expert, index in index_of.items():
             table[expert] = index
-        return torch.tensor(table, device=topk_ids.device)[topk_ids]
+        return torch.tensor([*table, -1], device=topk_ids.device)[topk_ids]  # id -1 reads the trailing -1
 
     def _fill(self, expert: int, keep: set[int]) -> bool:
         """Bring `expert` into the slot the cache policy gives up; False when no slot may be given up."""

@@ -1,0 +1,276 @@
+"""Pass 4 (opt-in, approximate): DAOP's decode mode, prediction-based CPU pre-calculation with graceful degradation.
+
+At a decode step (one token per sequence), every MoE layer j of a layer configured with mode "daop_precalc"
+whose decoder-block index is >= `precalc_from_layer` and whose previous MoE layer i is in the same graph:
+
+1. Prediction. Layer j's routing is its own router applied to x_i, the hidden state that fed layer i's
+   router, instead of x_j. The pass copies the model's traced routing nodes of layer j (the slice from
+   the block's input to the dispatch's ids and weights, plus in-place ops on them such as DeepSeek-V3's
+   group-mask `scatter_`) with x_i in place of x_j, so every architecture keeps its own softmax / sigmoid,
+   group limit, top-k, renormalisation and scaling.
+2. Graceful degradation (`degrade`). Given the layer's slot map when its step runs, a token keeps at most
+   one predicted expert on the CPU, its best-scored one: each further CPU expert, lowest score first, is
+   replaced by the best-scored GPU-resident expert the token did not select, while such alternatives last
+   (none left: the rest of the original choice is kept). For top-2 this is the paper's rule. Scores are the
+   router's softmax / sigmoid of the logits on x_i; alternatives are ranked by that score alone (DeepSeek-V3's
+   selection bias and group limit do not restrict them). A replacement gets its own score as weight, with
+   the per-token factor the model applied to its choice (w_e / s_e: scaling, and for renormalising routers
+   1 / sum of the chosen scores, recomputed over the new set). Tokens with no swap keep the router's weights.
+3. Pre-calculation. The selected experts that are not resident run on x_i (DAOP starts them on the CPU
+   one block early), the resident ones on x_j: two `hybrid_moe::dispatch` calls of layer j with
+   complementary routing (-1 marks the pairs the other call computes) whose outputs are summed.
+
+Prefill stays exact, as in the paper. Dynamo specialises sizes 0 and 1, so a graph whose block input has a
+static sequence length of 1 is a decode step; any other graph (a static length > 1, or a symbolic one,
+which is then >= 2) is left unchanged. Earlier layers and the first MoE layer stay exact too.
+
+Why a graph pass rather than the patched forward: the pass sees x_i, x_j and the router's traced code in one
+graph, so it can replay the model's own routing on x_i without stashing tensors across modules or
+re-implementing routers, and it decides decode versus prefill from static shapes. As with Expert
+Deferral, the mode therefore applies to forwards compiled with `backend="hybrid_moe"` (fullgraph=True),
+which includes the decode steps `generate()` compiles for a patched model; eager forwards stay exact.
+Routing that depends on the slot map is decided on the host (`precalc_routing`), so CUDA-graph capture
+of the decode step is refused for this mode (HybridMoEConfig(cuda_graph=False) on CUDA).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..runtime import HybridMoELayer, get_layer
+from ..runtime.layer import RoutingRule
+from .graph_utils import DISPATCH, PREFETCH, block_and_layer, calls, module_paths
+
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+class DaopPrecalcPatternError(RuntimeError):
+    """The graph does not have the shape the pass needs; nothing was changed."""
+
+
+@dataclass
+class PrecalcStats:
+    """Routed pairs of one layer's approximated decode steps: how many the prediction changed (expert not in
+    the exact top-k of x_j), how many degradation swapped to a resident expert, how many ran on x_i."""
+
+    pairs: int = 0
+    predicted_changed: int = 0
+    degraded: int = 0
+    early: int = 0
+
+
+_STATS: dict[int, PrecalcStats] = {}  # by layer handle
+
+
+def precalc_stats(layers: dict[int, HybridMoELayer]) -> dict[int, PrecalcStats]:
+    """Counters of the given layers (e.g. `runtime.model_layers(model)`), keyed as given; zero if never run."""
+    return {idx: _STATS.get(layer.handle, PrecalcStats()) for idx, layer in layers.items()}
+
+
+def reset_precalc_stats() -> None:
+    _STATS.clear()
+
+
+def degrade(
+    ids: torch.Tensor, weights: torch.Tensor, scores: torch.Tensor, resident: torch.Tensor, renormalise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Graceful degradation (module docstring, step 2): (ids, weights, swapped-pair mask), all [T, K].
+
+    ids / weights: the router's top-k; scores [T, E]: its softmax / sigmoid scores; resident [E] bool.
+    """
+    tokens, k = ids.shape
+    on_gpu = resident[ids]
+    chosen = scores.gather(1, ids)
+    # Rank each token's CPU pairs from the lowest score up (resident pairs last); the m lowest are swapped.
+    order = torch.where(on_gpu, torch.inf, chosen).argsort(dim=1, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(k, device=ids.device).expand(tokens, k))
+    free = resident.expand(tokens, -1).clone().scatter_(1, ids, False)  # resident and not selected
+    swaps = torch.minimum((~on_gpu).sum(1) - 1, free.sum(1)).clamp(min=0)
+    swap = rank < swaps[:, None]
+    best = scores.masked_fill(~free, -torch.inf).topk(k, dim=1).indices  # alternatives, best first
+    new_ids = torch.where(swap, best.gather(1, rank), ids)
+    new_scores = scores.gather(1, new_ids)
+    # The model's per-token factor w / s, read off its best pair (never swapped), recomputed over the new set.
+    top = weights.float().argmax(1, keepdim=True)
+    factor = weights.float().gather(1, top) / chosen.gather(1, top)
+    if renormalise:
+        factor = factor * chosen.sum(1, keepdim=True) / new_scores.sum(1, keepdim=True)
+    changed = swap.any(1, keepdim=True)
+    new_weights = torch.where(changed, (factor * new_scores).to(weights.dtype), weights)
+    return new_ids, new_weights, swap
+
+
+def _scores(logits: torch.Tensor, rule: RoutingRule) -> torch.Tensor:
+    logits = logits.float()
+    return logits.softmax(-1) if rule.score_fn == "softmax" else logits.sigmoid()
+
+
+@torch.library.custom_op(
+    "hybrid_moe::precalc_routing",
+    mutates_args=(),
+    schema="(Tensor exact_ids, Tensor ids, Tensor weights, Tensor logits, int layer) -> (Tensor, Tensor, Tensor)",
+    tags=_TAGS,
+)
+def precalc_routing(
+    exact_ids: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor, layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Degrade the predicted routing against `layer`'s slot map now; (ids for x_i, ids for x_j, weights),
+    -1 where the other dispatch computes the pair. `exact_ids` (routing of x_j) only feeds the counters."""
+    hybrid = get_layer(layer)
+    hybrid.settle()
+    resident = torch.tensor(hybrid.store.resident(), device=ids.device)
+    ids = ids.long()
+    rule = hybrid.routing
+    new_ids, new_weights, swap = degrade(ids, weights, _scores(logits, rule), resident, rule.renormalise)
+    on_gpu = resident[new_ids]
+    early, late = torch.where(on_gpu, -1, new_ids), torch.where(on_gpu, new_ids, -1)
+    s = _STATS.setdefault(layer, PrecalcStats())
+    exact = exact_ids.long()
+    kept = (ids[:, :, None] == exact[:, None, :]).any(2)
+    s.pairs += ids.numel()
+    s.predicted_changed += int((~kept).sum())
+    s.degraded += int(swap.sum())
+    s.early += int((~on_gpu).sum())
+    return early.to(exact_ids.dtype), late.to(exact_ids.dtype), new_weights
+
+
+@precalc_routing.register_fake
+def _(exact_ids, ids, weights, logits, layer):  # noqa: ANN001, ANN202
+    return torch.empty_like(exact_ids), torch.empty_like(exact_ids), torch.empty_like(weights)
+
+
+@dataclass
+class _Plan:
+    dispatch: fx.Node  # layer j's
+    hidden_i: fx.Node  # layer i's dispatch input (x_i, [T, H])
+    block_input_i: fx.Node  # x_i as layer i's block receives it
+    block_input_j: fx.Node
+    routing: list[fx.Node]  # layer j's routing nodes from its block input, graph order
+    logits: fx.Node
+
+
+def _fail(message: str) -> DaopPrecalcPatternError:
+    return DaopPrecalcPatternError(f"daop_precalc: {message}")
+
+
+def _block_input(dispatch: fx.Node, graph: fx.Graph) -> fx.Node:
+    """The one tensor from outside the dispatch's MoE block that the block computes from (its hidden states)."""
+    found = block_and_layer(dispatch)
+    if found is None:
+        raise _fail(f"dispatch {dispatch.name} has no experts module inside an MoE block in its nn_module_stack")
+    block = found[0]
+    inside = [n for n in graph.nodes if any(path == block for path, _ in module_paths(n))]
+    members = set(inside)
+    inputs = {
+        a for n in inside for a in n.all_input_nodes
+        if a not in members and a.op not in ("placeholder", "get_attr")
+        and isinstance(a.meta.get("example_value"), torch.Tensor)
+    }
+    if len(inputs) != 1:
+        names = sorted(n.name for n in inputs)
+        raise _fail(f"MoE block {block} should compute from exactly one outside tensor, found {names}")
+    (x,) = inputs
+    if x.meta["example_value"].dim() != 3:
+        shape = tuple(x.meta["example_value"].shape)
+        raise _fail(f"the input of MoE block {block} should be [batch, seq, hidden], got {shape}")
+    return x
+
+
+def _mutates(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        if node.target is operator.setitem:
+            return True
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return name.endswith("_") and not name.startswith("__")
+
+
+def _routing_slice(graph: fx.Graph, x: fx.Node, outputs: tuple[fx.Node, ...]) -> list[fx.Node]:
+    """Nodes that compute `outputs` from `x`, in graph order, with in-place ops on them (results unused)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    wanted = set(outputs)
+    while True:
+        ancestors, todo = set(), list(wanted)
+        while todo:
+            n = todo.pop()
+            if n not in ancestors and n is not x:
+                ancestors.add(n)
+                todo.extend(n.all_input_nodes)
+        depends = {x}
+        for n in sorted(ancestors, key=order.__getitem__):
+            if any(a in depends for a in n.all_input_nodes):
+                depends.add(n)
+        nodes = depends - {x}
+        extra = {u for n in nodes for u in n.users if u not in nodes and _mutates(u) and u.args and u.args[0] in nodes}
+        if not extra:
+            return sorted(nodes, key=order.__getitem__)
+        wanted |= extra
+
+
+def _is_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "linear"
+
+
+def insert_daop_precalc(gm: fx.GraphModule) -> int:
+    """Rewrite each qualifying layer (module docstring) of a decode graph; returns how many were rewritten."""
+    graph = gm.graph
+    dispatches = [n for n in graph.nodes if calls(n, DISPATCH)]
+    previous = {get_layer(n.args[3]).next_handle: n for n in dispatches}
+    plans: list[_Plan] = []
+    # Plan everything first: a graph the pass cannot handle raises before any node changes.
+    for node in dispatches:
+        layer = get_layer(node.args[3])
+        config = layer.config
+        if config.mode != "daop_precalc" or layer.info.layer_idx < config.precalc_from_layer:
+            continue
+        prev = previous.get(node.args[3])
+        if prev is None:  # the first MoE layer of the graph has nothing to predict from
+            continue
+        if layer.routing is None:
+            raise _fail(f"layer {layer.name} has no routing rule: patch the model with torch_hybrid_moe.patch_model")
+        x_j, x_i = _block_input(node, graph), _block_input(prev, graph)
+        seq = x_j.meta["example_value"].shape[1]
+        if not (isinstance(seq, int) and seq == 1):  # prefill (a symbolic length is >= 2): exact
+            continue
+        routing = _routing_slice(graph, x_j, (node.args[1], node.args[2]))
+        logits = [n for n in routing if _is_linear(n)]
+        bad = [n.name for n in routing if calls(n, DISPATCH) or calls(n, PREFETCH)]
+        if len(logits) != 1 or bad or node.args[1] not in routing or node.args[2] not in routing:
+            raise _fail(
+                f"the routing of {layer.name} should be computed from its block input through exactly one linear "
+                f"(the router logits) and no hybrid_moe op; found linears {[n.name for n in logits]}, ops {bad}"
+            )
+        plans.append(_Plan(node, prev.args[0], x_i, x_j, routing, logits[0]))
+
+    for plan in plans:
+        _rewrite(graph, plan)
+    return len(plans)
+
+
+def _rewrite(graph: fx.Graph, plan: _Plan) -> None:
+    node = plan.dispatch
+    hidden, exact_ids, _, handle = node.args
+    stack = dict(node.meta.get("nn_module_stack") or {})
+    env = {plan.block_input_j: plan.block_input_i}
+    with graph.inserting_before(node):
+        for n in plan.routing:
+            env[n] = graph.node_copy(n, lambda a: env.get(a, a))
+        routed = graph.call_function(
+            torch.ops.hybrid_moe.precalc_routing.default,
+            (exact_ids, env[node.args[1]], env[node.args[2]], env[plan.logits], handle),
+        )
+        early_ids, late_ids, weights = (graph.call_function(operator.getitem, (routed, i)) for i in range(3))
+        early = graph.call_function(DISPATCH.default, (plan.hidden_i, early_ids, weights, handle))
+    node.args = (hidden, late_ids, weights, handle)
+    with graph.inserting_after(node):
+        total = graph.call_function(operator.add, (node, early))
+    node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
+    for new in (routed, early_ids, late_ids, weights, early, total):
+        new.meta["nn_module_stack"] = dict(stack)
