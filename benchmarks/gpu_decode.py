@@ -3,6 +3,9 @@ against the baselines the accelerator issue names, side by side in one run, with
 
 Rows, each on a freshly built model (patching moves its experts into pinned host memory):
 - hybrid: our patch at each expert budget, decode graph on and off;
+- prefetch: the same with the gate prefetcher (layer l+1's router on layer l's input, decided on the device);
+- deferral: the same with KTransformers' Expert Deferral (approximate: 2 of the 6 experts deferred), whose
+  deferred CPU experts overlap the next block inside the graph;
 - all-cpu: budget 0, every routed expert on the CPU (the Fiddler / KTransformers layout), graph on and off;
 - on-demand: every missing expert fetched into a slot before it runs (MoE-Infinity's GPU-centric placement);
 - accelerate: transformers + accelerate `device_map` offload (the routed experts' modules on "cpu", their
@@ -16,7 +19,8 @@ generate. Medians of --repeats. The floor is the time to stream the experts the 
 (measured misses) at the host's measured copy rate (bytes read plus written, an upper bound on what reads
 alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU.
 
-    python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5] [--rows hybrid all-cpu on-demand accelerate]
+    python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
+        [--rows hybrid prefetch deferral all-cpu on-demand accelerate]
         [--tokens 32] [--prompt 512] [--json]
 """
 
@@ -35,7 +39,8 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 import torch_hybrid_moe as thm
 
 
-ROWS = ("hybrid", "all-cpu", "on-demand", "accelerate")
+ROWS = ("hybrid", "prefetch", "deferral", "all-cpu", "on-demand", "accelerate")
+VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"}, "deferral": {"mode": "expert_deferral", "deferred_experts": 2}}
 
 
 def lite_config(layers: int) -> DeepseekV2Config:
@@ -181,8 +186,9 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
     """The settings to measure, in table order."""
     rows = []
     for name in args.rows:
-        if name == "hybrid":
-            rows += [dict(row=name, expert_budget=b, cuda_graph=g) for b in args.budgets for g in (False, True)]
+        if name in VARIANTS:
+            rows += [dict(row=name, expert_budget=b, cuda_graph=g, **VARIANTS[name])
+                     for b in args.budgets for g in (False, True)]
         elif name == "all-cpu":
             rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in (False, True)]
         elif name == "on-demand":  # a fetch decided per step in Python: uncaptured by nature

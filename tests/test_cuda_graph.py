@@ -97,6 +97,47 @@ def test_graph_on_equals_graph_off_with_quantised_cpu_weights(fmt):
     assert ((logits_on - logits_off).abs().max() / logits_off.abs().max()) < 1e-4
 
 
+def test_graph_replay_with_gate_prefetch_matches_reference():
+    """The prefetch is decided on the device at every replay (this layer's router on the previous layer's input)."""
+    ref = load_model("deepseek-tiny", dtype=torch.float32)[0].cuda()
+    model = thm.patch_model(copy.deepcopy(ref).cpu(), expert_budget=0.25, device="cuda", prefetcher="gate")
+    runner, _ = _spy(model)
+    x = torch.randint(3, 2000, (2, 5), device="cuda")
+    with torch.no_grad():
+        want_tokens, want_logits = _generate(ref, x, 32)
+        got_tokens, got_logits = _generate(model, x, 32)
+    assert runner.captures == 1 and runner.replays == 31
+    assert torch.equal(got_tokens, want_tokens)
+    assert ((got_logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+    stats = list(thm.stats(model).values())
+    assert stats[0].prefetch_calls == 0 and all(s.prefetch_calls >= 32 for s in stats[1:])
+    assert sum(s.prefetched_experts for s in stats) > 0
+
+
+def test_expert_deferral_in_the_graph_equals_uncaptured_and_overlaps_on_its_own_buffers():
+    ref = load_model("deepseek-tiny", dtype=torch.float32)[0]
+    x = torch.randint(3, 2000, (2, 5), device="cuda")
+    results, runners = [], []
+    for graph in (True, False):
+        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, device="cuda", cuda_graph=graph,
+                                mode="expert_deferral", deferred_experts=2)
+        if graph:
+            runner, _ = _spy(model)
+            runners.append((runner, model))
+        with torch.no_grad():
+            results.append(_generate(model, x, 16))
+    (tokens_on, logits_on), (tokens_off, logits_off) = results
+    assert torch.equal(tokens_on, tokens_off)
+    assert ((logits_on - logits_off).abs().max() / logits_off.abs().max()) < 1e-4
+    runner, model = runners[0]
+    layers = list(model_layers(model).values())
+    for i, layer in enumerate(layers):
+        parts = {key[-1]: buf.task for key, buf in layer.graph_path()._buffers.items()}
+        assert set(parts) == ({0, 1} if i < len(layers) - 1 else {0})  # the last layer defers nothing
+        for task in parts.values():
+            assert task.submits == task.syncs == task.runs == runner.replays + runner.captures
+
+
 def _captured_model() -> tuple[torch.nn.Module, object, dict]:
     model = thm.patch_model(tiny_model("mixtral"), expert_budget=0.25, device="cuda")
     runner, calls = _spy(model)

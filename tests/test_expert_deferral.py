@@ -11,13 +11,14 @@ import torch.nn.functional as F
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.compile_passes import insert_expert_deferral, insert_prefetch, rewrite_experts_regions
 from torch_hybrid_moe.compile_passes.expert_deferral import ExpertDeferralPatternError, find_residual_add
-from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, calls
+from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, calls
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.model_patches.base import is_patched
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.tiny_models import tiny_model
 
 from .conftest import patched_copy
+from .test_graph_path import needs_kernel
 
 
 def inputs(batch, length, seed=0):
@@ -92,6 +93,26 @@ def test_compiled_deferral_matches_hand_reference(reference_models, arch, deferr
     assert steps == [2] * (len(moe) - 1) + [1]
 
 
+@needs_kernel
+def test_replay_safe_path_defers_on_its_own_task_buffers(reference_models):
+    """The captured-step form (host functions called directly here): the deferred half is submitted to the CPU
+    worker and finished after the next block, on task buffers of its own, with the same result."""
+    base = reference_models["deepseek_v3"]
+    ref, _ = deferral_reference(base, 1)
+    model = patched_copy(base, expert_budget=0.25, device="cpu", mode="expert_deferral", deferred_experts=1)
+    layers = list(model_layers(model).values())
+    for layer in layers:
+        layer.graph_mode = True
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True)
+    with torch.no_grad():
+        for seed in range(3):
+            x = inputs(2, 5, seed)
+            assert rel_err(compiled(x).logits, ref(x).logits) < 1e-5
+    tasks = {key[-1]: buf.task for key, buf in layers[0].graph_path()._buffers.items()}
+    assert set(tasks) == {0, 1} and all(t.submits == t.syncs == t.runs == 3 for t in tasks.values())
+    assert {key[-1] for key in layers[1].graph_path()._buffers} == {0}  # the last layer defers nothing
+
+
 def test_stock_model_defers_through_backend_options(reference_models):
     base = reference_models["deepseek_v3"]
     ref, _ = deferral_reference(base, 1)
@@ -139,14 +160,18 @@ def test_last_layer_never_defers_and_deferred_output_lands_after_next_residual_a
     first, last = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
     residual = find_residual_add(last)  # layer 2's residual + (routed + shared) add
     assert insert_expert_deferral(gm) == 1
-    dispatch = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
-    assert len(dispatch) == 3
-    immediate, deferred, final = dispatch
-    assert immediate is first and final is last and deferred.args[3] == first.args[3]
+    immediate, final = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
+    (begin,) = [n for n in gm.graph.nodes if calls(n, DISPATCH_BEGIN)]
+    (end,) = [n for n in gm.graph.nodes if calls(n, DISPATCH_END)]
+    assert immediate is first and final is last and begin.args[3] == end.args[2] == first.args[3]
+    assert end.args[0] is begin and begin.args[4] == end.args[3] == 1  # the deferred half's own task buffers
     shape = lambda n: n.meta["example_value"].shape[-1] if "example_value" in n.meta else None  # noqa: E731
     assert final.args[2] is last.args[2] and shape(last.args[2]) == 3  # the last layer keeps all 3 experts
+    # begun right after the immediate half, finished once the next block is done: the deferred experts overlap it
+    order = list(gm.graph.nodes)
+    assert order.index(immediate) < order.index(begin) < order.index(final) < order.index(residual) < order.index(end)
     # the deferred output is added to layer 2's residual add, and every former user of that add sees the sum
-    (view,) = deferred.users
+    (view,) = end.users
     (total,) = view.users
     assert total.target is operator.add and total.args == (residual, view)
     assert set(residual.users) == {view, total}

@@ -15,6 +15,7 @@ from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
 from torch_hybrid_moe.ops.row_copy import copy_rows_
 from torch_hybrid_moe.policies import CACHE_POLICIES, LayerInfo
 from torch_hybrid_moe.policies.device_caching import DEVICE_CACHE_POLICIES, admissions, device_ranking
+from torch_hybrid_moe.policies.prefetching import Router
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
@@ -196,6 +197,64 @@ def test_replay_safe_path_matches_reference_model(reference_models, arch, budget
 
 
 @needs_kernel
+@needs_kernel
+def test_replay_safe_prefetch_makes_the_python_prefetchers_choice():
+    """The gate prefetch as tensors: the experts GatePrefetch.select names become resident, each displacing the
+    least valuable unwanted slot by the cache ranking, and the slot weights are the masters'."""
+    model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
+                            prefetcher="gate", cache_policy="lfu", fills_per_step=1)
+    layer = list(model_layers(model).values())[1]
+    path = layer.graph_path()
+    torch.manual_seed(0)
+    hidden = torch.randn(8, layer.store.host_gate_up.shape[2])
+    for _ in range(3):  # give the ranking and the slots a history
+        ids = torch.stack([torch.randperm(32)[:4] for _ in range(8)])
+        path.forward(hidden, ids, torch.rand(8, 4))
+    path.pull()
+    before = {e for e, s in enumerate(layer.store.expert_slot) if s >= 0}
+    values = path.ranking.values.tolist()
+    wanted = set(layer.prefetcher.select(hidden, None, layer.store.resident()))
+    assert len(wanted) == layer.prefetcher.size == 2 and not wanted <= before  # something to copy
+    path.prefetch(hidden, None)
+    path.pull()
+    after = {e for e, s in enumerate(layer.store.expert_slot) if s >= 0}
+    evicted, kept = before - after, (before & after) - wanted
+    assert wanted <= after and after - before == wanted - before and len(after) == len(before)
+    assert not evicted & wanted and max(values[e] for e in evicted) <= min(values[e] for e in kept)
+    for e in after:
+        s = layer.store.expert_slot[e]
+        assert torch.equal(layer.store.slot_gate_up[s], layer.store.host_gate_up[e])
+        assert torch.equal(layer.store.slot_down[s], layer.store.host_down[e])
+    assert layer.stats.prefetched_experts == len(wanted - before) and layer.stats.prefetch_calls == 1
+    path.prefetch(hidden, None)  # everything wanted is resident now: nothing moves
+    path.pull()
+    assert {e for e, s in enumerate(layer.store.expert_slot) if s >= 0} == after
+    assert layer.stats.prefetched_experts == len(wanted - before) and layer.stats.prefetch_calls == 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["deepseek-tiny", "mixtral-tiny"])
+def test_replay_safe_path_with_gate_prefetch_matches_reference_model(name):
+    """Prefetching moves experts, never results: compiled steps with every layer on its replay-safe path."""
+    ref = load_model(name, dtype=torch.float32)[0]
+    ref.config.output_router_logits = False  # mixtral-tiny records them for its training loss; not compilable
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, device="cpu", prefetcher="gate")
+    layers = list(model_layers(model).values())
+    for layer in layers:
+        layer.graph_mode = True
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randint(3, 2000, (1, 4))
+            want, got = ref(x).logits.double(), compiled(x).logits.double()
+            assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    stats = thm.stats(model)
+    assert [stats[i].prefetch_calls for i in stats] == [0] + [3] * (len(layers) - 1)
+    assert sum(s.prefetched_experts for s in stats.values()) > 0
+
+
+@needs_kernel
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
     ref = load_model("deepseek-tiny", dtype=torch.float32)[0]  # experts 32 wide
@@ -251,9 +310,13 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
     from torch_hybrid_moe.model_patches.base import _check_policies
     from torch_hybrid_moe.runtime.costs import policy_context
 
-    configs = thm.HybridMoEConfig(scheduler="all_cpu"), thm.HybridMoEConfig(scheduler="dali_greedy", hardware="dali")
+    router = Router(torch.randn(8, 2), 2)
+    configs = (thm.HybridMoEConfig(scheduler="all_cpu"), thm.HybridMoEConfig(scheduler="dali_greedy", hardware="dali"),
+               thm.HybridMoEConfig(prefetcher="impact", hardware="dali"))
     for config in configs:
-        context = policy_context(config, LayerInfo(0, 8, 2, 24), hidden=2, inter=2)
+        context = policy_context(config, LayerInfo(0, 8, 2, 24), hidden=2, inter=2, router=router)
         with pytest.raises(ValueError, match="replay-safe"):
             _check_policies(config, context, capture=True)
         _check_policies(config, context, capture=False)  # fine uncaptured
+    config = thm.HybridMoEConfig(prefetcher="gate")
+    _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)

@@ -8,8 +8,11 @@ MoE layer's block output has been added to it:
     O_k     = I_k + S_k(I_k) + R_{k-1}^def(I_{k-1}) + R_k^imm(I_k)      (R_{k-1}^def absent at the first MoE layer,
     O_last  = I_L + S_L(I_L) + R_{L-1}^def(I_{L-1}) + R_L^all(I_L)       the last one defers nothing)
 
-with O the decoder layer's output after its MoE block. Both halves are ordinary `hybrid_moe::dispatch`
-calls (the op takes any [T, K'] routing), so no new op is needed; the layer's step simply runs twice.
+with O the decoder layer's output after its MoE block. The immediate half stays a `hybrid_moe::dispatch` of
+the top-(K - N) pairs. The deferred half is split: `dispatch_begin` right after it, `dispatch_end` right
+before its output is added. On the replay-safe (CUDA graph) path the deferred CPU experts then run on the CPU
+worker while the next decoder block's attention and GPU experts do (KTransformers' overlap); it uses its own
+pinned task buffers (part 1). Elsewhere `dispatch_begin` runs the whole step and `dispatch_end` only rounds.
 
 The residual add is found from each MoE layer's (original) dispatch node: the nodes reachable from it
 through its users while still inside the MoE block (the module enclosing the `*Experts` module in
@@ -29,10 +32,11 @@ import torch
 import torch.fx as fx
 
 from ..runtime import get_layer
-from .graph_utils import DISPATCH, block_and_layer, calls, module_paths
+from .graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, block_and_layer, calls, module_paths
 
 _ADDS = {operator.add, operator.iadd, torch.add, torch.Tensor.add, torch.ops.aten.add.Tensor}
-_DEFERRED = "hybrid_moe_deferred"  # node meta flag: a dispatch this pass created or already split
+_DEFERRED = "hybrid_moe_deferred"  # node meta flag: a dispatch this pass already split
+DEFERRED_PART = 1  # the deferred half's task buffers: it is still running while the layer's next dispatch starts
 
 
 class ExpertDeferralPatternError(RuntimeError):
@@ -154,11 +158,12 @@ def _split(graph: fx.Graph, this: _MoELayer, after: _MoELayer, top_k: int, n_def
     node.args = (hidden, imm_ids, imm_w, handle)
     node.meta[_DEFERRED] = True
     with graph.inserting_after(node):
-        deferred = graph.call_function(DISPATCH.default, (hidden, def_ids, def_w, handle))
-    deferred.meta[_DEFERRED] = True
-    deferred.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+        started = graph.call_function(DISPATCH_BEGIN.default, (hidden, def_ids, def_w, handle, DEFERRED_PART))
+    started.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
     residual = after.residual_add
     with graph.inserting_after(residual):
+        deferred = graph.call_function(DISPATCH_END.default, (started, hidden, handle, DEFERRED_PART))
+    with graph.inserting_after(deferred):
         shaped = graph.call_method("view_as", (deferred, residual))
     with graph.inserting_after(shaped):
         total = graph.call_function(operator.add, (residual, shaped))

@@ -7,6 +7,8 @@ import torch.fx as fx
 
 DISPATCH = torch.ops.hybrid_moe.dispatch
 PREFETCH = torch.ops.hybrid_moe.prefetch
+DISPATCH_BEGIN = torch.ops.hybrid_moe.dispatch_begin
+DISPATCH_END = torch.ops.hybrid_moe.dispatch_end
 
 
 def calls(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> bool:

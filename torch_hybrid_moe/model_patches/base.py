@@ -19,7 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 from ..config import HybridMoEConfig
 from ..ops.quantize import check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
-from ..policies.device_caching import device_ranking
+from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
 from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context
@@ -198,11 +198,12 @@ def _check_policies(config: HybridMoEConfig, context: dict[str, object], capture
     PREFETCHERS.create(config.prefetcher, **context)
     if capture:
         device_ranking(cache, context["info"].num_experts, torch.device("cpu"))
-        for field, value, default in (("scheduler", config.scheduler, "cached_on_accelerator"),
-                                      ("prefetcher", config.prefetcher, "none")):
-            if value != default:
-                raise ValueError(f"{field} {value!r} has no replay-safe form for CUDA graphs yet (only {default!r}); "
-                                 "use HybridMoEConfig(cuda_graph=False) to run it uncaptured")
+        for field, value, safe in (("scheduler", config.scheduler, ("cached_on_accelerator",)),
+                                   ("prefetcher", config.prefetcher, DEVICE_PREFETCHERS)):
+            if value not in safe:
+                raise ValueError(f"{field} {value!r} has no replay-safe form for CUDA graphs yet (only "
+                                 f"{', '.join(map(repr, safe))}); use HybridMoEConfig(cuda_graph=False) to run it "
+                                 "uncaptured")
 
 
 def _check_fits(device: torch.device, slot_bytes: int) -> None:

@@ -44,6 +44,46 @@ def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
 
 
 @torch.library.custom_op(
+    "hybrid_moe::dispatch_begin",
+    mutates_args=(),
+    schema="(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer, int part) -> Tensor",
+    tags=_TAGS,
+)
+def dispatch_begin(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, part: int
+) -> torch.Tensor:
+    """`dispatch` in two halves, for a result needed later (Expert Deferral's deferred experts): on a captured
+    step the CPU share is handed to the worker and this returns with it still running; `dispatch_end` of the
+    same (layer, part) waits for it. Returns the fp32 partial sum. `part` names the layer's pinned task buffers
+    (0 for plain dispatches, 1 for deferred ones), so a half-finished step never shares them."""
+    _check_routing(hidden, topk_ids, topk_weights)
+    return get_layer(layer).begin(hidden, topk_ids, topk_weights, part)
+
+
+@dispatch_begin.register_fake
+def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+    _check_routing(hidden, topk_ids, topk_weights)
+    return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+
+
+@torch.library.custom_op(
+    "hybrid_moe::dispatch_end",
+    mutates_args=(),
+    schema="(Tensor partial, Tensor hidden, int layer, int part) -> Tensor",
+    tags=_TAGS,
+)
+def dispatch_end(partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+    """Finish what `dispatch_begin` started: wait for its CPU share, add it, round once to hidden's dtype."""
+    out = get_layer(layer).end(partial, hidden, part)
+    return out.clone() if out.data_ptr() == partial.data_ptr() else out  # an op's output may not alias its input
+
+
+@dispatch_end.register_fake
+def _(partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op(
     "hybrid_moe::cpu_experts",
     mutates_args=("out",),
     schema=(

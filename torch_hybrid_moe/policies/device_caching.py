@@ -1,4 +1,4 @@
-"""Cache policies as tensor functions, for steps replayed from a CUDA graph.
+"""Cache policies and the gate prefetch's admissions as tensor functions, for steps replayed from a CUDA graph.
 
 A replayed graph runs no Python, so the slot decisions of a captured decode step are made by tensor ops on
 the device: each cache policy's ranking (`values`, the same numbers its Python form ranks by, tested equal)
@@ -106,6 +106,14 @@ def device_ranking(policy: object, num_experts: int, device: torch.device) -> De
 DEVICE_CACHE_POLICIES = ("lru", "lfu", "mrs", "dali_window")
 
 
+def _pairs(candidates: torch.Tensor, held: torch.Tensor, fills: int) -> tuple[torch.Tensor, ...]:
+    """(value, expert) of the `fills` best candidates [E] and (value, slot) of the `fills` cheapest slots [S]; -inf
+    marks an ineligible candidate or a free slot, +inf a slot that must not be given up."""
+    cand_value, cand = candidates.topk(fills)
+    victim_value, victim = (-held).topk(fills)
+    return cand_value, cand, -victim_value, victim
+
+
 def admissions(
     values: torch.Tensor, may_change: torch.Tensor, eligible: torch.Tensor, expert_slot: torch.Tensor,
     slot_expert: torch.Tensor, fills: int,
@@ -117,8 +125,28 @@ def admissions(
     """
     neg = float("-inf")  # a Python scalar: no host-to-device copy inside a graph capture
     candidates = torch.where(eligible & (expert_slot < 0) & may_change, values, neg)
-    cand_value, cand = candidates.topk(fills)
     held = torch.where(slot_expert >= 0, values[slot_expert.clamp(min=0)], neg)
-    victim_value, victim = (-held).topk(fills)
-    admit = (cand_value > neg) & (cand_value > -victim_value)
+    cand_value, cand, victim_value, victim = _pairs(candidates, held, fills)
+    admit = (cand_value > neg) & (cand_value > victim_value)
+    return torch.where(admit, cand, -1), victim
+
+
+DEVICE_PREFETCHERS = ("none", "gate")
+
+
+def prefetch_admissions(
+    priority: torch.Tensor, size: int, values: torch.Tensor, expert_slot: torch.Tensor, slot_expert: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate prefetch as tensors: the `size` experts of highest `priority` (> 0) are wanted; each one not
+    resident, in priority order, takes the slot the cache ranking `values` gives up first (a free slot first),
+    never a slot holding a wanted expert; (expert, slot) pairs, -1 expert where nothing is copied. The same
+    choice as the Python path's `select` followed by `choose_slot` (tests/test_graph_path.py)."""
+    neg, pos = float("-inf"), float("inf")
+    top_value, top = priority.topk(size)
+    wanted = torch.zeros_like(expert_slot, dtype=torch.bool).scatter_(0, top, top_value > 0)
+    candidates = torch.where(wanted & (expert_slot < 0), priority, neg)
+    held_expert = slot_expert.clamp(min=0)
+    held = torch.where(slot_expert >= 0, torch.where(wanted[held_expert], pos, values[held_expert].double()), neg)
+    cand_value, cand, victim_value, victim = _pairs(candidates, held, min(size, len(slot_expert)))
+    admit = (cand_value > neg) & (victim_value < pos)
     return torch.where(admit, cand, -1), victim

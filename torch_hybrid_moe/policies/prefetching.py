@@ -123,12 +123,27 @@ class GatePrefetch:
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float()
 
+    def routed(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per expert, on the hidden state's device and without host synchronisation: how many rows the router
+        would send to it, and their summed score (float64 [E] each)."""
+        ids, scores = self.router.route(self.features(hidden))
+        flat = ids.flatten()
+        counts = torch.zeros(self.info.num_experts, dtype=torch.float64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        sums = torch.zeros_like(counts).index_add_(0, flat, scores.flatten().double())
+        return counts, sums
+
+    def priority(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`predict`'s order as one float64 key per expert (0: unused), for the replay-safe path: a summed score
+        is at most its count of rows (scores are <= 1), so count * (rows + 1) + sum orders by count, then sum."""
+        counts, sums = self.routed(hidden)
+        return counts * (hidden.shape[0] + 1) + sums
+
     def predict(self, hidden: torch.Tensor) -> list[tuple[int, float, int]]:
         """Predicted (token count, summed score, expert) of every expert some row would use, heaviest first."""
-        ids, scores = self.router.route(self.features(hidden))
-        counts = torch.bincount(ids.flatten(), minlength=self.info.num_experts).tolist()
-        sums = torch.zeros(self.info.num_experts).index_add_(0, ids.flatten(), scores.flatten()).tolist()
-        return sorted(((c, s, e) for e, (c, s) in enumerate(zip(counts, sums)) if c), key=lambda x: (-x[0], -x[1], x[2]))
+        counts, sums = (t.tolist() for t in self.routed(hidden))
+        return sorted(((int(c), s, e) for e, (c, s) in enumerate(zip(counts, sums)) if c),
+                      key=lambda x: (-x[0], -x[1], x[2]))
 
     def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
         return [e for _, _, e in self.predict(hidden)[: self.size]]

@@ -113,6 +113,7 @@ class DecodeGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
+                self._start_step()
                 self.compiled(**static)
                 self._join_fills()
             torch.cuda.current_stream(self.device).wait_stream(side)
@@ -124,11 +125,16 @@ class DecodeGraphs:
                 cache_layer.cumulative_length.copy_(length)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
+                self._start_step()
                 output = self.compiled(**static)
                 self._join_fills()
         self.captures += 1
         self.graphs[key] = entry = _Captured(graph, inputs, output)
         return entry
+
+    def _start_step(self) -> None:
+        for layer in self.layers:
+            layer.graph_path().start_step()
 
     def _join_fills(self) -> None:
         """Slot fills overlap the following layers; the step (and its graph) ends when they are done."""

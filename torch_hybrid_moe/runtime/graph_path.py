@@ -6,7 +6,11 @@ CPU share to the worker thread; the GPU computes the slot share (static shapes, 
 host function waits for the CPU; its fp32 output is copied in and added. Then, on a side stream overlapping the
 following layers, the cache policy's tensor form updates its ranking and admits up to `fills_per_step` missed
 experts: a Triton kernel copies them from the pinned host master into the slots the ranking gives up, and the
-slot tables are updated. No decision that depends on routing is taken in Python, so none is frozen at capture.
+slot tables are updated. With the "gate" prefetcher, the previous layer's routing also starts this layer's
+prefetch on that stream: this layer's router on the previous layer's gate input picks the experts to copy in
+(`prefetch_admissions`). A layer's step waits, through an event, for the copies the same step queued for that
+layer (its prefetch, or the fills of an earlier dispatch of the same layer), and for nothing else. No decision
+that depends on routing is taken in Python, so none is frozen at capture.
 
 Without CUDA the same code runs eagerly (host functions called directly, torch indexing for the copies), which
 is how the CPU-only test suite checks this path against the reference model.
@@ -14,8 +18,11 @@ is how the CPU-only test suite checks this path against the reference model.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,7 +32,7 @@ from ..ops.cpu_kernel import extension
 from ..ops.expert_math import slot_experts_
 from ..ops.quantize import QuantizedWeight, dequantize, kernel_operands
 from ..ops.row_copy import copy_rows_, device_view
-from ..policies.device_caching import admissions, device_ranking
+from ..policies.device_caching import DEVICE_PREFETCHERS, admissions, device_ranking, prefetch_admissions
 
 if TYPE_CHECKING:
     from .layer import HybridMoELayer
@@ -65,7 +72,7 @@ class GraphPath:
     """The replay-safe step of one layer; its slot tables are the device copy of the store's `SlotMap`."""
 
     # Counters accumulated on the device, folded into LayerStats when the tables are pulled.
-    COUNTERS = ("steps", "tokens", "hits", "misses", "admitted")
+    COUNTERS = ("steps", "tokens", "hits", "misses", "admitted", "prefetch_calls", "prefetched")
 
     def __init__(self, layer: HybridMoELayer) -> None:
         if extension() is None:
@@ -80,7 +87,10 @@ class GraphPath:
         self.slot_expert = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
         self.counters = torch.zeros(len(self.COUNTERS), dtype=torch.float64, device=self.device)
         self._buffers: dict[tuple, _TaskBuffers] = {}
+        self._pending: dict[int, _TaskBuffers | None] = {}  # by part: a started step's CPU task, until finished
         self._host = {name: self._readable(getattr(store, f"host_{name}")) for name in ("gate_up", "down")}
+        self.prefetcher = self._device_prefetcher(layer)
+        self._ready: torch.cuda.Event | None = None  # this step's last fill-stream work for this layer
         self.pushed_version = -1
         self.pulled_replay = _last_replay[0]
         self.push()
@@ -93,6 +103,22 @@ class GraphPath:
             return QuantizedWeight(device_view(weight.data, self.device), device_view(weight.scale, self.device),
                                    weight.bits, weight.group_size)
         return device_view(weight, self.device)
+
+    def _device_prefetcher(self, layer: HybridMoELayer) -> object | None:
+        """The layer's gate prefetcher with its router's weights on the device (a capture cannot copy them in)."""
+        name = layer.config.prefetcher
+        if name not in DEVICE_PREFETCHERS:
+            raise ValueError(f"prefetcher {name!r} has no replay-safe form for CUDA graphs (only "
+                             f"{', '.join(DEVICE_PREFETCHERS)}); use HybridMoEConfig(cuda_graph=False)")
+        if name == "none":
+            return None
+        prefetcher = copy.copy(layer.prefetcher)
+        router = prefetcher.router
+        prefetcher.router = dataclasses.replace(router, **{
+            f: getattr(router, f).to(self.device, torch.float32) for f in ("weight", "bias")
+            if getattr(router, f) is not None
+        })
+        return prefetcher
 
     # -- keeping the device tables and the store's SlotMap in step ------------------------------------------
 
@@ -112,7 +138,7 @@ class GraphPath:
         store.expert_slot[:] = self.expert_slot.tolist()
         store.version += 1
         self.pushed_version = store.version
-        steps, tokens, hits, misses, admitted = (int(v) for v in self.counters.tolist())
+        steps, tokens, hits, misses, admitted, prefetch_calls, prefetched = (int(v) for v in self.counters.tolist())
         self.counters.zero_()
         s = self.layer.stats
         s.steps += steps
@@ -121,7 +147,9 @@ class GraphPath:
         s.misses += misses
         s.accelerator_experts += hits
         s.cpu_experts += misses
-        s.bytes_transferred += admitted * store.expert_bytes
+        s.prefetch_calls += prefetch_calls
+        s.prefetched_experts += prefetched
+        s.bytes_transferred += (admitted + prefetched) * store.expert_bytes
         self.pulled_replay = _last_replay[0]
 
     def prepare_replay(self) -> None:
@@ -130,18 +158,29 @@ class GraphPath:
             self.push()
         self.layer.store.wait_for_copies()
 
+    def start_step(self) -> None:
+        """Before a decode step is run or captured: no copy of this step is queued for the layer yet."""
+        self._ready = None
+
     # -- the step ---------------------------------------------------------------------------------------------
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.start(hidden, topk_ids, topk_weights, 0), hidden, 0)
+
+    def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
+        """Submit the CPU share (task buffers `part`), compute the slot share, queue the cache's fills; returns the
+        fp32 accumulator `finish` completes once the CPU share is in."""
         store = self.layer.store
         self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
+        if self._ready is not None:  # slots and tables this step's earlier copies for this layer change
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
         ids = topk_ids.long()
         slot_of = self.expert_slot[ids]
         on_slots = slot_of >= 0
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         buf = None
         if self.num_slots < self.num_experts:
-            buf = self._task_buffers(hidden, ids)
+            buf = self._task_buffers(hidden, ids, part)
             buf.hidden.copy_(hidden, non_blocking=True)
             buf.ids.copy_(torch.where(on_slots, -1, ids), non_blocking=True)
             buf.weights.copy_(topk_weights, non_blocking=True)
@@ -149,15 +188,22 @@ class GraphPath:
         if self.num_slots:
             slot_experts_(acc, hidden, torch.where(on_slots, slot_of, -1), topk_weights, store.slot_gate_up,
                           store.slot_down)
+        self._account_and_admit(ids, topk_weights)
+        self._pending[part] = buf
+        return acc
+
+    def finish(self, acc: torch.Tensor, hidden: torch.Tensor, part: int) -> torch.Tensor:
+        """Wait for the CPU share `start` submitted with `part` (the `sync` host function) and add it."""
+        buf = self._pending.pop(part)
         if buf is not None:
             self._launch(buf.task, "sync")
-            acc += buf.out.to(acc.device, non_blocking=True)
-        self._account_and_admit(ids, topk_weights)
+            acc = acc + buf.out.to(acc.device, non_blocking=True)
         return acc.to(hidden.dtype)
 
-    def _task_buffers(self, hidden: torch.Tensor, ids: torch.Tensor) -> _TaskBuffers:
-        """Static pinned buffers and the CPU task bound to them, one set per (tokens, top-k, dtype)."""
-        key = (*ids.shape, hidden.dtype)
+    def _task_buffers(self, hidden: torch.Tensor, ids: torch.Tensor, part: int) -> _TaskBuffers:
+        """Static pinned buffers and the CPU task bound to them, one set per (tokens, top-k, dtype, part): a
+        deferred half (part 1) still running never shares buffers with the layer's other dispatch (part 0)."""
+        key = (*ids.shape, hidden.dtype, part)
         if key not in self._buffers:
             pin = self.device.type == "cuda"
             store = self.layer.store
@@ -179,17 +225,37 @@ class GraphPath:
         else:
             (task.submit if what == "submit" else task.wait)()
 
+    def prefetch(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor) -> None:
+        """Start copying the experts the gate prefetcher predicts for this layer (module docstring)."""
+        if self.prefetcher is not None and 0 < self.num_slots < self.num_experts:
+            self._on_fill_stream(self._prefetch, hidden)
+
+    def _prefetch(self, hidden: torch.Tensor) -> None:
+        self.pulled_replay = -1
+        expert, slot = prefetch_admissions(self.prefetcher.priority(hidden), self.prefetcher.size,
+                                           self.ranking.values, self.expert_slot, self.slot_expert)
+        self._fill(expert, slot)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.counters += torch.stack((*[zero] * 5, zero + 1, (expert >= 0).sum().double()))
+
     def _account_and_admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Counters, the ranking update and slot fills; on CUDA on the fill stream, after this layer's compute."""
+        self._on_fill_stream(self._admit, ids, weights)
+
+    def _on_fill_stream(self, work: Callable[..., None], *tensors: torch.Tensor) -> None:
+        """Run `work(*tensors)` on the fill stream after what the compute stream queued so far, and note its end
+        for this layer's next step (on CUDA); elsewhere, now."""
         if self.device.type != "cuda":
-            self._admit(ids, weights)
+            work(*tensors)
             return
         stream = fill_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        for t in (ids, weights):  # freed on the compute stream while the fill stream may still read them
+        for t in tensors:  # freed on the compute stream while the fill stream may still read them
             t.record_stream(stream)
         with torch.cuda.stream(stream):
-            self._admit(ids, weights)
+            work(*tensors)
+            self._ready = torch.cuda.Event()
+            self._ready.record(stream)
 
     def _admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         flat = ids.flatten()
@@ -206,10 +272,10 @@ class GraphPath:
                                       self.expert_slot, self.slot_expert, min(self.fills, self.ranking.max_fills or self.fills))
             self._fill(expert, slot)
             admitted = (expert >= 0).sum().double()
+        zero = torch.zeros((), dtype=torch.float64, device=ids.device)
         self.counters += torch.stack((
-            torch.ones((), dtype=torch.float64, device=ids.device),
-            torch.full((), float(ids.shape[0]), dtype=torch.float64, device=ids.device),
-            (active & resident).sum().double(), (active & ~resident).sum().double(), admitted,
+            zero + 1, zero + ids.shape[0], (active & resident).sum().double(), (active & ~resident).sum().double(),
+            admitted, zero, zero,
         ))
 
     def _fill(self, expert: torch.Tensor, slot: torch.Tensor) -> None:

@@ -69,8 +69,22 @@ class HybridMoELayer:
             self._graph_path.pull()
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.end(self.begin(hidden, topk_ids, topk_weights, 0), hidden, 0)
+
+    def begin(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
+        """The step up to its fp32 partial sum. On the replay-safe path the CPU share is still running when this
+        returns (`end` waits for it), so work placed in between overlaps it; elsewhere the step is complete."""
         if self.graph_mode:
-            return self.graph_path().forward(hidden, topk_ids, topk_weights)
+            return self.graph_path().start(hidden, topk_ids, topk_weights, part)
+        return self._accumulate(hidden, topk_ids, topk_weights)
+
+    def end(self, partial: torch.Tensor, hidden: torch.Tensor, part: int) -> torch.Tensor:
+        """Finish the step `begin` started with the same `part`; the one rounding to the model's dtype."""
+        if self.graph_mode:
+            return self.graph_path().finish(partial, hidden, part)
+        return partial.to(hidden.dtype)
+
+    def _accumulate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         self.settle()
         store = self.store
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
@@ -124,10 +138,13 @@ class HybridMoELayer:
             admitted.add(expert)
             if not self._fill(expert, keep=admitted):
                 break
-        return acc.to(hidden.dtype)
+        return acc
 
     def prefetch(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor) -> None:
         """Copy the experts the prefetcher predicts for this layer into slots, ahead of its routing."""
+        if self.graph_mode:
+            self.graph_path().prefetch(hidden, prev_topk_ids)
+            return
         self.stats.prefetch_calls += 1
         wanted = self.prefetcher.select(hidden, prev_topk_ids, self.store.resident())
         keep = set(wanted)
