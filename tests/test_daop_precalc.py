@@ -9,16 +9,17 @@ import torch.nn.functional as F
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.compile_passes import insert_daop_precalc, insert_prefetch, rewrite_experts_regions
 from torch_hybrid_moe.compile_passes.daop_precalc import (
-    DaopPrecalcPatternError, degrade, precalc_stats, reset_precalc_stats,
+    DaopPrecalcPatternError, degrade, precalc_stats,
 )
-from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, calls
+from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, calls
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.model_patches.base import is_patched
 from torch_hybrid_moe.runtime import model_layers
 
 from .conftest import patched_copy
-from .test_expert_deferral import hand_experts, inputs, rel_err
+from .test_expert_deferral import hand_experts, inductor_op_order, inputs, rel_err
+from .test_graph_path import needs_kernel
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +130,6 @@ def test_decode_step_matches_hand_reference(deepseek_tiny, start, count):
     model = patched_copy(deepseek_tiny, expert_budget=0.25, mode="daop_precalc", precalc_from_layer=start)
     x = inputs(6, 1, seed=start)  # a decode step of 6 sequences: one token each
     resident = residency(model)  # nothing fetches before the step's routing is decided
-    reset_precalc_stats()
     _, got = capture(model, x, count)
     with torch.no_grad():
         want = daop_reference(deepseek_tiny, start, resident)(x).logits
@@ -139,6 +139,34 @@ def test_decode_step_matches_hand_reference(deepseek_tiny, start, count):
     counts = precalc_stats(model_layers(model))
     assert [idx for idx, c in counts.items() if c.pairs] == [i for i in (1, 2, 3) if i >= max(start, 2)]
     assert all(c.degraded for c in counts.values() if c.pairs)  # 8 of 32 resident, top-4: swaps happen
+
+
+def test_inductor_keeps_the_early_pairs_around_the_previous_and_own_dispatch(deepseek_tiny):
+    model = patched_copy(deepseek_tiny, mode="daop_precalc", precalc_from_layer=3)
+    # layers 1, 2 exact; layer 3 predicted before layer 2's dispatch, begun after it, ended after its own
+    assert inductor_op_order(model, inputs(2, 1)) == [
+        "dispatch", "precalc_routing", "dispatch", "dispatch_begin", "precalc_account", "dispatch", "dispatch_end"]
+
+
+@needs_kernel
+def test_replay_safe_path_matches_hand_reference(deepseek_tiny):
+    """The captured-step form (host functions called directly here): the slot map is read from the device tables
+    and the pairs on x_i run on the CPU worker from layer i's dispatch to layer j's."""
+    model = patched_copy(deepseek_tiny, expert_budget=0.25, mode="daop_precalc", precalc_from_layer=1)
+    layers = list(model_layers(model).values())
+    for layer in layers:
+        layer.graph_mode = True
+    resident = residency(model)
+    x = inputs(4, 1, seed=5)
+    with torch.no_grad():
+        got = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False)(x).logits
+        want = daop_reference(deepseek_tiny, 1, resident)(x).logits
+    assert rel_err(got, want) < 1e-5
+    counts = precalc_stats(model_layers(model))
+    assert [idx for idx, c in counts.items() if c.pairs] == [2, 3] and all(c.early for c in counts.values() if c.pairs)
+    for layer in layers[1:]:  # the pairs on x_i ran on their own task buffers
+        (task,) = [buf.task for key, buf in layer.graph_path()._buffers.items() if key[-1] == 1]
+        assert task.submits == task.syncs == task.runs == 1
 
 
 def test_mixtral_through_backend_matches_hand_reference(reference_models):
@@ -165,14 +193,23 @@ def test_prefill_and_early_layers_stay_exact(deepseek_tiny):
     with torch.no_grad():
         assert rel_err(got, deepseek_tiny(x).logits) < 1e-6
     gm, _ = capture(patched_copy(deepseek_tiny, mode="daop_precalc", precalc_from_layer=3), x, count=1)
-    handles = [n.args[3] for n in gm.graph.nodes if calls(n, DISPATCH)]
-    assert len(handles) == 4 and handles.count(handles[-1]) == 2  # layer 3 dispatches twice, layers 1 and 2 once
+    order = list(gm.graph.nodes)
+    first, second, third = [n for n in order if calls(n, DISPATCH)]
+    (begin,) = [n for n in order if calls(n, DISPATCH_BEGIN)]
+    (end,) = [n for n in order if calls(n, DISPATCH_END)]
+    (routed,) = [n for n in order if n.target is torch.ops.hybrid_moe.precalc_routing.default]
+    # layer 3's routing is predicted before layer 2's dispatch, its pairs on x_2 start right after it and end
+    # after layer 3's own dispatch, pinned there by data: layer 2's output passes through the begin, and the
+    # end reads layer 3's dispatch
+    assert begin.args[3] == end.args[2] == third.args[3] != second.args[3] and end.args[0].args == (begin, 0)
+    assert order.index(routed) < order.index(second) < order.index(begin) < order.index(third) < order.index(end)
+    assert begin.args[0] is second.args[0] and begin.args[5] is second and end.args[4] is third
+    assert set(second.users) == {begin}
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.0])
 def test_degradation_needs_both_cpu_and_resident_experts(deepseek_tiny, budget):
     model = patched_copy(deepseek_tiny, expert_budget=budget, mode="daop_precalc", precalc_from_layer=1)
-    reset_precalc_stats()
     _, got = capture(model, inputs(8, 1), count=2)
     counts = [c for c in precalc_stats(model_layers(model)).values() if c.pairs]
     assert len(counts) == 2 and all(c.pairs == 8 * 4 and c.degraded == 0 for c in counts)

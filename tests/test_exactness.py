@@ -29,17 +29,21 @@ def assert_logits_close(got, want, rel=1e-5):
 
 @pytest.mark.parametrize("budget", [0.0, 0.25, 1.0])
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_patched_compiled_matches_reference(reference_models, arch, budget):
+def test_patched_matches_reference(reference_models, arch, budget):
+    """Eager at every budget, and compiled at 0.25: the compiled graph calls the same dispatch op whatever the
+    budget (only the op's run-time placement differs, which the eager runs cover), and each compile costs
+    half a minute here."""
     ref = reference_models[arch]
     model = patched_copy(ref, expert_budget=budget)
-    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=True)
     with torch.no_grad():
         for batch, length in SHAPES:
             x = inputs(batch, length)
             assert_logits_close(model(x).logits, ref(x).logits)
-        for batch, length in COMPILED_SHAPES:
-            x = inputs(batch, length)
-            assert_logits_close(compiled(x).logits, ref(x).logits)
+        if budget == 0.25:
+            compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=True)
+            for batch, length in COMPILED_SHAPES:
+                x = inputs(batch, length)
+                assert_logits_close(compiled(x).logits, ref(x).logits)
     layer_stats = thm.stats(model)
     assert layer_stats, "no hybrid layers found"
     for s in layer_stats.values():

@@ -3,6 +3,7 @@
 import copy
 import math
 import operator
+import re
 
 import pytest
 import torch
@@ -113,6 +114,25 @@ def test_replay_safe_path_defers_on_its_own_task_buffers(reference_models):
     assert {key[-1] for key in layers[1].graph_path()._buffers} == {0}  # the last layer defers nothing
 
 
+def inductor_op_order(model, x):
+    """The names of the hybrid_moe ops in the order Inductor's generated code calls them (prefetch left out)."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        _, codes = run_and_get_code(compiled, x)
+    names = re.findall(r"torch\.ops\.hybrid_moe\.(\w+)\.default\(", codes[0])
+    return [name for name in names if name != "prefetch"]
+
+
+def test_inductor_keeps_the_deferred_half_around_the_next_layer(reference_models):
+    """Inductor schedules ops by data dependencies only; the begin's carried output and the end's `after` input
+    keep the deferred CPU experts overlapping the next block in the generated code (without them Inductor
+    moved the end up to the begin)."""
+    model = patched_copy(reference_models["deepseek_v3"], mode="expert_deferral", deferred_experts=1)
+    assert inductor_op_order(model, inputs(2, 1)) == ["dispatch", "dispatch_begin", "dispatch", "dispatch_end"]
+
+
 def test_stock_model_defers_through_backend_options(reference_models):
     base = reference_models["deepseek_v3"]
     ref, _ = deferral_reference(base, 1)
@@ -164,7 +184,9 @@ def test_last_layer_never_defers_and_deferred_output_lands_after_next_residual_a
     (begin,) = [n for n in gm.graph.nodes if calls(n, DISPATCH_BEGIN)]
     (end,) = [n for n in gm.graph.nodes if calls(n, DISPATCH_END)]
     assert immediate is first and final is last and begin.args[3] == end.args[2] == first.args[3]
-    assert end.args[0] is begin and begin.args[4] == end.args[3] == 1  # the deferred half's own task buffers
+    assert end.args[0].args == (begin, 0) and begin.args[4] == end.args[3] == 1  # the deferred half's own buffers
+    # pinned by data: the immediate output passes through the begin, and the end reads the next residual add
+    assert set(immediate.users) == {begin} and begin.args[5] is immediate and end.args[4] is residual
     shape = lambda n: n.meta["example_value"].shape[-1] if "example_value" in n.meta else None  # noqa: E731
     assert final.args[2] is last.args[2] and shape(last.args[2]) == 3  # the last layer keeps all 3 experts
     # begun right after the immediate half, finished once the next block is done: the deferred experts overlap it
@@ -174,7 +196,7 @@ def test_last_layer_never_defers_and_deferred_output_lands_after_next_residual_a
     (view,) = end.users
     (total,) = view.users
     assert total.target is operator.add and total.args == (residual, view)
-    assert set(residual.users) == {view, total}
+    assert set(residual.users) == {end, view, total}
 
 
 def test_pattern_not_found_fails_loudly_and_leaves_the_graph_alone(reference_models):

@@ -204,12 +204,13 @@ def test_replay_safe_prefetch_makes_the_python_prefetchers_choice():
     model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
                             prefetcher="gate", cache_policy="lfu", fills_per_step=1)
     layer = list(model_layers(model).values())[1]
+    layer.graph_mode = True
     path = layer.graph_path()
     torch.manual_seed(0)
     hidden = torch.randn(8, layer.store.host_gate_up.shape[2])
     for _ in range(3):  # give the ranking and the slots a history
         ids = torch.stack([torch.randperm(32)[:4] for _ in range(8)])
-        path.forward(hidden, ids, torch.rand(8, 4))
+        layer.forward(hidden, ids, torch.rand(8, 4))
     path.pull()
     before = {e for e, s in enumerate(layer.store.expert_slot) if s >= 0}
     values = path.ranking.values.tolist()

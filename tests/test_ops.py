@@ -110,9 +110,10 @@ def test_opcheck_all_ops():
     )
     torch.library.opcheck(torch.ops.hybrid_moe.prefetch.default, (hidden, ids, nxt.handle))
     assert nxt.stats.prefetch_calls > 0
-    torch.library.opcheck(torch.ops.hybrid_moe.dispatch_begin.default, (hidden, ids, weights, layer.handle, 1))
-    partial = torch.ops.hybrid_moe.dispatch_begin(hidden, ids, weights, layer.handle, 1)
-    torch.library.opcheck(torch.ops.hybrid_moe.dispatch_end.default, (partial, hidden, layer.handle, 1))
+    torch.library.opcheck(torch.ops.hybrid_moe.dispatch_begin.default, (hidden, ids, weights, layer.handle, 1, hidden))
+    partial, carried = torch.ops.hybrid_moe.dispatch_begin(hidden, ids, weights, layer.handle, 1, hidden)
+    assert torch.equal(carried, hidden) and carried.data_ptr() != hidden.data_ptr()
+    torch.library.opcheck(torch.ops.hybrid_moe.dispatch_end.default, (partial, hidden, layer.handle, 1, hidden))
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -126,10 +127,10 @@ def test_dispatch_in_two_halves_matches_float64(graph):
     layer.graph_mode = graph
     for step in range(3):
         (h1, ids1, w1), (h0, ids0, w0) = routing("random", 6, 2), routing("expert_unused", 6, 2)
-        partial = torch.ops.hybrid_moe.dispatch_begin(h1, ids1, w1, layer.handle, 1)
+        partial, _ = torch.ops.hybrid_moe.dispatch_begin(h1, ids1, w1, layer.handle, 1, h1)
         assert partial.dtype == torch.float32
         out0 = torch.ops.hybrid_moe.dispatch(h0, ids0, w0, layer.handle)
-        out1 = torch.ops.hybrid_moe.dispatch_end(partial, h1, layer.handle, 1)
+        out1 = torch.ops.hybrid_moe.dispatch_end(partial, h1, layer.handle, 1, out0)
         for out, (h, ids, w) in ((out0, (h0, ids0, w0)), (out1, (h1, ids1, w1))):
             torch.testing.assert_close(out.double(), reference_moe(h, ids, w, gate_up, down), rtol=1e-5, atol=1e-6)
     layer.settle()

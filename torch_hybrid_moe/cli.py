@@ -111,7 +111,7 @@ def _decode_perplexity(run: torch.nn.Module, model: torch.nn.Module, ids: torch.
 
 def eval_ppl(args: argparse.Namespace) -> int:
     """Perplexity of the unpatched model and of the patched model in the chosen mode, on the held-out text."""
-    from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats, reset_precalc_stats
+    from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
     from torch_hybrid_moe.embedded.corpus import heldout_text
     from torch_hybrid_moe.embedded.evaluation import perplexity
 
@@ -132,8 +132,8 @@ def eval_ppl(args: argparse.Namespace) -> int:
             raise SystemExit(f"--deferred-experts: {err}") from None
     if args.mode == "daop_precalc":
         start = PRECALC_FROM_LAYER if args.precalc_from_layer is None else args.precalc_from_layer
-        try:  # its routing reads the slot map on the host each step: no CUDA-graph capture
-            config = config.replace(mode="daop_precalc", precalc_from_layer=start, cuda_graph=False)
+        try:
+            config = config.replace(mode="daop_precalc", precalc_from_layer=start)
         except (TypeError, ValueError) as err:
             raise SystemExit(f"--precalc-from-layer: {err}") from None
     # DAOP approximates decode steps only: both sides are then measured one token per step.
@@ -143,7 +143,6 @@ def eval_ppl(args: argparse.Namespace) -> int:
     thm.patch_model(model, config)
     # Expert Deferral and DAOP are passes of the hybrid_moe backend, so those modes measure the compiled forward.
     run = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False) if args.mode != "exact" else model
-    reset_precalc_stats()
     patched = measure(run, model, ids)
     mode = args.mode
     if mode == "expert_deferral":

@@ -16,9 +16,14 @@ whose decoder-block index is >= `precalc_from_layer` and whose previous MoE laye
    selection bias and group limit do not restrict them). A replacement gets its own score as weight, with
    the per-token factor the model applied to its choice (w_e / s_e: scaling, and for renormalising routers
    1 / sum of the chosen scores, recomputed over the new set). Tokens with no swap keep the router's weights.
-3. Pre-calculation. The selected experts that are not resident run on x_i (DAOP starts them on the CPU
-   one block early), the resident ones on x_j: two `hybrid_moe::dispatch` calls of layer j with
-   complementary routing (-1 marks the pairs the other call computes) whose outputs are summed.
+3. Pre-calculation. The selected experts that are not resident run on x_i, the resident ones on x_j, with
+   complementary routing (-1 marks the pairs the other call computes). DAOP starts the first group on the
+   CPU one block early: the prediction and the degradation are placed before layer i's dispatch,
+   `dispatch_begin` of layer j on x_i right after it, and `dispatch_end` at layer j, where its output is
+   added to layer j's own `dispatch` of the resident pairs on x_j (data dependencies pin that order:
+   `graph_utils.begin_after`). Inside a captured decode step the CPU worker computes
+   them while layer i's block finishes and layer j's attention runs (the same two-halves mechanism as
+   Expert Deferral, on the layer's second set of pinned task buffers).
 
 Prefill stays exact, as in the paper. Dynamo specialises sizes 0 and 1, so a graph whose block input has a
 static sequence length of 1 is a decode step; any other graph (a static length > 1, or a symbolic one,
@@ -29,8 +34,8 @@ graph, so it can replay the model's own routing on x_i without stashing tensors 
 re-implementing routers, and it decides decode versus prefill from static shapes. As with Expert
 Deferral, the mode therefore applies to forwards compiled with `backend="hybrid_moe"` (fullgraph=True),
 which includes the decode steps `generate()` compiles for a patched model; eager forwards stay exact.
-Routing that depends on the slot map is decided on the host (`precalc_routing`), so CUDA-graph capture
-of the decode step is refused for this mode (HybridMoEConfig(cuda_graph=False) on CUDA).
+The degradation reads the slot map as tensors (the device tables inside a captured step), and the counters
+stay on the device, so the mode is replay-safe: nothing routing-dependent is frozen into a CUDA graph.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import torch.fx as fx
 
 from ..runtime import HybridMoELayer, get_layer
 from ..runtime.layer import RoutingRule
-from .graph_utils import DISPATCH, PREFETCH, block_and_layer, calls, module_paths
+from .expert_deferral import DEFERRED_PART
+from .graph_utils import DISPATCH, DISPATCH_END, PREFETCH, begin_after, block_and_layer, calls, module_paths
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
@@ -63,16 +69,10 @@ class PrecalcStats:
     early: int = 0
 
 
-_STATS: dict[int, PrecalcStats] = {}  # by layer handle
-
-
 def precalc_stats(layers: dict[int, HybridMoELayer]) -> dict[int, PrecalcStats]:
     """Counters of the given layers (e.g. `runtime.model_layers(model)`), keyed as given; zero if never run."""
-    return {idx: _STATS.get(layer.handle, PrecalcStats()) for idx, layer in layers.items()}
-
-
-def reset_precalc_stats() -> None:
-    _STATS.clear()
+    return {idx: PrecalcStats() if layer.mode_counters is None
+            else PrecalcStats(*(int(v) for v in layer.mode_counters.tolist())) for idx, layer in layers.items()}
 
 
 def degrade(
@@ -112,45 +112,60 @@ def _scores(logits: torch.Tensor, rule: RoutingRule) -> torch.Tensor:
 @torch.library.custom_op(
     "hybrid_moe::precalc_routing",
     mutates_args=(),
-    schema="(Tensor exact_ids, Tensor ids, Tensor weights, Tensor logits, int layer) -> (Tensor, Tensor, Tensor)",
+    schema="(Tensor ids, Tensor weights, Tensor logits, int layer) -> (Tensor, Tensor, Tensor, Tensor)",
     tags=_TAGS,
 )
 def precalc_routing(
-    exact_ids: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor, layer: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Degrade the predicted routing against `layer`'s slot map now; (ids for x_i, ids for x_j, weights),
-    -1 where the other dispatch computes the pair. `exact_ids` (routing of x_j) only feeds the counters."""
+    ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor, layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Degrade the predicted routing against `layer`'s slot map now; (ids for x_i, ids for x_j, weights, swapped
+    pairs), -1 where the other dispatch computes the pair. No host synchronisation."""
     hybrid = get_layer(layer)
-    hybrid.settle()
-    resident = torch.tensor(hybrid.store.resident(), device=ids.device)
-    ids = ids.long()
+    resident = hybrid.resident_mask(ids.device)
     rule = hybrid.routing
-    new_ids, new_weights, swap = degrade(ids, weights, _scores(logits, rule), resident, rule.renormalise)
+    new_ids, new_weights, swap = degrade(ids.long(), weights, _scores(logits, rule), resident, rule.renormalise)
     on_gpu = resident[new_ids]
     early, late = torch.where(on_gpu, -1, new_ids), torch.where(on_gpu, new_ids, -1)
-    s = _STATS.setdefault(layer, PrecalcStats())
-    exact = exact_ids.long()
-    kept = (ids[:, :, None] == exact[:, None, :]).any(2)
-    s.pairs += ids.numel()
-    s.predicted_changed += int((~kept).sum())
-    s.degraded += int(swap.sum())
-    s.early += int((~on_gpu).sum())
-    return early.to(exact_ids.dtype), late.to(exact_ids.dtype), new_weights
+    return early.to(ids.dtype), late.to(ids.dtype), new_weights, swap
 
 
 @precalc_routing.register_fake
-def _(exact_ids, ids, weights, logits, layer):  # noqa: ANN001, ANN202
-    return torch.empty_like(exact_ids), torch.empty_like(exact_ids), torch.empty_like(weights)
+def _(ids, weights, logits, layer):  # noqa: ANN001, ANN202
+    return torch.empty_like(ids), torch.empty_like(ids), torch.empty_like(weights), torch.empty_like(ids, dtype=torch.bool)
+
+
+@torch.library.custom_op("hybrid_moe::precalc_account", mutates_args=(),
+                         schema="(Tensor exact_ids, Tensor ids, Tensor swapped, Tensor early_ids, int layer) -> ()")
+def precalc_account(exact_ids: torch.Tensor, ids: torch.Tensor, swapped: torch.Tensor, early_ids: torch.Tensor,
+                    layer: int) -> None:
+    """Add one step to `layer`'s PrecalcStats, on the device: predicted `ids` against the exact routing of x_j."""
+    kept = (ids.long()[:, :, None] == exact_ids.long()[:, None, :]).any(2)
+    step = torch.stack((torch.full((), float(ids.numel()), dtype=torch.float64, device=ids.device),
+                        (~kept).sum().double(), swapped.sum().double(), (early_ids >= 0).sum().double()))
+    hybrid = get_layer(layer)
+    if hybrid.mode_counters is None or hybrid.mode_counters.device != step.device:
+        hybrid.mode_counters = torch.zeros(4, dtype=torch.float64, device=step.device)
+    hybrid.mode_counters += step
+
+
+@precalc_account.register_fake
+def _(exact_ids, ids, swapped, early_ids, layer):  # noqa: ANN001, ANN202
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.hybrid_moe.precalc_account.default)
 
 
 @dataclass
 class _Plan:
     dispatch: fx.Node  # layer j's
+    previous: fx.Node  # layer i's dispatch
     hidden_i: fx.Node  # layer i's dispatch input (x_i, [T, H])
     block_input_i: fx.Node  # x_i as layer i's block receives it
     block_input_j: fx.Node
     routing: list[fx.Node]  # layer j's routing nodes from its block input, graph order
     logits: fx.Node
+    hoisted: list[fx.Node]  # nodes the routing reads that appear after layer i's dispatch but need nothing of it
 
 
 def _fail(message: str) -> DaopPrecalcPatternError:
@@ -214,6 +229,25 @@ def _routing_slice(graph: fx.Graph, x: fx.Node, outputs: tuple[fx.Node, ...]) ->
         wanted |= extra
 
 
+def _hoistable(graph: fx.Graph, routing: list[fx.Node], x_j: fx.Node, prev: fx.Node, name: str) -> list[fx.Node]:
+    """Nodes outside `routing` that it reads and that come after layer i's dispatch `prev` (such as a cast of the
+    router weight), with what they need from after `prev`, in graph order: pure ops on values that exist before
+    `prev`, so they can move before it. One that needs `prev` itself, or an in-place op, means the routing
+    cannot run one block early."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    members, found, todo = set(routing), set(), [a for n in routing for a in n.all_input_nodes]
+    while todo:
+        a = todo.pop()
+        if a in members or a is x_j or a in found or order[a] < order[prev]:
+            continue
+        if a is prev or a.op not in ("get_attr", "call_function", "call_method") or _mutates(a):
+            raise _fail(f"the routing of {name} reads {a.name}, computed after the previous MoE layer's dispatch "
+                        "from its output or in place, so it cannot run one block early")
+        found.add(a)
+        todo.extend(a.all_input_nodes)
+    return sorted(found, key=order.get)
+
+
 def _is_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "") == "linear"
 
@@ -247,7 +281,8 @@ def insert_daop_precalc(gm: fx.GraphModule) -> int:
                 f"the routing of {layer.name} should be computed from its block input through exactly one linear "
                 f"(the router logits) and no hybrid_moe op; found linears {[n.name for n in logits]}, ops {bad}"
             )
-        plans.append(_Plan(node, prev.args[0], x_i, x_j, routing, logits[0]))
+        hoisted = _hoistable(graph, routing, x_j, prev, layer.name)
+        plans.append(_Plan(node, prev, prev.args[0], x_i, x_j, routing, logits[0], hoisted))
 
     for plan in plans:
         _rewrite(graph, plan)
@@ -255,22 +290,31 @@ def insert_daop_precalc(gm: fx.GraphModule) -> int:
 
 
 def _rewrite(graph: fx.Graph, plan: _Plan) -> None:
+    """Before layer i's dispatch: layer j's routing on x_i, degraded; right after it: the start of layer j's pairs
+    on x_i; at layer j: the counters, its resident pairs on x_j, and the sum."""
     node = plan.dispatch
     hidden, exact_ids, _, handle = node.args
     stack = dict(node.meta.get("nn_module_stack") or {})
     env = {plan.block_input_j: plan.block_input_i}
-    with graph.inserting_before(node):
+    for attr in plan.hoisted:
+        plan.previous.prepend(attr)
+    with graph.inserting_before(plan.previous):
         for n in plan.routing:
             env[n] = graph.node_copy(n, lambda a: env.get(a, a))
+        predicted = env[node.args[1]]
         routed = graph.call_function(
-            torch.ops.hybrid_moe.precalc_routing.default,
-            (exact_ids, env[node.args[1]], env[node.args[2]], env[plan.logits], handle),
+            torch.ops.hybrid_moe.precalc_routing.default, (predicted, env[node.args[2]], env[plan.logits], handle)
         )
-        early_ids, late_ids, weights = (graph.call_function(operator.getitem, (routed, i)) for i in range(3))
-        early = graph.call_function(DISPATCH.default, (plan.hidden_i, early_ids, weights, handle))
+        early_ids, late_ids, weights, swapped = (graph.call_function(operator.getitem, (routed, i)) for i in range(4))
+    partial = begin_after(graph, plan.previous, (plan.hidden_i, early_ids, weights, handle, DEFERRED_PART))
+    with graph.inserting_before(node):
+        account = graph.call_function(torch.ops.hybrid_moe.precalc_account.default,
+                                      (exact_ids, predicted, swapped, early_ids, handle))
     node.args = (hidden, late_ids, weights, handle)
     with graph.inserting_after(node):
+        early = graph.call_function(DISPATCH_END.default, (partial, plan.hidden_i, handle, DEFERRED_PART, node))
+    with graph.inserting_after(early):
         total = graph.call_function(operator.add, (node, early))
-    node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
-    for new in (routed, early_ids, late_ids, weights, early, total):
+    node.replace_all_uses_with(total, delete_user_cb=lambda user: user not in (total, early))
+    for new in (routed, early_ids, late_ids, weights, swapped, account, early, total):
         new.meta["nn_module_stack"] = dict(stack)

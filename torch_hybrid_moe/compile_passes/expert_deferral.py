@@ -9,8 +9,9 @@ MoE layer's block output has been added to it:
     O_last  = I_L + S_L(I_L) + R_{L-1}^def(I_{L-1}) + R_L^all(I_L)       the last one defers nothing)
 
 with O the decoder layer's output after its MoE block. The immediate half stays a `hybrid_moe::dispatch` of
-the top-(K - N) pairs. The deferred half is split: `dispatch_begin` right after it, `dispatch_end` right
-before its output is added. On the replay-safe (CUDA graph) path the deferred CPU experts then run on the CPU
+the top-(K - N) pairs. The deferred half is split: `dispatch_begin` right after it (the graph goes on
+with the immediate output passed through it), `dispatch_end` right before its output is added, after the
+next block's residual add (on which it depends, so Inductor cannot move it earlier). On the replay-safe (CUDA graph) path the deferred CPU experts then run on the CPU
 worker while the next decoder block's attention and GPU experts do (KTransformers' overlap); it uses its own
 pinned task buffers (part 1). Elsewhere `dispatch_begin` runs the whole step and `dispatch_end` only rounds.
 
@@ -32,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime import get_layer
-from .graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, block_and_layer, calls, module_paths
+from .graph_utils import DISPATCH, DISPATCH_END, begin_after, block_and_layer, calls, module_paths
 
 _ADDS = {operator.add, operator.iadd, torch.add, torch.Tensor.add, torch.ops.aten.add.Tensor}
 _DEFERRED = "hybrid_moe_deferred"  # node meta flag: a dispatch this pass already split
@@ -157,14 +158,12 @@ def _split(graph: fx.Graph, this: _MoELayer, after: _MoELayer, top_k: int, n_def
         def_ids, def_w = part(ids_sorted, keep, n_def), part(w_sorted, keep, n_def)
     node.args = (hidden, imm_ids, imm_w, handle)
     node.meta[_DEFERRED] = True
-    with graph.inserting_after(node):
-        started = graph.call_function(DISPATCH_BEGIN.default, (hidden, def_ids, def_w, handle, DEFERRED_PART))
-    started.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+    partial = begin_after(graph, node, (hidden, def_ids, def_w, handle, DEFERRED_PART))
     residual = after.residual_add
     with graph.inserting_after(residual):
-        deferred = graph.call_function(DISPATCH_END.default, (started, hidden, handle, DEFERRED_PART))
+        deferred = graph.call_function(DISPATCH_END.default, (partial, hidden, handle, DEFERRED_PART, residual))
     with graph.inserting_after(deferred):
         shaped = graph.call_method("view_as", (deferred, residual))
     with graph.inserting_after(shaped):
         total = graph.call_function(operator.add, (residual, shaped))
-    residual.replace_all_uses_with(total, delete_user_cb=lambda user: user not in (shaped, total))
+    residual.replace_all_uses_with(total, delete_user_cb=lambda user: user not in (deferred, shaped, total))

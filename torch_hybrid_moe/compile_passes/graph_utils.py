@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -25,6 +27,21 @@ def insertion_point_after(graph: fx.Graph, *nodes: fx.Node) -> fx.Node:
     if anchor.op == "placeholder":
         anchor = list(graph.find_nodes(op="placeholder"))[-1]
     return anchor
+
+
+def begin_after(graph: fx.Graph, node: fx.Node, args: tuple) -> fx.Node:
+    """Insert `dispatch_begin(*args, carry=node)` right after `node` and route every other user of `node` through
+    its carried copy, so nothing downstream runs before it; returns the node of its partial sum."""
+    with graph.inserting_after(node):
+        begun = graph.call_function(DISPATCH_BEGIN.default, (*args, node))
+    with graph.inserting_after(begun):
+        carried = graph.call_function(operator.getitem, (begun, 1))
+    with graph.inserting_after(carried):
+        partial = graph.call_function(operator.getitem, (begun, 0))
+    node.replace_all_uses_with(carried, delete_user_cb=lambda user: user is not begun)
+    for new in (begun, carried, partial):
+        new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+    return partial
 
 
 def module_paths(node: fx.Node) -> list[tuple[str, type]]:

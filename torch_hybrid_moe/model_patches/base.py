@@ -84,8 +84,6 @@ def patch_with_spec(
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
     _check_fits(device, slots * expert_bytes * len(moe_layers))
     capture = device.type == "cuda" and config.cuda_graph
-    if capture and config.mode == "daop_precalc":  # its routing reads the slot map on the host every step
-        raise ValueError("mode='daop_precalc' has no replay-safe form for CUDA graphs; use cuda_graph=False")
     _, two_inter, hidden = first.gate_up_proj.shape
     info = LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes)
     router = _router(moe_layers[0][1], spec, cfg)

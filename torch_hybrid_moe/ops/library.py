@@ -46,40 +46,46 @@ def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
 @torch.library.custom_op(
     "hybrid_moe::dispatch_begin",
     mutates_args=(),
-    schema="(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer, int part) -> Tensor",
+    schema="(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer, int part, Tensor carry) -> (Tensor, Tensor)",
     tags=_TAGS,
 )
 def dispatch_begin(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, part: int
-) -> torch.Tensor:
-    """`dispatch` in two halves, for a result needed later (Expert Deferral's deferred experts): on a captured
-    step the CPU share is handed to the worker and this returns with it still running; `dispatch_end` of the
-    same (layer, part) waits for it. Returns the fp32 partial sum. `part` names the layer's pinned task buffers
-    (0 for plain dispatches, 1 for deferred ones), so a half-finished step never shares them."""
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, part: int,
+    carry: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dispatch` in two halves, for a result needed later (Expert Deferral's deferred experts, DAOP's early
+    pairs): on a captured step the CPU share is handed to the worker and this returns with it still running;
+    `dispatch_end` of the same (layer, part) waits for it. `part` names the layer's pinned task buffers (0 for
+    plain dispatches, 1 for these), so a half-finished step never shares them.
+
+    Returns (fp32 partial sum, a copy of `carry`). The graph goes on with that copy instead of `carry`, so
+    whatever follows it runs after the CPU share was handed over: without the data dependency Inductor may
+    schedule this op, which nothing else consumes until `dispatch_end`, as late as it likes."""
     _check_routing(hidden, topk_ids, topk_weights)
-    return get_layer(layer).begin(hidden, topk_ids, topk_weights, part)
+    return get_layer(layer).begin(hidden, topk_ids, topk_weights, part), carry.clone()
 
 
 @dispatch_begin.register_fake
-def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+def _(hidden, topk_ids, topk_weights, layer, part, carry):  # noqa: ANN001, ANN202
     _check_routing(hidden, topk_ids, topk_weights)
-    return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device), torch.empty_like(carry)
 
 
 @torch.library.custom_op(
     "hybrid_moe::dispatch_end",
     mutates_args=(),
-    schema="(Tensor partial, Tensor hidden, int layer, int part) -> Tensor",
+    schema="(Tensor partial, Tensor hidden, int layer, int part, Tensor after) -> Tensor",
     tags=_TAGS,
 )
-def dispatch_end(partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: int) -> torch.Tensor:
-    """Finish what `dispatch_begin` started: wait for its CPU share, add it, round once to hidden's dtype."""
+def dispatch_end(partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: int, after: torch.Tensor) -> torch.Tensor:
+    """Finish what `dispatch_begin` started: wait for its CPU share, add it, round once to hidden's dtype.
+    `after` is not read: depending on it keeps Inductor from moving the wait before the work it should overlap."""
     out = get_layer(layer).end(partial, hidden, part)
     return out.clone() if out.data_ptr() == partial.data_ptr() else out  # an op's output may not alias its input
 
 
 @dispatch_end.register_fake
-def _(partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: int) -> torch.Tensor:
+def _(partial, hidden, layer, part, after):  # noqa: ANN001, ANN202
     return torch.empty_like(hidden)
 
 

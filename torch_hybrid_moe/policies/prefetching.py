@@ -116,8 +116,8 @@ class GatePrefetch:
         self.info = info
         self.router = _need_router(self.name, router, info)
         size = max(1, 2 * self.router.top_k // 3) if size is None else size
-        if size < 1:
-            raise ValueError(f"prefetch size must be at least 1, got {size}")
+        if not 1 <= size <= info.num_experts:
+            raise ValueError(f"prefetch size must be in [1, {info.num_experts}] (the layer's experts), got {size}")
         self.size = size
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:

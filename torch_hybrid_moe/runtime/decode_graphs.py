@@ -107,9 +107,9 @@ class DecodeGraphs:
                   "past_key_values": cache}
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
         with self._graph_mode():
-            # Warm up (compilation, Triton and allocator) without moving the decode state: undo the cache length
-            # bump and the layers' counters afterwards (the KV row it wrote is rewritten by the real step).
-            counters = [layer.graph_path().counters.clone() for layer in self.layers]
+            # Warm up (compilation, Triton and allocator), then undo the cache length bump and the counters (the
+            # KV row it wrote is rewritten by the real step; slots and cache rankings keep it, a valid state).
+            counters = self._counters()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -119,8 +119,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             check_task_errors()
-            for layer, saved in zip(self.layers, counters):
-                layer.graph_path().counters.copy_(saved)
+            self._restore_counters(counters)
             for cache_layer, length in zip(cache.layers, lengths):
                 cache_layer.cumulative_length.copy_(length)
             graph = torch.cuda.CUDAGraph()
@@ -131,6 +130,20 @@ class DecodeGraphs:
         self.captures += 1
         self.graphs[key] = entry = _Captured(graph, inputs, output)
         return entry
+
+    def _counters(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """A copy of every layer's device counters (the graph path's, its mode's if any yet)."""
+        return [(layer.graph_path().counters.clone(), None if layer.mode_counters is None
+                 else layer.mode_counters.clone()) for layer in self.layers]
+
+    def _restore_counters(self, saved: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        """Put back what `_counters` saved: the warm-up step is not a decode step."""
+        for layer, (path, mode) in zip(self.layers, saved):
+            layer.graph_path().counters.copy_(path)
+            if mode is not None:
+                layer.mode_counters.copy_(mode)
+            elif layer.mode_counters is not None:  # created by the warm-up
+                layer.mode_counters.zero_()
 
     def _start_step(self) -> None:
         for layer in self.layers:

@@ -8,9 +8,12 @@ following layers, the cache policy's tensor form updates its ranking and admits 
 experts: a Triton kernel copies them from the pinned host master into the slots the ranking gives up, and the
 slot tables are updated. With the "gate" prefetcher, the previous layer's routing also starts this layer's
 prefetch on that stream: this layer's router on the previous layer's gate input picks the experts to copy in
-(`prefetch_admissions`). A layer's step waits, through an event, for the copies the same step queued for that
-layer (its prefetch, or the fills of an earlier dispatch of the same layer), and for nothing else. No decision
-that depends on routing is taken in Python, so none is frozen at capture.
+(`prefetch_admissions`). A layer's step waits, through an event, for the last fill-stream work the same step
+queued for that layer (its prefetch, or the fills of an earlier dispatch of the same layer); the fill stream
+runs in order, so that includes whatever it queued before (other layers' fills), but not what comes after.
+The fill stream reads copies of its inputs made on the compute stream: Inductor reuses a buffer as soon as
+its last op in the graph returns, without asking the allocator, so `record_stream` alone would not keep the
+original alive. No decision that depends on routing is taken in Python, so none is frozen at capture.
 
 Without CUDA the same code runs eagerly (host functions called directly, torch indexing for the copies), which
 is how the CPU-only test suite checks this path against the reference model.
@@ -162,20 +165,25 @@ class GraphPath:
         """Before a decode step is run or captured: no copy of this step is queued for the layer yet."""
         self._ready = None
 
-    # -- the step ---------------------------------------------------------------------------------------------
+    def resident(self) -> torch.Tensor:
+        """The slot map as a bool [E] device tensor, once this step's copies queued for the layer are done."""
+        self._wait_for_copies()
+        return self.expert_slot >= 0
 
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return self.finish(self.start(hidden, topk_ids, topk_weights, 0), hidden, 0)
+    def _wait_for_copies(self) -> None:
+        if self._ready is not None:  # slots and tables this step's earlier copies for this layer change
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+
+    # -- the step ---------------------------------------------------------------------------------------------
 
     def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
         """Submit the CPU share (task buffers `part`), compute the slot share, queue the cache's fills; returns the
         fp32 accumulator `finish` completes once the CPU share is in."""
         store = self.layer.store
         self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
-        if self._ready is not None:  # slots and tables this step's earlier copies for this layer change
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
+        self._wait_for_copies()
         ids = topk_ids.long()
-        slot_of = self.expert_slot[ids]
+        slot_of = torch.where(ids >= 0, self.expert_slot[ids.clamp(min=0)], -1)  # id -1: another dispatch's pair
         on_slots = slot_of >= 0
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         buf = None
@@ -226,12 +234,15 @@ class GraphPath:
             (task.submit if what == "submit" else task.wait)()
 
     def prefetch(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor) -> None:
-        """Start copying the experts the gate prefetcher predicts for this layer (module docstring)."""
+        """Start copying the experts the gate prefetcher predicts for this layer (module docstring); every call
+        is counted, as on the uncaptured path."""
+        self.pulled_replay = -1
         if self.prefetcher is not None and 0 < self.num_slots < self.num_experts:
             self._on_fill_stream(self._prefetch, hidden)
+        else:
+            self.counters[self.COUNTERS.index("prefetch_calls")] += 1
 
     def _prefetch(self, hidden: torch.Tensor) -> None:
-        self.pulled_replay = -1
         expert, slot = prefetch_admissions(self.prefetcher.priority(hidden), self.prefetcher.size,
                                            self.ranking.values, self.expert_slot, self.slot_expert)
         self._fill(expert, slot)
@@ -243,11 +254,12 @@ class GraphPath:
         self._on_fill_stream(self._admit, ids, weights)
 
     def _on_fill_stream(self, work: Callable[..., None], *tensors: torch.Tensor) -> None:
-        """Run `work(*tensors)` on the fill stream after what the compute stream queued so far, and note its end
-        for this layer's next step (on CUDA); elsewhere, now."""
+        """Run `work` on copies of `tensors` on the fill stream, after what the compute stream queued so far, and
+        note its end for this layer's next dispatch in the step (on CUDA); elsewhere, now."""
         if self.device.type != "cuda":
             work(*tensors)
             return
+        tensors = tuple(t.clone() for t in tensors)  # Inductor may reuse the originals' memory right away
         stream = fill_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for t in tensors:  # freed on the compute stream while the fill stream may still read them
@@ -258,10 +270,10 @@ class GraphPath:
             self._ready.record(stream)
 
     def _admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        flat = ids.flatten()
+        flat, valid = ids.flatten().clamp(min=0), (ids.flatten() >= 0).float()
         counts = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
-        scores = torch.zeros_like(counts).scatter_add_(0, flat, weights.flatten().float())
+        counts.scatter_add_(0, flat, valid)
+        scores = torch.zeros_like(counts).scatter_add_(0, flat, weights.flatten().float() * valid)
         active = counts > 0
         resident = self.expert_slot >= 0
         may_change = self.ranking.update(counts, scores)

@@ -55,6 +55,7 @@ class HybridMoELayer:
         self.next_handle: int | None = None
         self.handle = register_layer(self)
         self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
+        self.mode_counters: torch.Tensor | None = None  # an approximate mode's device counters (DAOP's)
         self._graph_path: GraphPath | None = None
 
     def graph_path(self) -> GraphPath:
@@ -67,6 +68,14 @@ class HybridMoELayer:
         """Bring slot tables and counters changed by graph replays back into the store and `stats`."""
         if self._graph_path is not None:
             self._graph_path.pull()
+
+    def resident_mask(self, device: torch.device) -> torch.Tensor:
+        """Which experts sit in slots now, as a bool [E] tensor on `device`: on the replay-safe path the device
+        tables once this step's copies for the layer are in (no host synchronisation), else the store's map."""
+        if self.graph_mode:
+            return self.graph_path().resident()
+        self.settle()
+        return torch.tensor(self.store.resident(), device=device)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.end(self.begin(hidden, topk_ids, topk_weights, 0), hidden, 0)
