@@ -119,7 +119,8 @@ def precalc_routing(
     ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor, layer: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Degrade the predicted routing against `layer`'s slot map now; (ids for x_i, ids for x_j, weights, swapped
-    pairs), -1 where the other dispatch computes the pair. No host synchronisation."""
+    pairs), -1 where the other dispatch computes the pair. No host synchronisation on the replay-safe path (the
+    device slot tables); uncaptured steps read the store's slot map."""
     hybrid = get_layer(layer)
     resident = hybrid.resident_mask(ids.device)
     rule = hybrid.routing
