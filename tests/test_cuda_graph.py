@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.runtime import model_layers
+from torch_hybrid_moe.runtime.graph_path import AHEAD, BEHIND, PLAIN
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 pytestmark = [
@@ -123,9 +125,10 @@ def test_approximate_modes_in_the_graph_equal_uncaptured_and_overlap_on_their_ow
     its degradation against a hand reference on the replay-safe path."""
     ref = load_model("deepseek-tiny", dtype=torch.float32)[0]
     x = torch.randint(3, 2000, (2, 5), device="cuda")
-    results, runners = [], []
+    results, runners, models = [], [], []
     for graph in (True, False):
         model = thm.patch_model(copy.deepcopy(ref), expert_budget=budget, device="cuda", cuda_graph=graph, **mode)
+        models.append(model)
         if graph:
             runner, _ = _spy(model)
             runners.append((runner, model))
@@ -134,13 +137,19 @@ def test_approximate_modes_in_the_graph_equal_uncaptured_and_overlap_on_their_ow
     (tokens_on, logits_on), (tokens_off, logits_off) = results
     assert torch.equal(tokens_on, tokens_off)
     assert ((logits_on - logits_off).abs().max() / logits_off.abs().max()) < 1e-4
+    if mode["mode"] == "daop_precalc":  # device counters, warm-up left out: the same decode steps either way
+        on, off = (precalc_stats(model_layers(m)) for m in models)
+        assert [c.pairs for c in on.values()] == [c.pairs for c in off.values()] == [0, 15 * 2 * 4, 15 * 2 * 4]
+        assert on == off
     runner, model = runners[0]
     layers = list(model_layers(model).values())
     for i, layer in enumerate(layers):
         parts = {key[-1]: buf.task for key, buf in layer.graph_path()._buffers.items()}
         # deferral: every MoE layer but the last; DAOP: every one but the first
-        split = i < len(layers) - 1 if mode["mode"] == "expert_deferral" else i > 0
-        assert set(parts) == ({0, 1} if split else {0})
+        if mode["mode"] == "expert_deferral":
+            assert set(parts) == ({PLAIN, BEHIND} if i < len(layers) - 1 else {PLAIN})
+        else:
+            assert set(parts) == ({PLAIN, AHEAD} if i > 0 else {PLAIN})
         for task in parts.values():
             assert task.submits == task.syncs == task.runs == runner.replays + runner.captures
 

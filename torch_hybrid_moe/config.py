@@ -116,6 +116,10 @@ class HybridMoEConfig:
             raise ValueError(
                 f"precalc_from_layer={start} needs mode='daop_precalc' (mode {self.mode!r} predicts nothing)"
             )
+        if self.mode == "daop_precalc" and self.prefetcher != "none":
+            raise ValueError(f"mode='daop_precalc' predicts each layer's routing itself and decides from the slot map "
+                             f"at that moment; prefetcher {self.prefetcher!r} would change the slots around it "
+                             "(use prefetcher='none')")
 
     def check_top_k(self, top_k: int) -> None:
         """With Expert Deferral, at least one of each token's `top_k` experts must stay immediate."""

@@ -18,10 +18,11 @@ whose decoder-block index is >= `precalc_from_layer` and whose previous MoE laye
    1 / sum of the chosen scores, recomputed over the new set). Tokens with no swap keep the router's weights.
 3. Pre-calculation. The selected experts that are not resident run on x_i, the resident ones on x_j, with
    complementary routing (-1 marks the pairs the other call computes). DAOP starts the first group on the
-   CPU one block early: the prediction and the degradation are placed before layer i's dispatch,
-   `dispatch_begin` of layer j on x_i right after it, and `dispatch_end` at layer j, where its output is
-   added to layer j's own `dispatch` of the resident pairs on x_j (data dependencies pin that order:
-   `graph_utils.begin_after`). Inside a captured decode step the CPU worker computes
+   CPU one block early: the prediction and the degradation are placed before layer i's dispatch (Inductor
+   may move them, which changes nothing: no prefetcher may run with this mode, and a second half neither
+   admits into slots nor counts, see `runtime.graph_path.AHEAD`), `dispatch_begin` of layer j on x_i right
+   after it, and `dispatch_end` at layer j, where its output is added to layer j's own `dispatch` of the
+   resident pairs on x_j (data dependencies pin those two: `graph_utils.begin_after`). Inside a captured decode step the CPU worker computes
    them while layer i's block finishes and layer j's attention runs (the same two-halves mechanism as
    Expert Deferral, on the layer's second set of pinned task buffers).
 
@@ -47,8 +48,8 @@ import torch
 import torch.fx as fx
 
 from ..runtime import HybridMoELayer, get_layer
+from ..runtime.graph_path import AHEAD
 from ..runtime.layer import RoutingRule
-from .expert_deferral import DEFERRED_PART
 from .graph_utils import DISPATCH, DISPATCH_END, PREFETCH, begin_after, block_and_layer, calls, module_paths
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -132,10 +133,12 @@ def precalc_routing(
 
 @precalc_routing.register_fake
 def _(ids, weights, logits, layer):  # noqa: ANN001, ANN202
-    return torch.empty_like(ids), torch.empty_like(ids), torch.empty_like(weights), torch.empty_like(ids, dtype=torch.bool)
+    shape, device = ids.shape, ids.device
+    return (torch.empty(shape, dtype=ids.dtype, device=device), torch.empty(shape, dtype=ids.dtype, device=device),
+            torch.empty(shape, dtype=weights.dtype, device=device), torch.empty(shape, dtype=torch.bool, device=device))
 
 
-@torch.library.custom_op("hybrid_moe::precalc_account", mutates_args=(),
+@torch.library.custom_op("hybrid_moe::precalc_account", mutates_args=(), tags=_TAGS,
                          schema="(Tensor exact_ids, Tensor ids, Tensor swapped, Tensor early_ids, int layer) -> ()")
 def precalc_account(exact_ids: torch.Tensor, ids: torch.Tensor, swapped: torch.Tensor, early_ids: torch.Tensor,
                     layer: int) -> None:
@@ -233,8 +236,8 @@ def _routing_slice(graph: fx.Graph, x: fx.Node, outputs: tuple[fx.Node, ...]) ->
 def _hoistable(graph: fx.Graph, routing: list[fx.Node], x_j: fx.Node, prev: fx.Node, name: str) -> list[fx.Node]:
     """Nodes outside `routing` that it reads and that come after layer i's dispatch `prev` (such as a cast of the
     router weight), with what they need from after `prev`, in graph order: pure ops on values that exist before
-    `prev`, so they can move before it. One that needs `prev` itself, or an in-place op, means the routing
-    cannot run one block early."""
+    `prev`, so they can move before it. One that needs `prev` itself, an in-place op, or a value an in-place op
+    changes after `prev` means the routing cannot run one block early."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     members, found, todo = set(routing), set(), [a for n in routing for a in n.all_input_nodes]
     while todo:
@@ -246,6 +249,12 @@ def _hoistable(graph: fx.Graph, routing: list[fx.Node], x_j: fx.Node, prev: fx.N
                         "from its output or in place, so it cannot run one block early")
         found.add(a)
         todo.extend(a.all_input_nodes)
+    moved = members | found
+    for a in {a for n in moved for a in n.all_input_nodes} - moved - {x_j}:
+        changed = [u.name for u in a.users if u not in moved and _mutates(u) and u.args[0] is a and order[u] > order[prev]]
+        if changed:
+            raise _fail(f"the routing of {name} reads {a.name}, which {changed} change in place after the previous "
+                        "MoE layer's dispatch, so it cannot run one block early")
     return sorted(found, key=order.get)
 
 
@@ -307,13 +316,13 @@ def _rewrite(graph: fx.Graph, plan: _Plan) -> None:
             torch.ops.hybrid_moe.precalc_routing.default, (predicted, env[node.args[2]], env[plan.logits], handle)
         )
         early_ids, late_ids, weights, swapped = (graph.call_function(operator.getitem, (routed, i)) for i in range(4))
-    partial = begin_after(graph, plan.previous, (plan.hidden_i, early_ids, weights, handle, DEFERRED_PART))
+    partial = begin_after(graph, plan.previous, (plan.hidden_i, early_ids, weights, handle, AHEAD))
     with graph.inserting_before(node):
         account = graph.call_function(torch.ops.hybrid_moe.precalc_account.default,
                                       (exact_ids, predicted, swapped, early_ids, handle))
     node.args = (hidden, late_ids, weights, handle)
     with graph.inserting_after(node):
-        early = graph.call_function(DISPATCH_END.default, (partial, plan.hidden_i, handle, DEFERRED_PART, node))
+        early = graph.call_function(DISPATCH_END.default, (partial, plan.hidden_i, handle, AHEAD, node))
     with graph.inserting_after(early):
         total = graph.call_function(operator.add, (node, early))
     node.replace_all_uses_with(total, delete_user_cb=lambda user: user not in (total, early))

@@ -13,7 +13,7 @@ the top-(K - N) pairs. The deferred half is split: `dispatch_begin` right after 
 with the immediate output passed through it), `dispatch_end` right before its output is added, after the
 next block's residual add (on which it depends, so Inductor cannot move it earlier). On the replay-safe (CUDA graph) path the deferred CPU experts then run on the CPU
 worker while the next decoder block's attention and GPU experts do (KTransformers' overlap); it uses its own
-pinned task buffers (part 1). Elsewhere `dispatch_begin` runs the whole step and `dispatch_end` only rounds.
+pinned task buffers (`runtime.graph_path.BEHIND`). Elsewhere `dispatch_begin` runs the whole step and `dispatch_end` only rounds.
 
 The residual add is found from each MoE layer's (original) dispatch node: the nodes reachable from it
 through its users while still inside the MoE block (the module enclosing the `*Experts` module in
@@ -33,11 +33,12 @@ import torch
 import torch.fx as fx
 
 from ..runtime import get_layer
+from ..runtime.graph_path import BEHIND
 from .graph_utils import DISPATCH, DISPATCH_END, begin_after, block_and_layer, calls, module_paths
 
 _ADDS = {operator.add, operator.iadd, torch.add, torch.Tensor.add, torch.ops.aten.add.Tensor}
 _DEFERRED = "hybrid_moe_deferred"  # node meta flag: a dispatch this pass already split
-DEFERRED_PART = 1  # the deferred half's task buffers: it is still running while the layer's next dispatch starts
+
 
 
 class ExpertDeferralPatternError(RuntimeError):
@@ -158,10 +159,10 @@ def _split(graph: fx.Graph, this: _MoELayer, after: _MoELayer, top_k: int, n_def
         def_ids, def_w = part(ids_sorted, keep, n_def), part(w_sorted, keep, n_def)
     node.args = (hidden, imm_ids, imm_w, handle)
     node.meta[_DEFERRED] = True
-    partial = begin_after(graph, node, (hidden, def_ids, def_w, handle, DEFERRED_PART))
+    partial = begin_after(graph, node, (hidden, def_ids, def_w, handle, BEHIND))
     residual = after.residual_add
     with graph.inserting_after(residual):
-        deferred = graph.call_function(DISPATCH_END.default, (partial, hidden, handle, DEFERRED_PART, residual))
+        deferred = graph.call_function(DISPATCH_END.default, (partial, hidden, handle, BEHIND, residual))
     with graph.inserting_after(deferred):
         shaped = graph.call_method("view_as", (deferred, residual))
     with graph.inserting_after(shaped):

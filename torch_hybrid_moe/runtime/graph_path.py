@@ -40,6 +40,13 @@ from ..policies.device_caching import DEVICE_PREFETCHERS, admissions, device_ran
 if TYPE_CHECKING:
     from .layer import HybridMoELayer
 
+# Which half of a layer's step a dispatch is (the `part` of dispatch_begin / dispatch_end), each with its own
+# pinned task buffers, so a half still running never shares them with another dispatch of the layer.
+PLAIN = 0  # a whole dispatch: counts the step and admits into slots
+AHEAD = 1  # begun before the layer's plain dispatch of the step (DAOP's early pairs): that dispatch counts and
+# admits for it, so the slots its routing assumed stay put until then
+BEHIND = 2  # begun after the layer's plain dispatch (Expert Deferral's deferred pairs): it only computes
+
 _replays = itertools.count(1)
 _last_replay = [0]
 
@@ -91,6 +98,7 @@ class GraphPath:
         self.counters = torch.zeros(len(self.COUNTERS), dtype=torch.float64, device=self.device)
         self._buffers: dict[tuple, _TaskBuffers] = {}
         self._pending: dict[int, _TaskBuffers | None] = {}  # by part: a started step's CPU task, until finished
+        self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # an AHEAD half's routing, for its counts
         self._host = {name: self._readable(getattr(store, f"host_{name}")) for name in ("gate_up", "down")}
         self.prefetcher = self._device_prefetcher(layer)
         self._ready: torch.cuda.Event | None = None  # this step's last fill-stream work for this layer
@@ -164,6 +172,7 @@ class GraphPath:
     def start_step(self) -> None:
         """Before a decode step is run or captured: no copy of this step is queued for the layer yet."""
         self._ready = None
+        self._ahead = None
 
     def resident(self) -> torch.Tensor:
         """The slot map as a bool [E] device tensor, once this step's copies queued for the layer are done."""
@@ -177,8 +186,8 @@ class GraphPath:
     # -- the step ---------------------------------------------------------------------------------------------
 
     def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
-        """Submit the CPU share (task buffers `part`), compute the slot share, queue the cache's fills; returns the
-        fp32 accumulator `finish` completes once the CPU share is in."""
+        """Submit the CPU share (task buffers `part`), compute the slot share, queue the cache's fills as `part`
+        says (PLAIN, AHEAD, BEHIND above); returns the fp32 accumulator `finish` completes once the CPU share is in."""
         store = self.layer.store
         self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
         self._wait_for_copies()
@@ -196,7 +205,13 @@ class GraphPath:
         if self.num_slots:
             slot_experts_(acc, hidden, torch.where(on_slots, slot_of, -1), topk_weights, store.slot_gate_up,
                           store.slot_down)
-        self._account_and_admit(ids, topk_weights)
+        if part == PLAIN:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                ids, topk_weights = (torch.cat((mine, theirs), 1) for mine, theirs in zip((ids, topk_weights), ahead))
+            self._account_and_admit(ids, topk_weights)
+        elif part == AHEAD:  # copies: Inductor may reuse the originals' memory once this op returns
+            self._ahead = ids.clone(), topk_weights.clone()
         self._pending[part] = buf
         return acc
 
@@ -210,7 +225,7 @@ class GraphPath:
 
     def _task_buffers(self, hidden: torch.Tensor, ids: torch.Tensor, part: int) -> _TaskBuffers:
         """Static pinned buffers and the CPU task bound to them, one set per (tokens, top-k, dtype, part): a
-        deferred half (part 1) still running never shares buffers with the layer's other dispatch (part 0)."""
+        half still running never shares buffers with another dispatch of the layer."""
         key = (*ids.shape, hidden.dtype, part)
         if key not in self._buffers:
             pin = self.device.type == "cuda"

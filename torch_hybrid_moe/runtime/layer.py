@@ -13,7 +13,7 @@ from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Place
 from ..policies.prefetching import Router
 from .costs import policy_context
 from .expert_store import ExpertStore
-from .graph_path import GraphPath
+from .graph_path import AHEAD, BEHIND, GraphPath
 from .registry import register_layer
 from .stats import LayerStats
 
@@ -56,6 +56,7 @@ class HybridMoELayer:
         self.handle = register_layer(self)
         self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
         self.mode_counters: torch.Tensor | None = None  # an approximate mode's device counters (DAOP's)
+        self._ahead: tuple[list[int], list[float]] | None = None  # an AHEAD half's counts and scores, uncaptured
         self._graph_path: GraphPath | None = None
 
     def graph_path(self) -> GraphPath:
@@ -82,10 +83,13 @@ class HybridMoELayer:
 
     def begin(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
         """The step up to its fp32 partial sum. On the replay-safe path the CPU share is still running when this
-        returns (`end` waits for it), so work placed in between overlaps it; elsewhere the step is complete."""
+        returns (`end` waits for it), so work placed in between overlaps it; elsewhere the step is complete.
+        `part` (graph_path.PLAIN, AHEAD, BEHIND) also says who counts the step and admits into slots: a plain
+        dispatch does, for itself and for an AHEAD half begun before it (DAOP's early pairs, whose routing
+        assumed the slots stay put until then); a BEHIND half (Expert Deferral's deferred pairs) only computes."""
         if self.graph_mode:
             return self.graph_path().start(hidden, topk_ids, topk_weights, part)
-        return self._accumulate(hidden, topk_ids, topk_weights)
+        return self._accumulate(hidden, topk_ids, topk_weights, part)
 
     def end(self, partial: torch.Tensor, hidden: torch.Tensor, part: int) -> torch.Tensor:
         """Finish the step `begin` started with the same `part`; the one rounding to the model's dtype."""
@@ -93,7 +97,8 @@ class HybridMoELayer:
             return self.graph_path().finish(partial, hidden, part)
         return partial.to(hidden.dtype)
 
-    def _accumulate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    part: int = 0) -> torch.Tensor:
         self.settle()
         store = self.store
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
@@ -134,10 +139,19 @@ class HybridMoELayer:
             acc += cpu_acc.to(acc.device, non_blocking=True)
 
         s = self.stats
-        s.steps += 1
-        s.tokens += hidden.shape[0]
         s.accelerator_experts += len(plan.accelerator)
         s.cpu_experts += len(plan.cpu)
+        if part == AHEAD:  # the layer's plain dispatch of this step counts and admits for it
+            self._ahead = counts, scores
+            return acc
+        if part == BEHIND:
+            return acc
+        if self._ahead is not None:
+            counts, scores = ([a + b for a, b in zip(mine, theirs)] for mine, theirs in zip((counts, scores), self._ahead))
+            active = {e for e, c in enumerate(counts) if c}
+            self._ahead = None
+        s.steps += 1
+        s.tokens += hidden.shape[0]
         hits = sum(resident[e] for e in active)
         s.hits += hits
         s.misses += len(active) - hits
