@@ -67,6 +67,7 @@ def test_passes_rewrite_stock_regions_and_chain_prefetches(reference_models):
     # the prefetch for layer 2 sits after layer 1's routing and before layer 1's experts run
     assert prefetch[0].args[1] is dispatch[0].args[1]
     assert order.index(dispatch[0].args[1]) < order.index(prefetch[0]) < order.index(dispatch[0])
+    assert dispatch[0].args[0] is prefetch[0]  # layer 1's experts read their input through it: pinned before
     assert prefetch[0].args[2] == dispatch[1].args[3]
     # no grouped_mm or fallback op is left behind
     assert not any("grouped_mm" in str(n.target) for n in gm.graph.nodes)

@@ -117,22 +117,22 @@ def test_replay_safe_path_defers_on_its_own_task_buffers(reference_models):
 
 
 def inductor_op_order(model, x):
-    """The names of the hybrid_moe ops in the order Inductor's generated code calls them (prefetch left out)."""
+    """The names of the hybrid_moe ops in the order Inductor's generated code calls them."""
     from torch._inductor.utils import run_and_get_code
 
     compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False)
     with torch.no_grad():
         _, codes = run_and_get_code(compiled, x)
-    names = re.findall(r"torch\.ops\.hybrid_moe\.(\w+)\.default\(", codes[0])
-    return [name for name in names if name != "prefetch"]
+    return re.findall(r"torch\.ops\.hybrid_moe\.(\w+)\.default\(", codes[0])
 
 
 def test_inductor_keeps_the_deferred_half_around_the_next_layer(reference_models):
     """Inductor schedules ops by data dependencies only; the begin's carried output and the end's `after` input
     keep the deferred CPU experts overlapping the next block in the generated code (without them Inductor
-    moved the end up to the begin)."""
+    moved the end up to the begin), and the prefetch for layer 2 comes before layer 1's dispatch."""
     model = patched_copy(reference_models["deepseek_v3"], mode="expert_deferral", deferred_experts=1)
-    assert inductor_op_order(model, inputs(2, 1)) == ["dispatch", "dispatch_begin", "dispatch", "dispatch_end"]
+    order = inductor_op_order(model, inputs(2, 1))
+    assert order == ["prefetch", "dispatch", "dispatch_begin", "dispatch", "dispatch_end"]
 
 
 def test_stock_model_defers_through_backend_options(reference_models):

@@ -1,4 +1,5 @@
-"""Pass 2: right after layer l's routing is known, ask layer l+1 to prefetch."""
+"""Pass 2: right after layer l's routing is known, ask layer l+1 to prefetch; layer l's dispatch then reads the
+hidden states through the prefetch op, so the prefetch runs before it in Inductor's schedule too."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def insert_prefetch(gm: fx.GraphModule) -> int:
         if nxt is None or (ids, nxt) in done:
             continue
         with graph.inserting_after(insertion_point_after(graph, hidden, ids)):
-            graph.call_function(PREFETCH.default, (hidden, ids, nxt))
+            started = graph.call_function(PREFETCH.default, (hidden, ids, nxt))
+        node.args = (started, *node.args[1:])
         inserted += 1
     return inserted

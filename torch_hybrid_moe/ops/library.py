@@ -140,18 +140,18 @@ def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, 
 @torch.library.custom_op(
     "hybrid_moe::prefetch",
     mutates_args=(),
-    schema="(Tensor hidden, Tensor topk_ids, int layer) -> ()",
+    schema="(Tensor hidden, Tensor topk_ids, int layer) -> Tensor",
     tags=_TAGS,
 )
-def prefetch(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> None:
-    """Ask `layer`'s prefetcher, given the previous layer's gate input and routing, what to copy into slots."""
+def prefetch(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """Ask `layer`'s prefetcher, given the previous layer's gate input and routing, what to copy into slots.
+
+    Returns a copy of `hidden`, which the backend hands to the previous layer's own dispatch: Inductor orders
+    ops by data alone, and this dependency makes the prefetch start before that dispatch (and keeps it)."""
     get_layer(layer).prefetch(hidden, topk_ids)
+    return hidden.clone()
 
 
 @prefetch.register_fake
-def _(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> None:
-    return None
-
-
-# The prefetch returns nothing and mutates no argument: keep dead-code elimination from dropping it.
-torch.fx.node.has_side_effect(torch.ops.hybrid_moe.prefetch.default)
+def _(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(hidden)
