@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -86,34 +85,11 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decode_perplexity(run: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor, batch: int = 8) -> float:
-    """`perplexity` with every token fed as its own decode step through a static KV cache, so a decode-only
-    mode (daop_precalc) applies to every prediction: same windows, same tokens, same average."""
-    from transformers import StaticCache
-
-    from torch_hybrid_moe.embedded.evaluation import SEQ, windows
-
-    w = windows(ids, SEQ)
-    device = next(model.parameters()).device
-    cache = StaticCache(config=model.config, max_cache_len=SEQ)
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for chunk in tqdm(w.split(batch), desc="decode perplexity", unit="batch", leave=False):
-            chunk = chunk.to(device)
-            cache.reset()
-            for t in range(SEQ):
-                logits = run(input_ids=chunk[:, t : t + 1], past_key_values=cache, use_cache=True,
-                             cache_position=torch.tensor([t], device=device)).logits.float()
-                nll += torch.nn.functional.cross_entropy(logits[:, -1], chunk[:, t + 1], reduction="sum").item()
-            count += chunk[:, 1:].numel()
-    return math.exp(nll / count)
-
-
 def eval_ppl(args: argparse.Namespace) -> int:
     """Perplexity of the unpatched model and of the patched model in the chosen mode, on the held-out text."""
     from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
     from torch_hybrid_moe.embedded.corpus import heldout_text
-    from torch_hybrid_moe.embedded.evaluation import perplexity
+    from torch_hybrid_moe.embedded.evaluation import decode_perplexity, perplexity
 
     if args.deferred_experts is not None and args.mode != "expert_deferral":
         raise SystemExit("--deferred-experts needs --mode expert_deferral")
@@ -137,13 +113,13 @@ def eval_ppl(args: argparse.Namespace) -> int:
         except (TypeError, ValueError) as err:
             raise SystemExit(f"--precalc-from-layer: {err}") from None
     # DAOP approximates decode steps only: both sides are then measured one token per step.
-    measure = _decode_perplexity if args.mode == "daop_precalc" else lambda run, model, ids: perplexity(run, ids)
+    measure = decode_perplexity if args.mode == "daop_precalc" else perplexity
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
-    reference = measure(model, model, ids)
+    reference = measure(model, ids)
     thm.patch_model(model, config)
     # Expert Deferral and DAOP are passes of the hybrid_moe backend, so those modes measure the compiled forward.
     run = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False) if args.mode != "exact" else model
-    patched = measure(run, model, ids)
+    patched = measure(run, ids)
     mode = args.mode
     if mode == "expert_deferral":
         mode = f"expert_deferral ({top_k - config.deferred_experts} immediate + {config.deferred_experts} deferred)"

@@ -49,7 +49,7 @@ import torch.fx as fx
 
 from ..runtime import HybridMoELayer, get_layer
 from ..runtime.graph_path import AHEAD
-from ..runtime.layer import RoutingRule
+from ..policies.prefetching import router_scores
 from .graph_utils import DISPATCH, DISPATCH_END, PREFETCH, begin_after, block_and_layer, calls, module_paths
 
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
@@ -105,11 +105,6 @@ def degrade(
     return new_ids, new_weights, swap
 
 
-def _scores(logits: torch.Tensor, rule: RoutingRule) -> torch.Tensor:
-    logits = logits.float()
-    return logits.softmax(-1) if rule.score_fn == "softmax" else logits.sigmoid()
-
-
 @torch.library.custom_op(
     "hybrid_moe::precalc_routing",
     mutates_args=(),
@@ -125,7 +120,8 @@ def precalc_routing(
     hybrid = get_layer(layer)
     resident = hybrid.resident_mask(ids.device)
     rule = hybrid.routing
-    new_ids, new_weights, swap = degrade(ids.long(), weights, _scores(logits, rule), resident, rule.renormalise)
+    scores = router_scores(logits, rule.score_fn)
+    new_ids, new_weights, swap = degrade(ids.long(), weights, scores, resident, rule.renormalise)
     on_gpu = resident[new_ids]
     early, late = torch.where(on_gpu, -1, new_ids), torch.where(on_gpu, new_ids, -1)
     return early.to(ids.dtype), late.to(ids.dtype), new_weights, swap

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -21,13 +21,35 @@ def windows(ids: torch.Tensor, seq: int = SEQ) -> torch.Tensor:
 
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ, batch: int = 8) -> float:
-    """exp(mean next-token negative log-likelihood) over `ids`, in windows of `seq`."""
+    """exp(mean next-token negative log-likelihood) over `ids`, in windows of `seq`, one forward per window."""
+    return _perplexity(ids, seq, batch, model, lambda inputs: model(input_ids=inputs).logits, "perplexity")
+
+
+@torch.no_grad()
+def decode_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ, batch: int = 8) -> float:
+    """`perplexity` with every token fed as its own decode step through a static KV cache, so a decode-only
+    mode (daop_precalc) applies to every prediction: same windows, same tokens, same average."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=seq)
+
+    def logits(inputs: torch.Tensor) -> torch.Tensor:
+        cache.reset()
+        return torch.cat([model(input_ids=inputs[:, t : t + 1], past_key_values=cache, use_cache=True,
+                                cache_position=torch.tensor([t], device=inputs.device)).logits
+                          for t in range(inputs.shape[1])], dim=1)
+
+    return _perplexity(ids, seq, batch, model, logits, "decode perplexity")
+
+
+def _perplexity(ids: torch.Tensor, seq: int, batch: int, model: torch.nn.Module,
+                logits_of: Callable[[torch.Tensor], torch.Tensor], desc: str) -> float:
     w = windows(ids, seq)
     nll, count = 0.0, 0
     device = next(model.parameters()).device
-    for chunk in tqdm(w.split(batch), desc="perplexity", unit="batch", leave=False):
+    for chunk in tqdm(w.split(batch), desc=desc, unit="batch", leave=False):
         chunk = chunk.to(device)
-        logits = model(input_ids=chunk[:, :-1]).logits.float()
+        logits = logits_of(chunk[:, :-1]).float()
         nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum").item()
         count += chunk[:, 1:].numel()
     return math.exp(nll / count)

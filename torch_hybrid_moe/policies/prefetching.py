@@ -24,6 +24,12 @@ from .schedulers import DaliGreedy, makespan
 PREFETCHERS: Registry = Registry("prefetcher")
 
 
+def router_scores(logits: torch.Tensor, score_fn: str) -> torch.Tensor:
+    """The scores a router picks its top-k from: softmax or sigmoid of its logits, in fp32."""
+    logits = logits.float()
+    return logits.softmax(-1) if score_fn == "softmax" else logits.sigmoid()
+
+
 @dataclass(frozen=True)
 class Router:
     """One MoE layer's gate, replayed off the model: `weight` [E, H]; scores softmax or sigmoid of the logits.
@@ -54,7 +60,7 @@ class Router:
         if hidden.dim() != 2 or hidden.shape[1] != self.weight.shape[1]:
             raise ValueError(f"hidden must be [rows, {self.weight.shape[1]}], got {tuple(hidden.shape)}")
         logits = hidden.float() @ self.weight.to(hidden.device, torch.float32).T
-        scores = logits.softmax(-1) if self.score_fn == "softmax" else logits.sigmoid()
+        scores = router_scores(logits, self.score_fn)
         choice = scores if self.bias is None else scores + self.bias.to(scores.device, torch.float32)
         if self.n_group > 1:
             groups = choice.view(choice.shape[0], self.n_group, -1)

@@ -255,14 +255,19 @@ class GraphPath:
         if self.prefetcher is not None and 0 < self.num_slots < self.num_experts:
             self._on_fill_stream(self._prefetch, hidden)
         else:
-            self.counters[self.COUNTERS.index("prefetch_calls")] += 1
+            self._count(prefetch_calls=1)
 
     def _prefetch(self, hidden: torch.Tensor) -> None:
         expert, slot = prefetch_admissions(self.prefetcher.priority(hidden), self.prefetcher.size,
                                            self.ranking.values, self.expert_slot, self.slot_expert)
         self._fill(expert, slot)
+        self._count(prefetch_calls=1, prefetched=(expert >= 0).sum())
+
+    def _count(self, **values: torch.Tensor | int) -> None:
+        """Add to the named `COUNTERS` (the others get 0) without host synchronisation; Python numbers enter as
+        scalars of a device-made zero, since a host-to-device copy cannot be captured."""
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.counters += torch.stack((*[zero] * 5, zero + 1, (expert >= 0).sum().double()))
+        self.counters += torch.stack([zero + values.get(name, 0) for name in self.COUNTERS])
 
     def _account_and_admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Counters, the ranking update and slot fills; on CUDA on the fill stream, after this layer's compute."""
@@ -292,18 +297,14 @@ class GraphPath:
         active = counts > 0
         resident = self.expert_slot >= 0
         may_change = self.ranking.update(counts, scores)
-        # Device-made constants only (torch.full): a host-to-device copy cannot be captured.
-        admitted = torch.zeros((), dtype=torch.float64, device=ids.device)
+        admitted = 0
         if self.fills:
             expert, slot = admissions(self.ranking.values, may_change, self.ranking.candidates(active),
                                       self.expert_slot, self.slot_expert, min(self.fills, self.ranking.max_fills or self.fills))
             self._fill(expert, slot)
-            admitted = (expert >= 0).sum().double()
-        zero = torch.zeros((), dtype=torch.float64, device=ids.device)
-        self.counters += torch.stack((
-            zero + 1, zero + ids.shape[0], (active & resident).sum().double(), (active & ~resident).sum().double(),
-            admitted, zero, zero,
-        ))
+            admitted = (expert >= 0).sum()
+        self._count(steps=1, tokens=ids.shape[0], hits=(active & resident).sum(), misses=(active & ~resident).sum(),
+                    admitted=admitted)
 
     def _fill(self, expert: torch.Tensor, slot: torch.Tensor) -> None:
         """Copy admitted experts (id >= 0) into their slots from the host master, then update the tables."""
