@@ -264,10 +264,10 @@ class GraphPath:
         self._count(prefetch_calls=1, prefetched=(expert >= 0).sum())
 
     def _count(self, **values: torch.Tensor | int) -> None:
-        """Add to the named `COUNTERS` (the others get 0) without host synchronisation; Python numbers enter as
-        scalars of a device-made zero, since a host-to-device copy cannot be captured."""
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self.counters += torch.stack([zero + values.get(name, 0) for name in self.COUNTERS])
+        """Add to the named `COUNTERS` without host synchronisation: one in-place add each (Python numbers as
+        scalars, since a host-to-device copy cannot be captured)."""
+        for name, value in values.items():
+            self.counters[self.COUNTERS.index(name)] += value
 
     def _account_and_admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Counters, the ranking update and slot fills; on CUDA on the fill stream, after this layer's compute."""
