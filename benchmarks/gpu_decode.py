@@ -6,8 +6,11 @@ Rows, each on a freshly built model (patching moves its experts into pinned host
 - prefetch: the same with the gate prefetcher (layer l+1's router on layer l's input, decided on the device);
 - deferral: the same with KTransformers' Expert Deferral (approximate: 2 of the 6 experts deferred), whose
   deferred CPU experts overlap the next block inside the graph;
+- dali: the same with DALI's greedy placement (`dali_greedy`, costs profiled on this machine): a missing expert
+  is fetched and run on the GPU when that finishes the layer sooner, decided on the device inside the graph;
 - all-cpu: budget 0, every routed expert on the CPU (the Fiddler / KTransformers layout), graph on and off;
-- on-demand: every missing expert fetched into a slot before it runs (MoE-Infinity's GPU-centric placement);
+- on-demand: every missing expert fetched into a slot before it runs (MoE-Infinity's GPU-centric placement),
+  graph on and off;
 - accelerate: transformers + accelerate `device_map` offload (the routed experts' modules on "cpu", their
   weights streamed to the GPU at every forward).
 
@@ -20,7 +23,7 @@ generate. Medians of --repeats. The floor is the time to stream the experts the 
 alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU.
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
-        [--rows hybrid prefetch deferral all-cpu on-demand accelerate]
+        [--rows hybrid prefetch deferral dali all-cpu on-demand accelerate]
         [--tokens 32] [--prompt 512] [--json]
 """
 
@@ -39,8 +42,9 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 import torch_hybrid_moe as thm
 
 
-ROWS = ("hybrid", "prefetch", "deferral", "all-cpu", "on-demand", "accelerate")
-VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"}, "deferral": {"mode": "expert_deferral", "deferred_experts": 2}}
+ROWS = ("hybrid", "prefetch", "deferral", "dali", "all-cpu", "on-demand", "accelerate")
+VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"}, "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
+            "dali": {"scheduler": "dali_greedy", "hardware": "local"}, "on-demand": {"scheduler": "on_demand"}}
 
 
 def lite_config(layers: int) -> DeepseekV2Config:
@@ -191,8 +195,6 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
                      for b in args.budgets for g in (False, True)]
         elif name == "all-cpu":
             rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in (False, True)]
-        elif name == "on-demand":  # a fetch decided per step in Python: uncaptured by nature
-            rows += [dict(row=name, expert_budget=b, cuda_graph=False, scheduler="on_demand") for b in args.budgets]
         else:
             rows.append(dict(row=name))
     return rows

@@ -11,7 +11,7 @@ import torch_hybrid_moe as thm
 from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.runtime import model_layers
-from torch_hybrid_moe.runtime.graph_path import AHEAD, BEHIND, PLAIN
+from torch_hybrid_moe.runtime.graph_path import AHEAD, BEHIND, LEADING, PLAIN, GraphPath
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 pytestmark = [
@@ -111,9 +111,33 @@ def test_graph_replay_with_gate_prefetch_matches_reference():
     assert runner.captures == 1 and runner.replays == 31
     assert torch.equal(got_tokens, want_tokens)
     assert ((got_logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+    # the replays' own copies, on the device counters before stats() folds them in (prefill prefetches too)
+    paths = [layer.graph_path() for layer in model_layers(model).values()]
+    index = GraphPath.COUNTERS.index
+    assert [int(p.counters[index("prefetch_calls")]) for p in paths] == [0] + [31] * (len(paths) - 1)
+    assert sum(int(p.counters[index("prefetched")]) for p in paths) > 0
     stats = list(thm.stats(model).values())
-    assert stats[0].prefetch_calls == 0 and all(s.prefetch_calls >= 32 for s in stats[1:])
-    assert sum(s.prefetched_experts for s in stats) > 0
+    assert stats[0].prefetch_calls == 0 and all(s.prefetch_calls == 32 for s in stats[1:])  # + prefill's
+
+
+@pytest.mark.parametrize("scheduler", ["on_demand", "dali_greedy"])
+def test_graph_replay_with_fetching_schedulers_matches_reference(scheduler):
+    """Placement and on-demand copies are decided on the device at every replay (policies/device_scheduling.py)."""
+    ref = load_model("deepseek-tiny", dtype=torch.float32)[0].cuda()
+    model = thm.patch_model(copy.deepcopy(ref).cpu(), expert_budget=0.25, device="cuda", scheduler=scheduler,
+                            hardware="rtx5090", expert_shape="deepseek-v2-lite")
+    runner, _ = _spy(model)
+    x = torch.randint(3, 2000, (2, 5), device="cuda")
+    with torch.no_grad():
+        want_tokens, want_logits = _generate(ref, x, 32)
+        got_tokens, got_logits = _generate(model, x, 32)
+    assert runner.captures == 1 and runner.replays == 31
+    assert torch.equal(got_tokens, want_tokens)
+    assert ((got_logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+    stats = thm.stats(model).values()
+    on_gpu, hits = sum(s.accelerator_experts for s in stats), sum(s.hits for s in stats)
+    cpu, misses = sum(s.cpu_experts for s in stats), sum(s.misses for s in stats)
+    assert on_gpu + cpu == hits + misses and cpu < misses  # some missed experts were fetched and ran on the GPU
 
 
 @pytest.mark.parametrize("budget, mode", [(0.25, dict(mode="expert_deferral", deferred_experts=2)),
@@ -147,7 +171,7 @@ def test_approximate_modes_in_the_graph_equal_uncaptured_and_overlap_on_their_ow
         parts = {key[-1]: buf.task for key, buf in layer.graph_path()._buffers.items()}
         # deferral: every MoE layer but the last; DAOP: every one but the first
         if mode["mode"] == "expert_deferral":
-            assert set(parts) == ({PLAIN, BEHIND} if i < len(layers) - 1 else {PLAIN})
+            assert set(parts) == ({LEADING, BEHIND} if i < len(layers) - 1 else {PLAIN})
         else:
             assert set(parts) == ({PLAIN, AHEAD} if i > 0 else {PLAIN})
         for task in parts.values():

@@ -16,7 +16,7 @@ from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, DISPATCH_BEGIN
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.model_patches.base import is_patched
 from torch_hybrid_moe.runtime import model_layers
-from torch_hybrid_moe.runtime.graph_path import BEHIND, PLAIN
+from torch_hybrid_moe.runtime.graph_path import BEHIND, LEADING, PLAIN
 from torch_hybrid_moe.tiny_models import tiny_model
 
 from .conftest import patched_copy
@@ -111,7 +111,7 @@ def test_replay_safe_path_defers_on_its_own_task_buffers(reference_models):
             x = inputs(2, 5, seed)
             assert rel_err(compiled(x).logits, ref(x).logits) < 1e-5
     tasks = {key[-1]: buf.task for key, buf in layers[0].graph_path()._buffers.items()}
-    assert set(tasks) == {PLAIN, BEHIND} and all(t.submits == t.syncs == t.runs == 3 for t in tasks.values())
+    assert set(tasks) == {LEADING, BEHIND} and all(t.submits == t.syncs == t.runs == 3 for t in tasks.values())
     assert {key[-1] for key in layers[1].graph_path()._buffers} == {PLAIN}  # the last layer defers nothing
     assert [s.steps for s in thm.stats(model).values()] == [3, 3]  # the deferred half counts no step
 
@@ -132,7 +132,7 @@ def test_inductor_keeps_the_deferred_half_around_the_next_layer(reference_models
     moved the end up to the begin), and the prefetch for layer 2 comes before layer 1's dispatch."""
     model = patched_copy(reference_models["deepseek_v3"], mode="expert_deferral", deferred_experts=1)
     order = inductor_op_order(model, inputs(2, 1))
-    assert order == ["prefetch", "dispatch", "dispatch_begin", "dispatch", "dispatch_end"]
+    assert order == ["prefetch", "dispatch_begin", "dispatch_end", "dispatch_begin", "dispatch", "dispatch_end"]
 
 
 def test_stock_model_defers_through_backend_options(reference_models):
@@ -180,15 +180,21 @@ def test_last_layer_never_defers_and_deferred_output_lands_after_next_residual_a
     with torch.no_grad():
         gm, _ = capture(model, inputs(1, 4), lambda gm: None)
     first, last = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
+    handle, users = first.args[3], set(first.users)
     residual = find_residual_add(last)  # layer 2's residual + (routed + shared) add
     assert insert_expert_deferral(gm) == 1
-    immediate, final = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
-    (begin,) = [n for n in gm.graph.nodes if calls(n, DISPATCH_BEGIN)]
-    (end,) = [n for n in gm.graph.nodes if calls(n, DISPATCH_END)]
-    assert immediate is first and final is last and begin.args[3] == end.args[2] == first.args[3]
+    assert insert_expert_deferral(gm) == 0  # a split layer is not split again
+    (final,) = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
+    lead, begin = [n for n in gm.graph.nodes if calls(n, DISPATCH_BEGIN)]
+    immediate, end = [n for n in gm.graph.nodes if calls(n, DISPATCH_END)]
+    # the immediate half: a whole step begun and ended at once, which leaves its slot fills to the deferred half
+    assert immediate.args[0].args == (lead, 0) and lead.args[4] == immediate.args[3] == LEADING
+    assert lead.args[3] == begin.args[3] == end.args[2] == handle and final is last
     assert end.args[0].args == (begin, 0) and begin.args[4] == end.args[3] == BEHIND  # its own task buffers
     # pinned by data: the immediate output passes through the begin, and the end reads the next residual add
     assert set(immediate.users) == {begin} and begin.args[5] is immediate and end.args[4] is residual
+    (carried,) = [u for u in begin.users if u.args == (begin, 1)]
+    assert users == set(carried.users)  # what read the whole dispatch now reads the immediate output passed through
     shape = lambda n: n.meta["example_value"].shape[-1] if "example_value" in n.meta else None  # noqa: E731
     assert final.args[2] is last.args[2] and shape(last.args[2]) == 3  # the last layer keeps all 3 experts
     # begun right after the immediate half, finished once the next block is done: the deferred experts overlap it

@@ -13,10 +13,14 @@ from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
 from torch_hybrid_moe.ops.row_copy import copy_rows_
-from torch_hybrid_moe.policies import CACHE_POLICIES, LayerInfo
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
+from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
 from torch_hybrid_moe.policies.device_caching import DEVICE_CACHE_POLICIES, admissions, device_ranking
+from torch_hybrid_moe.policies.device_scheduling import DEVICE_SCHEDULERS, device_scheduler
 from torch_hybrid_moe.policies.prefetching import Router
 from torch_hybrid_moe.runtime import model_layers
+from torch_hybrid_moe.runtime.costs import IdleLink
+from torch_hybrid_moe.runtime.graph_path import BEHIND, LEADING, PLAIN
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 needs_kernel = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ CPU kernel could not be built here")
@@ -120,6 +124,33 @@ def test_tensor_form_ranks_like_the_python_policy(name):
                                    rtol=1e-6, atol=1e-6)
         if name == "dali_window":
             assert bool(may) == changes
+
+
+@pytest.mark.parametrize("name", DEVICE_SCHEDULERS)
+def test_tensor_form_schedulers_place_like_the_python_ones(name):
+    """Random steps from one token to a prefill's worth per expert, on two machines: the same experts on the
+    accelerator (fetches included) as the Python scheduler; decisions hinge on exact float64 cost sums."""
+    rng = random.Random(2)
+    tried = set()
+    for preset in ("dali", "rtx5090"):
+        costs = CostModel(HARDWARE[preset], EXPERT_SHAPES["deepseek-v2-lite"])
+        for _ in range(150):
+            experts, slots = rng.randint(2, 12), rng.randint(0, 6)
+            info = LayerInfo(0, experts, slots, 1)
+            python = SCHEDULERS.create(name, info=info, costs=costs, timeline=IdleLink())
+            counts = [rng.choice([0, 0, 1, 1, 2, 5, 20, 60, 200]) for _ in range(experts)]
+            resident = [False] * experts
+            for e in rng.sample(range(experts), min(slots, experts)):
+                resident[e] = rng.random() < 0.8
+            want = python.place(counts, resident)
+            got = device_scheduler(python).place(torch.tensor(counts, dtype=torch.float32), torch.tensor(resident),
+                                                 slots, sum(counts))
+            assert {e for e, on in enumerate(got.tolist()) if on} == set(want.accelerator), (counts, resident, slots)
+            tried.add((bool(want.fetch), bool(want.cpu), any(resident[e] for e in want.cpu)))
+    if name in ("on_demand", "fiddler", "dali_greedy", "hybrimoe"):
+        assert (True, True, False) in tried  # some steps both fetched and left experts on the CPU
+    if name in ("dali_greedy", "hybrimoe"):
+        assert any(t[2] for t in tried)  # and some sent a cached expert to the CPU
 
 
 def test_tensor_form_of_an_offline_policy_is_refused():
@@ -255,9 +286,101 @@ def test_replay_safe_path_with_gate_prefetch_matches_reference_model(name):
     assert sum(s.prefetched_experts for s in stats.values()) > 0
 
 
+def _skewed_routing(tokens: int, k: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing with a few heavy experts, as real routers have: step counts from 1 to every token."""
+    popularity = (1 / torch.arange(1, experts + 1).float() ** 1.5)[torch.randperm(experts)]
+    ids = torch.stack([torch.multinomial(popularity, k) for _ in range(tokens)])
+    return ids, torch.rand(tokens, k)
+
+
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("name", [s for s in DEVICE_SCHEDULERS if s != "cached_on_accelerator"])
+def test_replay_safe_step_places_and_fetches_as_the_python_scheduler(name):
+    """Layer steps of 1 to 64 tokens on the replay-safe path: the Python scheduler's plan from the same slot map
+    says which experts ran where and which were fetched (no cache fills: fills_per_step=0); fetched slots hold
+    the masters' weights; the sum is the float64 reference."""
+    model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
+                            scheduler=name, hardware="rtx5090", expert_shape="deepseek-v2-lite", fills_per_step=0)
+    layer = list(model_layers(model).values())[1]
+    layer.graph_mode = True
+    path, store, stats = layer.graph_path(), layer.store, layer.stats
+    torch.manual_seed(0)
+    fetched = 0
+    for tokens in (1, 8, 64, 64, 64):
+        hidden = torch.randn(tokens, store.host_gate_up.shape[2])
+        ids, weights = _skewed_routing(tokens, 4, store.num_experts)
+        path.pull()
+        resident = store.resident()
+        plan = layer.scheduler.place(torch.bincount(ids.flatten(), minlength=store.num_experts).tolist(), resident)
+        before = copy.copy(stats)
+        out = layer.forward(hidden, ids, weights)
+        path.pull()
+        assert stats.accelerator_experts - before.accelerator_experts == len(plan.accelerator)
+        assert stats.cpu_experts - before.cpu_experts == len(plan.cpu)
+        assert stats.misses - before.misses == sum(not resident[e] for e in plan.accelerator + plan.cpu)
+        assert stats.bytes_transferred - before.bytes_transferred == len(plan.fetch) * store.expert_bytes
+        for e in plan.accelerator:
+            s = store.expert_slot[e]
+            assert s >= 0 and torch.equal(store.slot_gate_up[s], store.host_gate_up[e])
+            assert torch.equal(store.slot_down[s], store.host_down[e])
+        want = accumulate_experts_(torch.zeros(hidden.shape, dtype=torch.float64), hidden.double(), ids,
+                                   weights.double(), store.host_gate_up.double(), store.host_down.double())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        fetched += len(plan.fetch)
+    assert (fetched > 0) == (name != "all_cpu")
+    if name == "all_cpu":
+        assert stats.accelerator_experts == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["on_demand", "dali_greedy"])  # the other forms: the test above
+def test_replay_safe_schedulers_match_reference_model(name):
+    """Where experts run never changes results: compiled steps on the replay-safe path against transformers."""
+    ref = load_model("deepseek-tiny", dtype=torch.float32)[0]
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, device="cpu", scheduler=name, hardware="rtx5090",
+                            expert_shape="deepseek-v2-lite")
+    for layer in model_layers(model).values():
+        layer.graph_mode = True
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randint(3, 2000, (2, 24))
+            want, got = ref(x).logits.double(), compiled(x).logits.double()
+            assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    stats = thm.stats(model).values()
+    assert all(s.steps == 3 for s in stats)
+    assert sum(s.accelerator_experts for s in stats) > 0 or name == "all_cpu"
+
+
+@needs_kernel
+def test_leading_dispatch_leaves_its_slot_fills_to_its_behind_half():
+    """Expert Deferral's immediate half (LEADING) counts the step but queues no copy: its deferred half (BEHIND)
+    reads the slots first and then queues the fills, which end where a plain dispatch's would."""
+    outcomes = []
+    for first in (PLAIN, LEADING):
+        model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25,
+                                device="cpu", fills_per_step=2, cache_policy="lfu")
+        layer = list(model_layers(model).values())[1]
+        layer.graph_mode = True
+        path = layer.graph_path()
+        torch.manual_seed(0)
+        hidden = torch.randn(8, layer.store.host_gate_up.shape[2])
+        (ids, weights), (later, later_w) = _skewed_routing(8, 3, 32), _skewed_routing(8, 1, 32)
+        tables = path.expert_slot.clone()
+        layer.end(layer.begin(hidden, ids, weights, first), hidden, first)
+        assert torch.equal(path.expert_slot, tables) == (first == LEADING)  # LEADING: nothing admitted yet
+        deferred = layer.begin(hidden, later, later_w, BEHIND)
+        layer.end(deferred, hidden, BEHIND)
+        path.pull()
+        outcomes.append((layer.store.expert_slot[:], layer.stats.as_dict()))
+    assert outcomes[0] == outcomes[1] and outcomes[0][1]["steps"] == 1 and outcomes[0][1]["bytes_transferred"] > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16"])
 def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
+    """Host masters stored in another format than the fp32 slots: converted on the device after the copy."""
     ref = load_model("deepseek-tiny", dtype=torch.float32)[0]  # experts 32 wide
     results = []
     for graph in (True, False):
@@ -312,12 +435,16 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
     from torch_hybrid_moe.runtime.costs import policy_context
 
     router = Router(torch.randn(8, 2), 2)
-    configs = (thm.HybridMoEConfig(scheduler="all_cpu"), thm.HybridMoEConfig(scheduler="dali_greedy", hardware="dali"),
+    configs = (thm.HybridMoEConfig(scheduler="queue_aware", hardware="dali"),
+               thm.HybridMoEConfig(scheduler="optimal", hardware="dali"),
                thm.HybridMoEConfig(prefetcher="impact", hardware="dali"))
     for config in configs:
         context = policy_context(config, LayerInfo(0, 8, 2, 24), hidden=2, inter=2, router=router)
-        with pytest.raises(ValueError, match="replay-safe"):
+        with pytest.raises(ValueError, match="CUDA graph"):
             _check_policies(config, context, capture=True)
         _check_policies(config, context, capture=False)  # fine uncaptured
+    for name in DEVICE_SCHEDULERS:
+        config = thm.HybridMoEConfig(scheduler=name, hardware="dali")
+        _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)
     config = thm.HybridMoEConfig(prefetcher="gate")
     _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)

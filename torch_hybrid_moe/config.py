@@ -37,8 +37,9 @@ class HybridMoEConfig:
         bandwidth-bound CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md.
     cuda_graph: on CUDA, capture each decode step of `generate()` as one CUDA graph (CPU experts run from host
         functions inside it; slot decisions are made by tensor ops at replay). False: run decode uncaptured.
-    fills_per_step: inside a graph, the most missed experts one layer step may copy into slots (each is a PCIe
-        copy overlapping the following layers).
+    fills_per_step: inside a graph, the most missed experts the cache policy may admit into slots per layer step
+        (each is a PCIe copy overlapping the following layers). A fetching scheduler's on-demand copies and the
+        gate prefetcher's (up to its `size`) come on top.
     cpu_threads: threads the CPU experts use inside graphs; 0 means torch's current thread count.
     mode: "exact" (the default: outputs are the unpatched model's) or "expert_deferral", KTransformers'
         approximate Expert Deferral: at every MoE layer but the last, each token's `deferred_experts`

@@ -8,6 +8,7 @@ placement costs. Hardware figures are published peak specifications times unifor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # Fractions of the spec-sheet peaks a well-written kernel sustains (our CPU kernel: 76-87% of measured
 # read bandwidth; GEMMs at small token counts run well below their peak rate).
@@ -79,6 +80,18 @@ EXPERT_SHAPES: dict[str, ExpertShape] = {
 }
 
 
+class Terms(NamedTuple):
+    """One expert's time on one side, in seconds: overhead + max(read, tokens * per_token) for tokens > 0, else 0.
+    The scalar form below and the tensor form of the replay-safe schedulers evaluate it the same way."""
+
+    overhead: float
+    read: float
+    per_token: float
+
+    def time(self, tokens: int) -> float:
+        return self.overhead + max(self.read, tokens * self.per_token) if tokens > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds for one expert of `expert` size: t_cpu(tokens), t_gpu(tokens), t_transfer()."""
@@ -86,27 +99,34 @@ class CostModel:
     hardware: Hardware
     expert: ExpertShape
 
-    def _time(self, tokens: int, bandwidth_gb_s: float, tflops: float, overhead_us: float,
-              experts: float = 1.0) -> float:
-        if tokens <= 0 or experts <= 0:
-            return 0.0
+    def _terms(self, bandwidth_gb_s: float, tflops: float, overhead_us: float, experts: float = 1.0) -> Terms:
         read = experts * self.expert.nbytes / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
-        compute = experts * tokens * self.expert.flops_per_token / (tflops * 1e12 * COMPUTE_EFFICIENCY)
-        return overhead_us * 1e-6 + max(read, compute)
+        per_token = experts * self.expert.flops_per_token / (tflops * 1e12 * COMPUTE_EFFICIENCY)
+        return Terms(overhead_us * 1e-6, read, per_token)
+
+    @property
+    def cpu(self) -> Terms:
+        h = self.hardware
+        return self._terms(h.cpu_bandwidth_gb_s, h.cpu_tflops, h.cpu_overhead_us)
+
+    @property
+    def gpu(self) -> Terms:
+        h = self.hardware
+        return self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us)
 
     def t_cpu(self, tokens: int) -> float:
-        h = self.hardware
-        return self._time(tokens, h.cpu_bandwidth_gb_s, h.cpu_tflops, h.cpu_overhead_us)
+        return self.cpu.time(tokens)
 
     def t_gpu(self, tokens: int) -> float:
-        h = self.hardware
-        return self._time(tokens, h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us)
+        return self.gpu.time(tokens)
 
     def t_dense(self, tokens: int) -> float:
         """GPU time of the rest of one decoder block (attention, shared experts) for `tokens` tokens; the KV
         cache's reads, which grow with the context, are left out."""
         h = self.hardware
-        return self._time(tokens, h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, self.expert.dense)
+        if self.expert.dense <= 0:
+            return 0.0
+        return self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, self.expert.dense).time(tokens)
 
     def t_transfer(self) -> float:
         h = self.hardware

@@ -8,12 +8,15 @@ MoE layer's block output has been added to it:
     O_k     = I_k + S_k(I_k) + R_{k-1}^def(I_{k-1}) + R_k^imm(I_k)      (R_{k-1}^def absent at the first MoE layer,
     O_last  = I_L + S_L(I_L) + R_{L-1}^def(I_{L-1}) + R_L^all(I_L)       the last one defers nothing)
 
-with O the decoder layer's output after its MoE block. The immediate half stays a `hybrid_moe::dispatch` of
-the top-(K - N) pairs. The deferred half is split: `dispatch_begin` right after it (the graph goes on
-with the immediate output passed through it), `dispatch_end` right before its output is added, after the
-next block's residual add (on which it depends, so Inductor cannot move it earlier). On the replay-safe (CUDA graph) path the deferred CPU experts then run on the CPU
-worker while the next decoder block's attention and GPU experts do (KTransformers' overlap); it uses its own
-pinned task buffers (`runtime.graph_path.BEHIND`). Elsewhere `dispatch_begin` runs the whole step and `dispatch_end` only rounds.
+with O the decoder layer's output after its MoE block. The immediate half is a whole step of the top-(K - N)
+pairs (`dispatch_begin` and `dispatch_end` back to back, part `runtime.graph_path.LEADING`: it counts the step
+and leaves its slot fills to the deferred half, whose slot reads then need not wait for those copies). The
+deferred half is split: `dispatch_begin` right after it (the graph goes on with the immediate output passed
+through it), `dispatch_end` right before its output is added, after the next block's residual add (on which it
+depends, so Inductor cannot move it earlier). On the replay-safe (CUDA graph) path the deferred CPU experts then
+run on the CPU worker while the next decoder block's attention and GPU experts do (KTransformers' overlap); it
+uses its own pinned task buffers (`runtime.graph_path.BEHIND`). Elsewhere `dispatch_begin` runs the whole step
+and `dispatch_end` only rounds.
 
 The residual add is found from each MoE layer's (original) dispatch node: the nodes reachable from it
 through its users while still inside the MoE block (the module enclosing the `*Experts` module in
@@ -33,11 +36,10 @@ import torch
 import torch.fx as fx
 
 from ..runtime import get_layer
-from ..runtime.graph_path import BEHIND
-from .graph_utils import DISPATCH, DISPATCH_END, begin_after, block_and_layer, calls, module_paths
+from ..runtime.graph_path import BEHIND, LEADING
+from .graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, begin_after, block_and_layer, calls, module_paths
 
 _ADDS = {operator.add, operator.iadd, torch.add, torch.Tensor.add, torch.ops.aten.add.Tensor}
-_DEFERRED = "hybrid_moe_deferred"  # node meta flag: a dispatch this pass already split
 
 
 
@@ -102,7 +104,7 @@ def insert_expert_deferral(gm: fx.GraphModule, deferred_experts: int | None = No
     mode "exact" layers are left alone); an int applies that count to every layer (0: no change).
     """
     graph = gm.graph
-    dispatches = [n for n in graph.nodes if calls(n, DISPATCH) and not n.meta.get(_DEFERRED)]
+    dispatches = [n for n in graph.nodes if calls(n, DISPATCH)]  # a layer split already has none left
     by_handle = {n.args[3]: n for n in dispatches}
 
     def count(handle: int) -> int:
@@ -157,9 +159,15 @@ def _split(graph: fx.Graph, this: _MoELayer, after: _MoELayer, top_k: int, n_def
 
         imm_ids, imm_w = part(ids_sorted, 0, keep), part(w_sorted, 0, keep)
         def_ids, def_w = part(ids_sorted, keep, n_def), part(w_sorted, keep, n_def)
-    node.args = (hidden, imm_ids, imm_w, handle)
-    node.meta[_DEFERRED] = True
-    partial = begin_after(graph, node, (hidden, def_ids, def_w, handle, BEHIND))
+    with graph.inserting_before(node):  # the immediate half: a whole step that leaves its slot fills to the other
+        begun = graph.call_function(DISPATCH_BEGIN.default, (hidden, imm_ids, imm_w, handle, LEADING, hidden))
+        first = graph.call_function(operator.getitem, (begun, 0))
+        immediate = graph.call_function(DISPATCH_END.default, (first, hidden, handle, LEADING, first))
+    for new in (begun, first, immediate):
+        new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+    node.replace_all_uses_with(immediate)
+    graph.erase_node(node)
+    partial = begin_after(graph, immediate, (hidden, def_ids, def_w, handle, BEHIND))
     residual = after.residual_add
     with graph.inserting_after(residual):
         deferred = graph.call_function(DISPATCH_END.default, (partial, hidden, handle, BEHIND, residual))

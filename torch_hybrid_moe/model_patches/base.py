@@ -20,6 +20,7 @@ from ..config import HybridMoEConfig
 from ..ops.quantize import check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
+from ..policies.device_scheduling import device_scheduler
 from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context
@@ -191,17 +192,16 @@ def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None
 def _check_policies(config: HybridMoEConfig, context: dict[str, object], capture: bool) -> None:
     """Build each policy once before anything changes: one that cannot run live (a cost-aware scheduler
     without `hardware=`) or, with `capture`, cannot run inside a CUDA graph fails here, not halfway through."""
-    SCHEDULERS.create(config.scheduler, **context)
+    scheduler = SCHEDULERS.create(config.scheduler, **context)
     cache = CACHE_POLICIES.create(config.cache_policy, **context)
     PREFETCHERS.create(config.prefetcher, **context)
     if capture:
         device_ranking(cache, context["info"].num_experts, torch.device("cpu"))
-        for field, value, safe in (("scheduler", config.scheduler, ("cached_on_accelerator",)),
-                                   ("prefetcher", config.prefetcher, DEVICE_PREFETCHERS)):
-            if value not in safe:
-                raise ValueError(f"{field} {value!r} has no replay-safe form for CUDA graphs yet (only "
-                                 f"{', '.join(map(repr, safe))}); use HybridMoEConfig(cuda_graph=False) to run it "
-                                 "uncaptured")
+        device_scheduler(scheduler)
+        if config.prefetcher not in DEVICE_PREFETCHERS:
+            raise ValueError(f"prefetcher {config.prefetcher!r} has no replay-safe form for CUDA graphs yet (only "
+                             f"{', '.join(map(repr, DEVICE_PREFETCHERS))}); use HybridMoEConfig(cuda_graph=False) to "
+                             "run it uncaptured")
 
 
 def _check_fits(device: torch.device, slot_bytes: int) -> None:

@@ -56,8 +56,9 @@ def dispatch_begin(
     """`dispatch` in two halves, for a result needed later (Expert Deferral's deferred experts, DAOP's early
     pairs): on a captured step the CPU share is handed to the worker and this returns with it still running;
     `dispatch_end` of the same (layer, part) waits for it. `part` is runtime.graph_path's AHEAD (begun before the
-    layer's plain dispatch of the step, which counts and admits for it) or BEHIND (begun after it, computes
-    only); each has its own pinned task buffers, so a half-finished step never shares them.
+    layer's plain dispatch of the step, which counts and admits for it), BEHIND (begun after a LEADING one,
+    computes only, then queues the slot fills it left) or LEADING (a whole step ended at once, Expert Deferral's
+    immediate half); each has its own pinned task buffers, so a half-finished step never shares them.
 
     Returns (fp32 partial sum, a copy of `carry`). The graph goes on with that copy instead of `carry`, so
     whatever follows it runs after the CPU share was handed over: without the data dependency Inductor may

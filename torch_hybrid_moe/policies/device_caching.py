@@ -131,22 +131,41 @@ def admissions(
     return torch.where(admit, cand, -1), victim
 
 
+def _swap_in(
+    candidates: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, expert_slot: torch.Tensor,
+    slot_expert: torch.Tensor, k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best candidates (value > -inf, missing experts) each take the slot the cache ranking `values` gives up
+    first (a free slot first), never a slot holding a `keep` expert; (expert, slot) pairs, -1 expert where
+    nothing is copied."""
+    neg, pos = float("-inf"), float("inf")
+    held_expert = slot_expert.clamp(min=0)
+    held = torch.where(slot_expert >= 0, torch.where(keep[held_expert], pos, values[held_expert].double()), neg)
+    cand_value, cand, victim_value, victim = _pairs(candidates, held, k)
+    admit = (cand_value > neg) & (victim_value < pos)
+    return torch.where(admit, cand, -1), victim
+
+
 DEVICE_PREFETCHERS = ("none", "gate")
 
 
 def prefetch_admissions(
     priority: torch.Tensor, size: int, values: torch.Tensor, expert_slot: torch.Tensor, slot_expert: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate prefetch as tensors: the `size` experts of highest `priority` (> 0) are wanted; each one not
-    resident, in priority order, takes the slot the cache ranking `values` gives up first (a free slot first),
-    never a slot holding a wanted expert; (expert, slot) pairs, -1 expert where nothing is copied. The same
-    choice as the Python path's `select` followed by `choose_slot` (tests/test_graph_path.py)."""
-    neg, pos = float("-inf"), float("inf")
+    """The gate prefetch as tensors: the `size` experts of highest `priority` (> 0) are wanted and swapped in, in
+    priority order, never displacing a wanted one. The same choice as the Python path's `select` followed by
+    `choose_slot` (tests/test_graph_path.py)."""
     top_value, top = priority.topk(size)
     wanted = torch.zeros_like(expert_slot, dtype=torch.bool).scatter_(0, top, top_value > 0)
-    candidates = torch.where(wanted & (expert_slot < 0), priority, neg)
-    held_expert = slot_expert.clamp(min=0)
-    held = torch.where(slot_expert >= 0, torch.where(wanted[held_expert], pos, values[held_expert].double()), neg)
-    cand_value, cand, victim_value, victim = _pairs(candidates, held, min(size, len(slot_expert)))
-    admit = (cand_value > neg) & (victim_value < pos)
-    return torch.where(admit, cand, -1), victim
+    candidates = torch.where(wanted & (expert_slot < 0), priority, float("-inf"))
+    return _swap_in(candidates, wanted, values, expert_slot, slot_expert, min(size, len(slot_expert)))
+
+
+def fetch_admissions(
+    fetch: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, expert_slot: torch.Tensor, slot_expert: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scheduler's on-demand fetches (the `fetch` mask, at most k) swapped in lowest id first, never displacing
+    an expert the step runs on the accelerator (`keep`): the Python path's `choose_slot` per fetch in plan order."""
+    order = torch.arange(len(fetch), 0, -1, device=fetch.device, dtype=torch.float64)  # lowest id ranks first
+    return _swap_in(torch.where(fetch, order, float("-inf")), keep, values, expert_slot, slot_expert, k)

@@ -1,12 +1,14 @@
 """One MoE layer's step in a form a CUDA graph can capture once and replay under any routing.
 
-Per step, in stream order: look up each routed expert's slot in a device table; copy the hidden states, the
-CPU's (token, expert) pairs and the routing weights into pinned buffers; the `submit` host function hands the
-CPU share to the worker thread; the GPU computes the slot share (static shapes, `slot_experts_`); the `sync`
-host function waits for the CPU; its fp32 output is copied in and added. Then, on a side stream overlapping the
-following layers, the cache policy's tensor form updates its ranking and admits up to `fills_per_step` missed
-experts: a Triton kernel copies them from the pinned host master into the slots the ranking gives up, and the
-slot tables are updated. With the "gate" prefetcher, the previous layer's routing also starts this layer's
+Per step, in stream order: the scheduler's tensor form places the step's experts from their token counts and
+the device slot table; copy the hidden states, the CPU's (token, expert) pairs and the routing weights into
+pinned buffers; the `submit` host function hands the CPU share to the worker thread; missing experts placed on
+the GPU are copied into slots (the cache ranking gives the victims) while the CPU works; the GPU computes the
+slot share (static shapes, `slot_experts_`); the `sync` host function waits for the CPU; its fp32 output is
+copied in and added. Right after the slot share is queued, a side stream (overlapping the CPU share and the
+following layers) runs the cache policy's tensor form: it updates its ranking and admits up to
+`fills_per_step` missed experts; a Triton kernel copies them from the pinned host master into the slots the
+ranking gives up, and the slot tables are updated. With the "gate" prefetcher, the previous layer's routing also starts this layer's
 prefetch on that stream: this layer's router on the previous layer's gate input picks the experts to copy in
 (`prefetch_admissions`). A layer's step waits, through an event, for the last fill-stream work the same step
 queued for that layer (its prefetch, or the fills of an earlier dispatch of the same layer); the fill stream
@@ -35,7 +37,9 @@ from ..ops.cpu_kernel import extension
 from ..ops.expert_math import slot_experts_
 from ..ops.quantize import QuantizedWeight, dequantize, kernel_operands
 from ..ops.row_copy import copy_rows_, device_view
-from ..policies.device_caching import DEVICE_PREFETCHERS, admissions, device_ranking, prefetch_admissions
+from ..policies.device_caching import (DEVICE_PREFETCHERS, admissions, device_ranking, fetch_admissions,
+                                       prefetch_admissions)
+from ..policies.device_scheduling import device_scheduler
 
 if TYPE_CHECKING:
     from .layer import HybridMoELayer
@@ -45,7 +49,10 @@ if TYPE_CHECKING:
 PLAIN = 0  # a whole dispatch: counts the step and admits into slots
 AHEAD = 1  # begun before the layer's plain dispatch of the step (DAOP's early pairs): that dispatch counts and
 # admits for it, so the slots its routing assumed stay put until then
-BEHIND = 2  # begun after the layer's plain dispatch (Expert Deferral's deferred pairs): it only computes
+BEHIND = 2  # begun after the layer's LEADING dispatch (Expert Deferral's deferred pairs): it only computes, then
+# queues the admission that dispatch left to it
+LEADING = 3  # a plain dispatch followed in the step by a BEHIND half (Expert Deferral's immediate pairs): it
+# counts the step but leaves the admission to that half, whose slot reads would otherwise wait for the copies
 
 _replays = itertools.count(1)
 _last_replay = [0]
@@ -82,7 +89,8 @@ class GraphPath:
     """The replay-safe step of one layer; its slot tables are the device copy of the store's `SlotMap`."""
 
     # Counters accumulated on the device, folded into LayerStats when the tables are pulled.
-    COUNTERS = ("steps", "tokens", "hits", "misses", "admitted", "prefetch_calls", "prefetched")
+    COUNTERS = ("steps", "tokens", "hits", "misses", "accelerator_experts", "cpu_experts", "fetched", "admitted",
+                "prefetch_calls", "prefetched")
 
     def __init__(self, layer: HybridMoELayer) -> None:
         if extension() is None:
@@ -93,12 +101,14 @@ class GraphPath:
         self.num_experts, self.num_slots = store.num_experts, store.num_slots
         self.fills = min(layer.config.fills_per_step, self.num_slots)
         self.ranking = device_ranking(layer.cache_policy, self.num_experts, self.device)
+        self.scheduler = device_scheduler(layer.scheduler)
         self.expert_slot = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
         self.slot_expert = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
         self.counters = torch.zeros(len(self.COUNTERS), dtype=torch.float64, device=self.device)
         self._buffers: dict[tuple, _TaskBuffers] = {}
         self._pending: dict[int, _TaskBuffers | None] = {}  # by part: a started step's CPU task, until finished
-        self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # an AHEAD half's routing, for its counts
+        self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # an AHEAD half's counts and scores per expert
+        self._unadmitted: tuple[torch.Tensor, torch.Tensor] | None = None  # a LEADING dispatch's, for its BEHIND half
         self._host = {name: self._readable(getattr(store, f"host_{name}")) for name in ("gate_up", "down")}
         self.prefetcher = self._device_prefetcher(layer)
         self._ready: torch.cuda.Event | None = None  # this step's last fill-stream work for this layer
@@ -149,18 +159,13 @@ class GraphPath:
         store.expert_slot[:] = self.expert_slot.tolist()
         store.version += 1
         self.pushed_version = store.version
-        steps, tokens, hits, misses, admitted, prefetch_calls, prefetched = (int(v) for v in self.counters.tolist())
+        c = dict(zip(self.COUNTERS, (int(v) for v in self.counters.tolist())))
         self.counters.zero_()
         s = self.layer.stats
-        s.steps += steps
-        s.tokens += tokens
-        s.hits += hits
-        s.misses += misses
-        s.accelerator_experts += hits
-        s.cpu_experts += misses
-        s.prefetch_calls += prefetch_calls
-        s.prefetched_experts += prefetched
-        s.bytes_transferred += (admitted + prefetched) * store.expert_bytes
+        for name in ("steps", "tokens", "hits", "misses", "accelerator_experts", "cpu_experts", "prefetch_calls"):
+            setattr(s, name, getattr(s, name) + c[name])
+        s.prefetched_experts += c["prefetched"]
+        s.bytes_transferred += (c["fetched"] + c["admitted"] + c["prefetched"]) * store.expert_bytes
         self.pulled_replay = _last_replay[0]
 
     def prepare_replay(self) -> None:
@@ -171,8 +176,7 @@ class GraphPath:
 
     def start_step(self) -> None:
         """Before a decode step is run or captured: no copy of this step is queued for the layer yet."""
-        self._ready = None
-        self._ahead = None
+        self._ready = self._ahead = self._unadmitted = None
 
     def resident(self) -> torch.Tensor:
         """The slot map as a bool [E] device tensor, once this step's copies queued for the layer are done."""
@@ -186,32 +190,53 @@ class GraphPath:
     # -- the step ---------------------------------------------------------------------------------------------
 
     def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
-        """Submit the CPU share (task buffers `part`), compute the slot share, queue the cache's fills as `part`
-        says (PLAIN, AHEAD, BEHIND above); returns the fp32 accumulator `finish` completes once the CPU share is in."""
+        """Place the step's experts (the scheduler's tensor form), submit the CPU share (task buffers `part`), copy
+        in the missing experts placed on the accelerator, compute the slot share, queue the cache's fills as
+        `part` says (PLAIN, AHEAD, BEHIND, LEADING above); returns the fp32 accumulator `finish` completes once the CPU
+        share is in."""
         store = self.layer.store
         self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
         self._wait_for_copies()
         ids = topk_ids.long()
-        slot_of = torch.where(ids >= 0, self.expert_slot[ids.clamp(min=0)], -1)  # id -1: another dispatch's pair
-        on_slots = slot_of >= 0
+        valid, expert = ids >= 0, ids.clamp(min=0)  # id -1: another dispatch's pair
+        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
+        counts.scatter_add_(0, expert.flatten(), valid.flatten().float())
+        scores = torch.zeros_like(counts).scatter_add_(0, expert.flatten(), topk_weights.flatten().float() * valid.flatten())
+        resident = self.expert_slot >= 0
+        on_accelerator = self.scheduler.place(counts, resident, self.num_slots, min(self.num_experts, ids.numel()))
+        on_slot = valid & on_accelerator[expert]
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         buf = None
-        if self.num_slots < self.num_experts:
+        if self.num_slots < self.num_experts or not self.scheduler.residents_on_accelerator:
             buf = self._task_buffers(hidden, ids, part)
             buf.hidden.copy_(hidden, non_blocking=True)
-            buf.ids.copy_(torch.where(on_slots, -1, ids), non_blocking=True)
+            buf.ids.copy_(torch.where(on_slot, -1, ids), non_blocking=True)
             buf.weights.copy_(topk_weights, non_blocking=True)
             self._launch(buf.task, "submit")
+        if self.scheduler.fetches and 0 < self.num_slots < self.num_experts:  # on-demand copies, while the CPU runs
+            fetched, slot = fetch_admissions(on_accelerator & ~resident, on_accelerator, self.ranking.values,
+                                             self.expert_slot, self.slot_expert, min(self.num_slots, self.num_experts, ids.numel()))
+            self._fill(fetched, slot)
+            self._count(fetched=(fetched >= 0).sum())
         if self.num_slots:
-            slot_experts_(acc, hidden, torch.where(on_slots, slot_of, -1), topk_weights, store.slot_gate_up,
-                          store.slot_down)
-        if part == PLAIN:
+            slot_experts_(acc, hidden, torch.where(on_slot, self.expert_slot[expert], -1), topk_weights,
+                          store.slot_gate_up, store.slot_down)
+        self._count(accelerator_experts=on_accelerator.sum(), cpu_experts=((counts > 0) & ~on_accelerator).sum())
+        if part in (PLAIN, LEADING):
             ahead, self._ahead = self._ahead, None
             if ahead is not None:
-                ids, topk_weights = (torch.cat((mine, theirs), 1) for mine, theirs in zip((ids, topk_weights), ahead))
-            self._account_and_admit(ids, topk_weights)
-        elif part == AHEAD:  # copies: Inductor may reuse the originals' memory once this op returns
-            self._ahead = ids.clone(), topk_weights.clone()
+                counts, scores = counts + ahead[0], scores + ahead[1]
+            active = counts > 0
+            self._count(steps=1, tokens=ids.shape[0], hits=(active & resident).sum(), misses=(active & ~resident).sum())
+            if part == PLAIN:
+                self._on_fill_stream(self._admit, counts, scores)
+            else:
+                self._unadmitted = counts, scores
+        elif part == AHEAD:
+            self._ahead = counts, scores
+        elif self._unadmitted is not None:  # BEHIND: its slot reads are queued, the copies may follow
+            unadmitted, self._unadmitted = self._unadmitted, None
+            self._on_fill_stream(self._admit, *unadmitted)
         self._pending[part] = buf
         return acc
 
@@ -269,10 +294,6 @@ class GraphPath:
         for name, value in values.items():
             self.counters[self.COUNTERS.index(name)] += value
 
-    def _account_and_admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """Counters, the ranking update and slot fills; on CUDA on the fill stream, after this layer's compute."""
-        self._on_fill_stream(self._admit, ids, weights)
-
     def _on_fill_stream(self, work: Callable[..., None], *tensors: torch.Tensor) -> None:
         """Run `work` on copies of `tensors` on the fill stream, after what the compute stream queued so far, and
         note its end for this layer's next dispatch in the step (on CUDA); elsewhere, now."""
@@ -289,35 +310,29 @@ class GraphPath:
             self._ready = torch.cuda.Event()
             self._ready.record(stream)
 
-    def _admit(self, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        flat, valid = ids.flatten().clamp(min=0), (ids.flatten() >= 0).float()
-        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
-        counts.scatter_add_(0, flat, valid)
-        scores = torch.zeros_like(counts).scatter_add_(0, flat, weights.flatten().float() * valid)
-        active = counts > 0
-        resident = self.expert_slot >= 0
+    def _admit(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """The ranking update and slot fills of one layer step (counts and summed scores per expert)."""
         may_change = self.ranking.update(counts, scores)
-        admitted = 0
-        if self.fills:
-            expert, slot = admissions(self.ranking.values, may_change, self.ranking.candidates(active),
-                                      self.expert_slot, self.slot_expert, min(self.fills, self.ranking.max_fills or self.fills))
+        cap = self.ranking.max_fills
+        fills = self.fills if cap is None else min(self.fills, cap)
+        if fills:
+            expert, slot = admissions(self.ranking.values, may_change, self.ranking.candidates(counts > 0),
+                                      self.expert_slot, self.slot_expert, fills)
             self._fill(expert, slot)
-            admitted = (expert >= 0).sum()
-        self._count(steps=1, tokens=ids.shape[0], hits=(active & resident).sum(), misses=(active & ~resident).sum(),
-                    admitted=admitted)
+            self._count(admitted=(expert >= 0).sum())
 
     def _fill(self, expert: torch.Tensor, slot: torch.Tensor) -> None:
         """Copy admitted experts (id >= 0) into their slots from the host master, then update the tables."""
         store = self.layer.store
         for dst, src in ((store.slot_gate_up, self._host["gate_up"]), (store.slot_down, self._host["down"])):
-            if isinstance(src, QuantizedWeight):  # cross PCIe quantised, dequantise on the device
-                staged = [torch.empty((expert.numel(), *t.shape[1:]), dtype=t.dtype, device=self.device)
-                          for t in (src.data, src.scale)]
+            if isinstance(src, QuantizedWeight) or src.dtype != dst.dtype:  # cross PCIe as stored, convert here
+                parts = (src.data, src.scale) if isinstance(src, QuantizedWeight) else (src,)
                 rows = torch.arange(expert.numel(), device=self.device)
-                copy_rows_(staged[0], rows, src.data, expert)
-                copy_rows_(staged[1], rows, src.scale, expert)
-                copy_rows_(dst, slot, dequantize(*staged, src.bits, src.group_size).to(dst.dtype),
-                           torch.where(expert >= 0, rows, -1))
+                staged = [torch.empty((expert.numel(), *t.shape[1:]), dtype=t.dtype, device=self.device) for t in parts]
+                for into, t in zip(staged, parts):
+                    copy_rows_(into, rows, t, expert)
+                weights = dequantize(*staged, src.bits, src.group_size) if len(staged) == 2 else staged[0]
+                copy_rows_(dst, slot, weights.to(dst.dtype), torch.where(expert >= 0, rows, -1))
             else:
                 copy_rows_(dst, slot, src, expert)
         admit = expert >= 0

@@ -84,9 +84,11 @@ class HybridMoELayer:
     def begin(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
         """The step up to its fp32 partial sum. On the replay-safe path the CPU share is still running when this
         returns (`end` waits for it), so work placed in between overlaps it; elsewhere the step is complete.
-        `part` (graph_path.PLAIN, AHEAD, BEHIND) also says who counts the step and admits into slots: a plain
-        dispatch does, for itself and for an AHEAD half begun before it (DAOP's early pairs, whose routing
-        assumed the slots stay put until then); a BEHIND half (Expert Deferral's deferred pairs) only computes."""
+        `part` (graph_path.PLAIN, AHEAD, BEHIND, LEADING) also says who counts the step and admits into slots: a
+        plain dispatch does, for itself and for an AHEAD half begun before it (DAOP's early pairs, whose routing
+        assumed the slots stay put until then); a BEHIND half (Expert Deferral's deferred pairs) only computes.
+        A LEADING dispatch (Expert Deferral's immediate pairs) is a plain one here; on the replay-safe path its
+        BEHIND half queues its slot fills."""
         if self.graph_mode:
             return self.graph_path().start(hidden, topk_ids, topk_weights, part)
         return self._accumulate(hidden, topk_ids, topk_weights, part)

@@ -1,0 +1,74 @@
+"""The project's Triton kernels without a GPU: each compiles for an H100 (sm_90, Triton's own ptxas), and runs
+under Triton's interpreter on CPU tensors against the torch form it stands in for. Skipped where Triton is
+not installed (the CPU wheel of torch does not bring it)."""
+
+import random
+
+import pytest
+import torch
+
+from torch_hybrid_moe.ops import placement_walks, row_copy
+
+triton = pytest.importorskip("triton", reason="Triton is not installed here")
+
+
+def _interpreted(build, monkeypatch):  # noqa: ANN001, ANN202
+    """The kernels `build` makes, decorated anew under TRITON_INTERPRET=1 (the cached ones stay as they are)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernels = build.__wrapped__()
+    if "Interpreted" not in type(kernels[0] if isinstance(kernels, tuple) else kernels).__name__:
+        pytest.skip("this Triton decides interpretation at import, before the test could ask for it")
+    return kernels
+
+
+def test_kernels_compile_for_an_h100():
+    from triton.backends.compiler import GPUTarget
+
+    dali, hybrimoe = placement_walks._kernels()
+    f64, i8, i64 = "*fp64", "*i8", "*i64"
+    cases = (
+        (row_copy._kernel(), {"dst": "*i32", "src": "*i32", "dst_idx": i64, "src_idx": i64, "row_words": "i32",
+                              "BLOCK": "constexpr"}, {"BLOCK": row_copy._BLOCK}),
+        (dali, {"n_ptr": "*fp32", "res_ptr": i8, "cpu_ptr": f64, "gpu_ptr": f64, "room_ptr": i64, "take_ptr": i8,
+                "steps": "constexpr"}, {"steps": 6}),
+        (hybrimoe, {"res_ptr": i8, "cpu_ptr": f64, "gpu_ptr": f64, "room_ptr": i64, "active_ptr": i64,
+                    "transfer_ptr": f64, "take_ptr": i8, "steps": "constexpr", "size": "i32"}, {"steps": 6}),
+    )
+    for fn, signature, constexprs in cases:
+        source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"]
+
+
+def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
+    dali, hybrimoe = _interpreted(placement_walks._kernels, monkeypatch)
+    rng = random.Random(0)
+    sent = 0
+    for _ in range(200):
+        size = rng.randint(1, 10)
+        n = torch.tensor([float(rng.choice([0, 1, 2, 5, 20, 60])) for _ in range(size)])
+        resident = torch.tensor([rng.random() < 0.4 for _ in range(size)])
+        cpu, gpu = torch.rand(size, dtype=torch.float64), torch.rand(size, dtype=torch.float64)
+        room, active, steps = torch.tensor(rng.randint(0, 4)), torch.tensor(rng.randint(0, size)), rng.randint(0, size)
+        transfer = rng.random()
+        for kernel, args, want in (
+            (dali, (n, resident.to(torch.int8), cpu, gpu, room), placement_walks.dali_walk(n, resident, cpu, gpu, room, steps)),
+            (hybrimoe, (resident.to(torch.int8), cpu, gpu, room, active, torch.tensor(transfer, dtype=torch.float64)),
+             placement_walks.hybrimoe_walk(resident, cpu, gpu, room, active, transfer, steps)),
+        ):
+            take = torch.zeros(size, dtype=torch.int8)
+            kernel[(1,)](*args, take, steps, *((size,) if kernel is hybrimoe else ()))
+            assert torch.equal(take.bool(), want)
+            sent += int(want.sum())
+    assert sent > 100  # the walks sent experts both ways
+
+
+def test_row_copy_kernel_copies_what_the_torch_form_copies(monkeypatch):
+    kernel = _interpreted(row_copy._kernel, monkeypatch)
+    src = torch.randn(6, 3, row_copy._BLOCK + 7)  # rows span two programs
+    want, got = torch.zeros(4, *src.shape[1:]), torch.zeros(4, *src.shape[1:])
+    dst_idx, src_idx = torch.tensor([2, 0, 3]), torch.tensor([5, -1, 1])  # -1: nothing copied into slot 0
+    row_copy.copy_rows_(want, dst_idx, src, src_idx)  # the torch form (CPU tensors)
+    d, s = row_copy._words(got), row_copy._words(src)
+    kernel[(3, -(-d.shape[1] // row_copy._BLOCK))](d, s, dst_idx, src_idx, d.shape[1], BLOCK=row_copy._BLOCK)
+    assert torch.equal(got, want) and got[0].abs().sum() == 0

@@ -1,0 +1,138 @@
+"""Schedulers as tensor functions, for steps replayed from a CUDA graph.
+
+A replayed graph runs no Python, so the placement of a captured decode step is decided by tensor ops on the
+device: from the step's token count per expert and the slot map, which activated experts run on the
+accelerator (a missing one after an on-demand copy inside the step) and which on the CPU. Each form makes the
+same choice as its Python scheduler in `schedulers.py` (compared on random steps in tests/test_graph_path.py);
+the cost-aware ones evaluate the same `CostModel` terms in float64, in the same order, so ties break alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cost_model import CostModel, Terms
+from ..ops.placement_walks import dali_walk, hybrimoe_walk
+from .schedulers import AllOnCPU, CachedOnAccelerator, DaliGreedy, Fiddler, HybriMoE, OnDemand
+
+
+class DeviceScheduler:
+    """`place(counts [E] float, resident [E] bool, num_slots, max_active) -> on_accelerator [E] bool` without host
+    synchronisation; `max_active` bounds the experts one step activates (min(E, routed pairs): a static shape)."""
+
+    fetches = True  # may put a missing expert on the accelerator (the step then copies it into a slot first)
+    residents_on_accelerator = True  # a resident expert always runs from its slot (no CPU task at a full budget)
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _room(counts: torch.Tensor, resident: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """How many missing experts the step may fetch: slots not holding an active resident expert."""
+    return num_slots - ((counts > 0) & resident).sum()
+
+
+def _heaviest(eligible: torch.Tensor, counts: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+    """The first `room` eligible experts by (most tokens, lowest id), as a mask: the Python forms' sort order."""
+    order = torch.sort(torch.where(eligible, counts, -1.0), descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    return eligible & (rank < room)
+
+
+def _time(terms: Terms, counts: torch.Tensor) -> torch.Tensor:
+    """`Terms.time` per expert, in float64 like the Python number."""
+    n = counts.double()
+    return torch.where(n > 0, terms.overhead + torch.clamp(n * terms.per_token, min=terms.read), 0.0)
+
+
+class CachedOnAcceleratorForm(DeviceScheduler):
+    fetches = False
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        return (counts > 0) & resident
+
+
+class AllOnCPUForm(DeviceScheduler):
+    fetches = residents_on_accelerator = False
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        return torch.zeros_like(resident)
+
+
+class OnDemandForm(DeviceScheduler):
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        active = counts > 0
+        return (active & resident) | _heaviest(active & ~resident, counts, _room(counts, resident, num_slots))
+
+
+class FiddlerForm(DeviceScheduler):
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        c = self.costs
+        active = counts > 0
+        worth = _time(c.cpu, counts) > c.t_transfer() + _time(c.gpu, counts)
+        return (active & resident) | _heaviest(active & ~resident & worth, counts, _room(counts, resident, num_slots))
+
+
+class DaliGreedyForm(DeviceScheduler):
+    """DALI's greedy: the step's experts in the Python form's order, walked by `ops.placement_walks`."""
+
+    residents_on_accelerator = False  # a heavy step may send a cached expert to an idle CPU
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        c = self.costs
+        # (most tokens, resident first, lowest id) as one descending stable sort; inactive experts sort last
+        order = torch.sort(counts.double() * 2 + resident, descending=True, stable=True).indices
+        n, res = counts[order], resident[order]
+        gpu = _time(c.gpu, n) + (~res).double() * c.t_transfer()  # + 0.0 when resident, as in Python
+        take = dali_walk(n, res, _time(c.cpu, n), gpu, _room(counts, resident, num_slots), max_active)
+        return torch.zeros_like(take).scatter_(0, order, take)
+
+
+class HybriMoEForm(DeviceScheduler):
+    """HybriMoE's two-ended queue (GPU from the head, CPU from the tail), walked by `ops.placement_walks`, with
+    the link idle at the step's start as live layers see it."""
+
+    residents_on_accelerator = False  # the CPU may take light cached experts from the tail
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        c = self.costs
+        active = counts > 0
+        # the queue: active cached experts, then active missing ones, each by load descending, then id
+        rank = torch.where(active, 1.0 + resident.double(), 0.0) * 2.0**32 + counts.double()
+        order = torch.sort(rank, descending=True, stable=True).indices
+        n, res = counts[order], resident[order]
+        take = hybrimoe_walk(res, _time(c.cpu, n), _time(c.gpu, n), _room(counts, resident, num_slots),
+                             active.sum(), c.t_transfer(), max_active)
+        return torch.zeros_like(take).scatter_(0, order, take)
+
+
+def device_scheduler(scheduler: object) -> DeviceScheduler:
+    """The tensor form of a live scheduler object, with its cost model."""
+    if isinstance(scheduler, CachedOnAccelerator):
+        return CachedOnAcceleratorForm()
+    if isinstance(scheduler, AllOnCPU):
+        return AllOnCPUForm()
+    if isinstance(scheduler, OnDemand):
+        return OnDemandForm()
+    if isinstance(scheduler, Fiddler):
+        return FiddlerForm(scheduler.costs)
+    if isinstance(scheduler, DaliGreedy):
+        return DaliGreedyForm(scheduler.costs)
+    if isinstance(scheduler, HybriMoE):  # live layers' timeline is the idle link its form assumes
+        return HybriMoEForm(scheduler.costs)
+    raise ValueError(
+        f"scheduler {type(scheduler).__name__} has no tensor form, so it cannot run inside a CUDA graph; use one of "
+        f"{', '.join(map(repr, DEVICE_SCHEDULERS))} or HybridMoEConfig(cuda_graph=False)"
+    )
+
+
+DEVICE_SCHEDULERS = ("cached_on_accelerator", "all_cpu", "on_demand", "fiddler", "dali_greedy", "hybrimoe")
