@@ -24,7 +24,7 @@ alone reach): a ceiling on tok/s for any layout that computes those experts on t
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
         [--rows hybrid prefetch deferral dali all-cpu on-demand accelerate]
-        [--tokens 32] [--prompt 512] [--json]
+        [--tokens 32] [--prompt 512] [--json] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
@@ -165,6 +166,8 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
             hits.append(many_hits - one_hits)
             misses.append(many_misses - one_misses)  # the decode steps' experts computed on the CPU
             prefill.append(args.prompt / generate_s(model, prompt, 1, cache))
+        if args.profile:
+            profile(model, short, prompt, args.tokens, cache, args.profile / label(row))
     expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
     # On-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model.
     on_cpu = row.get("scheduler") != "on_demand"
@@ -176,6 +179,28 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
         "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)) if patched else None,
         "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else None,
     }
+
+
+def label(row: dict) -> str:
+    """A file-name-safe name for one row's settings."""
+    return "-".join(f"{v}" for k, v in row.items() if k != "hardware").replace("/", "_")
+
+
+def profile(model: torch.nn.Module, short: torch.Tensor, prompt: torch.Tensor, tokens: int,
+            cache: StaticCache | None, path: Path) -> None:
+    """Chrome traces of one decode run and one prefill, with the top ops printed: device time for decode
+    (graph replays are traced kernel by kernel), host time for prefill (the CPU experts run on this thread)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for what, ids, n, key in (("decode", short, tokens, "self_device_time_total"),
+                              ("prefill", prompt, 1, "self_cpu_time_total")):
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            generate_s(model, ids, n, cache)
+        prof.export_chrome_trace(f"{path}-{what}.json")
+        print(f"--- {path.name} {what}: {n} token(s); trace {path}-{what}.json")
+        print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
 
 
 def release() -> None:
@@ -209,6 +234,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", type=Path, metavar="DIR", help="also write a decode and a prefill profiler trace "
+                   "per row into DIR and print each one's top ops")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA GPU")

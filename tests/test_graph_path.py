@@ -446,5 +446,11 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
     for name in DEVICE_SCHEDULERS:
         config = thm.HybridMoEConfig(scheduler=name, hardware="dali")
         _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)
+
+    class OwnGreedy(SCHEDULERS._factories["dali_greedy"]):  # may place differently: no tensor form inherited
+        pass
+
+    with pytest.raises(ValueError, match="OwnGreedy has no tensor form"):
+        device_scheduler(OwnGreedy(LayerInfo(0, 8, 2, 24), CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])))
     config = thm.HybridMoEConfig(prefetcher="gate")
     _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)

@@ -81,15 +81,18 @@ EXPERT_SHAPES: dict[str, ExpertShape] = {
 
 
 class Terms(NamedTuple):
-    """One expert's time on one side, in seconds: overhead + max(read, tokens * per_token) for tokens > 0, else 0.
-    The scalar form below and the tensor form of the replay-safe schedulers evaluate it the same way."""
+    """Time on one side, in seconds: overhead + max(read, experts * tokens * flops / rate) for tokens > 0, else 0.
+    The scalar form below and the tensor form of the replay-safe schedulers evaluate it in this order, so
+    both round alike."""
 
     overhead: float
     read: float
-    per_token: float
+    experts: float
+    flops: float  # per token and expert
+    rate: float  # sustained flop/s
 
     def time(self, tokens: int) -> float:
-        return self.overhead + max(self.read, tokens * self.per_token) if tokens > 0 else 0.0
+        return self.overhead + max(self.read, self.experts * tokens * self.flops / self.rate) if tokens > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -101,8 +104,7 @@ class CostModel:
 
     def _terms(self, bandwidth_gb_s: float, tflops: float, overhead_us: float, experts: float = 1.0) -> Terms:
         read = experts * self.expert.nbytes / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
-        per_token = experts * self.expert.flops_per_token / (tflops * 1e12 * COMPUTE_EFFICIENCY)
-        return Terms(overhead_us * 1e-6, read, per_token)
+        return Terms(overhead_us * 1e-6, read, experts, self.expert.flops_per_token, tflops * 1e12 * COMPUTE_EFFICIENCY)
 
     @property
     def cpu(self) -> Terms:

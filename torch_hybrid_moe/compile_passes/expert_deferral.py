@@ -160,7 +160,7 @@ def _split(graph: fx.Graph, this: _MoELayer, after: _MoELayer, top_k: int, n_def
         imm_ids, imm_w = part(ids_sorted, 0, keep), part(w_sorted, 0, keep)
         def_ids, def_w = part(ids_sorted, keep, n_def), part(w_sorted, keep, n_def)
     with graph.inserting_before(node):  # the immediate half: a whole step that leaves its slot fills to the other
-        begun = graph.call_function(DISPATCH_BEGIN.default, (hidden, imm_ids, imm_w, handle, LEADING, hidden))
+        begun = graph.call_function(DISPATCH_BEGIN.default, (hidden, imm_ids, imm_w, handle, LEADING, imm_w))
         first = graph.call_function(operator.getitem, (begun, 0))
         immediate = graph.call_function(DISPATCH_END.default, (first, hidden, handle, LEADING, first))
     for new in (begun, first, immediate):

@@ -71,7 +71,7 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function
         s = tl.load(src_idx + i)
         d = tl.load(dst_idx + i)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = (offs < row_words) & (s >= 0)
+        mask = offs < tl.where(s >= 0, row_words, 0)  # a skipped row (s == -1) moves no word
         row = tl.load(src + s.to(tl.int64) * row_words + offs, mask=mask)
         tl.store(dst + d.to(tl.int64) * row_words + offs, row, mask=mask)
 

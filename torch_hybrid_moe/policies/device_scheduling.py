@@ -9,6 +9,8 @@ the cost-aware ones evaluate the same `CostModel` terms in float64, in the same 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..cost_model import CostModel, Terms
@@ -42,7 +44,7 @@ def _heaviest(eligible: torch.Tensor, counts: torch.Tensor, room: torch.Tensor) 
 def _time(terms: Terms, counts: torch.Tensor) -> torch.Tensor:
     """`Terms.time` per expert, in float64 like the Python number."""
     n = counts.double()
-    return torch.where(n > 0, terms.overhead + torch.clamp(n * terms.per_token, min=terms.read), 0.0)
+    return torch.where(n > 0, terms.overhead + torch.clamp(terms.experts * n * terms.flops / terms.rate, min=terms.read), 0.0)
 
 
 class CachedOnAcceleratorForm(DeviceScheduler):
@@ -115,24 +117,26 @@ class HybriMoEForm(DeviceScheduler):
         return torch.zeros_like(take).scatter_(0, order, take)
 
 
+_FORMS: dict[type, Callable[[object], DeviceScheduler]] = {
+    CachedOnAccelerator: lambda s: CachedOnAcceleratorForm(),
+    AllOnCPU: lambda s: AllOnCPUForm(),
+    OnDemand: lambda s: OnDemandForm(),
+    Fiddler: lambda s: FiddlerForm(s.costs),
+    DaliGreedy: lambda s: DaliGreedyForm(s.costs),
+    HybriMoE: lambda s: HybriMoEForm(s.costs),  # live layers' timeline is the idle link its form assumes
+}
+
+
 def device_scheduler(scheduler: object) -> DeviceScheduler:
-    """The tensor form of a live scheduler object, with its cost model."""
-    if isinstance(scheduler, CachedOnAccelerator):
-        return CachedOnAcceleratorForm()
-    if isinstance(scheduler, AllOnCPU):
-        return AllOnCPUForm()
-    if isinstance(scheduler, OnDemand):
-        return OnDemandForm()
-    if isinstance(scheduler, Fiddler):
-        return FiddlerForm(scheduler.costs)
-    if isinstance(scheduler, DaliGreedy):
-        return DaliGreedyForm(scheduler.costs)
-    if isinstance(scheduler, HybriMoE):  # live layers' timeline is the idle link its form assumes
-        return HybriMoEForm(scheduler.costs)
-    raise ValueError(
-        f"scheduler {type(scheduler).__name__} has no tensor form, so it cannot run inside a CUDA graph; use one of "
-        f"{', '.join(map(repr, DEVICE_SCHEDULERS))} or HybridMoEConfig(cuda_graph=False)"
-    )
+    """The tensor form of a live scheduler object, with its cost model. Exact classes only: a subclass may
+    place differently, and its tensor form would silently not."""
+    form = _FORMS.get(type(scheduler))
+    if form is None:
+        raise ValueError(
+            f"scheduler {type(scheduler).__name__} has no tensor form, so it cannot run inside a CUDA graph; use one "
+            f"of {', '.join(map(repr, DEVICE_SCHEDULERS))} or HybridMoEConfig(cuda_graph=False)"
+        )
+    return form(scheduler)
 
 
 DEVICE_SCHEDULERS = ("cached_on_accelerator", "all_cpu", "on_demand", "fiddler", "dali_greedy", "hybrimoe")

@@ -322,7 +322,10 @@ class GraphPath:
             self._count(admitted=(expert >= 0).sum())
 
     def _fill(self, expert: torch.Tensor, slot: torch.Tensor) -> None:
-        """Copy admitted experts (id >= 0) into their slots from the host master, then update the tables."""
+        """Copy admitted experts (id >= 0) into their slots from the host master, then update the tables. Masters
+        stored quantised or in another dtype are staged and converted on the device: static shapes, so every
+        row of `expert` is converted, skipped ones too (for on-demand fetches, min(slots, experts, pairs) rows
+        per layer step, on the compute stream)."""
         store = self.layer.store
         for dst, src in ((store.slot_gate_up, self._host["gate_up"]), (store.slot_down, self._host["down"])):
             if isinstance(src, QuantizedWeight) or src.dtype != dst.dtype:  # cross PCIe as stored, convert here
