@@ -24,7 +24,7 @@ alone reach): a ceiling on tok/s for any layout that computes those experts on t
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
         [--rows hybrid prefetch deferral dali all-cpu on-demand accelerate]
-        [--tokens 32] [--prompt 512] [--json] [--profile DIR]
+        [--tokens 32] [--prompt 512] [--cpu-threads N] [--json] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -222,6 +222,8 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
             rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in (False, True)]
         else:
             rows.append(dict(row=name))
+    if args.cpu_threads:
+        rows = [{**r, "cpu_threads": args.cpu_threads} if r["row"] != "accelerate" else r for r in rows]
     return rows
 
 
@@ -234,6 +236,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--cpu-threads", type=int, default=0, help="HybridMoEConfig.cpu_threads of the patched rows "
+                   "(0: the library's default, all cores but one)")
     p.add_argument("--profile", type=Path, metavar="DIR", help="also write a decode and a prefill profiler trace "
                    "per row into DIR and print each one's top ops")
     args = p.parse_args()

@@ -65,6 +65,19 @@ def test_cpu_task_error_reaches_python_and_wait_without_submit_returns():
 
 
 @needs_kernel
+def test_cpu_task_thread_count_stays_on_its_worker():
+    """A task's own thread count (HybridMoEConfig.cpu_threads) must not leak into the process's torch threads:
+    the main thread keeps running prefill and the model's own ops with them."""
+    gate_up, down = _experts()
+    before = torch.get_num_threads()
+    task = cpu_kernel.extension().CpuTask(torch.randn(2, 32), *_routing(2, 2, 6), gate_up, None, down, None,
+                                          torch.zeros(2, 32), max(1, before - 1) if before > 1 else 2)
+    task.submit()
+    task.wait()
+    assert task.runs == 1 and torch.get_num_threads() == before
+
+
+@needs_kernel
 def test_cpu_task_rejects_bad_buffers():
     gate_up, down = _experts()
     with pytest.raises(RuntimeError, match="int64 ids"):
