@@ -113,8 +113,10 @@ def test_copy_rows_copies_only_rows_with_a_source():
     want = before.clone()
     want[2], want[3] = src[4], src[1]
     assert torch.equal(dst, want)
+    copy_rows_(dst, torch.tensor([1]), src.double(), torch.tensor([0]))  # another dtype: converted
+    assert torch.equal(dst[1], src[0])
     with pytest.raises(ValueError, match="differ"):
-        copy_rows_(dst, torch.tensor([0]), src.double(), torch.tensor([0]))
+        copy_rows_(dst, torch.tensor([0]), src[:, :2], torch.tensor([0]))
 
 
 @pytest.mark.parametrize("name", DEVICE_CACHE_POLICIES)

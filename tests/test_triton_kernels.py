@@ -34,6 +34,10 @@ def test_kernels_compile_for_an_h100():
         (hybrimoe, {"res_ptr": i8, "cpu_ptr": f64, "gpu_ptr": f64, "room_ptr": i64, "active_ptr": i64,
                     "transfer_ptr": f64, "take_ptr": i8, "steps": "constexpr", "size": "i32"}, {"steps": 6}),
     )
+    for bits, data in ((0, "*bf16"), (8, "*i8"), (4, "*u8")):
+        cases += ((row_copy._converting_kernel(), {"dst": "*fp32", "data": data, "scale": "*fp32", "dst_idx": i64,
+                   "src_idx": i64, "elements": "i32", "group": "i32", "BITS": "constexpr", "BLOCK": "constexpr"},
+                   {"BITS": bits, "BLOCK": row_copy._BLOCK}),)
     for fn, signature, constexprs in cases:
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
@@ -61,6 +65,27 @@ def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
             assert torch.equal(take.bool(), want)
             sent += int(want.sum())
     assert sent > 100  # the walks sent experts both ways
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_converting_row_copy_kernel_equals_the_torch_form(fmt, monkeypatch):
+    """Slot fills from masters stored otherwise: dequantised or cast inside the copy, rows without a source
+    untouched, exactly what the torch form (dequantize, then cast) writes."""
+    from torch_hybrid_moe.ops.quantize import QuantizedWeight, to_cpu_format
+
+    kernel = _interpreted(row_copy._converting_kernel, monkeypatch)
+    src = to_cpu_format(torch.randn(5, 6, row_copy._BLOCK // 4 + 64), fmt, 64)  # rows span several programs
+    want = torch.full((4, *src.shape[1:]), 7.0)
+    got = want.clone()
+    dst_idx, src_idx = torch.tensor([2, 0, 3]), torch.tensor([4, -1, 1])
+    row_copy.copy_rows_(want, dst_idx, src, src_idx)  # the torch form (CPU tensors)
+    quantised = isinstance(src, QuantizedWeight)
+    data, scale = (src.data, src.scale) if quantised else (src, src)
+    elements = got[0].numel()
+    kernel[(3, -(-elements // row_copy._BLOCK))](got, data, scale, dst_idx, src_idx, elements,
+                                                 src.group_size if quantised else 1,
+                                                 BITS=src.bits if quantised else 0, BLOCK=row_copy._BLOCK)
+    assert torch.equal(got, want) and bool((got[0] == 7.0).all()) and not bool((got[2] == 7.0).any())
 
 
 def test_row_copy_kernel_copies_what_the_torch_form_copies(monkeypatch):

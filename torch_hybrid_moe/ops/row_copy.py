@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from .quantize import QuantizedWeight, dequantize
+
 _BLOCK = 4096  # words per program: 16 KiB of an expert row
 
 
@@ -44,19 +46,33 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32) if flat.shape[1] % 4 == 0 else flat
 
 
-def copy_rows_(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
-    """dst[dst_idx[i]] = src[src_idx[i]] where src_idx[i] >= 0; rows are dim 0 and must match in dtype and shape.
-    No host synchronisation on CUDA."""
-    if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
-        raise ValueError(f"row shapes/dtypes differ: dst {dst.dtype}{tuple(dst.shape[1:])}, "
-                         f"src {src.dtype}{tuple(src.shape[1:])}")
+def copy_rows_(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | QuantizedWeight,
+               src_idx: torch.Tensor) -> None:
+    """dst[dst_idx[i]] = src[src_idx[i]] where src_idx[i] >= 0, in dst's dtype; rows are dim 0 and must match in
+    shape. A quantised `src` crosses as stored and is dequantised on the way, another dtype is converted on the
+    way: one kernel either way, which reads nothing for a skipped row. No host synchronisation on CUDA."""
+    if tuple(dst.shape[1:]) != tuple(src.shape[1:]):
+        raise ValueError(f"row shapes differ: dst {tuple(dst.shape[1:])}, src {tuple(src.shape[1:])}")
     if dst.device.type != "cuda":
         keep = src_idx >= 0
-        dst[dst_idx[keep]] = src[src_idx[keep]].to(dst.device)
+        rows = src_idx[keep]
+        if isinstance(src, QuantizedWeight):
+            values = dequantize(src.data[rows], src.scale[rows], src.bits, src.group_size)
+        else:
+            values = src[rows]
+        dst[dst_idx[keep]] = values.to(dst.device, dst.dtype)
         return
-    d, s = _words(dst), _words(src)
-    grid = (src_idx.numel(), -(-d.shape[1] // _BLOCK))
-    _kernel()[grid](d, s, dst_idx, src_idx, d.shape[1], BLOCK=_BLOCK)
+    if not isinstance(src, QuantizedWeight) and src.dtype == dst.dtype:
+        d, s = _words(dst), _words(src)
+        grid = (src_idx.numel(), -(-d.shape[1] // _BLOCK))
+        _kernel()[grid](d, s, dst_idx, src_idx, d.shape[1], BLOCK=_BLOCK)
+        return
+    quantised = isinstance(src, QuantizedWeight)
+    data, scale = (src.data, src.scale) if quantised else (src, src)  # no scales for a plain cast: never read
+    elements = dst[0].numel()
+    grid = (src_idx.numel(), -(-elements // _BLOCK))
+    _converting_kernel()[grid](dst, data, scale, dst_idx, src_idx, elements, src.group_size if quantised else 1,
+                               BITS=src.bits if quantised else 0, BLOCK=_BLOCK)
 
 
 @functools.cache
@@ -76,3 +92,32 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function
         tl.store(dst + d.to(tl.int64) * row_words + offs, row, mask=mask)
 
     return copy_rows_kernel
+
+
+@functools.cache
+def _converting_kernel():  # noqa: ANN202 - a Triton JIT function
+    """`copy_rows_` into another dtype: BITS 0 casts; 8 and 4 dequantise int8 / packed int4 (quantize.py's layout:
+    column 2j in the low nibble of byte j, q + 8) with one scale per `group` consecutive elements of a row."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert_rows_kernel(dst, data, scale, dst_idx, src_idx, elements, group, BITS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        s = tl.load(src_idx + i).to(tl.int64)
+        d = tl.load(dst_idx + i).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < tl.where(s >= 0, elements, 0)  # a skipped row (s == -1) reads nothing
+        if BITS == 8:
+            w = tl.load(data + s * elements + offs, mask=mask).to(tl.float32)
+        elif BITS == 4:
+            byte = tl.load(data + s * (elements // 2) + offs // 2, mask=mask)
+            w = tl.where(offs % 2 == 0, byte & 15, byte >> 4).to(tl.float32) - 8.0
+        else:
+            w = tl.load(data + s * elements + offs, mask=mask)
+        if BITS != 0:
+            w = w * tl.load(scale + s * (elements // group) + offs // group, mask=mask)
+        tl.store(dst + d * elements + offs, w.to(dst.dtype.element_ty), mask=mask)
+
+    return convert_rows_kernel

@@ -35,7 +35,7 @@ import torch
 
 from ..ops.cpu_kernel import extension
 from ..ops.expert_math import slot_experts_
-from ..ops.quantize import QuantizedWeight, dequantize, kernel_operands
+from ..ops.quantize import QuantizedWeight, kernel_operands
 from ..ops.row_copy import copy_rows_, device_view
 from ..policies.device_caching import (DEVICE_PREFETCHERS, admissions, device_ranking, fetch_admissions,
                                        prefetch_admissions)
@@ -322,22 +322,11 @@ class GraphPath:
             self._count(admitted=(expert >= 0).sum())
 
     def _fill(self, expert: torch.Tensor, slot: torch.Tensor) -> None:
-        """Copy admitted experts (id >= 0) into their slots from the host master, then update the tables. Masters
-        stored quantised or in another dtype are staged and converted on the device: static shapes, so every
-        row of `expert` is converted, skipped ones too (for on-demand fetches, min(slots, experts, pairs) rows
-        per layer step, on the compute stream)."""
+        """Copy admitted experts (id >= 0) into their slots from the host master (dequantised or converted on the
+        way when stored otherwise), then update the tables."""
         store = self.layer.store
         for dst, src in ((store.slot_gate_up, self._host["gate_up"]), (store.slot_down, self._host["down"])):
-            if isinstance(src, QuantizedWeight) or src.dtype != dst.dtype:  # cross PCIe as stored, convert here
-                parts = (src.data, src.scale) if isinstance(src, QuantizedWeight) else (src,)
-                rows = torch.arange(expert.numel(), device=self.device)
-                staged = [torch.empty((expert.numel(), *t.shape[1:]), dtype=t.dtype, device=self.device) for t in parts]
-                for into, t in zip(staged, parts):
-                    copy_rows_(into, rows, t, expert)
-                weights = dequantize(*staged, src.bits, src.group_size) if len(staged) == 2 else staged[0]
-                copy_rows_(dst, slot, weights.to(dst.dtype), torch.where(expert >= 0, rows, -1))
-            else:
-                copy_rows_(dst, slot, src, expert)
+            copy_rows_(dst, slot, src, expert)
         admit = expert >= 0
         evicted = self.slot_expert[slot]
         _set_rows(self.expert_slot, torch.where(admit & (evicted >= 0), evicted, self.num_experts), -1)
