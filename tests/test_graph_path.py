@@ -20,7 +20,7 @@ from torch_hybrid_moe.policies.device_scheduling import DEVICE_SCHEDULERS, devic
 from torch_hybrid_moe.policies.prefetching import Router
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.runtime.costs import IdleLink
-from torch_hybrid_moe.runtime.graph_path import BEHIND, LEADING, PLAIN
+from torch_hybrid_moe.runtime.graph_path import AHEAD, BEHIND, LEADING, PLAIN
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 needs_kernel = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ CPU kernel could not be built here")
@@ -366,6 +366,76 @@ def test_replay_safe_schedulers_match_reference_model(name):
     stats = thm.stats(model).values()
     assert all(s.steps == 3 for s in stats)
     assert sum(s.accelerator_experts for s in stats) > 0 or name == "all_cpu"
+
+
+# aten ops that wait for the device on CUDA (data-dependent output shapes, or a value read on the host), which a
+# graph capture refuses, or which would freeze a routing-dependent value into the graph.
+SYNCING = {"nonzero", "nonzero_static", "_local_scalar_dense", "item", "masked_select", "unique", "_unique",
+           "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "equal", "is_nonzero",
+           "masked_scatter", "argwhere"}
+
+
+class _SyncSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every aten op, and which of them would synchronise on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.add(func.overloadpacket.__name__)
+        # indexing with a bool mask runs nonzero inside the kernel on CUDA, out of the dispatcher's sight
+        if func.overloadpacket.__name__ in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else []
+            if any(t is not None and t.dtype == torch.bool for t in indices):
+                self.ops.add("bool-mask indexing")
+        return func(*args, **(kwargs or {}))
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheduler, cache_policy, prefetcher, cpu_weights", [
+    ("cached_on_accelerator", "lru", "gate", "model"), ("on_demand", "mrs", "none", "int4"),
+    ("fiddler", "lfu", "none", "model"), ("dali_greedy", "dali_window", "none", "int8"),
+    ("hybrimoe", "lru", "none", "model"), ("all_cpu", "lfu", "none", "model"),
+])
+def test_replay_safe_step_runs_no_op_that_waits_for_the_device(scheduler, cache_policy, prefetcher, cpu_weights,
+                                                                 monkeypatch):
+    """Every aten op a layer step issues on the replay-safe path, in each part a compiled mode uses (plain; an
+    AHEAD half then its plain dispatch; LEADING then BEHIND), with the prefetch and the cache's admissions:
+    none may read a device value on the host. The slot copies are exempt: their CPU stand-in indexes by mask,
+    the CUDA kernel does not (tests/test_triton_kernels.py)."""
+    from torch_hybrid_moe.runtime import graph_path
+
+    model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
+                            scheduler=scheduler, cache_policy=cache_policy, prefetcher=prefetcher, hardware="rtx5090",
+                            expert_shape="deepseek-v2-lite", fills_per_step=2, cpu_weight_dtype=cpu_weights,
+                            cpu_weight_group_size=32)
+    layer = list(model_layers(model).values())[1]
+    layer.graph_mode = True
+    path = layer.graph_path()
+    copy_rows = graph_path.copy_rows_
+
+    def unseen_copy(*args: object) -> None:
+        with torch.utils._python_dispatch._disable_current_modes():
+            copy_rows(*args)
+
+    monkeypatch.setattr(graph_path, "copy_rows_", unseen_copy)
+    torch.manual_seed(0)
+    spy = _SyncSpy()
+    with spy:
+        for tokens in (1, 8, 64):
+            hidden = torch.randn(tokens, layer.store.host_gate_up.shape[2])
+            (ids, w), (more, more_w) = _skewed_routing(tokens, 3, 32), _skewed_routing(tokens, 1, 32)
+            path.start_step()
+            layer.prefetch(hidden, ids)
+            for first, second in ((PLAIN, None), (AHEAD, PLAIN), (LEADING, BEHIND)):
+                layer.end(layer.begin(hidden, ids, w, first), hidden, first)
+                if second is not None:
+                    layer.end(layer.begin(hidden, more, more_w, second), hidden, second)
+    assert {"topk", "scatter_add_", "sort"} <= spy.ops, spy.ops  # the spy saw the step
+    assert not spy.ops & (SYNCING | {"bool-mask indexing"}), spy.ops & (SYNCING | {"bool-mask indexing"})
+    path.pull()
+    assert layer.stats.steps == 3 * 3 and layer.stats.accelerator_experts + layer.stats.cpu_experts > 0
 
 
 @needs_kernel

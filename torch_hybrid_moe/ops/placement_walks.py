@@ -49,9 +49,10 @@ def hybrimoe_walk(resident: torch.Tensor, cpu: torch.Tensor, gpu: torch.Tensor, 
         _kernels()[1][(1,)](resident.to(torch.int8), cpu, gpu, room, active, transfer_t, take,
                             min(steps, len(resident)), len(resident), num_warps=1)
         return take.bool()
-    zero = torch.zeros((), dtype=torch.float64)
+    zero = torch.zeros(1, dtype=torch.float64)
     cpu_t, gpu_t, link = zero, zero, zero
-    head, tail = torch.zeros_like(room), active - 1
+    head, tail = torch.zeros(1, dtype=torch.int64), (active - 1).view(1)  # 1-element indices: no host read
+    room = room.view(1)
     take = torch.zeros_like(resident)
     for _ in range(min(steps, len(resident))):
         live, t = head <= tail, tail.clamp(min=0)
