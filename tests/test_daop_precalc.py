@@ -259,6 +259,27 @@ def test_precalc_ops_pass_opcheck(deepseek_tiny):
     torch.library.opcheck(torch.ops.hybrid_moe.precalc_account.default, (ids, ids, swapped, early, handle))
 
 
+def test_precalc_ops_on_the_replay_safe_path_run_no_op_that_waits_for_the_device(deepseek_tiny):
+    """The prediction's degradation reads the device slot tables and its counters stay on the device (the ops'
+    own bodies, under the same spy as the layer step's test)."""
+    from torch_hybrid_moe.compile_passes import daop_precalc
+
+    from .test_graph_path import SYNCING, _SyncSpy
+
+    model = patched_copy(deepseek_tiny, expert_budget=0.25, mode="daop_precalc", precalc_from_layer=1)
+    layer = model_layers(model)[2]
+    layer.graph_mode = True
+    logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    ids = logits.topk(4, -1).indices
+    weights = logits.sigmoid().gather(1, ids)
+    spy = _SyncSpy()
+    with spy:
+        early, _, _, swapped = daop_precalc.precalc_routing._init_fn(ids, weights, logits, layer.handle)
+        daop_precalc.precalc_account._init_fn(ids, ids, swapped, early, layer.handle)
+    assert {"topk", "gather"} & spy.ops and not spy.ops & (SYNCING | {"bool-mask indexing"})
+    assert layer.mode_counters[0] == ids.numel()
+
+
 def test_config_validation_refuses_before_any_change():
     for bad, error, match in [
         (dict(mode="daop_precalc", precalc_from_layer=-1), ValueError, "decoder-block index >= 0"),
