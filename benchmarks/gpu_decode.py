@@ -44,7 +44,8 @@ import torch_hybrid_moe as thm
 
 
 ROWS = ("hybrid", "prefetch", "deferral", "dali", "all-cpu", "on-demand", "accelerate")
-VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"}, "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
+VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"},
+            "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
             "dali": {"scheduler": "dali_greedy", "hardware": "local"}, "on-demand": {"scheduler": "on_demand"}}
 
 

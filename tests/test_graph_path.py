@@ -536,6 +536,7 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
         pass
 
     with pytest.raises(ValueError, match="OwnGreedy has no tensor form"):
-        device_scheduler(OwnGreedy(LayerInfo(0, 8, 2, 24), CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])))
+        device_scheduler(OwnGreedy(LayerInfo(0, 8, 2, 24), CostModel(HARDWARE["dali"],
+                                                                      EXPERT_SHAPES["deepseek-v2-lite"])))
     config = thm.HybridMoEConfig(prefetcher="gate")
     _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)

@@ -56,7 +56,8 @@ def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
         room, active, steps = torch.tensor(rng.randint(0, 4)), torch.tensor(rng.randint(0, size)), rng.randint(0, size)
         transfer = rng.random()
         for kernel, args, want in (
-            (dali, (n, resident.to(torch.int8), cpu, gpu, room), placement_walks.dali_walk(n, resident, cpu, gpu, room, steps)),
+            (dali, (n, resident.to(torch.int8), cpu, gpu, room),
+             placement_walks.dali_walk(n, resident, cpu, gpu, room, steps)),
             (hybrimoe, (resident.to(torch.int8), cpu, gpu, room, active, torch.tensor(transfer, dtype=torch.float64)),
              placement_walks.hybrimoe_walk(resident, cpu, gpu, room, active, transfer, steps)),
         ):

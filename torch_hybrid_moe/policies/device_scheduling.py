@@ -44,7 +44,8 @@ def _heaviest(eligible: torch.Tensor, counts: torch.Tensor, room: torch.Tensor) 
 def _time(terms: Terms, counts: torch.Tensor) -> torch.Tensor:
     """`Terms.time` per expert, in float64 like the Python number."""
     n = counts.double()
-    return torch.where(n > 0, terms.overhead + torch.clamp(terms.experts * n * terms.flops / terms.rate, min=terms.read), 0.0)
+    compute = terms.experts * n * terms.flops / terms.rate
+    return torch.where(n > 0, terms.overhead + torch.clamp(compute, min=terms.read), 0.0)
 
 
 class CachedOnAcceleratorForm(DeviceScheduler):

@@ -8,8 +8,8 @@ slot share (static shapes, `slot_experts_`); the `sync` host function waits for 
 copied in and added. Right after the slot share is queued, a side stream (overlapping the CPU share and the
 following layers) runs the cache policy's tensor form: it updates its ranking and admits up to
 `fills_per_step` missed experts; a Triton kernel copies them from the pinned host master into the slots the
-ranking gives up, and the slot tables are updated. With the "gate" prefetcher, the previous layer's routing also starts this layer's
-prefetch on that stream: this layer's router on the previous layer's gate input picks the experts to copy in
+ranking gives up, and the slot tables are updated. With the "gate" prefetcher, the previous layer's routing
+also starts this layer's prefetch on that stream: this layer's router on the previous layer's gate input picks the experts to copy in
 (`prefetch_admissions`). A layer's step waits, through an event, for the last fill-stream work the same step
 queued for that layer (its prefetch, or the fills of an earlier dispatch of the same layer); the fill stream
 runs in order, so that includes whatever it queued before (other layers' fills), but not what comes after.
@@ -192,8 +192,8 @@ class GraphPath:
     def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
         """Place the step's experts (the scheduler's tensor form), submit the CPU share (task buffers `part`), copy
         in the missing experts placed on the accelerator, compute the slot share, queue the cache's fills as
-        `part` says (PLAIN, AHEAD, BEHIND, LEADING above); returns the fp32 accumulator `finish` completes once the CPU
-        share is in."""
+        `part` says (PLAIN, AHEAD, BEHIND, LEADING above); returns the fp32 accumulator `finish` completes once
+        the CPU share is in."""
         store = self.layer.store
         self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
         self._wait_for_copies()
@@ -201,7 +201,8 @@ class GraphPath:
         valid, expert = ids >= 0, ids.clamp(min=0)  # id -1: another dispatch's pair
         counts = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
         counts.scatter_add_(0, expert.flatten(), valid.flatten().float())
-        scores = torch.zeros_like(counts).scatter_add_(0, expert.flatten(), topk_weights.flatten().float() * valid.flatten())
+        weights = topk_weights.flatten().float() * valid.flatten()
+        scores = torch.zeros_like(counts).scatter_add_(0, expert.flatten(), weights)
         resident = self.expert_slot >= 0
         on_accelerator = self.scheduler.place(counts, resident, self.num_slots, min(self.num_experts, ids.numel()))
         on_slot = valid & on_accelerator[expert]
@@ -215,7 +216,8 @@ class GraphPath:
             self._launch(buf.task, "submit")
         if self.scheduler.fetches and 0 < self.num_slots < self.num_experts:  # on-demand copies, while the CPU runs
             fetched, slot = fetch_admissions(on_accelerator & ~resident, on_accelerator, self.ranking.values,
-                                             self.expert_slot, self.slot_expert, min(self.num_slots, self.num_experts, ids.numel()))
+                                             self.expert_slot, self.slot_expert,
+                                             min(self.num_slots, self.num_experts, ids.numel()))
             self._fill(fetched, slot)
             self._count(fetched=(fetched >= 0).sum())
         if self.num_slots:
