@@ -224,7 +224,7 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
         else:
             rows.append(dict(row=name))
     if args.cpu_threads:
-        rows = [{**r, "cpu_threads": args.cpu_threads} if r["row"] != "accelerate" else r for r in rows]
+        rows = [{**r, "cpu_threads": args.cpu_threads} if r.get("cuda_graph") else r for r in rows]
     return rows
 
 
@@ -237,8 +237,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--cpu-threads", type=int, default=0, help="HybridMoEConfig.cpu_threads of the patched rows "
-                   "(0: the library's default, all cores but one)")
+    p.add_argument("--cpu-threads", type=int, default=0, help="HybridMoEConfig.cpu_threads of the rows with the "
+                   "graph on (the only ones that use it; 0: the library's default, torch's thread count)")
     p.add_argument("--profile", type=Path, metavar="DIR", help="also write a decode and a prefill profiler trace "
                    "per row into DIR and print each one's top ops")
     args = p.parse_args()

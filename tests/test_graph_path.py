@@ -370,9 +370,10 @@ def test_replay_safe_schedulers_match_reference_model(name):
 
 # aten ops that wait for the device on CUDA (data-dependent output shapes, or a value read on the host), which a
 # graph capture refuses, or which would freeze a routing-dependent value into the graph.
-SYNCING = {"nonzero", "nonzero_static", "_local_scalar_dense", "item", "masked_select", "unique", "_unique",
-           "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "equal", "is_nonzero",
-           "masked_scatter", "argwhere"}
+# (`int(t)`, `bool(t)`, `.item()` all arrive as _local_scalar_dense.) On CPU the spy cannot tell a copy to the
+# host (`.tolist()`, `.cpu()`) from any other copy, nor see syncs inside C++ kernels; the step has neither.
+SYNCING = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+           "unique_dim", "repeat_interleave", "bincount", "histc", "equal", "allclose", "masked_scatter", "argwhere"}
 
 
 class _SyncSpy(torch.utils._python_dispatch.TorchDispatchMode):

@@ -42,6 +42,11 @@ def test_kernels_compile_for_an_h100():
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"]
+    # bf16 slots (the usual case) round like torch's .to(): to nearest even (the interpreter truncates instead)
+    source = triton.compiler.ASTSource(fn=row_copy._converting_kernel(), signature={
+        "dst": "*bf16", "data": "*i8", "scale": "*fp32", "dst_idx": i64, "src_idx": i64, "elements": "i32",
+        "group": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}, constexprs={"BITS": 8, "BLOCK": row_copy._BLOCK})
+    assert "cvt.rn.bf16.f32" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
 def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
@@ -69,14 +74,15 @@ def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
-def test_converting_row_copy_kernel_equals_the_torch_form(fmt, monkeypatch):
+@pytest.mark.parametrize("slots", [torch.float32, torch.float16])  # bf16 slots: rounding checked in the PTX above
+def test_converting_row_copy_kernel_equals_the_torch_form(fmt, slots, monkeypatch):
     """Slot fills from masters stored otherwise: dequantised or cast inside the copy, rows without a source
     untouched, exactly what the torch form (dequantize, then cast) writes."""
     from torch_hybrid_moe.ops.quantize import QuantizedWeight, to_cpu_format
 
     kernel = _interpreted(row_copy._converting_kernel, monkeypatch)
     src = to_cpu_format(torch.randn(5, 6, row_copy._BLOCK // 4 + 64), fmt, 64)  # rows span several programs
-    want = torch.full((4, *src.shape[1:]), 7.0)
+    want = torch.full((4, *src.shape[1:]), 7.0, dtype=slots)
     got = want.clone()
     dst_idx, src_idx = torch.tensor([2, 0, 3]), torch.tensor([4, -1, 1])
     row_copy.copy_rows_(want, dst_idx, src, src_idx)  # the torch form (CPU tensors)

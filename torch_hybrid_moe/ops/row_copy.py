@@ -62,6 +62,9 @@ def copy_rows_(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | Qua
             values = src[rows]
         dst[dst_idx[keep]] = values.to(dst.device, dst.dtype)
         return
+    parts = (src.data, src.scale) if isinstance(src, QuantizedWeight) else (src,)
+    if not all(t.is_contiguous() for t in (dst, *parts)):
+        raise ValueError("slot copies address rows as flat memory: dst and src must be contiguous")
     if not isinstance(src, QuantizedWeight) and src.dtype == dst.dtype:
         d, s = _words(dst), _words(src)
         grid = (src_idx.numel(), -(-d.shape[1] // _BLOCK))
