@@ -99,10 +99,11 @@ def test_graph_on_equals_graph_off_with_quantised_cpu_weights(fmt):
     assert ((logits_on - logits_off).abs().max() / logits_off.abs().max()) < 1e-4
 
 
-def test_graph_replay_with_gate_prefetch_matches_reference():
-    """The prefetch is decided on the device at every replay (this layer's router on the previous layer's input)."""
+def _replays_match_reference(**patch: object) -> torch.nn.Module:
+    """deepseek-tiny patched with `patch` at budget 0.25: 32 greedy steps (one capture, 31 replays) give the
+    unpatched model's tokens and logits; returns the patched model."""
     ref = load_model("deepseek-tiny", dtype=torch.float32)[0].cuda()
-    model = thm.patch_model(copy.deepcopy(ref).cpu(), expert_budget=0.25, device="cuda", prefetcher="gate")
+    model = thm.patch_model(copy.deepcopy(ref).cpu(), expert_budget=0.25, device="cuda", **patch)
     runner, _ = _spy(model)
     x = torch.randint(3, 2000, (2, 5), device="cuda")
     with torch.no_grad():
@@ -111,11 +112,17 @@ def test_graph_replay_with_gate_prefetch_matches_reference():
     assert runner.captures == 1 and runner.replays == 31
     assert torch.equal(got_tokens, want_tokens)
     assert ((got_logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+    return model
+
+
+def test_graph_replay_with_gate_prefetch_matches_reference():
+    """The prefetch is decided on the device at every replay (this layer's router on the previous layer's input)."""
+    model = _replays_match_reference(prefetcher="gate")
     # the replays' own copies, on the device counters before stats() folds them in (prefill prefetches too)
     paths = [layer.graph_path() for layer in model_layers(model).values()]
     index = GraphPath.COUNTERS.index
     assert [int(p.counters[index("prefetch_calls")]) for p in paths] == [0] + [31] * (len(paths) - 1)
-    assert sum(int(p.counters[index("prefetched")]) for p in paths) > 0
+    assert sum(int(p.counters[index("prefetched_experts")]) for p in paths) > 0
     stats = list(thm.stats(model).values())
     assert stats[0].prefetch_calls == 0 and all(s.prefetch_calls == 32 for s in stats[1:])  # + prefill's
 
@@ -123,17 +130,7 @@ def test_graph_replay_with_gate_prefetch_matches_reference():
 @pytest.mark.parametrize("scheduler", ["on_demand", "dali_greedy"])
 def test_graph_replay_with_fetching_schedulers_matches_reference(scheduler):
     """Placement and on-demand copies are decided on the device at every replay (policies/device_scheduling.py)."""
-    ref = load_model("deepseek-tiny", dtype=torch.float32)[0].cuda()
-    model = thm.patch_model(copy.deepcopy(ref).cpu(), expert_budget=0.25, device="cuda", scheduler=scheduler,
-                            hardware="rtx5090", expert_shape="deepseek-v2-lite")
-    runner, _ = _spy(model)
-    x = torch.randint(3, 2000, (2, 5), device="cuda")
-    with torch.no_grad():
-        want_tokens, want_logits = _generate(ref, x, 32)
-        got_tokens, got_logits = _generate(model, x, 32)
-    assert runner.captures == 1 and runner.replays == 31
-    assert torch.equal(got_tokens, want_tokens)
-    assert ((got_logits - want_logits).abs().max() / want_logits.abs().max()) < 1e-4
+    model = _replays_match_reference(scheduler=scheduler, hardware="rtx5090", expert_shape="deepseek-v2-lite")
     stats = thm.stats(model).values()
     on_gpu, hits = sum(s.accelerator_experts for s in stats), sum(s.hits for s in stats)
     cpu, misses = sum(s.cpu_experts for s in stats), sum(s.misses for s in stats)

@@ -42,7 +42,6 @@ from .graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, begin_after, bl
 _ADDS = {operator.add, operator.iadd, torch.add, torch.Tensor.add, torch.ops.aten.add.Tensor}
 
 
-
 class ExpertDeferralPatternError(RuntimeError):
     """The graph does not have the shape the pass needs; nothing was changed."""
 

@@ -5,7 +5,7 @@ sides' running times, so every decision depends on the ones before: as tensor op
 kernels per expert, hundreds per layer in a captured graph (benchmarks/device_scheduling.py). On CUDA one
 Triton program walks the whole list in a single kernel; elsewhere a torch loop does. Both sum the same float64
 times in the same order as the Python schedulers, so their choices agree exactly (tests/test_graph_path.py;
-the kernels run there under Triton's interpreter where Triton is installed).
+the kernels against the torch loops under Triton's interpreter in tests/test_triton_kernels.py).
 
 Inputs, in walk order: token counts `n`, `resident` (bool), per-expert CPU and GPU seconds (float64; for DALI
 the GPU time includes the copy of a missing expert), and `room`, the fetches allowed (0-d int64). Returns the

@@ -9,8 +9,8 @@ copied in and added. Right after the slot share is queued, a side stream (overla
 following layers) runs the cache policy's tensor form: it updates its ranking and admits up to
 `fills_per_step` missed experts; a Triton kernel copies them from the pinned host master into the slots the
 ranking gives up, and the slot tables are updated. With the "gate" prefetcher, the previous layer's routing
-also starts this layer's prefetch on that stream: this layer's router on the previous layer's gate input picks the experts to copy in
-(`prefetch_admissions`). A layer's step waits, through an event, for the last fill-stream work the same step
+also starts this layer's prefetch on that stream: this layer's router on the previous layer's gate input picks
+the experts to copy in (`prefetch_admissions`). A layer's step waits, through an event, for the last fill-stream work the same step
 queued for that layer (its prefetch, or the fills of an earlier dispatch of the same layer); the fill stream
 runs in order, so that includes whatever it queued before (other layers' fills), but not what comes after.
 The fill stream reads copies of its inputs made on the compute stream: Inductor reuses a buffer as soon as
@@ -88,9 +88,10 @@ class _TaskBuffers:
 class GraphPath:
     """The replay-safe step of one layer; its slot tables are the device copy of the store's `SlotMap`."""
 
-    # Counters accumulated on the device, folded into LayerStats when the tables are pulled.
-    COUNTERS = ("steps", "tokens", "hits", "misses", "accelerator_experts", "cpu_experts", "fetched", "admitted",
-                "prefetch_calls", "prefetched")
+    # Counters accumulated on the device, folded into LayerStats (fields of the same name) when the tables are
+    # pulled; the experts copied in ("fetched" on demand, "admitted" by the cache, prefetched) make its bytes.
+    COUNTERS = ("steps", "tokens", "hits", "misses", "accelerator_experts", "cpu_experts", "prefetch_calls",
+                "prefetched_experts", "fetched", "admitted")
 
     def __init__(self, layer: HybridMoELayer) -> None:
         if extension() is None:
@@ -162,10 +163,9 @@ class GraphPath:
         c = dict(zip(self.COUNTERS, (int(v) for v in self.counters.tolist())))
         self.counters.zero_()
         s = self.layer.stats
-        for name in ("steps", "tokens", "hits", "misses", "accelerator_experts", "cpu_experts", "prefetch_calls"):
+        for name in self.COUNTERS[:-2]:
             setattr(s, name, getattr(s, name) + c[name])
-        s.prefetched_experts += c["prefetched"]
-        s.bytes_transferred += (c["fetched"] + c["admitted"] + c["prefetched"]) * store.expert_bytes
+        s.bytes_transferred += (c["fetched"] + c["admitted"] + c["prefetched_experts"]) * store.expert_bytes
         self.pulled_replay = _last_replay[0]
 
     def prepare_replay(self) -> None:
@@ -288,7 +288,7 @@ class GraphPath:
         expert, slot = prefetch_admissions(self.prefetcher.priority(hidden), self.prefetcher.size,
                                            self.ranking.values, self.expert_slot, self.slot_expert)
         self._fill(expert, slot)
-        self._count(prefetch_calls=1, prefetched=(expert >= 0).sum())
+        self._count(prefetch_calls=1, prefetched_experts=(expert >= 0).sum())
 
     def _count(self, **values: torch.Tensor | int) -> None:
         """Add to the named `COUNTERS` without host synchronisation: one in-place add each (Python numbers as
