@@ -24,7 +24,7 @@ alone reach): a ceiling on tok/s for any layout that computes those experts on t
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
         [--rows hybrid prefetch deferral dali all-cpu on-demand accelerate]
-        [--tokens 32] [--prompt 512] [--cpu-threads N] [--json] [--profile DIR]
+        [--graph off on] [--tokens 32] [--prompt 512] [--cpu-threads N] [--json] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import json
 import platform
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -218,9 +219,9 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
     for name in args.rows:
         if name in VARIANTS:
             rows += [dict(row=name, expert_budget=b, cuda_graph=g, **VARIANTS[name])
-                     for b in args.budgets for g in (False, True)]
+                     for b in args.budgets for g in args.graph]
         elif name == "all-cpu":
-            rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in (False, True)]
+            rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in args.graph]
         else:
             rows.append(dict(row=name))
     if args.cpu_threads:
@@ -233,6 +234,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="expert budgets of the hybrid rows")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    p.add_argument("--graph", nargs="+", default=["off", "on"], choices=["off", "on"],
+                   help="decode step uncaptured, as one CUDA graph, or both (rows other than accelerate)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
@@ -242,6 +245,7 @@ def main() -> None:
     p.add_argument("--profile", type=Path, metavar="DIR", help="also write a decode and a prefill profiler trace "
                    "per row into DIR and print each one's top ops")
     args = p.parse_args()
+    args.graph = [g == "on" for g in args.graph]
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA GPU")
     config = lite_config(args.layers)
@@ -250,8 +254,10 @@ def main() -> None:
     for row in rows_of(args):
         try:
             r = measure(row, args, config, bandwidth)
-        except Exception as err:  # noqa: BLE001 - one failing baseline must not lose the other rows
-            print(f"{row}: failed: {type(err).__name__}: {err}", flush=True)
+        except Exception:  # noqa: BLE001 - one failing baseline must not lose the other rows
+            print(f"\n{row}: failed:\n{traceback.format_exc()}", flush=True)
+            r = None
+        if r is None:  # released outside the handler: the traceback's frames hold the failed row's model
             release()
             continue
         results.append(r)
