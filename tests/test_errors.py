@@ -67,6 +67,20 @@ def test_unknown_policy_and_field():
     assert_untouched(model, before)
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (dict(prefetch_size=2), "needs a prefetcher"),  # the default prefetcher, 'none', would ignore it
+    (dict(prefetcher="gate", prefetch_size=-1), "non-negative int"),
+    (dict(prefetcher="gate", prefetch_size=True), "non-negative int"),
+    (dict(prefetcher="gate", prefetch_size=7), r"prefetch size must be in \[1, 6\]"),  # tiny mixtral: 6 experts
+])
+def test_bad_prefetch_size(overrides, match):
+    model = tiny_model("mixtral")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=match):
+        thm.patch_model(model, **overrides)
+    assert_untouched(model, before)
+
+
 def test_unsupported_dtype():
     model = tiny_model("qwen3_moe").double()
     before = snapshot(model)

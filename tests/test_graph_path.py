@@ -243,12 +243,13 @@ def test_replay_safe_path_matches_reference_model(reference_models, arch, budget
 
 
 @needs_kernel
-@needs_kernel
-def test_replay_safe_prefetch_makes_the_python_prefetchers_choice():
-    """The gate prefetch as tensors: the experts GatePrefetch.select names become resident, each displacing the
-    least valuable unwanted slot by the cache ranking, and the slot weights are the masters'."""
+@pytest.mark.parametrize("prefetch_size, size", [(0, 2), (1, 1), (3, 3)])  # 0: the gate's default, 2 of top-4
+def test_replay_safe_prefetch_makes_the_python_prefetchers_choice(prefetch_size, size):
+    """The gate prefetch as tensors: the experts GatePrefetch.select names (as many as prefetch_size asks)
+    become resident, each displacing the least valuable unwanted slot by the cache ranking, and the slot
+    weights are the masters'."""
     model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
-                            prefetcher="gate", cache_policy="lfu", fills_per_step=1)
+                            prefetcher="gate", prefetch_size=prefetch_size, cache_policy="lfu", fills_per_step=1)
     layer = list(model_layers(model).values())[1]
     layer.graph_mode = True
     path = layer.graph_path()
@@ -261,7 +262,7 @@ def test_replay_safe_prefetch_makes_the_python_prefetchers_choice():
     before = {e for e, s in enumerate(layer.store.expert_slot) if s >= 0}
     values = path.ranking.values.tolist()
     wanted = set(layer.prefetcher.select(hidden, None, layer.store.resident()))
-    assert len(wanted) == layer.prefetcher.size == 2 and not wanted <= before  # something to copy
+    assert len(wanted) == layer.prefetcher.size == size and not wanted <= before  # something to copy
     path.prefetch(hidden, None)
     path.pull()
     after = {e for e, s in enumerate(layer.store.expert_slot) if s >= 0}

@@ -39,7 +39,10 @@ class HybridMoEConfig:
         functions inside it; slot decisions are made by tensor ops at replay). False: run decode uncaptured.
     fills_per_step: inside a graph, the most missed experts the cache policy may admit into slots per layer step
         (each is a PCIe copy overlapping the following layers). A fetching scheduler's on-demand copies and the
-        gate prefetcher's (up to its `size`) come on top.
+        gate prefetcher's (up to `prefetch_size`) come on top.
+    prefetch_size: the most experts the prefetcher copies per layer step; 0 keeps the prefetcher's own default
+        (the gate family's 2 * top_k // 3, as DALI sets it). Each copy is a whole expert over PCIe, which at
+        batch 1 can cost more than the CPU computing it (benchmarks/RESULTS.md, H100 rows), hence the knob.
     cpu_threads: threads the CPU experts use inside graphs; 0 means torch's current thread count.
     mode: "exact" (the default: outputs are the unpatched model's) or "expert_deferral", KTransformers'
         approximate Expert Deferral: at every MoE layer but the last, each token's `deferred_experts`
@@ -68,6 +71,7 @@ class HybridMoEConfig:
     cpu_weight_group_size: int = 64
     cuda_graph: bool = True
     fills_per_step: int = 1
+    prefetch_size: int = 0
     cpu_threads: int = 0
     mode: str = "exact"
     deferred_experts: int = 0
@@ -80,10 +84,12 @@ class HybridMoEConfig:
             self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32
         ):
             raise ValueError(f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}")
-        for name in ("fills_per_step", "cpu_threads"):
+        for name in ("fills_per_step", "prefetch_size", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if self.prefetch_size and self.prefetcher == "none":
+            raise ValueError(f"prefetch_size={self.prefetch_size} needs a prefetcher (prefetcher='none' copies nothing)")
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         if self.device not in ("auto", "cuda", "cpu"):

@@ -41,6 +41,8 @@ def live_costs(config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: i
 def policy_context(config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int,
                    router: Router | None = None) -> dict[str, object]:
     """Everything a live layer offers its policies (`Registry.create` passes each the keys it names): its
-    own router is what gate-based prefetchers apply to the previous layer's hidden states."""
+    own router is what gate-based prefetchers apply to the previous layer's hidden states; `size` (only
+    prefetchers take it) is offered only when set, so that each prefetcher otherwise keeps its own default."""
+    sized = {"size": config.prefetch_size} if config.prefetch_size else {}
     return {"info": info, "costs": live_costs(config, hidden, inter, info.expert_bytes), "timeline": IdleLink(),
-            "router": router}
+            "router": router, **sized}
