@@ -3,7 +3,8 @@ against the baselines the accelerator issue names, side by side in one run, with
 
 Rows, each on a freshly built model (patching moves its experts into pinned host memory):
 - hybrid: our patch at each expert budget, decode graph on and off;
-- prefetch: the same with the gate prefetcher (layer l+1's router on layer l's input, decided on the device);
+- prefetch: the same with the gate prefetcher (layer l+1's router on layer l's input, decided on the device),
+  4 experts per layer step (its default for top-6); prefetch-1: at most 1 (`prefetch_size=1`);
 - deferral: the same with KTransformers' Expert Deferral (approximate: 2 of the 6 experts deferred), whose
   deferred CPU experts overlap the next block inside the graph;
 - dali: the same with DALI's greedy placement (`dali_greedy`, costs profiled on this machine): a missing expert
@@ -23,7 +24,7 @@ generate. Medians of --repeats. The floor is the time to stream the experts the 
 alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU.
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
-        [--rows hybrid prefetch deferral dali all-cpu on-demand accelerate]
+        [--rows hybrid prefetch prefetch-1 deferral dali all-cpu on-demand accelerate]
         [--graph off on] [--tokens 32] [--prompt 512] [--cpu-threads N] [--json] [--profile DIR]
 """
 
@@ -44,8 +45,9 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 import torch_hybrid_moe as thm
 
 
-ROWS = ("hybrid", "prefetch", "deferral", "dali", "all-cpu", "on-demand", "accelerate")
+ROWS = ("hybrid", "prefetch", "prefetch-1", "deferral", "dali", "all-cpu", "on-demand", "accelerate")
 VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"},
+            "prefetch-1": {"prefetcher": "gate", "prefetch_size": 1},
             "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
             "dali": {"scheduler": "dali_greedy", "hardware": "local"}, "on-demand": {"scheduler": "on_demand"}}
 
