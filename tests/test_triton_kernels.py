@@ -78,7 +78,7 @@ def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
 def test_converting_row_copy_kernel_equals_the_torch_form(fmt, slots, monkeypatch):
     """Slot fills from masters stored otherwise: dequantised or cast inside the copy, rows without a source
     untouched, exactly what the torch form (dequantize, then cast) writes."""
-    from torch_hybrid_moe.ops.quantize import QuantizedWeight, to_cpu_format
+    from torch_hybrid_moe.ops.quantize import to_cpu_format
 
     kernel = _interpreted(row_copy._converting_kernel, monkeypatch)
     src = to_cpu_format(torch.randn(5, 6, row_copy._BLOCK // 4 + 64), fmt, 64)  # rows span several programs
@@ -86,12 +86,7 @@ def test_converting_row_copy_kernel_equals_the_torch_form(fmt, slots, monkeypatc
     got = want.clone()
     dst_idx, src_idx = torch.tensor([2, 0, 3]), torch.tensor([4, -1, 1])
     row_copy.copy_rows_(want, dst_idx, src, src_idx)  # the torch form (CPU tensors)
-    quantised = isinstance(src, QuantizedWeight)
-    data, scale = (src.data, src.scale) if quantised else (src, src)
-    elements = got[0].numel()
-    kernel[(3, -(-elements // row_copy._BLOCK))](got, data, scale, dst_idx, src_idx, elements,
-                                                 src.group_size if quantised else 1,
-                                                 BITS=src.bits if quantised else 0, BLOCK=row_copy._BLOCK)
+    row_copy.launch(got, dst_idx, src, src_idx, (None, kernel))  # the CUDA path's launch, interpreted
     assert torch.equal(got, want) and bool((got[0] == 7.0).all()) and not bool((got[2] == 7.0).any())
 
 
@@ -101,6 +96,5 @@ def test_row_copy_kernel_copies_what_the_torch_form_copies(monkeypatch):
     want, got = torch.zeros(4, *src.shape[1:]), torch.zeros(4, *src.shape[1:])
     dst_idx, src_idx = torch.tensor([2, 0, 3]), torch.tensor([5, -1, 1])  # -1: nothing copied into slot 0
     row_copy.copy_rows_(want, dst_idx, src, src_idx)  # the torch form (CPU tensors)
-    d, s = row_copy._words(got), row_copy._words(src)
-    kernel[(3, -(-d.shape[1] // row_copy._BLOCK))](d, s, dst_idx, src_idx, d.shape[1], BLOCK=row_copy._BLOCK)
+    row_copy.launch(got, dst_idx, src, src_idx, (kernel, None))  # the CUDA path's launch, interpreted
     assert torch.equal(got, want) and got[0].abs().sum() == 0

@@ -65,17 +65,24 @@ def copy_rows_(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | Qua
     parts = (src.data, src.scale) if isinstance(src, QuantizedWeight) else (src,)
     if not all(t.is_contiguous() for t in (dst, *parts)):
         raise ValueError("slot copies address rows as flat memory: dst and src must be contiguous")
-    if not isinstance(src, QuantizedWeight) and src.dtype == dst.dtype:
-        d, s = _words(dst), _words(src)
-        grid = (src_idx.numel(), -(-d.shape[1] // _BLOCK))
-        _kernel()[grid](d, s, dst_idx, src_idx, d.shape[1], BLOCK=_BLOCK)
-        return
+    launch(dst, dst_idx, src, src_idx)
+
+
+def launch(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | QuantizedWeight, src_idx: torch.Tensor,
+           kernels: tuple[object, object] | None = None) -> None:
+    """The one Triton launch behind `copy_rows_`: the word copy where dtypes match, else the converting kernel.
+    `kernels` (word copy, converting) stands in for the compiled pair: the tests pass interpreted ones."""
+    copy_kernel, converting_kernel = kernels or (_kernel(), _converting_kernel())
     quantised = isinstance(src, QuantizedWeight)
+    if not quantised and src.dtype == dst.dtype:
+        d, s = _words(dst), _words(src)
+        copy_kernel[(src_idx.numel(), -(-d.shape[1] // _BLOCK))](d, s, dst_idx, src_idx, d.shape[1], BLOCK=_BLOCK)
+        return
     data, scale = (src.data, src.scale) if quantised else (src, src)  # no scales for a plain cast: never read
     elements = dst[0].numel()
     grid = (src_idx.numel(), -(-elements // _BLOCK))
-    _converting_kernel()[grid](dst, data, scale, dst_idx, src_idx, elements, src.group_size if quantised else 1,
-                               BITS=src.bits if quantised else 0, BLOCK=_BLOCK)
+    converting_kernel[grid](dst, data, scale, dst_idx, src_idx, elements, src.group_size if quantised else 1,
+                            BITS=src.bits if quantised else 0, BLOCK=_BLOCK)
 
 
 @functools.cache

@@ -29,6 +29,13 @@ class DeviceScheduler:
         raise NotImplementedError
 
 
+class CostAwareForm(DeviceScheduler):
+    """A form that weighs placements with its Python scheduler's cost model."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+
+
 def _room(counts: torch.Tensor, resident: torch.Tensor, num_slots: int) -> torch.Tensor:
     """How many missing experts the step may fetch: slots not holding an active resident expert."""
     return num_slots - ((counts > 0) & resident).sum()
@@ -68,10 +75,7 @@ class OnDemandForm(DeviceScheduler):
         return (active & resident) | _heaviest(active & ~resident, counts, _room(counts, resident, num_slots))
 
 
-class FiddlerForm(DeviceScheduler):
-    def __init__(self, costs: CostModel) -> None:
-        self.costs = costs
-
+class FiddlerForm(CostAwareForm):
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         c = self.costs
         active = counts > 0
@@ -79,13 +83,10 @@ class FiddlerForm(DeviceScheduler):
         return (active & resident) | _heaviest(active & ~resident & worth, counts, _room(counts, resident, num_slots))
 
 
-class DaliGreedyForm(DeviceScheduler):
+class DaliGreedyForm(CostAwareForm):
     """DALI's greedy: the step's experts in the Python form's order, walked by `ops.placement_walks`."""
 
     residents_on_accelerator = False  # a heavy step may send a cached expert to an idle CPU
-
-    def __init__(self, costs: CostModel) -> None:
-        self.costs = costs
 
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         c = self.costs
@@ -97,14 +98,11 @@ class DaliGreedyForm(DeviceScheduler):
         return torch.zeros_like(take).scatter_(0, order, take)
 
 
-class HybriMoEForm(DeviceScheduler):
+class HybriMoEForm(CostAwareForm):
     """HybriMoE's two-ended queue (GPU from the head, CPU from the tail), walked by `ops.placement_walks`, with
     the link idle at the step's start as live layers see it."""
 
     residents_on_accelerator = False  # the CPU may take light cached experts from the tail
-
-    def __init__(self, costs: CostModel) -> None:
-        self.costs = costs
 
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         c = self.costs

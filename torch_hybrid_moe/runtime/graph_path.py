@@ -10,9 +10,10 @@ following layers) runs the cache policy's tensor form: it updates its ranking an
 `fills_per_step` missed experts; a Triton kernel copies them from the pinned host master into the slots the
 ranking gives up, and the slot tables are updated. With the "gate" prefetcher, the previous layer's routing
 also starts this layer's prefetch on that stream: this layer's router on the previous layer's gate input picks
-the experts to copy in (`prefetch_admissions`). A layer's step waits, through an event, for the last fill-stream work the same step
-queued for that layer (its prefetch, or the fills of an earlier dispatch of the same layer); the fill stream
-runs in order, so that includes whatever it queued before (other layers' fills), but not what comes after.
+the experts to copy in (`prefetch_admissions`). A layer's step waits, through an event, for the last
+fill-stream work the same step queued for that layer (its prefetch, or the fills of an earlier dispatch of the
+same layer); the fill stream runs in order, so that includes whatever it queued before (other layers' fills),
+but not what comes after.
 The fill stream reads copies of its inputs made on the compute stream: Inductor reuses a buffer as soon as
 its last op in the graph returns, without asking the allocator, so `record_stream` alone would not keep the
 original alive. No decision that depends on routing is taken in Python, so none is frozen at capture.
@@ -223,12 +224,13 @@ class GraphPath:
         if self.num_slots:
             slot_experts_(acc, hidden, torch.where(on_slot, self.expert_slot[expert], -1), topk_weights,
                           store.slot_gate_up, store.slot_down)
-        self._count(accelerator_experts=on_accelerator.sum(), cpu_experts=((counts > 0) & ~on_accelerator).sum())
+        active = counts > 0
+        self._count(accelerator_experts=on_accelerator.sum(), cpu_experts=(active & ~on_accelerator).sum())
         if part in (PLAIN, LEADING):
             ahead, self._ahead = self._ahead, None
             if ahead is not None:
                 counts, scores = counts + ahead[0], scores + ahead[1]
-            active = counts > 0
+                active = counts > 0
             self._count(steps=1, tokens=ids.shape[0], hits=(active & resident).sum(), misses=(active & ~resident).sum())
             if part == PLAIN:
                 self._on_fill_stream(self._admit, counts, scores)
@@ -293,8 +295,8 @@ class GraphPath:
     def _count(self, **values: torch.Tensor | int) -> None:
         """Add to the named `COUNTERS` without host synchronisation: one in-place add each (Python numbers as
         scalars, since a host-to-device copy cannot be captured)."""
-        for name, value in values.items():
-            self.counters[self.COUNTERS.index(name)] += value
+        for name, value in values.items():  # add_ on the element's view: `+=` would also write it back (a copy)
+            self.counters[self.COUNTERS.index(name)].add_(value)
 
     def _on_fill_stream(self, work: Callable[..., None], *tensors: torch.Tensor) -> None:
         """Run `work` on copies of `tensors` on the fill stream, after what the compute stream queued so far, and
