@@ -57,7 +57,7 @@ def test_passes_rewrite_stock_regions_and_chain_prefetches(reference_models):
     assert [r.path for r in find_experts_regions(gm.graph)] == [
         "L['self'].model.layers.1.mlp.experts", "L['self'].model.layers.2.mlp.experts"
     ]
-    assert rewrite_experts_regions(gm, example_inputs, HybridMoEConfig()) == 2
+    assert len(rewrite_experts_regions(gm, example_inputs, HybridMoEConfig()).sites) == 2
     assert insert_prefetch(gm) == 1
     assert insert_prefetch(gm) == 0  # idempotent
     dispatch = [n for n in gm.graph.nodes if calls(n, DISPATCH)]
@@ -91,3 +91,58 @@ def test_backend_options_configure_stock_models(reference_models):
     with torch.no_grad():
         compiled(torch.randint(3, 96, (1, 3)))
     assert all(s.cpu_experts == 0 for s in thm.stats(stock).values())
+
+
+def _perturbed(model, seed):
+    """A copy of `model` with other weights: a second model of the same architecture."""
+    import copy
+
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return other
+
+
+def test_each_stock_model_computes_with_its_own_experts(reference_models):
+    """Dynamo reuses one compiled graph for two models of one architecture: each must still run its own
+    experts, keep its own counters, and outlive the model compiled first."""
+    import gc
+
+    first, second = (_perturbed(reference_models["mixtral"], seed) for seed in (1, 2))
+    x = torch.randint(3, 96, (1, 5))
+    with torch.no_grad():
+        want = [m(x).logits for m in (first, second)]
+        got_first = torch.compile(first, backend="hybrid_moe", fullgraph=True)(x).logits
+        compiled_second = torch.compile(second, backend="hybrid_moe", fullgraph=True)
+        got_second = compiled_second(x).logits
+        torch.testing.assert_close(got_first, want[0])
+        torch.testing.assert_close(got_second, want[1])
+        assert all(s.steps == 1 for s in thm.stats(second).values()) and len(thm.stats(second)) == 3
+        del first
+        gc.collect()
+        torch.testing.assert_close(compiled_second(x).logits, want[1])
+
+
+def test_compiled_stock_model_follows_weight_changes_and_new_options(reference_models):
+    model = _perturbed(reference_models["mixtral"], 3)
+    x = torch.randint(3, 96, (1, 5))
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True)
+        compiled(x)
+        # load_state_dict copies into the parameters in place
+        model.load_state_dict(_perturbed(model, 4).state_dict())
+        torch.testing.assert_close(compiled(x).logits, model(x).logits)
+        # an in-place edit of one expert's weights
+        model.model.layers[1].mlp.experts.down_proj[0].mul_(3.0)
+        torch.testing.assert_close(compiled(x).logits, model(x).logits)
+        # compiling again with other options: they take effect (all experts in slots, none on the CPU)
+        recompiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, options={"expert_budget": 1.0})
+        thm.reset_stats(model)
+        torch.testing.assert_close(recompiled(x).logits, model(x).logits)
+        assert all(s.cpu_experts == 0 and s.accelerator_experts > 0 for s in thm.stats(model).values())
+        # and the first compile still runs with its own (budget 0.25: some experts on the CPU)
+        thm.reset_stats(model)
+        torch.testing.assert_close(compiled(x).logits, model(x).logits)
+        assert any(s.cpu_experts > 0 for s in thm.stats(model).values())

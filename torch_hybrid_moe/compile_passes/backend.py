@@ -6,7 +6,9 @@ mode="daop_precalc" only, DAOP's predictive CPU pre-calculation of decode steps 
 
 Registered through the `torch_dynamo_backends` entry point, so `backend="hybrid_moe"` works in a
 fresh interpreter. `options` may carry HybridMoEConfig fields (used for stock models the backend
-rewrites); the remaining options and the mode go to Inductor.
+rewrites); the remaining options and the mode go to Inductor. A stock model's compiled graph is bound to the
+calling model's own experts before every call (runtime/stock.py): Dynamo shares it between models of one
+architecture, and it follows in-place weight changes.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ def hybrid_moe_backend(
 
     options = dict(options or {})
     config = HybridMoEConfig(**{k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS})
-    rewrite_experts_regions(gm, example_inputs, config)
+    sites = rewrite_experts_regions(gm, example_inputs, config)
     insert_prefetch(gm)
     insert_expert_deferral(gm)  # only layers whose config has mode="expert_deferral"; others stay exact
     insert_daop_precalc(gm)  # likewise mode="daop_precalc", and decode graphs only
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+    return sites.wrap(compile_fx(gm, example_inputs, config_patches=patches or None))

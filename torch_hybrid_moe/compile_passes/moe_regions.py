@@ -17,7 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..config import HybridMoEConfig
-from ..runtime import HybridMoELayer, layer_for_parameters
+from ..runtime.stock import StockSites
+from ..runtime import get_layer
 from .graph_utils import DISPATCH, calls
 
 log = logging.getLogger(__name__)
@@ -62,23 +63,22 @@ def find_experts_regions(graph: fx.Graph) -> list[ExpertsRegion]:
     return list(regions.values())
 
 
-def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: HybridMoEConfig) -> int:
-    """Replace stock experts regions with dispatch calls; returns how many were rewritten."""
+def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: HybridMoEConfig) -> StockSites:
+    """Replace stock experts regions with dispatch calls; returns the sites the compiled graph must be bound
+    to before each call (`StockSites.wrap`), one per rewritten region."""
     graph = gm.graph
     placeholders = list(graph.find_nodes(op="placeholder"))
     # A patched model already dispatches; only stock regions are rewritten.
     stock = [r for r in find_experts_regions(graph) if not any(calls(n, DISPATCH) for n in r.nodes)]
-    rewritten: list[HybridMoELayer] = []
+    sites = StockSites(config, len(stock))
     for ordinal, region in enumerate(stock):
-        result = _rewrite(graph, region, placeholders, example_inputs, config, ordinal, len(stock))
-        if isinstance(result, str):
-            log.warning("hybrid_moe: left %s as it is: %s", region.path, result)
-        else:
-            rewritten.append(result)
-    for prev, cur in zip(rewritten, rewritten[1:]):
-        if prev.next_handle is None:
-            prev.next_handle = cur.handle
-    return len(rewritten)
+        problem = _rewrite(graph, region, placeholders, example_inputs, sites, ordinal)
+        if problem is not None:
+            log.warning("hybrid_moe: left %s as it is: %s", region.path, problem)
+    # The passes that follow find layer l + 1 through layer l's next_handle: here, the next site.
+    for prev, cur in zip(sites.sites, sites.sites[1:]):
+        get_layer(prev.handle).next_handle = cur.handle
+    return sites
 
 
 def _rewrite(
@@ -86,11 +86,10 @@ def _rewrite(
     region: ExpertsRegion,
     placeholders: list[fx.Node],
     example_inputs: list,
-    config: HybridMoEConfig,
+    sites: StockSites,
     ordinal: int,
-    num_layers: int,
-) -> HybridMoELayer | str:
-    """Replace one region by a dispatch call; returns its layer, or why it was left alone."""
+) -> str | None:
+    """Replace one region by a dispatch call naming a new site; returns why it was left alone, if it was."""
     if set(region.params) != {"gate_up_proj", "down_proj"}:
         return "its gate_up_proj/down_proj are not graph inputs"
     if not any(n.target in _SILU for n in region.nodes):
@@ -103,8 +102,8 @@ def _rewrite(
     tensor_outputs = [n for n in outputs if isinstance(n.meta.get("example_value"), torch.Tensor)]
     if len(tensors) != 3 or len(tensor_outputs) != 1:
         return f"expected 3 tensor inputs and 1 tensor output, found {len(tensors)} and {len(tensor_outputs)}"
-    gate_up = example_inputs[placeholders.index(region.params["gate_up_proj"])]
-    down = example_inputs[placeholders.index(region.params["down_proj"])]
+    gate_up_arg, down_arg = (placeholders.index(region.params[p]) for p in ("gate_up_proj", "down_proj"))
+    gate_up, down = example_inputs[gate_up_arg], example_inputs[down_arg]
     ids = [a for a in tensors if not a.meta["example_value"].is_floating_point()]
     floats = [a for a in tensors if a.meta["example_value"].is_floating_point()]
     hidden_size = gate_up.shape[-1]
@@ -113,20 +112,14 @@ def _rewrite(
         return "cannot tell hidden states, expert ids and routing weights apart"
     (weights,) = [a for a in floats if a is not hidden[0]]
     match = re.search(r"layers\.(\d+)\.", region.path)
-    layer = layer_for_parameters(
-        gate_up,
-        down,
-        re.sub(r"^L\['self'\]\.", "", region.path),
-        int(match.group(1)) if match else ordinal,
-        config,
-        num_layers,
-    )
+    name = re.sub(r"^L\['self'\]\.", "", region.path)
+    sites.add(gate_up, down, gate_up_arg, down_arg, name, int(match.group(1)) if match else ordinal)
     (out,) = tensor_outputs
     with graph.inserting_before(out):
-        new = graph.call_function(DISPATCH.default, (hidden[0], ids[0], weights, layer.handle))
+        new = graph.call_function(DISPATCH.default, (hidden[0], ids[0], weights, sites.sites[-1].handle))
     new.meta.update(out.meta)
     out.replace_all_uses_with(new)
     for node in reversed(region.nodes):
         if not node.users:
             graph.erase_node(node)
-    return layer
+    return None

@@ -19,9 +19,16 @@ _counter = itertools.count()
 
 
 def register_layer(layer: HybridMoELayer) -> int:
+    """A new handle naming `layer`."""
     handle = next(_counter)
     _layers[handle] = layer
     return handle
+
+
+def bind(handle: int, layer: HybridMoELayer) -> None:
+    """Point an existing handle at another layer: a graph compiled from a stock model names sites, not a
+    model's layers, and is bound to the calling model's own layers before each call (runtime/stock.py)."""
+    _layers[handle] = layer
 
 
 def get_layer(handle: int) -> HybridMoELayer:
