@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +19,7 @@ import torch_hybrid_moe as thm
 from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES, PRECALC_FROM_LAYER
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
 from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
+from torch_hybrid_moe.errors import InputError
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
 
 
@@ -146,6 +150,9 @@ def trace(args: argparse.Namespace) -> int:
     model, tokenizer = _load_with_tokenizer(args.model, torch.float32, "trace")
     text = heldout_text()
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if ids.numel() < args.prompts * (args.offset + args.prompt_tokens):
+        raise InputError(f"the held-out text has {ids.numel()} tokens: too few for --prompts {args.prompts} x "
+                         f"(--offset {args.offset} + --prompt-tokens {args.prompt_tokens})")
     stride = ids.numel() // args.prompts
     prompts = [ids[i * stride + args.offset : i * stride + args.offset + args.prompt_tokens] for i in range(args.prompts)]
     result = record_trace(model, prompts, args.max_new_tokens, args.model, args.hidden_every)
@@ -176,6 +183,7 @@ def simulate(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from torch_hybrid_moe.cost_model import CostModel
+    from torch_hybrid_moe.policies.prefetching import MissingRouter
     from torch_hybrid_moe.simulator import STACKS
     from torch_hybrid_moe.simulator import simulate as replay
     from torch_hybrid_moe.simulator.calibration import Calibration
@@ -194,13 +202,23 @@ def simulate(args: argparse.Namespace) -> int:
     else:
         mine, _ = tune(held or trace, costs, args.batch, args.cache_ratio, calibration)
     ceiling = oracle(trace, mine, costs, args.batch, args.cache_ratio, calibration)
-    stacks = [*STACKS.values(), mine, ceiling]
-    events: dict[str, list] = {s.name: [] for s in stacks} if args.plot_dir else {}
-    results = [replay(trace, stack, costs, args.batch, args.cache_ratio, calibration, events.get(stack.name))
-               for stack in tqdm(stacks, desc="simulating", unit="stack", leave=False)]
-    plots = _simulation_plots(args, trace, costs, calibration, stacks, events, results) if args.plot_dir else []
+    events: dict[str, list] = {}
+    results, ran, skipped = [], [], {}
+    for stack in tqdm([*STACKS.values(), mine, ceiling], desc="simulating", unit="stack", leave=False):
+        if args.plot_dir:
+            events[stack.name] = []
+        try:
+            results.append(replay(trace, stack, costs, args.batch, args.cache_ratio, calibration,
+                                  events.get(stack.name)))
+            ran.append(stack)
+        except MissingRouter:  # raised before the stack ran anything: nothing of the others is lost
+            skipped[stack.name] = (f"skipped: its prefetcher {stack.prefetcher!r} replays the model's router on "
+                                   "gate inputs, which this trace lacks")
+            events.pop(stack.name, None)
+    plots = _simulation_plots(args, trace, costs, calibration, ran, events, results) if args.plot_dir else []
     if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=1))
+        print(json.dumps([asdict(r) for r in results] + [{"stack": k, "skipped": v} for k, v in skipped.items()],
+                         indent=1))
         for path in plots:
             print(f"wrote {path}", file=sys.stderr)
         return 0
@@ -215,6 +233,8 @@ def simulate(args: argparse.Namespace) -> int:
         acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.1%}"
         print(f"{r.stack:<15} {r.decode_tok_s:>12.1f} {r.prefill_tok_s:>13.1f} {r.hit_rate:>8.1%} {acc:>12} "
               f"{r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}")
+    for name, why in skipped.items():
+        print(f"{name:<15} {why}")
     for path in plots:
         print(f"wrote {path}")
     return 0
@@ -243,7 +263,8 @@ def profile(args: argparse.Namespace) -> int:
 
     p = _local_profile(args)
     m, shape = p.measured, p.expert
-    source = f"read from {p.path}" if p.cached else f"measured in {m.seconds:.1f} s, cached at {p.path}"
+    cached = f"cached at {p.path}" if p.path else "not cached"
+    source = f"read from {p.path}" if p.cached else f"measured in {m.seconds:.1f} s, {cached}"
     load = f"; load average {m.load:.1f} when measured" if m.load is not None else ""
     print(f"experts sized as {shape.name} ({shape.nbytes / 1e6:.1f} MB in bf16); {source}{load}")
     print(p.hardware.description)
@@ -281,8 +302,64 @@ def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
     return "\n".join(rows)
 
 
+def _bounded(kind: type, low: float, high: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a `kind` number in [low, high], else a one-line usage error."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if not low <= value <= high:  # NaN fails too
+            span = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _writable(text: str) -> Path:
+    """An output path whose directory exists and can be written: checked before any work, not after it."""
+    path = Path(text)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    if not parent.is_dir() or not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: its directory does not exist or is not writable")
+    return path
+
+
+def _writable_dir(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and (not path.is_dir() or not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} is not a writable directory")
+    if not path.exists() and not os.access(_existing_ancestor(path), os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot create {text}: no write access to {_existing_ancestor(path)}")
+    return path
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line that says where help is, not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybrid-moe", description=__doc__)
+    parser = _Parser(prog="hybrid-moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     model_help = (
         f"embedded model ({', '.join(embedded_models())}), local transformers directory, hub id, "
@@ -296,15 +373,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in (g, e, t):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     for p in (g, e):
-        p.add_argument("--expert-budget", type=float, default=0.25)
+        p.add_argument("--expert-budget", type=_bounded(float, 0.0, 1.0), default=0.25,
+                       help="fraction of each MoE layer's experts held in accelerator slots")
         p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
         p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
     for p in (g, e):
         p.add_argument("--cpu-weight-dtype", default="model", choices=CPU_WEIGHT_DTYPES,
                        help="format of the experts' host copy; int8 / int4 are approximate")
-        p.add_argument("--cpu-weight-group-size", type=int, default=64)
-    g.add_argument("--prompt", default="def fibonacci(n):")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+        p.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
+    g.add_argument("--prompt", type=_non_empty, default="def fibonacci(n):")
+    g.add_argument("--max-new-tokens", type=_bounded(int, 2), default=32,
+                   help="at least 2 (one prefill token, one decode token)")
     e.add_argument("--mode", default="exact", choices=["exact", "expert_deferral", "daop_precalc"],
                    help="exact, or an approximate mode: expert_deferral (KTransformers' Expert Deferral, compiled), "
                         "daop_precalc (DAOP's predictive CPU pre-calculation, compiled decode steps)")
@@ -312,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="with --mode expert_deferral: experts deferred per token (default: top-k - 2, at least 1)")
     e.add_argument("--precalc-from-layer", type=int, default=None,
                    help=f"with --mode daop_precalc: first decoder block approximated (default {PRECALC_FROM_LAYER})")
-    e.add_argument("--max-tokens", type=int, default=16384)
+    e.add_argument("--max-tokens", type=_bounded(int, 1), default=16384)
     s.add_argument("--trace", type=Path, required=True)
     s.add_argument("--hardware", default="dali", choices=[*sorted(HARDWARE), "local"],
                    help="a preset, or local: this machine, measured (cached) by a short warm-up profile")
@@ -321,26 +400,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="expert size the costs assume (the trace gives only the routing)")
         p.add_argument("--gpu-preset", default="rtx4090", choices=sorted(HARDWARE),
                        help="with local hardware and no CUDA device: the preset the GPU and link figures come from")
-    s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--cache-ratio", type=float, default=0.25)
+    s.add_argument("--batch", type=_bounded(int, 1), default=1)
+    s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)
     s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")
-    s.add_argument("--plot-dir", type=Path, help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)")
+    s.add_argument("--plot-dir", type=_writable_dir, help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)")
     s.add_argument("--ours", type=_ours_spec, metavar="W,U,DECAY,PREFETCH",
                    help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
                         "them on the calibration trace, e.g. 4,1,0.5,0")
     s.add_argument("--json", action="store_true")
     pr.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
-    t.add_argument("--out", type=Path, required=True)
-    t.add_argument("--prompts", type=int, default=16)
-    t.add_argument("--prompt-tokens", type=int, default=64)
-    t.add_argument("--offset", type=int, default=0, help="token offset of each prompt in its held-out slice")
-    t.add_argument("--max-new-tokens", type=int, default=64)
-    t.add_argument("--hidden-every", type=int, default=1)
+    t.add_argument("--out", type=_writable, required=True)
+    t.add_argument("--prompts", type=_bounded(int, 1), default=16)
+    t.add_argument("--prompt-tokens", type=_bounded(int, 1), default=64)
+    t.add_argument("--offset", type=_bounded(int, 0), default=0, help="token offset of each prompt in its held-out slice")
+    t.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64)
+    t.add_argument("--hidden-every", type=_bounded(int, 1), default=1)
     args = parser.parse_args(argv)
-    if args.command == "generate" and args.max_new_tokens < 2:
-        parser.error("--max-new-tokens must be at least 2 (one prefill token, one decode token)")
     commands = {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate, "profile": profile}
-    return commands[args.command](args)
+    try:
+        return commands[args.command](args)
+    except InputError as err:
+        print(f"hybrid-moe {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -109,9 +110,27 @@ class Measurements:
 
     @classmethod
     def from_json(cls, data: dict) -> Measurements:
-        ints = lambda d: None if d is None else {int(k): float(v) for k, v in d.items()}  # noqa: E731
-        return cls(data["key"], ints(data["cpu_s"]), ints(data["gpu_s"]), data["transfer_s"],
-                   data["small_transfer_s"], data["seconds"], data.get("load"))
+        """Parse a cached measurement; ValueError unless every time is a positive, finite, plausible duration."""
+        ints = lambda d: None if d is None else {int(k): _duration(v) for k, v in d.items()}  # noqa: E731
+        m = cls(data["key"], ints(data["cpu_s"]), ints(data["gpu_s"]), data["transfer_s"],
+                data["small_transfer_s"], data["seconds"], data.get("load"))
+        if not m.cpu_s or (m.gpu_s is not None and set(m.gpu_s) != set(m.cpu_s)):
+            raise ValueError("no CPU times, or GPU times at other token counts")
+        if (m.gpu_s is None) != (m.transfer_s is None) or (m.transfer_s is None) != (m.small_transfer_s is None):
+            raise ValueError("GPU times and link times must be present together")
+        if m.transfer_s is not None:
+            m.transfer_s, m.small_transfer_s = _duration(m.transfer_s), _duration(m.small_transfer_s)
+        return m
+
+
+_LONGEST_S = 10.0  # no single expert call or copy of a real expert takes this long
+
+
+def _duration(value: object) -> float:
+    """A measured time in seconds, or ValueError: a hand-edited or corrupted cache must not reach the fit."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < _LONGEST_S:
+        raise ValueError(f"time {value!r} is not in (0, {_LONGEST_S}) seconds")
+    return float(value)
 
 
 @dataclass
@@ -322,16 +341,44 @@ def profile_hardware(expert: ExpertShape, *, tokens: Sequence[int] = DEFAULT_TOK
     key = profile_key(expert, tokens)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(directory or cache_dir()) / f"profile-{expert.name}-{digest}.json"
-    if not refresh and path.exists():
+    if not refresh and (path.exists() or path.is_symlink()):
         try:
             m = Measurements.from_json(json.loads(path.read_text()))
             if m.key == key:
                 return HardwareProfile(expert, m, preset, cached=True, path=path)
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable or from another format: measure again
+            warnings.warn(f"cached profile {path} was measured for another machine or setting: measuring again",
+                          stacklevel=2)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            warnings.warn(f"cached profile {path} is unusable ({err}): measuring again", stacklevel=2)
     m = measure(expert, tokens, repeats, pool_bytes, progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(m.to_json(), indent=1))
-    tmp.replace(path)
-    return HardwareProfile(expert, m, preset, cached=False, path=path)
+    result = HardwareProfile(expert, m, preset, cached=False, path=path)
+    doubt = _doubtful(result)
+    if doubt:
+        warnings.warn(f"profile not cached: {doubt}; it is used for this run only (measure again on a quiet machine "
+                      "with `hybrid-moe profile --refresh`)", stacklevel=2)
+        result.path = None
+        return result
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(m.to_json(), indent=1))
+        tmp.replace(path)
+    except OSError as err:
+        warnings.warn(f"profile not cached: cannot write {path} ({err}); it is used for this run only", stacklevel=2)
+        result.path = None
+    return result
+
+
+FIT_TOLERANCE = 0.25  # a fitted curve further than this from a measured point means the times were disturbed
+
+
+def _doubtful(profile: HardwareProfile) -> str:
+    """Why a fresh measurement should not be cached (other work on the machine skews it), or ""."""
+    m = profile.measured
+    cores = os.cpu_count() or 1
+    if m.load is not None and m.load > cores:
+        return f"load average {m.load:.1f} above the {cores} cores while measuring"
+    worst = max((abs(err), side, n) for side, errs in profile.fit_errors().items() for n, err in errs.items())
+    if worst[0] > FIT_TOLERANCE:
+        return f"the fitted {worst[1]} curve misses the {worst[2]}-token measurement by {worst[0]:.0%}"
+    return ""

@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from .errors import InputError
+
 FORMAT_VERSION = 1
 _META_KEY = "hybrid_moe_trace"
 
@@ -67,21 +69,64 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        from safetensors import safe_open
+        """Read and check a trace file: metadata against the tensors (ids in range, shapes consistent, scores
+        and gate inputs finite), before anything is sized from it. Raises InputError naming file and field."""
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), "pt") as f:
-            raw = (f.metadata() or {}).get(_META_KEY)
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(f"{path} is a directory, not a trace file" if path.is_dir() else f"{path}: no such file")
+        try:
+            with safe_open(str(path), "pt") as f:
+                raw = (f.metadata() or {}).get(_META_KEY)
+            tensors = load_file(str(path)) if raw is not None else {}
+        except (SafetensorError, OSError) as err:
+            raise InputError(f"{path} is not a safetensors trace file ({err})") from None
         if raw is None:
-            raise ValueError(f"{path} is not a hybrid_moe trace (no {_META_KEY!r} metadata)")
-        meta = json.loads(raw)
-        if meta.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: trace format version {meta.get('version')}, this reader knows {FORMAT_VERSION}")
-        t = load_file(str(path))
-        layers = {
-            idx: LayerTrace(*(t[f"L{idx}.{n}"] for n in ("topk_ids", "score_ids", "scores", "hidden_rows", "hidden")))
-            for idx in meta["layers"]
-        }
-        return cls(meta, t["tokens"], t["sequence"], t["step"], t["position"], layers)
+            raise InputError(f"{path} is not a hybrid_moe trace (no {_META_KEY!r} metadata)")
+        try:
+            meta = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}: metadata {_META_KEY!r} is not JSON ({err})") from None
+        if not isinstance(meta, dict) or meta.get("version") != FORMAT_VERSION:
+            version = meta.get("version") if isinstance(meta, dict) else None
+            raise InputError(f"{path}: trace format version {version}, this reader knows {FORMAT_VERSION}")
+        _check_meta(path, meta)
+        for name in ("tokens", "sequence", "step", "position"):
+            if name not in tensors:
+                raise InputError(f"{path}: tensor {name!r} is missing")
+        names = ("topk_ids", "score_ids", "scores", "hidden_rows", "hidden")
+        missing = [f"L{idx}.{n}" for idx in meta["layers"] for n in names if f"L{idx}.{n}" not in tensors]
+        if missing:
+            raise InputError(f"{path}: tensor {missing[0]!r} is missing (metadata lists layers {meta['layers']})")
+        layers = {idx: LayerTrace(*(tensors[f"L{idx}.{n}"] for n in names)) for idx in meta["layers"]}
+        trace = cls(meta, tensors["tokens"], tensors["sequence"], tensors["step"], tensors["position"], layers)
+        trace.check(path)
+        return trace
+
+    def check(self, where: str | Path = "trace") -> None:
+        """Every tensor consistent with the metadata and the row count; raises InputError naming the field."""
+        meta, n = self.meta, self.tokens.shape[0] if self.tokens.dim() == 1 else -1
+        for name in ("tokens", "sequence", "step", "position"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape[0] != n or t.is_floating_point():
+                raise InputError(f"{where}: {name} must be an integer tensor [N] like tokens, got {t.dtype} "
+                                 f"{tuple(t.shape)}")
+            if n and int(t.min()) < 0:
+                raise InputError(f"{where}: {name} holds negative values")
+        e, k, h = meta["num_experts"], meta["top_k"], meta["hidden_size"]
+        for idx, layer in self.layers.items():
+            field_ = f"L{idx}"
+            _check_ids(where, f"{field_}.topk_ids", layer.topk_ids, (n, k), e)
+            _check_ids(where, f"{field_}.score_ids", layer.score_ids, (n, min(2 * k, e)), e)
+            _check_values(where, f"{field_}.scores", layer.scores, (n, min(2 * k, e)))
+            if n and (float(layer.scores.min()) < 0 or float(layer.scores.max()) > 1):
+                raise InputError(f"{where}: {field_}.scores must be router probabilities in [0, 1]")
+            rows = layer.hidden_rows
+            if rows.dim() != 1 or rows.is_floating_point() or (rows.numel() and not 0 <= int(rows.min())
+                                                                  <= int(rows.max()) < n):
+                raise InputError(f"{where}: {field_}.hidden_rows must be row indices in [0, {n}) [M]")
+            _check_values(where, f"{field_}.hidden", layer.hidden, (rows.shape[0], h) if rows.numel() else None)
 
 
 @torch.no_grad()
@@ -146,6 +191,43 @@ def record_trace(
     if any(layer.topk_ids.shape[0] != trace.tokens.numel() for layer in trace.layers.values()):
         raise RuntimeError("traced rows and fed tokens disagree: was the model run with a cache?")
     return trace
+
+
+_INT16_IDS = 2**15  # expert ids are stored as int16
+
+
+def _check_meta(path: Path, meta: dict) -> None:
+    def bounded_int(name: str, low: int, high: int) -> None:
+        v = meta.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise InputError(f"{path}: metadata {name!r} must be an int in [{low}, {high}], got {v!r}")
+
+    bounded_int("num_experts", 1, _INT16_IDS)
+    bounded_int("top_k", 1, meta["num_experts"])
+    bounded_int("hidden_size", 1, 2**20)
+    bounded_int("hidden_every", 0, 2**31)  # 0: no gate inputs recorded
+    layers = meta.get("layers")
+    if not isinstance(layers, list) or not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                         for i in layers) or len(set(layers)) != len(layers):
+        raise InputError(f"{path}: metadata 'layers' must be a non-empty list of distinct decoder indices, got {layers!r}")
+    if meta.get("score_fn") not in ("softmax", "sigmoid"):
+        raise InputError(f"{path}: metadata 'score_fn' must be 'softmax' or 'sigmoid', got {meta.get('score_fn')!r}")
+    if not isinstance(meta.get("model"), str):
+        raise InputError(f"{path}: metadata 'model' must be a string, got {meta.get('model')!r}")
+
+
+def _check_ids(where: str | Path, name: str, ids: torch.Tensor, shape: tuple[int, int], num_experts: int) -> None:
+    if ids.is_floating_point() or tuple(ids.shape) != shape:
+        raise InputError(f"{where}: {name} must be integer ids shaped {shape}, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < num_experts:
+        raise InputError(f"{where}: {name} holds expert ids outside [0, num_experts={num_experts})")
+
+
+def _check_values(where: str | Path, name: str, values: torch.Tensor, shape: tuple[int, int] | None) -> None:
+    if not values.is_floating_point() or (shape is not None and tuple(values.shape) != shape):
+        raise InputError(f"{where}: {name} must be floats shaped {shape}, got {values.dtype} {tuple(values.shape)}")
+    if not bool(torch.isfinite(values).all()):
+        raise InputError(f"{where}: {name} holds NaN or infinite values")
 
 
 def _int32_cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from ..errors import InputError
 
 MODELS_DIR = Path(__file__).parent / "models"
 DEFAULT_MODEL = "deepseek-tiny"
@@ -16,9 +19,26 @@ def embedded_models() -> dict[str, Path]:
     return {p.name: p for p in sorted(MODELS_DIR.iterdir()) if (p / "config.json").exists()} if MODELS_DIR.exists() else {}
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def resolve_model(name_or_path: str) -> str:
-    """An embedded model's directory for its name; anything else (a path, a hub id) as given."""
-    return str(embedded_models().get(name_or_path, name_or_path))
+    """An embedded model's directory for its name; an existing directory or a hub id (owner/name) as given.
+    Anything else is an InputError saying what was looked for."""
+    embedded = embedded_models()
+    if name_or_path in embedded:
+        return str(embedded[name_or_path])
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"model directory {name_or_path} has no config.json (is it a transformers checkpoint?)")
+        return str(path)
+    if path.exists():
+        raise InputError(f"--model {name_or_path} is a file; pass the checkpoint's directory")
+    if _HUB_ID.fullmatch(name_or_path) and not name_or_path.startswith((".", "~")):
+        return name_or_path
+    raise InputError(f"no model {name_or_path!r}: not an embedded model ({', '.join(embedded)}), an existing "
+                     "directory or a hub id (owner/name)")
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object | None]:
@@ -34,8 +54,12 @@ def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.
 
     path = resolve_model(name)
     with tqdm(total=2, desc="loading", leave=False) as bar:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        bar.update()
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            bar.update()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        except OSError as err:  # transformers' word for a missing file or an unreachable hub
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise InputError(f"cannot load model {name!r}: {first}") from None
         bar.update()
     return model, tokenizer

@@ -90,9 +90,14 @@ def residual_vectors(trace: object) -> dict[int, torch.Tensor]:
     return vectors
 
 
+class MissingRouter(ValueError):
+    """A prefetcher that replays the model's router was offered none (e.g. a trace without gate inputs):
+    callers running many stacks skip that one and say why, rather than fail."""
+
+
 def _need_router(name: str, router: Router | None, info: LayerInfo) -> Router:
     if router is None:
-        raise ValueError(f"prefetcher {name!r} applies this layer's router to the previous layer's hidden state: "
+        raise MissingRouter(f"prefetcher {name!r} applies this layer's router to the previous layer's hidden state: "
                          "pass router=Router(...) (the simulator and the live patch do)")
     if router.weight.shape[0] != info.num_experts:
         raise ValueError(f"prefetcher {name!r}: router has {router.weight.shape[0]} experts, layer {info.num_experts}")

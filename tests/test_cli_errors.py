@@ -1,0 +1,180 @@
+"""Every CLI door with bad input: one line on stderr that says what is wrong, exit status 2, no table printed,
+nothing computed; and a bad profile cache is measured again with a warning naming it."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import torch_hybrid_moe.embedded
+from torch_hybrid_moe import profiling
+from torch_hybrid_moe.cli import main
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
+from torch_hybrid_moe.simulator.synthetic import synthetic_trace
+
+TRACE = Path(torch_hybrid_moe.embedded.__file__).parent / "traces" / "mixtral-tiny-heldout-at0.safetensors"
+
+
+def one_line_error(capsys, argv, match):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2 and not out, (code, out)
+    lines = [line for line in err.splitlines() if "error" in line]  # progress bars may come before it
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert match in lines[0], lines[0]
+
+
+def edited_trace(tmp_path, edit):
+    """The embedded trace with `edit(tensors, meta)` applied, saved as a new file."""
+    from safetensors import safe_open
+
+    with safe_open(str(TRACE), "pt") as f:
+        meta = json.loads(f.metadata()["hybrid_moe_trace"])
+    tensors = load_file(str(TRACE))
+    edit(tensors, meta)
+    path = tmp_path / "edited.safetensors"
+    save_file(tensors, str(path), metadata={"hybrid_moe_trace": json.dumps(meta)})
+    return path
+
+
+def nan_at(name):
+    def edit(tensors, meta):
+        tensors[name] = tensors[name].clone()
+        tensors[name][3, 0] = math.nan
+    return edit
+
+
+TRACE_EDITS = {
+    "nan scores": (nan_at("L0.scores"), "L0.scores holds NaN"),
+    "nan gate inputs": (nan_at("L1.hidden"), "L1.hidden holds NaN"),
+    "huge num_experts": (lambda t, m: m.update(num_experts=10**9), "'num_experts' must be an int in [1, 32768]"),
+    "num_experts below the ids": (lambda t, m: m.update(num_experts=4), "outside [0, num_experts=4)"),
+    "id out of range": (lambda t, m: t["L2.topk_ids"].__setitem__((0, 0), 99), "L2.topk_ids holds expert ids"),
+    "missing tensor": (lambda t, m: t.pop("L3.scores"), "'L3.scores' is missing"),
+    "rows disagree": (lambda t, m: t.__setitem__("step", t["step"][:-1].clone()), "step must be an integer tensor"),
+    "scores not probabilities": (lambda t, m: t["L0.scores"].mul_(3), "router probabilities in [0, 1]"),
+    "layers not a list": (lambda t, m: m.update(layers="0,1"), "'layers' must be a non-empty list"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRACE_EDITS))
+def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
+    edit, match = TRACE_EDITS[case]
+    path = edited_trace(tmp_path, edit)
+    one_line_error(capsys, ["simulate", "--trace", str(path)], f"{path}: ")
+    one_line_error(capsys, ["simulate", "--trace", str(path)], match)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["simulate", "--trace", "{tmp}"], "is a directory, not a trace file"),
+    (["simulate", "--trace", "{tmp}/nothing.safetensors"], "no such file"),
+    (["simulate", "--trace", "{json}"], "is not a safetensors trace file"),
+    (["simulate", "--trace", str(TRACE), "--batch", "-3"], "--batch: must be >= 1, got -3"),
+    (["simulate", "--trace", str(TRACE), "--cache-ratio", "1.5"], "--cache-ratio: must be in [0.0, 1.0], got 1.5"),
+    (["simulate", "--trace", str(TRACE), "--cache-ratio", "nan"], "--cache-ratio: must be in [0.0, 1.0]"),
+    (["simulate", "--trace", str(TRACE), "--plot-dir", "{json}"], "is not a writable directory"),
+    (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
+    (["trace", "--out", "{tmp}"], "is a directory; give a file name"),
+    (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
+    (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1000", "--prompt-tokens", "1000"], "too few"),
+    (["eval-ppl", "--max-tokens", "-5"], "--max-tokens: must be >= 1, got -5"),
+    (["generate", "--prompt", ""], "--prompt: must not be empty"),
+    (["generate", "--max-new-tokens", "1"], "--max-new-tokens: must be >= 2"),
+    (["generate", "--expert-budget", "2"], "--expert-budget: must be in [0.0, 1.0]"),
+    (["generate", "--model", "{tmp}/no/such/model"], "not an embedded model"),
+    (["generate", "--model", "{json}"], "is a file; pass the checkpoint's directory"),
+    (["generate", "--model", "{tmp}"], "has no config.json"),
+    (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
+])
+def test_cli_user_errors_are_one_line(argv, match, tmp_path, capsys):
+    (tmp_path / "x.json").write_text("{}")
+    argv = [a.format(tmp=tmp_path, json=tmp_path / "x.json") for a in argv]
+    one_line_error(capsys, argv, match)
+    assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_simulate_runs_every_stack_it_can_without_gate_inputs(tmp_path, capsys):
+    """A multi-layer trace without gate inputs (synthetic.py's, other tools'): the router-replaying stacks are
+    listed as skipped with the reason, the others are reported."""
+    path = tmp_path / "synthetic.safetensors"
+    synthetic_trace(1.0, 0.4, num_experts=16, top_k=2, sequences=3, prompt_tokens=16, new_tokens=16).save(path)
+    assert main(["simulate", "--trace", str(path), "--ours", "2,1,0.5,0", "--json"]) == 0
+    records = {r["stack"]: r for r in json.loads(capsys.readouterr().out)}
+    skipped = {name for name, r in records.items() if "skipped" in r}
+    assert skipped == {"dali", "hybrimoe"}  # residual and impact prefetch replay the router
+    assert all("gate inputs" in records[name]["skipped"] for name in skipped)
+    assert all(records[name]["decode_tok_s"] > 0 for name in records.keys() - skipped)
+    assert {"ours", "oracle", "ktransformers", "lru-cache"} <= records.keys() - skipped
+
+
+def synthetic_measurements(expert, tokens):
+    c = CostModel(HARDWARE["dali"], expert)
+    return profiling.Measurements(profiling.profile_key(expert, tokens), {n: c.t_cpu(n) for n in tokens})
+
+
+BAD_CPU_TIMES = {"empty": {}, "zero": 0.0, "negative": -1e-3, "nan": math.nan, "null": None, "inf": math.inf,
+                 "huge": 1e300}
+
+
+@pytest.mark.parametrize("case", list(BAD_CPU_TIMES))
+def test_a_bad_profile_cache_is_measured_again_with_a_warning(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    expert = EXPERT_SHAPES["qwen3-30b-a3b"]
+    monkeypatch.setattr(profiling, "measure", lambda e, tokens, *a, **k: synthetic_measurements(e, tokens))
+    good = profiling.profile_hardware(expert)
+    data = json.loads(good.path.read_text())
+    value = BAD_CPU_TIMES[case]
+    data["cpu_s"] = value if isinstance(value, dict) else {k: value for k in data["cpu_s"]}
+    good.path.write_text(json.dumps(data))  # json writes NaN / Infinity, as a hand edit might
+    with pytest.warns(UserWarning, match=f"cached profile {good.path} is unusable"):
+        again = profiling.profile_hardware(expert)
+    assert not again.cached and again.measured.cpu_s == good.measured.cpu_s
+    assert profiling.profile_hardware(expert).cached  # and the cache was repaired
+
+
+def test_profile_cache_path_that_cannot_be_used(tmp_path, monkeypatch):
+    expert = EXPERT_SHAPES["qwen3-30b-a3b"]
+    monkeypatch.setattr(profiling, "measure", lambda e, tokens, *a, **k: synthetic_measurements(e, tokens))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = profiling.profile_hardware(expert).path
+    path.unlink()
+    path.mkdir()  # a directory where the cache file should be
+    with pytest.warns(UserWarning, match=f"cached profile {path} is unusable"):
+        assert not profiling.profile_hardware(expert).cached
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the cache's parent is a file
+    with pytest.warns(UserWarning, match="profile not cached: cannot write"):
+        p = profiling.profile_hardware(expert)
+    assert p.path is None and p.cost_model().t_cpu(1) > 0
+
+
+def test_a_profile_measured_on_a_loaded_machine_is_not_cached(tmp_path, monkeypatch):
+    expert = EXPERT_SHAPES["qwen3-30b-a3b"]
+
+    def busy(e, tokens, *a, **k):
+        m = synthetic_measurements(e, tokens)
+        m.load = 100.0 * (profiling.os.cpu_count() or 1)
+        return m
+
+    monkeypatch.setattr(profiling, "measure", busy)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.warns(UserWarning, match="profile not cached: load average"):
+        p = profiling.profile_hardware(expert)
+    assert p.path is None and not list(tmp_path.rglob("*.json"))
+
+    def disturbed(e, tokens, *a, **k):  # one point far off any curve of the model's form
+        m = synthetic_measurements(e, tokens)
+        m.cpu_s[tokens[1]] *= 3
+        return m
+
+    monkeypatch.setattr(profiling, "measure", disturbed)
+    with pytest.warns(UserWarning, match="profile not cached: the fitted cpu curve misses"):
+        profiling.profile_hardware(expert)
+    assert not list(tmp_path.rglob("*.json"))
