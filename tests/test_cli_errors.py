@@ -90,6 +90,7 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
     (["generate", "--model", "{tmp}/no/such/model"], "not an embedded model"),
     (["generate", "--model", "{json}"], "is a file; pass the checkpoint's directory"),
     (["generate", "--model", "{tmp}"], "has no config.json"),
+    (["generate", "--model", "tiny:llama"], "unknown tiny model 'llama'"),
     (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
 ])
 def test_cli_user_errors_are_one_line(argv, match, tmp_path, capsys):

@@ -116,3 +116,25 @@ def test_trace_rejects_foreign_files(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(ValueError, match="not a hybrid_moe trace"):
         Trace.load(tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shipped_models_generate_at_any_batch_size(name, loaded):
+    """Shipped configs are inference configs (no router aux loss): a padded batch of 3 generates unpatched, and
+    a patched model follows batch size changes (1, then 2) with the unpatched model's tokens."""
+    import copy
+
+    model, tokenizer = loaded[name]
+    assert not model.config.output_router_logits
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.padding_side = "left"
+    texts = ["def add(a, b):", "import os\nimport", "class Stack:\n    def"]
+    gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        model.generate(**batch, **gen)  # a padded batch of 3, unpatched
+        patched = thm.patch_model(copy.deepcopy(model), expert_budget=0.5)
+        for size in (1, 2):
+            inputs = tokenizer(texts[:size], return_tensors="pt", padding=True)
+            want = model.generate(**inputs, **gen)
+            assert torch.equal(patched.generate(**inputs, **gen), want)

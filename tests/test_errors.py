@@ -124,3 +124,38 @@ def test_cuda_device_without_cuda():
     with pytest.raises(RuntimeError, match="no CUDA device"):
         thm.patch_model(model, device="cuda")
     assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("layer, name", [(0, "down_proj"), (2, "gate_up_proj")])
+def test_experts_of_mixed_dtypes_are_refused_before_any_change(layer, name):
+    model = tiny_model("mixtral")
+    experts = model.model.layers[layer].mlp.experts
+    setattr(experts, name, torch.nn.Parameter(getattr(experts, name).detach().to(torch.bfloat16)))
+    before = snapshot(model)
+    with pytest.raises(TypeError, match=f"layer {layer}: experts.{name} is torch.bfloat16 .* share one dtype"):
+        thm.patch_model(model)
+    assert_untouched(model, before)
+    model.to(torch.bfloat16)  # what the message says to do
+    thm.patch_model(model)
+    assert is_patched(model)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen2_moe"])
+def test_save_pretrained_of_a_patched_model_writes_its_experts(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = tiny_model(arch)
+    x = torch.randint(3, 96, (1, 5))
+    thm.patch_model(copy.deepcopy(ref), expert_budget=0.5).save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    want, got = ref.state_dict(), back.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, ref(x).logits)
+
+
+def test_save_pretrained_refuses_when_the_host_copy_lost_the_weights(tmp_path):
+    patched = thm.patch_model(tiny_model("mixtral"), cpu_weight_dtype="bfloat16")  # fp32 model, bf16 host copy
+    with pytest.raises(RuntimeError, match="host copy is bfloat16, not the model's torch.float32"):
+        patched.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))

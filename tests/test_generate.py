@@ -76,3 +76,34 @@ def test_issue_snippet_patch_compile_generate(reference_models):
     got = model.generate(x, max_new_tokens=8, do_sample=False, cache_implementation="static")
     assert torch.equal(got, want)
     assert hasattr(model._orig_mod, "_compiled_call")  # generate's decode step went through the backend
+
+
+def test_a_budget_sweep_of_30_patched_models_in_one_process(reference_models):
+    """A notebook sweep: patch, generate, drop; 30 times with changing budgets and CPU formats. Every model
+    gives the reference tokens, compiled graphs are reused (Dynamo's recompile limit is 8), and freed
+    models' layers do not pile up."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    from torch_hybrid_moe.runtime import registry
+
+    ref = reference_models["mixtral"]
+    x = prompts(batch=1)
+    want = ref.generate(x, max_new_tokens=4, do_sample=False)
+    budgets = [0.0, 0.25, 0.5, 1.0, "2KiB"]
+    gc.collect()
+    graphs_before, layers_before = counters["stats"]["unique_graphs"], len(registry._layers)
+    live = []
+    for i in range(30):
+        model = patched_copy(ref, expert_budget=budgets[i % len(budgets)], cpu_weight_dtype=["model", "bfloat16"][i % 2])
+        got = model.generate(x, max_new_tokens=4, do_sample=False)
+        if i % 2 == 0:  # fp32 experts are exact; bf16 host copies round the experts
+            assert torch.equal(got, want), i
+        live.append(len(registry._layers) - layers_before)
+    # the live model's handles and the previous one's, alternating
+    assert counters["stats"]["unique_graphs"] - graphs_before <= 2
+    assert max(live) <= 2 * 3  # layers of at most two models (3 MoE layers each) alive at once
+    del model
+    gc.collect()
+    assert len(registry._layers) == layers_before

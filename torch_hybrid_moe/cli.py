@@ -58,7 +58,7 @@ def _config(args: argparse.Namespace) -> thm.HybridMoEConfig:
 def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[torch.nn.Module, object]:
     model, tokenizer = load_model(name, dtype)
     if tokenizer is None:
-        raise SystemExit(f"{command} needs a model with a tokenizer (an embedded model or a local directory)")
+        raise InputError(f"{command} needs a model with a tokenizer (an embedded model or a local directory)")
     return model, tokenizer
 
 
@@ -96,9 +96,9 @@ def eval_ppl(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.embedded.evaluation import decode_perplexity, perplexity
 
     if args.deferred_experts is not None and args.mode != "expert_deferral":
-        raise SystemExit("--deferred-experts needs --mode expert_deferral")
+        raise InputError("--deferred-experts needs --mode expert_deferral")
     if args.precalc_from_layer is not None and args.mode != "daop_precalc":
-        raise SystemExit("--precalc-from-layer needs --mode daop_precalc")
+        raise InputError("--precalc-from-layer needs --mode daop_precalc")
     model, tokenizer = _load_with_tokenizer(args.model, _DTYPES[args.dtype], "eval-ppl")
     config = _config(args)
     if args.mode == "expert_deferral":
@@ -109,13 +109,13 @@ def eval_ppl(args: argparse.Namespace) -> int:
             config = config.replace(mode="expert_deferral", deferred_experts=deferred)
             config.check_top_k(top_k)
         except ValueError as err:
-            raise SystemExit(f"--deferred-experts: {err}") from None
+            raise InputError(f"--deferred-experts: {err}") from None
     if args.mode == "daop_precalc":
         start = PRECALC_FROM_LAYER if args.precalc_from_layer is None else args.precalc_from_layer
         try:
             config = config.replace(mode="daop_precalc", precalc_from_layer=start)
         except (TypeError, ValueError) as err:
-            raise SystemExit(f"--precalc-from-layer: {err}") from None
+            raise InputError(f"--precalc-from-layer: {err}") from None
     # DAOP approximates decode steps only: both sides are then measured one token per step.
     measure = decode_perplexity if args.mode == "daop_precalc" else perplexity
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]

@@ -128,6 +128,12 @@ class HybridMoEConfig:
                              f"at that moment; prefetcher {self.prefetcher!r} would change the slots around it "
                              "(use prefetcher='none')")
 
+    def compiled_fields(self) -> tuple:
+        """The fields the compile passes read (expert_deferral.py, daop_precalc.py): a graph compiled for one
+        layer is right for any layer of the same name and index whose config agrees on these (runtime/registry.py
+        reuses handles on that basis). A pass that reads another field must add it here."""
+        return self.mode, self.deferred_experts, self.precalc_from_layer
+
     def check_top_k(self, top_k: int) -> None:
         """With Expert Deferral, at least one of each token's `top_k` experts must stay immediate."""
         if self.mode == "expert_deferral" and not 0 < self.deferred_experts < top_k:

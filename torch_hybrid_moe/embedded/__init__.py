@@ -48,7 +48,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.
     if name.startswith("tiny:"):
         arch = name.removeprefix("tiny:")
         if arch not in TINY_ARCHITECTURES:
-            raise SystemExit(f"unknown tiny model {arch!r}; choose from {', '.join(TINY_ARCHITECTURES)}")
+            raise InputError(f"unknown tiny model {arch!r}; choose from {', '.join(TINY_ARCHITECTURES)}")
         return tiny_model(arch, dtype=dtype), None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

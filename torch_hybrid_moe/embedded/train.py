@@ -146,6 +146,7 @@ def main() -> None:
         model = train(RECIPES[name], train_ids, args.steps, args.batch, args.seed)
         out = args.out / name
         model.generation_config.update(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model.config.output_router_logits = False  # the aux loss is for training: shipped configs are for inference
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         report = {

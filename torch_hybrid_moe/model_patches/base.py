@@ -8,6 +8,7 @@ and dense layers stay the model's own code, so each architecture's routing seman
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,6 +92,10 @@ def patch_with_spec(
     _check_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
     routing = RoutingRule(spec.score_fn, bool(spec.renormalises(cfg)))
+    # Patched models a caller dropped linger in reference cycles (transformers keeps the compiled call on the
+    # model): collect them now, so their layer handles, and with them their compiled graphs, are reused
+    # (runtime/registry.py) rather than the model recompiled for new handles.
+    gc.collect()
 
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts
@@ -105,6 +110,7 @@ def patch_with_spec(
         experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config,
                                                    _router(block, spec, cfg), routing)
         experts._hybrid_moe_handle = experts._hybrid_moe_layer.handle
+        experts.register_state_dict_post_hook(_experts_from_store)
         experts._hybrid_moe_next = None
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
     for (_, block), (_, nxt) in zip(moe_layers, moe_layers[1:]):
@@ -113,6 +119,22 @@ def patch_with_spec(
     _compile_decode_with_backend(model, capture)
     setattr(model, _PATCHED_ATTR, config)
     return model
+
+
+def _experts_from_store(module: torch.nn.Module, state: dict, prefix: str, metadata: object) -> None:
+    """Put the routed experts back into a patched model's state dict (so `save_pretrained` writes a complete
+    model), exactly as loaded: from the host master when it holds the model's own dtype; refused otherwise,
+    since a quantised or down-cast master no longer holds the original weights."""
+    layer = module._hybrid_moe_layer
+    store = layer.store
+    for name, host in (("gate_up_proj", store.host_gate_up), ("down_proj", store.host_down)):
+        if not isinstance(host, torch.Tensor) or host.dtype != store.slot_gate_up.dtype:
+            raise RuntimeError(
+                f"{layer.name}: the experts' host copy is {layer.config.cpu_weight_dtype}, not the model's "
+                f"{store.slot_gate_up.dtype}, so the original weights are gone and saving would write altered "
+                "experts; save the unpatched model (patch with cpu_weight_dtype='model' to keep them)"
+            )
+        state[prefix + name] = host
 
 
 def make_patch_function(spec: ArchSpec) -> Callable[..., torch.nn.Module]:
@@ -150,6 +172,15 @@ def _find_moe_layers(model: torch.nn.Module, spec: ArchSpec, cfg: object) -> lis
             found.append((idx, block))
     if not found:
         raise ValueError(f"no {spec.block_class} layer found: nothing to patch")
+    dtypes = {(idx, name): getattr(block.experts, name).dtype for idx, block in found
+              for name in ("gate_up_proj", "down_proj")}
+    if len(set(dtypes.values())) > 1:
+        (idx, name), dtype = next((k, d) for k, d in dtypes.items() if d != dtypes[found[0][0], "gate_up_proj"])
+        raise TypeError(
+            f"layer {idx}: experts.{name} is {dtype} but layer {found[0][0]}'s experts.gate_up_proj is "
+            f"{dtypes[found[0][0], 'gate_up_proj']}: all routed experts must share one dtype (cast the model first, "
+            "e.g. model.to(torch.bfloat16))"
+        )
     return found
 
 

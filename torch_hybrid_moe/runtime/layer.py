@@ -53,7 +53,7 @@ class HybridMoELayer:
         self.prefetcher = PREFETCHERS.create(config.prefetcher, **context)
         self.stats = LayerStats()
         self.next_handle: int | None = None
-        self.handle = register_layer(self)
+        self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields()))
         self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
         self.mode_counters: torch.Tensor | None = None  # an approximate mode's device counters (DAOP's)
         self._ahead: tuple[list[int], list[float]] | None = None  # an AHEAD half's counts and scores, uncaptured

@@ -3,12 +3,19 @@
 Handles are assigned in creation order, so the same program patches to the same handles (the FX
 graph cache can reuse compiled code). The registry holds layers weakly: a layer lives as long as
 the model that owns it.
+
+A compiled graph bakes handles in as constants and Dynamo guards on them, so a new handle for every
+layer would recompile the model for every patched copy (and hit Dynamo's recompile limit after 8). A
+layer registered with a `key` (everything of it that compile passes read) therefore takes the lowest
+handle a freed layer with the same key gave back: a graph compiled for the freed layer is exactly right
+for the new one, and sweeping configurations in one process reuses compiled code instead of piling it up.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,12 +23,18 @@ if TYPE_CHECKING:
 
 _layers: weakref.WeakValueDictionary[int, HybridMoELayer] = weakref.WeakValueDictionary()
 _counter = itertools.count()
+_free: dict[Hashable, set[int]] = {}  # key -> handles of freed layers registered with that key
 
 
-def register_layer(layer: HybridMoELayer) -> int:
-    """A new handle naming `layer`."""
-    handle = next(_counter)
+def register_layer(layer: HybridMoELayer, key: Hashable | None = None) -> int:
+    """A handle naming `layer`: a freed one registered with the same `key` if there is one, else a new one."""
+    free = _free.get(key) if key is not None else None
+    handle = min(free) if free else next(_counter)
+    if free:
+        free.discard(handle)
     _layers[handle] = layer
+    if key is not None:
+        weakref.finalize(layer, _free.setdefault(key, set()).add, handle)
     return handle
 
 
