@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -32,7 +33,7 @@ def test_unsupported_model_type_lists_supported():
         thm.patch_model(model)
 
 
-@pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "lots", True])
+@pytest.mark.parametrize("budget", [-0.1, 1.5, float("nan"), "lots", True, "0.5", 2, "12", [0.5]])
 def test_budget_out_of_range(budget):
     model = tiny_model("mixtral")
     before = snapshot(model)
@@ -45,7 +46,7 @@ def test_byte_budget_sets_slot_count():
     model = tiny_model("mixtral")
     experts = model.model.layers[0].mlp.experts
     per_expert = experts.gate_up_proj[0].nbytes + experts.down_proj[0].nbytes
-    thm.patch_model(model, expert_budget=per_expert * 3 * 2)  # 3 layers x 2 slots
+    thm.patch_model(model, expert_budget=f"{per_expert * 3 * 2}B")  # 3 layers x 2 slots
     assert {layer.store.num_slots for layer in thm.runtime.model_layers(model).values()} == {2}
 
 
@@ -159,3 +160,25 @@ def test_save_pretrained_refuses_when_the_host_copy_lost_the_weights(tmp_path):
     with pytest.raises(RuntimeError, match="host copy is bfloat16, not the model's torch.float32"):
         patched.save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("budget, slots", [
+    (np.float32(0.5), 3), (torch.tensor(0.5), 3), (np.float64(1 / 6), 1), (1, 6), (0, 0), ("1TiB", 6), ("1 TB", 6),
+])
+def test_any_real_fraction_and_every_size_unit(budget, slots):
+    model = thm.patch_model(tiny_model("mixtral"), expert_budget=budget)  # 6 experts per layer
+    assert {layer.store.num_slots for layer in thm.runtime.model_layers(model).values()} == {slots}
+
+
+def test_precalc_from_layer_beyond_the_model_is_refused():
+    model = tiny_model("deepseek_v3")  # MoE layers 1 and 2
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="precalc_from_layer=3 approximates nothing"):
+        thm.patch_model(model, mode="daop_precalc", precalc_from_layer=3)
+    assert_untouched(model, before)
+
+
+def test_deepcopy_of_a_patched_model_is_refused():
+    model = thm.patch_model(tiny_model("mixtral"))
+    with pytest.raises(TypeError, match="deepcopy of a patched model"):
+        copy.deepcopy(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from dataclasses import dataclass
 
@@ -15,15 +16,17 @@ from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
 MODES = ("exact", "expert_deferral", "daop_precalc")
 PRECALC_FROM_LAYER = 5  # the paper predicts block i + 1 from block i for i >= 4: block 5 is the first approximated
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass(frozen=True)
 class HybridMoEConfig:
     """How a patched model splits its routed experts between accelerator slots and the CPU.
 
-    expert_budget: a fraction in [0, 1] of each MoE layer's routed experts held in accelerator slots,
-        or an absolute byte budget for all layers' slots together (an int > 1, or a string such as "6GiB").
+    expert_budget: a fraction in [0, 1] of each MoE layer's routed experts held in accelerator slots (any real
+        number: float, int 0 or 1, numpy scalar, 0-d tensor), or an absolute byte budget for all layers' slots
+        together as a size with a unit ("6GiB", "512MB", "2048B"). A bare number over 1 is refused, not read as bytes.
     device: "auto" (CUDA when present, else the CPU stands in for the accelerator), "cuda" or "cpu".
     scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries.
     hardware: the cost model that cost-aware schedulers (fiddler, dali_greedy, optimal, hybrimoe, queue_aware)
@@ -60,7 +63,7 @@ class HybridMoEConfig:
         exact. A non-negative int; the paper's 5 by default (i + 1 for i >= 4), and only that default with other modes.
     """
 
-    expert_budget: float | int | str = 0.25
+    expert_budget: float | str = 0.25
     device: str = "auto"
     scheduler: str = "cached_on_accelerator"
     cache_policy: str = "lru"
@@ -78,6 +81,7 @@ class HybridMoEConfig:
     precalc_from_layer: int = PRECALC_FROM_LAYER
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_budget", _budget_value(self.expert_budget))
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}")
         if isinstance(self.cpu_weight_group_size, bool) or not isinstance(self.cpu_weight_group_size, int) or (
@@ -94,7 +98,7 @@ class HybridMoEConfig:
             raise TypeError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
-        self.budget_bytes()  # validates the budget's form
+        self.budget_bytes()  # validates the budget's range or size string
         self._check_mode()
         if self.hardware not in ("", "local", *HARDWARE):
             raise ValueError(f"hardware must be '', 'local' or one of {sorted(HARDWARE)}, got {self.hardware!r}")
@@ -153,17 +157,15 @@ class HybridMoEConfig:
     def budget_bytes(self) -> int | None:
         """The absolute byte budget, or None when the budget is a fraction."""
         b = self.expert_budget
-        if isinstance(b, bool):
-            raise TypeError("expert_budget must be a fraction, a byte count or a size string, not a bool")
         if isinstance(b, str):
-            m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", b)
+            m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", b)
             if not m or m.group(2).lower() not in _BYTE_UNITS:
-                raise ValueError(f"expert_budget {b!r} is not a size such as '512MiB' or '6GB'")
+                raise ValueError(f"expert_budget {b!r} is not a size with a unit such as '512MiB', '6GB' or '1TiB' "
+                                 "(a fraction is a number, not a string: expert_budget=0.5)")
             return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
-        if isinstance(b, int) and b > 1:
-            return b
-        if not isinstance(b, (int, float)) or not 0.0 <= float(b) <= 1.0 or math.isnan(float(b)):
-            raise ValueError(f"expert_budget fraction must lie in [0, 1], got {b!r}")
+        if not 0.0 <= b <= 1.0:  # a float by now (__post_init__); NaN fails too
+            hint = " (a byte budget is a size with a unit, such as '6GiB')" if b > 1 else ""
+            raise ValueError(f"expert_budget fraction must lie in [0, 1], got {b!r}{hint}")
         return None
 
     def slots_per_layer(self, num_experts: int, expert_bytes: int, num_layers: int) -> int:
@@ -183,3 +185,16 @@ class HybridMoEConfig:
                 raise RuntimeError("HybridMoEConfig(device='cuda') but no CUDA device is available")
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _budget_value(budget: object) -> float | str:
+    """A size string as given; any real number (numpy scalars, 0-d tensors included) as a Python float."""
+    if isinstance(budget, str):
+        return budget
+    if isinstance(budget, bool):
+        raise TypeError("expert_budget must be a fraction or a size string such as '6GiB', not a bool")
+    if isinstance(budget, torch.Tensor) and budget.numel() == 1 and not budget.is_complex():
+        return float(budget)
+    if isinstance(budget, numbers.Real):
+        return float(budget)
+    raise TypeError(f"expert_budget must be a fraction in [0, 1] or a size string such as '6GiB', got {budget!r}")

@@ -91,6 +91,10 @@ def patch_with_spec(
     router = _router(moe_layers[0][1], spec, cfg)
     _check_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
+    last = moe_layers[-1][0]
+    if config.mode == "daop_precalc" and (config.precalc_from_layer > last or len(moe_layers) < 2):
+        raise ValueError(f"precalc_from_layer={config.precalc_from_layer} approximates nothing in this model: its last "
+                         f"MoE layer is decoder block {last} and a predicted layer needs an MoE layer before it")
     routing = RoutingRule(spec.score_fn, bool(spec.renormalises(cfg)))
     # Patched models a caller dropped linger in reference cycles (transformers keeps the compiled call on the
     # model): collect them now, so their layer handles, and with them their compiled graphs, are reused

@@ -59,6 +59,12 @@ class HybridMoELayer:
         self._ahead: tuple[list[int], list[float]] | None = None  # an AHEAD half's counts and scores, uncaptured
         self._graph_path: GraphPath | None = None
 
+    def __deepcopy__(self, memo: dict) -> HybridMoELayer:
+        raise TypeError(
+            f"deepcopy of a patched model would share {self.name}'s expert store and handle with the original; "
+            "deep-copy the model before patching it, then patch the copy"
+        )
+
     def graph_path(self) -> GraphPath:
         """The replay-safe form of this layer's step, built on first use."""
         if self._graph_path is None:
