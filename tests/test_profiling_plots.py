@@ -58,6 +58,10 @@ def test_fit_of_noisy_times_stays_close():
 def test_real_profile_fits_its_measurements_and_is_cached(tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: steady times on a shared box (the key records it)
+    # What this test tolerates of a shared box's noise, so the profile is cached whatever else runs meanwhile
+    # (a profile measured under load is not cached: tests/test_cli_errors.py).
+    monkeypatch.setattr(profiling, "FIT_TOLERANCE", 0.35)
+    monkeypatch.setattr(profiling.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     try:
         p = profiling.profile_hardware(SMALL, tokens=(1, 4, 16, 64), preset="dali", directory=tmp_path,
                                        pool_bytes=8 << 20, progress=False)
