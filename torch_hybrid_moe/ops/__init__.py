@@ -1,6 +1,6 @@
 """Custom ops (`torch.ops.hybrid_moe.*`) and the expert kernels behind them."""
 
-from . import library
+from . import dense_linear, library
 from .expert_math import accumulate_experts_
 
-__all__ = ["accumulate_experts_", "library"]
+__all__ = ["accumulate_experts_", "dense_linear", "library"]

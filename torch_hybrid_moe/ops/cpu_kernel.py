@@ -71,3 +71,13 @@ def moe_experts(
         hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous(), gate_up, gate_up_scale,
         down, down_scale, level, out,
     )
+
+
+def dense_matvec(x: torch.Tensor, weight: torch.Tensor, isa: int | None = None) -> torch.Tensor:
+    """x [T, K] @ weight [N, K].T in fp32 (bf16 / fp16 / fp32 weight), streaming the weight once per few tokens."""
+    level = best_isa() if isa is None else isa
+    if not 0 <= level <= best_isa():
+        raise ValueError(f"ISA level {level} not available here (best: {best_isa()})")
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    extension().dense_matvec(x.contiguous(), weight, level, out)
+    return out

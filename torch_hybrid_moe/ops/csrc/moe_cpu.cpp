@@ -400,6 +400,31 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   });
 }
 
+// out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32): the micro-kernel route of phase A
+// for one matrix, every thread streaming its own row blocks. For decode-time linears (attention projections,
+// the LM head), where torch's GEMM of a bf16 weight can run far below the CPU's read bandwidth.
+void dense_matvec(const at::Tensor& x, const at::Tensor& weight, int64_t isa_level, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "expected x [T, K], weight [N, K]");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0), "out must be a contiguous fp32 [T, N] tensor");
+  TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
+  const at::Tensor w = weight.contiguous().unsqueeze(0);
+  const Layer layer = make_layer("weight", w, c10::nullopt, x.size(1));
+  const int64_t T = x.size(0), K = x.size(1), N = layer.N;
+  if (T == 0) return;
+  const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
+  std::vector<float> xs(T * K);
+  activations(x, layer.first.fmt, kern.step, xs.data());
+  std::vector<const void*> rows(T);
+  for (int64_t t = 0; t < T; ++t) rows[t] = xs.data() + t * K;
+  const int64_t block = kMaxBlock;
+  float* o = out.data_ptr<float>();
+  parallel_items((N + block - 1) / block, [&](int64_t i) {
+    const int64_t r0 = i * block, r1 = std::min(N, r0 + block);
+    kern.matvec_block(layer.first, r0, r1, rows.data(), T, o + r0, N);
+  });
+}
+
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512.
 int64_t best_isa() {
 #ifdef HMOE_X86

@@ -1,0 +1,71 @@
+"""`hybrid_moe::linear` (CPU bf16 / fp16 linears on the decode micro-kernels) against float64, and the backend
+pass that routes a model's linears to it where measured faster."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_hybrid_moe.compile_passes import dense_linear as dense_pass
+from torch_hybrid_moe.ops import cpu_kernel, dense_linear
+from torch_hybrid_moe.tiny_models import tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ kernel could not be built here")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("level", range(cpu_kernel.best_isa() + 1))
+@pytest.mark.parametrize("n, k, tokens", [(37, 64, 1), (130, 2048, 3), (64, 100, 5)])
+def test_dense_matvec_against_float64(dtype, level, n, k, tokens):
+    g = torch.Generator().manual_seed(n * k + tokens)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    got = cpu_kernel.dense_matvec(x, w, isa=level)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (tokens, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("tokens, limit", [(1, 4), (4, 4), (9, 4), (2, 0)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_op_rounds_once_like_torch(tokens, limit, bias):
+    """Up to `limit` rows through the kernel, above it F.linear; both round once to bf16 from fp32 sums."""
+    g = torch.Generator().manual_seed(tokens)
+    w = (torch.randn(48, 96, generator=g) * 0.1).to(torch.bfloat16)
+    b = (torch.randn(48, generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    x = torch.randn(1, tokens, 96, generator=g).to(torch.bfloat16)
+    got = torch.ops.hybrid_moe.linear(x, w, b, limit)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (1, tokens, 48)
+    torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-3)  # one bf16 rounding
+    torch.library.opcheck(torch.ops.hybrid_moe.linear.default, (x, w, b, limit))
+
+
+def test_token_limit_is_measured_and_cached():
+    w = torch.empty(256, 512, dtype=torch.bfloat16)
+    limit = dense_linear.kernel_token_limit(w)
+    assert limit in (0, *dense_linear.TOKEN_COUNTS)
+    assert dense_linear.kernel_token_limit(torch.zeros_like(w)) == limit  # per shape and dtype, not per tensor
+
+
+@pytest.mark.parametrize("limit", [0, 4])
+def test_backend_routes_bf16_linears_and_keeps_the_output(limit, monkeypatch):
+    """A bf16 model compiled with the backend: each linear runs through the op exactly where the measurement
+    said so, and the logits stay the eager model's within bf16 rounding."""
+    import torch_hybrid_moe  # noqa: F401  (registers the backend and ops)
+
+    monkeypatch.setattr(dense_linear, "kernel_token_limit", lambda weight: limit)
+    model = copy.deepcopy(tiny_model("qwen3_moe")).to(torch.bfloat16)
+    seen = []
+    original = dense_pass.route_dense_linears
+    monkeypatch.setattr("torch_hybrid_moe.compile_passes.backend.route_dense_linears",
+                        lambda gm, inputs: seen.append(original(gm, inputs)) or seen[-1])
+    x = torch.randint(3, 96, (1, 3))
+    with torch.no_grad():
+        want = model(x).logits.double()
+        got = torch.compile(model, backend="hybrid_moe", fullgraph=True)(x).logits.double()
+    # every nn.Linear, and the MoE routers' F.linear on their gate weight
+    linears = sum(isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Router") for m in model.modules())
+    assert seen == [linears if limit else 0]
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)

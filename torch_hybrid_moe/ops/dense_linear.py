@@ -1,0 +1,77 @@
+"""`hybrid_moe::linear`: a dense CPU linear layer at decode, on the expert kernel's micro-kernels.
+
+At decode a linear layer is a matrix-vector product bound by reading its weight. On CPUs without native
+bf16 arithmetic torch's bf16 GEMM runs well below the read bandwidth (2x below on an AVX2 EPYC); on others
+(AVX512-BF16, AMX) it does not. So the route is chosen per weight shape by timing both at compile time
+(`kernel_token_limit`): the op runs the micro-kernels up to the largest measured token count at which they
+won, and torch's GEMM above it.
+The result is accumulated in fp32 and rounded once to the activations' dtype, as torch's bf16 GEMM does.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_kernel
+
+TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
+# Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
+# many of its rows (64 MiB of bf16 at K = 2048: still well beyond the caches), keeping warm-up short.
+MEASURED_ROWS = 16384
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@torch.library.custom_op("hybrid_moe::linear", mutates_args=(), device_types="cpu",
+                         schema="(Tensor x, Tensor weight, Tensor? bias, int max_tokens) -> Tensor")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_tokens: int) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the micro-kernels when x has at most `max_tokens` rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > max_tokens:
+        return F.linear(x, weight, bias)
+    out = cpu_kernel.dense_matvec(rows, weight)
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_tokens: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def applies_to(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the op can stand in for F.linear(x, weight): CPU, a 2-D bf16 / fp16 weight, same dtype input."""
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in KERNEL_DTYPES
+            and x.dtype == weight.dtype and cpu_kernel.best_isa() >= 0)
+
+
+def kernel_token_limit(weight: torch.Tensor, repeats: int = 5) -> int:
+    """The largest of TOKEN_COUNTS at which the micro-kernels beat torch's GEMM for this weight's shape and
+    dtype on this machine, with every smaller count won too; 0 where they lose at one token."""
+    return _measure((min(weight.shape[0], MEASURED_ROWS), weight.shape[1]), weight.dtype, torch.get_num_threads(),
+                    repeats)
+
+
+@functools.cache
+def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: int) -> int:
+    weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)  # a weight of its own: the model's may be shared
+    limit = 0
+    for tokens in TOKEN_COUNTS:
+        x = torch.randn(tokens, shape[1], dtype=dtype)
+        routes = (lambda: F.linear(x, weight), lambda: cpu_kernel.dense_matvec(x, weight))
+        times: list[list[float]] = [[], []]
+        for _ in range(repeats + 1):  # interleaved; the first round warms both up
+            for i, run in enumerate(routes):
+                start = time.perf_counter()
+                run()
+                times[i].append(time.perf_counter() - start)
+        torch_s, kernel_s = (statistics.median(t[1:]) for t in times)
+        if kernel_s >= torch_s:
+            break
+        limit = tokens
+    return limit
