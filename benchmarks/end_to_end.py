@@ -1,0 +1,276 @@
+"""End-to-end decode and prefill on one CPU, side by side on the same weights: ours, unpatched transformers
+(eager and Inductor) and llama.cpp, interleaved and repeated; medians with spread, peak RSS, greedy-token
+agreement with transformers, and the memory floor of a decode token.
+
+Checkpoints are generated once (random bf16 weights at a real model's layer shape, `save_pretrained`, the
+embedded tokenizer) under --cache. llama.cpp rows need a llama.cpp source tree built with CMake (--llama-cpp,
+holding build/bin/llama-bench and build/bin/llama-quantize; `pip download --no-deps --no-binary :all:
+llama-cpp-python` gives one under vendor/llama.cpp) and the `gguf` package; without them those rows are
+skipped and said so. Each measurement runs in a fresh process, so peak RSS is that row's alone.
+
+    python benchmarks/end_to_end.py --shape qwen3-30b-a3b --layers 4 --rows ours,ours-int8,eager,llama-bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROWS = ("ours", "ours-int8", "ours-int4", "ours-b0.25", "eager", "inductor", "llama-bf16", "llama-q8_0", "llama-q4_0")
+SHAPES = {  # (transformers config class, its arguments per layer shape); vocabularies are the real models'
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        tie_word_embeddings=False)),
+    "mixtral-8x7b": ("MixtralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+}
+
+
+def checkpoint(shape: str, layers: int, cache: Path) -> Path:
+    """The generated checkpoint for (shape, layers), made on first use."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torch_hybrid_moe.embedded import embedded_models
+
+    path = cache / f"{shape}-{layers}l"
+    if (path / "config.json").exists():
+        return path
+    cls, kwargs = SHAPES[shape]
+    config = getattr(transformers, cls)(**kwargs, num_hidden_layers=layers, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(embedded_models()["deepseek-tiny"]).save_pretrained(path)
+    return path
+
+
+def decode_bytes(path: Path) -> int:
+    """Bytes one decode token reads: every weight but the embedding table, routed experts counted top-k of E."""
+    from safetensors import safe_open
+
+    config = json.loads((path / "config.json").read_text())
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    share = config["num_experts_per_tok"] / experts
+    total = 0
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if "embed_tokens" in name:
+                continue
+            t = f.get_slice(name)
+            nbytes = 2
+            for d in t.get_shape():
+                nbytes *= d
+            total += nbytes * share if ".experts." in name else nbytes
+    return int(total)
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of a summing pass over 1 GiB with `threads` threads, best of 5."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.ones(2**28)
+    best = min(_timed(a.sum) for _ in range(5))
+    return a.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_torch_row(row: str, path: Path, prompt: int, tokens: int, threads: int) -> dict:
+    """One measurement of a transformers-based row in this process: prefill tok/s at `prompt` tokens, decode
+    tok/s over `tokens` new tokens, and the greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, CompileConfig
+
+    import torch_hybrid_moe as thm
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    gen = dict(do_sample=False)
+    if row.startswith("ours"):
+        dtype = {"ours-int8": "int8", "ours-int4": "int4"}.get(row, "model")
+        budget = 0.25 if row == "ours-b0.25" else 0.0
+        thm.patch_model(model, thm.HybridMoEConfig(expert_budget=budget, cpu_weight_dtype=dtype))
+    elif row == "inductor":
+        gen["cache_implementation"] = "static"
+        config = CompileConfig(fullgraph=True, mode="default")
+        config._compile_all_devices = True
+        model.generation_config.compile_config = config
+    ids = torch.randint(100, 2000, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    gen.update(max_new_tokens=tokens, min_new_tokens=tokens)  # one static-cache size: warm-up compiles for it
+    with torch.no_grad():
+        model.generate(ids, **gen)
+        stamps = _Stamps()
+        start = time.perf_counter()
+        out = model.generate(ids, streamer=stamps, **gen)
+    times = stamps.times  # the prompt's push, then one per new token: the first ends prefill
+    return dict(prefill_tok_s=prompt / (times[1] - start), decode_tok_s=(len(times) - 2) / (times[-1] - times[1]),
+                tokens=out[0, prompt:].tolist())
+
+
+class _Stamps:
+    """A generate() streamer that only timestamps each push."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: object) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_llama_row(row: str, path: Path, prompt: int, tokens: int, threads: int, llama: Path) -> dict:
+    """One llama-bench measurement of the GGUF of `path` in the row's weight type."""
+    gguf = gguf_file(path, row.removeprefix("llama-"), llama)
+    out = subprocess.run([str(llama / "build" / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads),
+                          "-p", str(prompt), "-n", str(tokens), "-r", "1", "-o", "json"],
+                         capture_output=True, text=True, check=True)
+    tests = json.loads(out.stdout)
+    rate = {("prefill" if t["n_prompt"] else "decode"): t["avg_ts"] for t in tests}
+    return dict(prefill_tok_s=rate["prefill"], decode_tok_s=rate["decode"], tokens=None)
+
+
+def gguf_file(path: Path, kind: str, llama: Path) -> Path:
+    """The checkpoint converted to GGUF (bf16, q8_0 by the converter; q4_0 by llama-quantize from bf16)."""
+    target = path / f"model-{kind}.gguf"
+    if target.exists():
+        return target
+    if kind == "q4_0":
+        subprocess.run([str(llama / "build" / "bin" / "llama-quantize"), str(gguf_file(path, "bf16", llama)),
+                        str(target), "q4_0"], check=True, capture_output=True)
+        return target
+    # The embedded tokenizer's pre-tokenizer is unknown to the converter: treat it as GPT-2's (byte-level BPE).
+    code = (
+        "import sys, runpy; sys.path.insert(0, sys.argv[1] + '/gguf-py'); sys.path.insert(0, sys.argv[1]);"
+        "import conversion.base as b; orig = b.TextModel.get_vocab_base_pre\n"
+        "def pre(self, tok):\n"
+        "    try: return orig(self, tok)\n"
+        "    except NotImplementedError: return 'gpt-2'\n"
+        "b.TextModel.get_vocab_base_pre = pre; sys.argv = sys.argv[1:2] + sys.argv[2:];"
+        "runpy.run_path(sys.argv[0] + '/convert_hf_to_gguf.py', run_name='__main__')"
+    )
+    subprocess.run([sys.executable, "-c", code, str(llama), str(path), "--outtype", kind, "--outfile", str(target)],
+                   check=True, capture_output=True)
+    return target
+
+
+def child(args: argparse.Namespace) -> None:
+    """Measure one row once and print its record as JSON (peak RSS of this process and its children)."""
+    path = Path(args.child_path)
+    if args.child.startswith("llama-"):
+        record = run_llama_row(args.child, path, args.prompt, args.tokens, args.threads, args.llama_cpp)
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    else:
+        record = run_torch_row(args.child, path, args.prompt, args.tokens, args.threads)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({**record, "peak_rss_gb": peak * 1024 / 1e9}))
+
+
+def llama_ready(llama: Path | None) -> str:
+    """Why llama.cpp rows cannot run, or ""."""
+    if llama is None:
+        return "no --llama-cpp source tree given"
+    missing = [b for b in ("llama-bench", "llama-quantize") if not (llama / "build" / "bin" / b).exists()]
+    if missing:
+        return f"{llama}/build/bin lacks {', '.join(missing)} (cmake --build build --target llama-bench llama-quantize)"
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        return "the gguf package is not installed (pip install gguf)"
+    return ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rows", default="ours,ours-int8,ours-int4,eager,inductor,llama-bf16,llama-q8_0,llama-q4_0")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "torch_hybrid_moe" / "checkpoints")
+    parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with a CMake build/ directory")
+    parser.add_argument("--json", type=Path, help="also write every record here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child-path", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    rows = args.rows.split(",")
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    why = llama_ready(args.llama_cpp)
+    if why and any(r.startswith("llama-") for r in rows):
+        print(f"llama.cpp rows skipped: {why}")
+        rows = [r for r in rows if not r.startswith("llama-")]
+    path = checkpoint(args.shape, args.layers, args.cache)
+    for row in rows:  # convert before timing anything: a converter's memory is no row's
+        if row.startswith("llama-"):
+            gguf_file(path, row.removeprefix("llama-"), args.llama_cpp)
+    records: dict[str, list[dict]] = {r: [] for r in rows}
+    for _ in range(args.repeats):  # interleaved: each round measures every row once
+        for row in rows:
+            cmd = [sys.executable, __file__, "--child", row, "--child-path", str(path), "--prompt", str(args.prompt),
+                   "--tokens", str(args.tokens), "--threads", str(args.threads)]
+            if args.llama_cpp:
+                cmd += ["--llama-cpp", str(args.llama_cpp)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                print(f"{row}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                continue
+            records[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    floor_gb = decode_bytes(path) / 1e9
+    bandwidth = read_bandwidth(args.threads)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+                    for f in line.split() if f.startswith(("avx", "amx"))})
+    print(f"{args.shape}, {args.layers} layers, bf16 checkpoint {path}; {cpu} ({' '.join(flags)}), {args.threads} "
+          f"threads; prompt {args.prompt}, {args.tokens} new tokens; medians of {args.repeats} [min-max]; "
+          f"{time.strftime('%Y-%m-%d')}")
+    print(f"decode floor: {floor_gb:.3f} GB per token at {bandwidth:.1f} GB/s read = {bandwidth / floor_gb:.1f} tok/s "
+          "(bf16 weights)")
+    reference = next((r["tokens"] for r in records.get("eager", []) if r["tokens"]), None)
+    print(f"{'row':<12} {'decode tok/s':>22} {'prefill tok/s':>22} {'peak RSS GB':>11} {'tokens = eager':>14}")
+    for row, recs in records.items():
+        if not recs:
+            continue
+        cells = []
+        for key in ("decode_tok_s", "prefill_tok_s", "peak_rss_gb"):
+            values = [r[key] for r in recs]
+            cells.append(f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
+        agree = "-" if reference is None or recs[0]["tokens"] is None else (
+            f"{sum(a == b for a, b in zip(recs[0]['tokens'], reference))}/{len(reference)}")
+        print(f"{row:<12} {cells[0]:>22} {cells[1]:>22} {cells[2]:>11} {agree:>14}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(shape=args.shape, layers=args.layers, cpu=cpu, flags=flags,
+                                             threads=args.threads, floor_gb=floor_gb, bandwidth_gb_s=bandwidth,
+                                             records=records), indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
