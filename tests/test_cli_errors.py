@@ -179,3 +179,47 @@ def test_a_profile_measured_on_a_loaded_machine_is_not_cached(tmp_path, monkeypa
     with pytest.warns(UserWarning, match="profile not cached: the fitted cpu curve misses"):
         profiling.profile_hardware(expert)
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
+    """Routing written as JSONL by another tool converts into a trace simulate runs on."""
+    from torch_hybrid_moe.traces import Trace
+
+    original = Trace.load(TRACE)
+    rows = 40
+    with (tmp_path / "routing.jsonl").open("w") as f:
+        for r in range(rows):
+            layers = original.layers.items()
+            f.write(json.dumps({"sequence": int(original.sequence[r]), "step": int(original.step[r]),
+                                "token": int(original.tokens[r]),
+                                "ids": {str(i): t.topk_ids[r].tolist() for i, t in layers},
+                                "weights": {str(i): t.scores[r, :t.topk_ids.shape[1]].tolist() for i, t in layers}})
+                    + "\n")
+    out = tmp_path / "converted.safetensors"
+    assert main(["convert-trace", "--jsonl", str(tmp_path / "routing.jsonl"), "--num-experts",
+                 str(original.meta["num_experts"]), "--out", str(out)]) == 0
+    converted = Trace.load(out)
+    for idx, layer in original.layers.items():
+        assert torch.equal(converted.layers[idx].topk_ids, layer.topk_ids[:rows])
+        k = layer.topk_ids.shape[1]
+        assert torch.equal(converted.layers[idx].scores[:, :k], layer.scores[:rows, :k])
+        assert not converted.layers[idx].scores[:, k:].any()  # beyond the top-k nothing is known
+    assert torch.equal(converted.position, original.position[:rows])
+    capsys.readouterr()
+    assert main(["simulate", "--trace", str(out), "--ours", "2,1,0.5,0", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert {r["stack"] for r in records if "skipped" in r} == {"dali", "hybrimoe"}
+
+
+@pytest.mark.parametrize("line, match", [
+    ("not json", "line 1 is not JSON"),
+    ('{"sequence": 0, "step": -1, "ids": {"0": [1]}, "weights": {"0": [1.0]}}', "'step' must be a non-negative int"),
+    ('{"sequence": 0, "step": 0, "ids": {"0": [9]}, "weights": {"0": [1.0]}}', "expert ids outside [0, num_experts=4)"),
+    ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": ["x"]}}', "weights['0'] must be a list of numbers"),
+    ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [NaN]}}', "holds NaN"),
+])
+def test_convert_trace_refuses_bad_rows(line, match, tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text(line + "\n")
+    one_line_error(capsys, ["convert-trace", "--jsonl", str(tmp_path / "bad.jsonl"), "--num-experts", "4",
+                            "--out", str(tmp_path / "t.safetensors")], match)
+    assert not (tmp_path / "t.safetensors").exists()

@@ -161,6 +161,17 @@ def trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def convert_trace(args: argparse.Namespace) -> int:
+    """Routing recorded elsewhere (JSONL, see traces.trace_from_jsonl) into a trace file `simulate` reads."""
+    from torch_hybrid_moe.traces import trace_from_jsonl
+
+    result = trace_from_jsonl(args.jsonl, args.num_experts, args.model_name)
+    result.save(args.out)
+    print(f"wrote {args.out}: {result.tokens.numel()} token rows x {len(result.layers)} MoE layers, top-"
+          f"{result.meta['top_k']} of {args.num_experts} experts")
+    return 0
+
+
 def _local_profile(args: argparse.Namespace) -> object:
     """This machine's measured cost profile (profiling.py): from the disk cache, else measured now."""
     from torch_hybrid_moe.profiling import profile_hardware
@@ -369,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     e = sub.add_parser("eval-ppl", help="held-out perplexity, unpatched vs patched in a mode")
     t = sub.add_parser("trace", help="record per-token expert routing on held-out prompts to a trace file")
     s = sub.add_parser("simulate", help="replay a routing trace through every policy stack on a hardware model")
+    c = sub.add_parser("convert-trace", help="routing recorded elsewhere (per-token top-k ids and weights as JSONL) "
+                                             "into a trace file for simulate")
     pr = sub.add_parser("profile", help="measure this machine's per-expert CPU / GPU / PCIe times, next to the presets")
     for p in (g, e, t):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
@@ -408,6 +421,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
                         "them on the calibration trace, e.g. 4,1,0.5,0")
     s.add_argument("--json", action="store_true")
+    c.add_argument("--jsonl", type=Path, required=True,
+                   help='one object per token row: {"sequence": 0, "step": 0, "ids": {"1": [3, 7]}, '
+                        '"weights": {"1": [0.6, 0.4]}} (layer index -> top-k)')
+    c.add_argument("--num-experts", type=_bounded(int, 1, 2**15), required=True)
+    c.add_argument("--model-name", default="external", help="recorded in the trace's metadata")
+    c.add_argument("--out", type=_writable, required=True)
     pr.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     t.add_argument("--out", type=_writable, required=True)
     t.add_argument("--prompts", type=_bounded(int, 1), default=16)
@@ -416,7 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64)
     t.add_argument("--hidden-every", type=_bounded(int, 1), default=1)
     args = parser.parse_args(argv)
-    commands = {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate, "profile": profile}
+    commands = {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate, "profile": profile,
+                "convert-trace": convert_trace}
     try:
         return commands[args.command](args)
     except InputError as err:

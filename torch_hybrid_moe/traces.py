@@ -129,6 +129,86 @@ class Trace:
             _check_values(where, f"{field_}.hidden", layer.hidden, (rows.shape[0], h) if rows.numel() else None)
 
 
+def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external") -> Trace:
+    """A trace from routing recorded by other tools: one JSON object per token row, in forward order,
+    `{"sequence": s, "step": t, "ids": {"L": [k ids], ...}, "weights": {"L": [k weights], ...}}` with the same
+    MoE layers L (decoder indices) and the same k on every row; `step` 0 is prefill, then one per decoded token;
+    an optional `"token"` is the token id fed. Such routing holds only the top-k: each row's other k listed
+    scores are 0 (score-aware caches see nothing beyond the top-k), and no gate inputs are kept (stacks that
+    replay the router are skipped by the simulator). Raises InputError naming the line and the field."""
+    path = Path(path)
+    rows: list[dict] = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(_jsonl_row(path, number, line))
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"{path}: cannot read ({err})") from None
+    if not rows:
+        raise InputError(f"{path}: no rows")
+    layers = sorted(rows[0]["ids"], key=int)
+    k = len(rows[0]["ids"][layers[0]])
+    ids = {layer: [] for layer in layers}
+    weights = {layer: [] for layer in layers}
+    for number, row in enumerate(rows, 1):
+        if sorted(row["ids"], key=int) != layers or sorted(row["weights"], key=int) != layers:
+            raise InputError(f"{path}: row {number}: layers {sorted(row['ids'])} differ from the first row's {layers}")
+        for layer in layers:
+            if len(row["ids"][layer]) != k or len(row["weights"][layer]) != k:
+                raise InputError(f"{path}: row {number}: layer {layer} lists {len(row['ids'][layer])} ids and "
+                                 f"{len(row['weights'][layer])} weights, the first row {k}")
+            ids[layer].append(row["ids"][layer])
+            weights[layer].append(row["weights"][layer])
+    listed = min(2 * k, num_experts)
+    trace_layers = {}
+    for layer in layers:
+        top = torch.tensor(ids[layer], dtype=torch.long)
+        if top.numel() and not 0 <= int(top.min()) <= int(top.max()) < num_experts:
+            raise InputError(f"{path}: layer {layer}: expert ids outside [0, num_experts={num_experts})")
+        # the listed ids: the top-k, then the lowest-numbered experts not chosen (score 0)
+        others = torch.ones(len(top), num_experts, dtype=torch.bool).scatter_(1, top, False)
+        rest = torch.sort(others.to(torch.int8), dim=1, descending=True, stable=True).indices[:, : listed - k]
+        score_ids = torch.cat([top, rest], 1)
+        scores = torch.cat([torch.tensor(weights[layer], dtype=torch.float32), torch.zeros(len(top), listed - k)], 1)
+        trace_layers[int(layer)] = LayerTrace(top.to(torch.int16), score_ids.to(torch.int16), scores.half(),
+                                              torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.float16))
+    sequence = torch.tensor([r["sequence"] for r in rows], dtype=torch.int32)
+    position = torch.zeros_like(sequence)
+    for seq in sequence.unique():
+        mask = sequence == seq
+        position[mask] = torch.arange(int(mask.sum()), dtype=torch.int32)
+    meta = {"version": FORMAT_VERSION, "model": model, "num_experts": num_experts, "top_k": k, "hidden_size": 1,
+            "layers": [int(layer) for layer in layers], "score_fn": "softmax", "hidden_every": 0}
+    trace = Trace(meta, torch.tensor([r.get("token", 0) for r in rows], dtype=torch.int32), sequence,
+                  torch.tensor([r["step"] for r in rows], dtype=torch.int32), position, trace_layers)
+    _check_meta(path, meta)
+    trace.check(path)
+    return trace
+
+
+def _jsonl_row(path: Path, number: int, line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}: line {number} is not JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise InputError(f"{path}: line {number} is not a JSON object")
+    for name in ("sequence", "step"):
+        v = row.get(name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise InputError(f"{path}: line {number}: {name!r} must be a non-negative int, got {v!r}")
+    for name in ("ids", "weights"):
+        if not isinstance(row.get(name), dict) or not row[name]:
+            raise InputError(f"{path}: line {number}: {name!r} must map MoE layer indices to lists")
+        for layer, values in row[name].items():
+            kind = int if name == "ids" else (int, float)
+            if not str(layer).isdigit() or not isinstance(values, list) or not values or any(
+                    isinstance(v, bool) or not isinstance(v, kind) for v in values):
+                raise InputError(f"{path}: line {number}: {name}[{layer!r}] must be a list of numbers")
+    return row
+
+
 @torch.no_grad()
 def record_trace(
     model: torch.nn.Module,
