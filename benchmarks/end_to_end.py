@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROWS = ("ours", "ours-int8", "ours-int4", "ours-b0.25", "eager", "inductor", "llama-bf16", "llama-q8_0", "llama-q4_0")
+ROWS = ("ours", "ours-int8", "ours-int4", "ours-int8-dense", "ours-int4-dense", "ours-b0.25", "eager", "inductor", "llama-bf16", "llama-q8_0", "llama-q4_0")
 SHAPES = {  # (transformers config class, its arguments per layer shape); vocabularies are the real models'
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
@@ -108,9 +108,11 @@ def run_torch_row(row: str, path: Path, prompt: int, tokens: int, threads: int) 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     gen = dict(do_sample=False)
     if row.startswith("ours"):
-        dtype = {"ours-int8": "int8", "ours-int4": "int4"}.get(row, "model")
+        # ours-int8: int8 routed experts; ours-int8-dense: every linear int8 too, like llama.cpp's q8_0 files
+        dtype = next((d for d in ("int8", "int4") if d in row), "model")
         budget = 0.25 if row == "ours-b0.25" else 0.0
-        thm.patch_model(model, thm.HybridMoEConfig(expert_budget=budget, cpu_weight_dtype=dtype))
+        thm.patch_model(model, thm.HybridMoEConfig(expert_budget=budget, cpu_weight_dtype=dtype,
+                                                   dense_weight_dtype=dtype if row.endswith("-dense") else "model"))
     elif row == "inductor":
         gen["cache_implementation"] = "static"
         config = CompileConfig(fullgraph=True, mode="default")

@@ -35,11 +35,11 @@ def test_linear_op_rounds_once_like_torch(tokens, limit, bias):
     w = (torch.randn(48, 96, generator=g) * 0.1).to(torch.bfloat16)
     b = (torch.randn(48, generator=g) * 0.1).to(torch.bfloat16) if bias else None
     x = torch.randn(1, tokens, 96, generator=g).to(torch.bfloat16)
-    got = torch.ops.hybrid_moe.linear(x, w, b, limit)
+    got = torch.ops.hybrid_moe.linear(x, w, None, b, limit)
     exact = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == torch.bfloat16 and got.shape == (1, tokens, 48)
     torch.testing.assert_close(got.double(), exact, rtol=2**-7, atol=1e-3)  # one bf16 rounding
-    torch.library.opcheck(torch.ops.hybrid_moe.linear.default, (x, w, b, limit))
+    torch.library.opcheck(torch.ops.hybrid_moe.linear.default, (x, w, None, b, limit))
 
 
 def test_token_limit_is_measured_and_cached():
@@ -69,3 +69,51 @@ def test_backend_routes_bf16_linears_and_keeps_the_output(limit, monkeypatch):
     linears = sum(isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Router") for m in model.modules())
     assert seen == [linears if limit else 0]
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 3, 100])
+def test_quantized_linear_computes_its_dequantised_weight(fmt, tokens):
+    """Decode rows on the micro-kernels, prefill rows on the dequantised copy: both the float64 product of the
+    weight the quantised form stands for, rounded once."""
+    from torch_hybrid_moe.ops.quantize import BITS, dequantize
+
+    g = torch.Generator().manual_seed(tokens)
+    base = torch.nn.Linear(128, 40, bias=True)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(40, 128, generator=g) * 0.1)
+    q = dense_linear.QuantizedLinear(base, fmt, 32)
+    w = dequantize(q.qweight, q.scale, BITS[fmt], 32).double()
+    x = torch.randn(2, tokens, 128, generator=g)
+    want = x.double() @ w.T + base.bias.double()
+    torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
+    assert (w - base.weight.double()).abs().max() <= (0.02 if fmt == "int8" else 0.2)  # it is approximate
+
+
+def test_patch_quantises_dense_layers_on_request_and_refuses_to_save_them(tmp_path):
+    import torch_hybrid_moe as thm
+
+    ref = tiny_model("qwen3_moe")  # attention, a dense MLP layer and the LM head: all nn.Linear
+    x = torch.randint(3, 96, (1, 6))
+    model = thm.patch_model(copy.deepcopy(ref), dense_weight_dtype="int8", cpu_weight_group_size=32)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    quantised = [m for m in model.modules() if isinstance(m, dense_linear.QuantizedLinear)]
+    assert len(quantised) == sum(type(m) is torch.nn.Linear for m in ref.modules())
+    with torch.no_grad():
+        got, want = model(x).logits, ref(x).logits
+    assert 0 < (got - want).abs().max() < 0.05 * want.abs().max()  # approximate, and close
+    with pytest.raises(RuntimeError, match="dense_weight_dtype='int8' quantised this linear"):
+        model.save_pretrained(tmp_path)
+
+
+def test_dense_quantisation_with_a_group_that_does_not_fit_changes_nothing():
+    import torch_hybrid_moe as thm
+    from torch_hybrid_moe.model_patches import is_patched
+
+    model = tiny_model("mixtral")  # hidden 32: no group of 64 fits
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="dense_weight_dtype='int4': linear 'q_proj' \\(32 inputs\\)"):
+        thm.patch_model(model, dense_weight_dtype="int4")
+    assert not is_patched(model) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match="dense_weight_dtype must be one of"):
+        thm.HybridMoEConfig(dense_weight_dtype="fp8")

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES, PRECALC_FROM_LAYER
+from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES, DENSE_WEIGHT_DTYPES, PRECALC_FROM_LAYER
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
 from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
 from torch_hybrid_moe.errors import InputError
@@ -51,7 +51,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _config(args: argparse.Namespace) -> thm.HybridMoEConfig:
     return thm.HybridMoEConfig(
         expert_budget=args.expert_budget, device=args.device, cpu_weight_dtype=args.cpu_weight_dtype,
-        cpu_weight_group_size=args.cpu_weight_group_size,
+        cpu_weight_group_size=args.cpu_weight_group_size, dense_weight_dtype=args.dense_weight_dtype,
     )
 
 
@@ -130,9 +130,11 @@ def eval_ppl(args: argparse.Namespace) -> int:
     if mode == "daop_precalc":
         counts = [c for c in precalc_stats(thm.runtime.model_layers(model)).values() if c.pairs]
         mode = f"daop_precalc (from decoder block {start}: {len(counts)} MoE layers approximated; decode steps)"
-    if config.cpu_weight_dtype not in ("model", args.dtype):
-        quantised = f"{config.cpu_weight_dtype} experts"
-        mode = f"approximate ({quantised})" if mode == "exact" else f"{mode}, {quantised}"
+    quantised = [f"{config.cpu_weight_dtype} experts"] if config.cpu_weight_dtype not in ("model", args.dtype) else []
+    if config.dense_weight_dtype != "model":
+        quantised.append(f"{config.dense_weight_dtype} dense layers")
+    if quantised:
+        mode = f"approximate ({', '.join(quantised)})" if mode == "exact" else f"{mode}, {', '.join(quantised)}"
     print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {mode}  budget {args.expert_budget}")
     print(f"perplexity: unpatched {reference:.4f}   patched {patched:.4f}   ratio {patched / reference:.6f}")
     if args.mode == "daop_precalc":
@@ -394,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--cpu-weight-dtype", default="model", choices=CPU_WEIGHT_DTYPES,
                        help="format of the experts' host copy; int8 / int4 are approximate")
         p.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
+        p.add_argument("--dense-weight-dtype", default="model", choices=DENSE_WEIGHT_DTYPES,
+                       help="format of the CPU's dense linears (attention, LM head); int8 / int4 are approximate")
     g.add_argument("--prompt", type=_non_empty, default="def fibonacci(n):")
     g.add_argument("--max-new-tokens", type=_bounded(int, 2), default=32,
                    help="at least 2 (one prefill token, one decode token)")

@@ -14,6 +14,7 @@ from .cost_model import EXPERT_SHAPES, HARDWARE
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
+DENSE_WEIGHT_DTYPES = ("model", "int8", "int4")
 MODES = ("exact", "expert_deferral", "daop_precalc")
 PRECALC_FROM_LAYER = 5  # the paper predicts block i + 1 from block i for i >= 4: block 5 is the first approximated
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -38,6 +39,10 @@ class HybridMoEConfig:
         from: "model" (as loaded), "bfloat16", or weight-only "int8" / "int4" with one scale per
         `cpu_weight_group_size` columns. Quantised formats are approximate: fewer bytes per weight make
         bandwidth-bound CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md.
+    dense_weight_dtype: "model" (the default) keeps the dense layers' linears (attention projections, shared
+        experts, dense MLPs, the LM head) as loaded; "int8" / "int4" quantise them with one scale per
+        `cpu_weight_group_size` columns and run them on the CPU kernel's micro-kernels: an approximate mode for
+        CPU-only machines, where those bytes bound every decode token (benchmarks/RESULTS.md); refused on CUDA.
     cuda_graph: on CUDA, capture each decode step of `generate()` as one CUDA graph (CPU experts run from host
         functions inside it; slot decisions are made by tensor ops at replay). False: run decode uncaptured.
     fills_per_step: inside a graph, the most missed experts the cache policy may admit into slots per layer step
@@ -72,6 +77,7 @@ class HybridMoEConfig:
     expert_shape: str = ""
     cpu_weight_dtype: str = "model"
     cpu_weight_group_size: int = 64
+    dense_weight_dtype: str = "model"
     cuda_graph: bool = True
     fills_per_step: int = 1
     prefetch_size: int = 0
@@ -84,6 +90,8 @@ class HybridMoEConfig:
         object.__setattr__(self, "expert_budget", _budget_value(self.expert_budget))
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}")
+        if self.dense_weight_dtype not in DENSE_WEIGHT_DTYPES:
+            raise ValueError(f"dense_weight_dtype must be one of {DENSE_WEIGHT_DTYPES}, got {self.dense_weight_dtype!r}")
         if isinstance(self.cpu_weight_group_size, bool) or not isinstance(self.cpu_weight_group_size, int) or (
             self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32
         ):

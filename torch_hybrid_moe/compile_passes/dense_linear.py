@@ -34,6 +34,6 @@ def route_dense_linears(gm: fx.GraphModule, example_inputs: list) -> int:
         if not limit:
             continue
         node.target = torch.ops.hybrid_moe.linear.default
-        node.args = (x, weight, bias, limit)
+        node.args = (x, weight, None, bias, limit)
         replaced += 1
     return replaced

@@ -18,6 +18,7 @@ from transformers import CompileConfig
 from transformers.integrations.moe import ExpertsInterface
 
 from ..config import HybridMoEConfig
+from ..ops.dense_linear import QuantizedLinear
 from ..ops.quantize import check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
@@ -81,6 +82,7 @@ def patch_with_spec(
     device = config.resolve_device()
     first = moe_layers[0][1].experts
     _check_cpu_format(config, first)
+    dense = _dense_linears(model, config, device)
     expert_bytes = first.gate_up_proj[0].nbytes + first.down_proj[0].nbytes
     num_experts = first.gate_up_proj.shape[0]
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
@@ -119,6 +121,10 @@ def patch_with_spec(
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
     for (_, block), (_, nxt) in zip(moe_layers, moe_layers[1:]):
         block.experts._hybrid_moe_next = block.experts._hybrid_moe_layer.next_handle = nxt.experts._hybrid_moe_handle
+    for parent, name, linear in tqdm(dense, desc="hybrid-moe: quantising dense layers", unit="linear", leave=False):
+        quantized = QuantizedLinear(linear, config.dense_weight_dtype, config.cpu_weight_group_size)
+        quantized.register_state_dict_post_hook(_refuse_quantized_save)
+        setattr(parent, name, quantized)
     model.to(device)  # dense weights, attention, routers and shared experts
     _compile_decode_with_backend(model, capture)
     setattr(model, _PATCHED_ATTR, config)
@@ -139,6 +145,30 @@ def _experts_from_store(module: torch.nn.Module, state: dict, prefix: str, metad
                 "experts; save the unpatched model (patch with cpu_weight_dtype='model' to keep them)"
             )
         state[prefix + name] = host
+
+
+def _dense_linears(model: torch.nn.Module, config: HybridMoEConfig, device: torch.device
+                   ) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    """(parent, attribute, module) of every linear `dense_weight_dtype` quantises, checked before any change."""
+    if config.dense_weight_dtype == "model":
+        return []
+    if device.type != "cpu":
+        raise ValueError(f"dense_weight_dtype={config.dense_weight_dtype!r} quantises the CPU's dense layers; on "
+                         f"{device} they run on the accelerator as loaded (use dense_weight_dtype='model')")
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear]
+    for _, name, linear in found:
+        try:
+            check_group_size(linear.in_features, config.cpu_weight_group_size)
+        except ValueError as err:
+            raise ValueError(f"dense_weight_dtype={config.dense_weight_dtype!r}: linear {name!r} "
+                             f"({linear.in_features} inputs): {err}") from None
+    return found
+
+
+def _refuse_quantized_save(module: torch.nn.Module, state: dict, prefix: str, metadata: object) -> None:
+    raise RuntimeError(f"{prefix.rstrip('.')}: dense_weight_dtype={module.fmt!r} quantised this linear, so its "
+                       "original weight is gone and saving would write altered weights; save the unpatched model")
 
 
 def make_patch_function(spec: ArchSpec) -> Callable[..., torch.nn.Module]:

@@ -73,11 +73,13 @@ def moe_experts(
     )
 
 
-def dense_matvec(x: torch.Tensor, weight: torch.Tensor, isa: int | None = None) -> torch.Tensor:
-    """x [T, K] @ weight [N, K].T in fp32 (bf16 / fp16 / fp32 weight), streaming the weight once per few tokens."""
+def dense_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                 isa: int | None = None) -> torch.Tensor:
+    """x [T, K] @ weight.T in fp32: a bf16 / fp16 / fp32 weight [N, K], or int8 [N, K] / packed int4 [N, K / 2]
+    with fp32 group scales [N, K / group] (ops/quantize.py), streaming the weight once per few tokens."""
     level = best_isa() if isa is None else isa
     if not 0 <= level <= best_isa():
         raise ValueError(f"ISA level {level} not available here (best: {best_isa()})")
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    extension().dense_matvec(x.contiguous(), weight, level, out)
+    extension().dense_matvec(x.contiguous(), weight, scale, level, out)
     return out

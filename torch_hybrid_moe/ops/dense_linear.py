@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernel
+from .quantize import BITS, dequantize, quantize
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
@@ -27,21 +28,48 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @torch.library.custom_op("hybrid_moe::linear", mutates_args=(), device_types="cpu",
-                         schema="(Tensor x, Tensor weight, Tensor? bias, int max_tokens) -> Tensor")
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_tokens: int) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the micro-kernels when x has at most `max_tokens` rows."""
+                         schema="(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int max_tokens) -> Tensor")
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+           max_tokens: int) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the micro-kernels when x has at most `max_tokens` rows. With `scale`,
+    `weight` is int8 / packed int4 (ops/quantize.py) and more rows than that multiply its dequantised copy."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > max_tokens:
+        if scale is not None:
+            bits = 4 if weight.dtype == torch.uint8 else 8
+            weight = dequantize(weight, scale, bits, x.shape[-1] // scale.shape[-1]).to(x.dtype)
         return F.linear(x, weight, bias)
-    out = cpu_kernel.dense_matvec(rows, weight)
+    out = cpu_kernel.dense_matvec(rows, weight, scale)
     if bias is not None:
         out += bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 @linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_tokens: int) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+      max_tokens: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class QuantizedLinear(torch.nn.Module):
+    """An nn.Linear whose weight is held as int8 / int4 with one fp32 scale per `group_size` columns (the experts'
+    CPU formats), for `HybridMoEConfig(dense_weight_dtype=...)`: an approximate mode that cuts the bytes every
+    decode token reads from the dense layers (the LM head above all). Up to TOKEN_COUNTS[-1] rows run on the
+    micro-kernels; prefill multiplies a dequantised copy."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str, group_size: int) -> None:
+        super().__init__()
+        q = quantize(linear.weight.detach().unsqueeze(0), BITS[fmt], group_size)
+        self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        self.register_buffer("qweight", q.data[0])
+        self.register_buffer("scale", q.scale[0])
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hybrid_moe.linear(x, self.qweight, self.scale, self.bias, TOKEN_COUNTS[-1])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
 
 
 def applies_to(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -400,16 +400,20 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   });
 }
 
-// out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32): the micro-kernel route of phase A
+// out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32, or int8 / int4 with one fp32 scale
+// per group of columns, `scale` [N, K / group]): the micro-kernel route of phase A
 // for one matrix, every thread streaming its own row blocks. For decode-time linears (attention projections,
 // the LM head), where torch's GEMM of a bf16 weight can run far below the CPU's read bandwidth.
-void dense_matvec(const at::Tensor& x, const at::Tensor& weight, int64_t isa_level, at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "expected x [T, K], weight [N, K]");
+void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                  int64_t isa_level, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "expected x [T, K], weight [N, K] (int4: [N, K / 2])");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
                   out.size(1) == weight.size(0), "out must be a contiguous fp32 [T, N] tensor");
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
   const at::Tensor w = weight.contiguous().unsqueeze(0);
-  const Layer layer = make_layer("weight", w, c10::nullopt, x.size(1));
+  c10::optional<at::Tensor> s;
+  if (scale.has_value()) s = scale->contiguous().unsqueeze(0);
+  const Layer layer = make_layer("weight", w, s, x.size(1));
   const int64_t T = x.size(0), K = x.size(1), N = layer.N;
   if (T == 0) return;
   const Kernels kern = kernels_for(static_cast<Isa>(isa_level));

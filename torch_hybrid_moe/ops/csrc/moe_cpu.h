@@ -8,8 +8,10 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
                  const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                  const c10::optional<at::Tensor>& down_scale, int64_t isa_level, at::Tensor& out);
 
-// out[t, :] = weight . x[t] for a dense [N, K] bf16 / fp16 / fp32 weight, accumulated in fp32.
-void dense_matvec(const at::Tensor& x, const at::Tensor& weight, int64_t isa_level, at::Tensor& out);
+// out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32, or int8 / int4 with fp32 group
+// scales [N, K / group]), accumulated in fp32.
+void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                  int64_t isa_level, at::Tensor& out);
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512.
 int64_t best_isa();
