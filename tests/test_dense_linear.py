@@ -110,9 +110,9 @@ def test_dense_quantisation_with_a_group_that_does_not_fit_changes_nothing():
     import torch_hybrid_moe as thm
     from torch_hybrid_moe.model_patches import is_patched
 
-    model = tiny_model("mixtral")  # hidden 32: no group of 64 fits
+    model = tiny_model("qwen2_moe")  # its shared expert's down_proj has 40 inputs: no multiple of 32 divides them
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="dense_weight_dtype='int4': linear 'q_proj' \\(32 inputs\\)"):
+    with pytest.raises(ValueError, match="dense_weight_dtype='int4': linear 'down_proj' \\(40 inputs\\)"):
         thm.patch_model(model, dense_weight_dtype="int4")
     assert not is_patched(model) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="dense_weight_dtype must be one of"):
