@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import statistics
@@ -24,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-ROWS = ("ours", "ours-int8", "ours-int4", "ours-int8-dense", "ours-int4-dense", "ours-b0.25", "eager", "inductor", "llama-bf16", "llama-q8_0", "llama-q4_0")
+ROWS = ("ours", "ours-int8", "ours-int4", "ours-int8-dense", "ours-int4-dense", "ours-b0.25", "eager", "inductor",
+        "llama-bf16", "llama-q8_0", "llama-q4_0")
 SHAPES = {  # (transformers config class, its arguments per layer shape); vocabularies are the real models'
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
@@ -242,7 +242,8 @@ def main() -> None:
                 cmd += ["--llama-cpp", str(args.llama_cpp)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
-                print(f"{row}: failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+                print(f"{row}: failed: {last}")
                 continue
             records[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
     floor_gb = decode_bytes(path) / 1e9

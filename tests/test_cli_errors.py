@@ -215,7 +215,8 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
     ("not json", "line 1 is not JSON"),
     ('{"sequence": 0, "step": -1, "ids": {"0": [1]}, "weights": {"0": [1.0]}}', "'step' must be a non-negative int"),
     ('{"sequence": 0, "step": 0, "ids": {"0": [9]}, "weights": {"0": [1.0]}}', "expert ids outside [0, num_experts=4)"),
-    ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": ["x"]}}', "weights['0'] must be a list of numbers"),
+    ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": ["x"]}}',
+     "weights['0'] must be a list of numbers"),
     ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [NaN]}}', "holds NaN"),
 ])
 def test_convert_trace_refuses_bad_rows(line, match, tmp_path, capsys):

@@ -420,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--batch", type=_bounded(int, 1), default=1)
     s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)
     s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")
-    s.add_argument("--plot-dir", type=_writable_dir, help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)")
+    s.add_argument("--plot-dir", type=_writable_dir,
+                   help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)")
     s.add_argument("--ours", type=_ours_spec, metavar="W,U,DECAY,PREFETCH",
                    help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
                         "them on the calibration trace, e.g. 4,1,0.5,0")
@@ -435,7 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--out", type=_writable, required=True)
     t.add_argument("--prompts", type=_bounded(int, 1), default=16)
     t.add_argument("--prompt-tokens", type=_bounded(int, 1), default=64)
-    t.add_argument("--offset", type=_bounded(int, 0), default=0, help="token offset of each prompt in its held-out slice")
+    t.add_argument("--offset", type=_bounded(int, 0), default=0,
+                   help="token offset of each prompt in its held-out slice")
     t.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64)
     t.add_argument("--hidden-every", type=_bounded(int, 1), default=1)
     args = parser.parse_args(argv)

@@ -91,7 +91,9 @@ class HybridMoEConfig:
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}")
         if self.dense_weight_dtype not in DENSE_WEIGHT_DTYPES:
-            raise ValueError(f"dense_weight_dtype must be one of {DENSE_WEIGHT_DTYPES}, got {self.dense_weight_dtype!r}")
+            raise ValueError(
+                f"dense_weight_dtype must be one of {DENSE_WEIGHT_DTYPES}, got {self.dense_weight_dtype!r}"
+            )
         if isinstance(self.cpu_weight_group_size, bool) or not isinstance(self.cpu_weight_group_size, int) or (
             self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32
         ):
