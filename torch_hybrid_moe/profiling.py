@@ -241,11 +241,11 @@ def _expert_pool(expert: ExpertShape, pool_bytes: int, device: str = "cpu") -> t
 
 def measure_cpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int,
                 bar: tqdm | None = None, budget_s: float = 3.0) -> dict[int, float]:
-    """Median seconds of one `hybrid_moe::cpu_experts` call computing one expert for n tokens, each n in
-    `tokens`. Consecutive calls use different experts of the pool, so weights are read from memory; the token
+    """Median seconds of one CPU expert call (`cpu_experts_into`, as the dispatch runs it) computing one expert
+    for n tokens, each n in `tokens`. Consecutive calls use different experts of the pool, so weights are read from memory; the token
     counts take turns (one round = one call of each), so a burst of load from elsewhere skews all alike.
     After one warm-up round, `repeats` rounds, or at least 3 once `budget_s` has passed."""
-    from .ops import library  # noqa: F401 - registers torch.ops.hybrid_moe
+    from .ops.library import cpu_experts_into
 
     gate_up, down = _expert_pool(expert, pool_bytes)
     count = gate_up.shape[0]
@@ -259,7 +259,7 @@ def measure_cpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_b
     for round_ in range(repeats + 1):
         for n, (hidden, weights, acc) in cases.items():
             t = time.perf_counter()
-            torch.ops.hybrid_moe.cpu_experts(hidden, ids[n][call % count], weights, gate_up, down, None, None, acc)
+            cpu_experts_into(hidden, ids[n][call % count], weights, gate_up, down, None, None, acc)
             if round_:  # round 0 warms up
                 times[n].append(time.perf_counter() - t)
             call += 1

@@ -8,6 +8,7 @@ import torch
 
 from ..config import HybridMoEConfig
 from ..ops.expert_math import accumulate_experts_
+from ..ops.library import cpu_experts_into
 from ..ops.quantize import kernel_operands
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement
 from ..policies.prefetching import Router
@@ -131,7 +132,7 @@ class HybridMoELayer:
             store.wait_for_copies()
             slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in plan.accelerator})
             if store.device.type == "cpu":  # the CPU standing in for the accelerator: the fast kernel there too
-                torch.ops.hybrid_moe.cpu_experts(
+                cpu_experts_into(
                     hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc
                 )
             else:
@@ -141,7 +142,7 @@ class HybridMoELayer:
             cpu_acc = torch.zeros(hidden.shape, dtype=torch.float32)
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             down, down_scale = kernel_operands(store.host_down)
-            torch.ops.hybrid_moe.cpu_experts(
+            cpu_experts_into(
                 hidden.cpu(), cpu_ids, topk_weights.cpu(), gate_up, down, gate_up_scale, down_scale, cpu_acc
             )
             acc += cpu_acc.to(acc.device, non_blocking=True)
