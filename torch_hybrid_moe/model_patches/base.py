@@ -206,15 +206,15 @@ def _find_moe_layers(model: torch.nn.Module, spec: ArchSpec, cfg: object) -> lis
             found.append((idx, block))
     if not found:
         raise ValueError(f"no {spec.block_class} layer found: nothing to patch")
-    dtypes = {(idx, name): getattr(block.experts, name).dtype for idx, block in found
-              for name in ("gate_up_proj", "down_proj")}
-    if len(set(dtypes.values())) > 1:
-        (idx, name), dtype = next((k, d) for k, d in dtypes.items() if d != dtypes[found[0][0], "gate_up_proj"])
-        raise TypeError(
-            f"layer {idx}: experts.{name} is {dtype} but layer {found[0][0]}'s experts.gate_up_proj is "
-            f"{dtypes[found[0][0], 'gate_up_proj']}: all routed experts must share one dtype (cast the model first, "
-            "e.g. model.to(torch.bfloat16))"
-        )
+    first_idx, first = found[0][0], found[0][1].experts.gate_up_proj.dtype
+    for idx, block in found:
+        for name in ("gate_up_proj", "down_proj"):
+            dtype = getattr(block.experts, name).dtype
+            if dtype != first:
+                raise TypeError(
+                    f"layer {idx}: experts.{name} is {dtype} but layer {first_idx}'s experts.gate_up_proj is {first}: "
+                    "all routed experts must share one dtype (cast the model first, e.g. model.to(torch.bfloat16))"
+                )
     return found
 
 

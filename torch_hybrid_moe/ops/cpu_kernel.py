@@ -52,6 +52,14 @@ def best_isa() -> int:
     return -1 if ext is None else int(ext.best_isa())
 
 
+def _level(isa: int | None) -> int:
+    """The ISA level to run at: the CPU's best, or one below it (for tests)."""
+    level = best_isa() if isa is None else isa
+    if not 0 <= level <= best_isa():
+        raise ValueError(f"ISA level {level} not available here (best: {best_isa()})")
+    return level
+
+
 def moe_experts(
     hidden: torch.Tensor,
     ids: torch.Tensor,
@@ -64,9 +72,7 @@ def moe_experts(
     isa: int | None = None,
 ) -> None:
     """out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]); `isa` below the CPU's best is for tests."""
-    level = best_isa() if isa is None else isa
-    if not 0 <= level <= best_isa():
-        raise ValueError(f"ISA level {level} not available here (best: {best_isa()})")
+    level = _level(isa)
     extension().moe_experts(
         hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous(), gate_up, gate_up_scale,
         down, down_scale, level, out,
@@ -77,9 +83,7 @@ def dense_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
                  isa: int | None = None) -> torch.Tensor:
     """x [T, K] @ weight.T in fp32: a bf16 / fp16 / fp32 weight [N, K], or int8 [N, K] / packed int4 [N, K / 2]
     with fp32 group scales [N, K / group] (ops/quantize.py), streaming the weight once per few tokens."""
-    level = best_isa() if isa is None else isa
-    if not 0 <= level <= best_isa():
-        raise ValueError(f"ISA level {level} not available here (best: {best_isa()})")
+    level = _level(isa)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     extension().dense_matvec(x.contiguous(), weight, scale, level, out)
     return out

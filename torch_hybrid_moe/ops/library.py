@@ -91,16 +91,7 @@ def _(partial, hidden, layer, part, after):  # noqa: ANN001, ANN202
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op(
-    "hybrid_moe::cpu_experts",
-    mutates_args=("out",),
-    schema=(
-        "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, Tensor? gate_up_scale, "
-        "Tensor? down_scale, Tensor(a!) out) -> ()"
-    ),
-    device_types="cpu",
-)
-def cpu_experts(
+def cpu_experts_into(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -116,23 +107,10 @@ def cpu_experts(
     [E, N, K / group] (see ops/quantize.py). Writing into a caller-owned accumulator lets partial
     sums from several devices combine with one final rounding, and lets a captured graph point at a
     static buffer. Runs the C++ kernel; the per-expert torch loop where it could not be built.
+
+    The body of `hybrid_moe::cpu_experts`, callable as a plain function by code already inside an op (the
+    dispatch): going through the op machinery again costs ~0.17 ms per call (benchmarks/cpu_decode_costs.py).
     """
-    cpu_experts_into(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, out)
-
-
-def cpu_experts_into(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    gate_up_scale: torch.Tensor | None,
-    down_scale: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    """`hybrid_moe::cpu_experts` as a plain call, for code already inside an op (the dispatch): going through
-    the op machinery again costs ~0.17 ms per call on the dev box, several times the kernel's own time on
-    small layers."""
     _check_routing(hidden, topk_ids, topk_weights)
     num_experts = gate_up.shape[0]
     if topk_ids.numel():
@@ -147,6 +125,17 @@ def cpu_experts_into(
     experts = [w if s is None else QuantizedWeight.from_kernel_operands(w, s)
                for w, s in ((gate_up, gate_up_scale), (down, down_scale))]
     accumulate_experts_(out, hidden, topk_ids, topk_weights, *experts)
+
+
+cpu_experts = torch.library.custom_op(
+    "hybrid_moe::cpu_experts",
+    mutates_args=("out",),
+    schema=(
+        "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down, Tensor? gate_up_scale, "
+        "Tensor? down_scale, Tensor(a!) out) -> ()"
+    ),
+    device_types="cpu",
+)(cpu_experts_into)
 
 
 @cpu_experts.register_fake

@@ -1,0 +1,97 @@
+"""Fixed and per-byte costs of a CPU decode step, side by side in one run: dense linears through torch's GEMM and
+through `hybrid_moe::linear`, and one MoE layer step through the raw C++ kernel, the `hybrid_moe::cpu_experts`
+op and the `hybrid_moe::dispatch` op (all experts on the CPU). Medians, interleaved; the CPU is printed.
+
+    python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import torch_hybrid_moe  # noqa: F401  (registers torch.ops.hybrid_moe)
+from torch_hybrid_moe.config import HybridMoEConfig
+from torch_hybrid_moe.ops import cpu_kernel
+from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
+
+# Qwen3-30B-A3B at decode: LM head, q / kv / o projections; its MoE layer: 128 experts of 2048 x 768, top-8
+LINEARS = {"lm_head": (151936, 2048), "q_proj": (4096, 2048), "k_proj": (512, 2048), "o_proj": (2048, 4096)}
+EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
+
+
+def medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, taking turns (one warm-up round)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(repeats + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=41)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown CPU")
+    flags = sorted({f for line in info if line.startswith("flags") for f in line.split() if f.startswith(("avx", "amx"))})
+    print(f"{cpu} ({' '.join(flags)}), {args.threads} threads, kernel ISA "
+          f"{cpu_kernel.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}, {time.strftime('%Y-%m-%d')}")
+
+    print(f"\n{'bf16 linear, 1 token':<22} {'F.linear ms':>11} {'GB/s':>6} {'op ms':>8} {'GB/s':>6}")
+    x_of = {}
+    for name, (n, k) in LINEARS.items():
+        w = torch.empty(n, k, dtype=torch.bfloat16).normal_(0, 0.02)
+        x_of[name] = x = torch.randn(1, k, dtype=torch.bfloat16)
+        t = medians({"torch": lambda: F.linear(x, w), "op": lambda: torch.ops.hybrid_moe.linear(x, w, None, None, 64)},
+                    max(5, args.repeats // 8))
+        print(f"{name + f' {n}x{k}':<22} {t['torch'] * 1e3:>11.2f} {w.nbytes / t['torch'] / 1e9:>6.1f} "
+              f"{t['op'] * 1e3:>8.2f} {w.nbytes / t['op'] / 1e9:>6.1f}")
+
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(EXPERTS, HIDDEN, INTER, dtype=torch.bfloat16) * 0.02
+    layer = HybridMoELayer("bench", 0, ExpertStore(gate_up, down, 0, torch.device("cpu"), torch.bfloat16),
+                           HybridMoEConfig(expert_budget=0.0))
+    hidden = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    routing = [(torch.randperm(EXPERTS, generator=gen)[:TOP_K].view(1, TOP_K), torch.rand(1, TOP_K, generator=gen))
+               for _ in range(16)]  # other experts each call, so weights come from memory
+    step = iter(range(10**9))
+
+    def pick() -> tuple[torch.Tensor, torch.Tensor]:
+        return routing[next(step) % len(routing)]
+
+    t = medians({
+        "kernel": lambda: cpu_kernel.moe_experts(hidden, *pick(), gate_up, down, torch.zeros(1, HIDDEN)),
+        "cpu_experts op": lambda: torch.ops.hybrid_moe.cpu_experts(hidden, *pick(), gate_up, down, None, None,
+                                                                    torch.zeros(1, HIDDEN)),
+        "dispatch op": lambda: torch.ops.hybrid_moe.dispatch(hidden, *pick(), layer.handle),
+    }, args.repeats)
+    print(f"\nMoE layer step, {EXPERTS} experts of {HIDDEN}x{INTER}, top-{TOP_K}, 1 token, all on the CPU:")
+    for name, s in t.items():
+        print(f"  {name:<15} {s * 1e3:7.3f} ms   +{(s - t['kernel']) * 1e3:.3f} ms over the kernel")
+
+    small = (torch.randn(8, 64, 64), torch.randn(8, 64, 32), torch.randn(1, 64), torch.tensor([[1, 3]]), torch.rand(1, 2))
+    gu, dn, h, ids, wts = small
+    t = medians({
+        "kernel": lambda: cpu_kernel.moe_experts(h, ids, wts, gu, dn, torch.zeros(1, 64)),
+        "op": lambda: torch.ops.hybrid_moe.cpu_experts(h, ids, wts, gu, dn, None, None, torch.zeros(1, 64)),
+    }, args.repeats * 10)
+    print(f"\nop machinery on a tiny layer (8 experts of 64x32): kernel {t['kernel'] * 1e6:.0f} us, "
+          f"op {t['op'] * 1e6:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
