@@ -9,20 +9,31 @@ import torch.nn.functional as F
 
 from torch_hybrid_moe.compile_passes import dense_linear as dense_pass
 from torch_hybrid_moe.ops import cpu_kernel, dense_linear
+from torch_hybrid_moe.ops.quantize import BITS, quantize, quantize_activations
 from torch_hybrid_moe.tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ kernel could not be built here")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, "int8", "int4"])
 @pytest.mark.parametrize("level", range(cpu_kernel.best_isa() + 1))
-@pytest.mark.parametrize("n, k, tokens", [(37, 64, 1), (130, 2048, 3), (64, 100, 5)])
+@pytest.mark.parametrize("n, k, tokens", [(37, 64, 1), (130, 2048, 3), (64, 100, 5), (9, 256, 4)])
 def test_dense_matvec_against_float64(dtype, level, n, k, tokens):
+    """Float weights times x; int8 / int4 (groups of 32 and 64 columns) times x rounded per 32 columns, with the
+    integer products summed exactly: both within fp32 summation error of float64."""
+    if isinstance(dtype, str) and k % 64:
+        pytest.skip("quantised weights need whole groups")
     g = torch.Generator().manual_seed(n * k + tokens)
-    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
-    x = torch.randn(tokens, k, generator=g).to(dtype)
-    got = cpu_kernel.dense_matvec(x, w, isa=level)
-    want = x.double() @ w.double().T
+    w = (torch.randn(n, k, generator=g) * 0.1)
+    x = torch.randn(tokens, k, generator=g)
+    if isinstance(dtype, str):
+        q = quantize(w.unsqueeze(0), BITS[dtype], 32 if tokens % 2 else 64)
+        got = cpu_kernel.dense_matvec(x, q.data[0], q.scale[0], isa=level)
+        want = quantize_activations(x).double() @ q[0].double().T
+    else:
+        w, x = w.to(dtype), x.to(dtype)
+        got = cpu_kernel.dense_matvec(x, w, isa=level)
+        want = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (tokens, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
 
@@ -75,8 +86,8 @@ def test_backend_routes_bf16_linears_and_keeps_the_output(limit, monkeypatch):
 @pytest.mark.parametrize("tokens", [1, 3, 100])
 def test_quantized_linear_computes_its_dequantised_weight(fmt, tokens):
     """Decode rows on the micro-kernels, prefill rows on the dequantised copy: both the float64 product of the
-    weight the quantised form stands for, rounded once."""
-    from torch_hybrid_moe.ops.quantize import BITS, dequantize
+    weight the quantised form stands for and the activations rounded per 32 columns, rounded once."""
+    from torch_hybrid_moe.ops.quantize import dequantize
 
     g = torch.Generator().manual_seed(tokens)
     base = torch.nn.Linear(128, 40, bias=True)
@@ -85,7 +96,7 @@ def test_quantized_linear_computes_its_dequantised_weight(fmt, tokens):
     q = dense_linear.QuantizedLinear(base, fmt, 32)
     w = dequantize(q.qweight, q.scale, BITS[fmt], 32).double()
     x = torch.randn(2, tokens, 128, generator=g)
-    want = x.double() @ w.T + base.bias.double()
+    want = quantize_activations(x).double() @ w.T + base.bias.double()
     torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
     assert (w - base.weight.double()).abs().max() <= (0.02 if fmt == "int8" else 0.2)  # it is approximate
 

@@ -36,9 +36,10 @@ class HybridMoEConfig:
     expert_shape: cost the experts as a `cost_model.EXPERT_SHAPES` preset instead of the model's own size
         (what-if runs, and replaying a simulator's decisions live); "" means the model's own.
     cpu_weight_dtype: the format of the experts' host copy, which the CPU computes from and slots are filled
-        from: "model" (as loaded), "bfloat16", or weight-only "int8" / "int4" with one scale per
-        `cpu_weight_group_size` columns. Quantised formats are approximate: fewer bytes per weight make
-        bandwidth-bound CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md.
+        from: "model" (as loaded), "bfloat16", or "int8" / "int4" with one scale per `cpu_weight_group_size`
+        columns, multiplying inputs rounded to int8 per 32 columns (as llama.cpp's q8_0 / q4_0 do; on the CPU
+        and in slots alike). Quantised formats are approximate: fewer bytes per weight make bandwidth-bound
+        CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md.
     dense_weight_dtype: "model" (the default) keeps the dense layers' linears (attention projections, shared
         experts, dense MLPs, the LM head) as loaded; "int8" / "int4" quantise them with one scale per
         `cpu_weight_group_size` columns and run them on the CPU kernel's micro-kernels: an approximate mode for

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernel
-from .quantize import BITS, QuantizedWeight, dequantize, quantize
+from .quantize import BITS, QuantizedWeight, dequantize, quantize, quantize_activations
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
@@ -32,13 +32,15 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
            max_tokens: int) -> torch.Tensor:
     """F.linear(x, weight, bias), through the micro-kernels when x has at most `max_tokens` rows. With `scale`,
-    `weight` is int8 / packed int4 (ops/quantize.py) and more rows than that multiply its dequantised copy."""
+    `weight` is int8 / packed int4 (ops/quantize.py), x is rounded as the kernel rounds it, and more rows than
+    that multiply the dequantised weight in fp32."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > max_tokens:
-        if scale is not None:
-            q = QuantizedWeight.from_kernel_operands(weight, scale)
-            weight = dequantize(q.data, q.scale, q.bits, q.group_size).to(x.dtype)
-        return F.linear(x, weight, bias)
+        if scale is None:
+            return F.linear(x, weight, bias)
+        q = QuantizedWeight.from_kernel_operands(weight, scale)
+        dense = dequantize(q.data, q.scale, q.bits, q.group_size)
+        return F.linear(quantize_activations(x), dense, None if bias is None else bias.float()).to(x.dtype)
     out = cpu_kernel.dense_matvec(rows, weight, scale)
     if bias is not None:
         out += bias.float()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quantize import QuantizedWeight
+from .quantize import QuantizedWeight, quantize_activations
 
 
 def accumulate_experts_(
@@ -20,12 +20,15 @@ def accumulate_experts_(
     weights: torch.Tensor,
     gate_up: torch.Tensor | QuantizedWeight,
     down: torch.Tensor | QuantizedWeight,
+    rounded: bool = False,
 ) -> torch.Tensor:
     """out[t] += sum_k weights[t, k] * FFN_{expert_ids[t, k]}(hidden[t]) over pairs with id >= 0.
 
     hidden [T, H]; expert_ids, weights [T, K]; gate_up [E, 2I, H] (gate rows first); down [E, H, I].
     An id of -1 marks a pair computed elsewhere. Each active expert's weights are read once (a
-    QuantizedWeight is dequantised one expert at a time, in fp32 as the C++ kernel computes).
+    QuantizedWeight is dequantised one expert at a time, in fp32 as the C++ kernel computes). With a
+    QuantizedWeight, or `rounded` (slots holding dequantised int8 / int4 experts), each projection's input is
+    rounded as the kernel rounds it, so an expert's output does not depend on where it runs.
     """
     num_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
@@ -43,10 +46,16 @@ def accumulate_experts_(
         w_gate_up, w_down = gate_up[e], down[e]
         if w_gate_up.dtype != x.dtype:
             x = x.to(w_gate_up.dtype)
-        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down)
+        rounds = rounded or isinstance(gate_up, QuantizedWeight)
+        gate, up = F.linear(_rounded(x, rounds), w_gate_up).chunk(2, dim=-1)
+        y = F.linear(_rounded(F.silu(gate) * up, rounds), w_down)
         out.index_add_(0, tokens, y.to(out.dtype) * flat_w[pairs].to(out.dtype).unsqueeze(-1))
     return out
+
+
+def _rounded(x: torch.Tensor, rounds: bool) -> torch.Tensor:
+    """x as an int8 / int4 expert multiplies it (rounded per 32 columns), in x's dtype; else x."""
+    return quantize_activations(x).to(x.dtype) if rounds else x
 
 
 def slot_experts_(
@@ -56,12 +65,14 @@ def slot_experts_(
     weights: torch.Tensor,
     slot_gate_up: torch.Tensor,
     slot_down: torch.Tensor,
+    rounded: bool = False,
 ) -> torch.Tensor:
     """out[t] += sum_k weights[t, k] * FFN_{slot_ids[t, k]}(hidden[t]) over pairs with slot id >= 0, with no host
     synchronisation and only static shapes, so a CUDA graph can replay it under any routing.
 
     It runs min(T * K, S) slots, the used ones first (padded with unused slots whose weight is zero), each on
     all T tokens: at decode T * K is small, so this reads about the used experts' weights and no more.
+    `rounded`: as in `accumulate_experts_`.
     """
     num_tokens, num_k = slot_ids.shape
     num_slots = slot_gate_up.shape[0]
@@ -76,8 +87,9 @@ def slot_experts_(
         used.scatter_add_(0, columns.flatten(), torch.ones_like(columns.flatten(), dtype=torch.int32))
         order = torch.argsort(used[:num_slots], descending=True, stable=True)[:run]
         w_gate_up, w_down, dense = slot_gate_up[order], slot_down[order], dense[:, order]
-    x = hidden.to(w_gate_up.dtype).T  # [H, T]
+    x = _rounded(hidden, rounded).to(w_gate_up.dtype).T  # [H, T]
     gate, up = torch.matmul(w_gate_up, x).chunk(2, dim=1)  # [run, I, T] each
-    y = torch.matmul(w_down, F.silu(gate) * up)  # [run, H, T]
+    h = _rounded((F.silu(gate) * up).transpose(1, 2), rounded).transpose(1, 2)
+    y = torch.matmul(w_down, h)  # [run, H, T]
     out += torch.einsum("rht,tr->th", y.float(), dense)
     return out

@@ -1,7 +1,8 @@
 """Weight-only int8 / int4 expert weights with one fp32 scale per group of columns.
 
 At decode the CPU experts' time is their bytes over memory bandwidth, so fewer bytes per weight is a
-direct speedup (int8 about 1.9x fewer bytes than bf16 with 64-column groups, int4 about 3.6x). The
+direct speedup (int8 about 1.9x fewer bytes than bf16 with 64-column groups, int4 about 3.6x). The kernel
+multiplies them in integers, by activations rounded to int8 per 32 columns (`quantize_activations`). The
 layout is the one `csrc/moe_cpu.cpp` reads: int8 as is; int4 as q + 8 in [0, 15], columns 2j and 2j + 1
 in the low and high nibble of byte j. Symmetric rounding to nearest: w ~ q * scale.
 """
@@ -88,6 +89,16 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, bits: int, group_size: i
         q = torch.stack((low, high), dim=-1).flatten(-2)
     groups = q.unflatten(-1, (-1, group_size))
     return (groups * scale.unsqueeze(-1)).flatten(-2)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K % 32 == 0) as int8 / int4 layers compute with it: rounded to int8 per block of 32 columns,
+    scale = max |x| / 127, as the C++ kernel's integer dot products (and llama.cpp's q8_0 activations) do; in fp32.
+    Every route through a quantised layer applies it, so where a product runs does not change its value."""
+    blocks = x.float().unflatten(-1, (-1, 32))
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).flatten(-2)
 
 
 def to_cpu_format(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tensor | QuantizedWeight:

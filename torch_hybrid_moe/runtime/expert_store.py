@@ -37,6 +37,11 @@ class ExpertStore(SlotMap):
         for slot in range(min(num_slots, self.num_experts)):
             self.load(slot, slot)
 
+    @property
+    def rounds_inputs(self) -> bool:
+        """Whether experts multiply rounded inputs (int8 / int4 masters): slots must then round them too."""
+        return isinstance(self.host_gate_up, QuantizedWeight)
+
     def load(self, expert: int, slot: int) -> int:
         """Copy `expert` from host into `slot` (evicting its occupant); returns the bytes moved."""
         self.assign(expert, slot)

@@ -223,7 +223,7 @@ class GraphPath:
             self._count(fetched=(fetched >= 0).sum())
         if self.num_slots:
             slot_experts_(acc, hidden, torch.where(on_slot, self.expert_slot[expert], -1), topk_weights,
-                          store.slot_gate_up, store.slot_down)
+                          store.slot_gate_up, store.slot_down, rounded=store.rounds_inputs)
         active = counts > 0
         self._count(accelerator_experts=on_accelerator.sum(), cpu_experts=(active & ~on_accelerator).sum())
         if part in (PLAIN, LEADING):

@@ -131,12 +131,13 @@ class HybridMoELayer:
         if plan.accelerator:
             store.wait_for_copies()
             slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in plan.accelerator})
-            if store.device.type == "cpu":  # the CPU standing in for the accelerator: the fast kernel there too
+            if store.device.type == "cpu" and not store.rounds_inputs:  # the CPU standing in for the accelerator
                 cpu_experts_into(
                     hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc
                 )
             else:
-                accumulate_experts_(acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down)
+                accumulate_experts_(acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down,
+                                    rounded=store.rounds_inputs)
         if plan.cpu:
             cpu_ids = self._relabel(topk_ids.cpu(), {e: e for e in plan.cpu})
             cpu_acc = torch.zeros(hidden.shape, dtype=torch.float32)

@@ -3,7 +3,8 @@
 // Why a kernel of our own: at decode an expert is a matrix-vector product whose time is its bytes over
 // DRAM bandwidth, and a per-expert torch loop reaches about half of that. Here every active expert's weight
 // rows are streamed once by all threads together, for all of that expert's tokens at a time, in the
-// stored format (bf16 / fp16 / fp32, or int8 / int4 with one fp32 scale per `group` columns).
+// stored format (bf16 / fp16 / fp32, or int8 / int4 with one fp32 scale per `group` columns, multiplied in
+// integers by activations rounded to int8 per 32 columns: see QuantRecord).
 //
 // Three phases:
 //   A  gu[p, :] = gate_up[e] . x[token(p)]            every active expert, for its pairs p
@@ -148,6 +149,49 @@ inline bool pairs_layout(Fmt f) { return f == Fmt::BF16 || f == Fmt::I4; }
 
 constexpr int kRows = 4;  // weight rows per micro-kernel call
 
+// Activations of int8 / int4 weights, quantised to int8 per block of 32 columns (one fp32 scale per block,
+// rounded to nearest, as llama.cpp's q8_0): integer products need integer activations, and at decode they
+// are what lets an int8 / int4 weight be read at memory speed (widening every weight to fp32 is compute-bound
+// on AVX2). One record per activation row: K int8 values (int4: each block's even then its odd columns, the
+// order its 16 bytes unpack to), K / 32 scales, K / 32 scale * sum(values) (int4's q + 8 offset).
+inline int64_t record_bytes(int64_t K) { return K + 2 * (K / 32) * int64_t(sizeof(float)); }
+
+struct QuantRecord {
+  const int8_t* q = nullptr;
+  const float* scale = nullptr;
+  const float* sum = nullptr;
+  QuantRecord() = default;
+  QuantRecord(const void* rec, int64_t K)
+      : q(static_cast<const int8_t*>(rec)),
+        scale(reinterpret_cast<const float*>(static_cast<const uint8_t*>(rec) + K)),
+        sum(scale + K / 32) {}
+};
+
+// Where column c of a 32-column block sits in format f's record.
+inline int record_pos(int c, Fmt f) { return f == Fmt::I4 ? (c % 2) * 16 + c / 2 : c; }
+
+// Row x (K fp32 values, natural column order, K % 32 == 0) as format f's record at rec.
+void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
+  int8_t* q = reinterpret_cast<int8_t*>(rec);
+  float* scale = reinterpret_cast<float*>(rec + K);
+  float* sum = scale + K / 32;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.f;
+    for (int c = 0; c < 32; ++c) amax = std::max(amax, std::fabs(xb[c]));
+    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    int32_t total = 0;
+    for (int c = 0; c < 32; ++c) {
+      const int32_t v = int32_t(std::nearbyint(xb[c] * inv));
+      q[32 * b + record_pos(c, f)] = int8_t(v);
+      total += v;
+    }
+    scale[b] = s;
+    sum[b] = s * float(total);
+  }
+}
+
+
 namespace level0 {
 #define HMOE_VBYTES 16
 #define HMOE_LEVEL 0
@@ -272,6 +316,44 @@ void activations(const at::Tensor& hidden, Fmt f, int64_t step, float* dst) {
   }
 }
 
+inline bool quantised(Fmt f) { return f == Fmt::I8 || f == Fmt::I4; }
+
+// The layout activation rows are written in before KernelInputs: format f's, or natural order for int8 / int4.
+inline Fmt written_layout(Fmt f) { return quantised(f) ? Fmt::F32 : f; }
+
+// Activation rows made ready for format f's kernels. Float formats: the fp32 rows as given, already in the
+// kernels' layout. int8 / int4: the rows arrive in natural column order; each becomes a QuantRecord for the
+// micro-kernels and is rewritten in place as its quantised values in the layout, for the GEMM route: both
+// routes compute one product.
+class KernelInputs {
+ public:
+  KernelInputs(float* rows, int64_t n, int64_t K, Fmt f, int64_t step) : rows_(rows), K_(K) {
+    if (!quantised(f)) return;
+    bytes_ = record_bytes(K);
+    records_.resize(n * bytes_);
+    at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> natural(K);
+      for (int64_t r = r0; r < r1; ++r) {
+        float* x = rows + r * K;
+        uint8_t* rec = records_.data() + r * bytes_;
+        quantise_row(x, K, f, rec);
+        const QuantRecord q(rec, K);
+        for (int64_t c = 0; c < K; ++c) natural[c] = float(q.q[c - c % 32 + record_pos(int(c % 32), f)]) * q.scale[c / 32];
+        for (int64_t c = 0; c < K; ++c) x[layout_pos(c, K, f, step)] = natural[c];
+      }
+    });
+  }
+  const void* row(int64_t r) const {
+    return bytes_ ? static_cast<const void*>(records_.data() + r * bytes_) : static_cast<const void*>(rows_ + r * K_);
+  }
+
+ private:
+  const float* rows_;
+  int64_t K_;
+  int64_t bytes_ = 0;
+  std::vector<uint8_t> records_;
+};
+
 inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 
 // Rows [r0, r1) of expert matrix m times the n activation rows xs (fp32, m's layout), by fp32 panels and
@@ -333,14 +415,12 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
     (r.offsets[a + 1] - r.offsets[a] >= kGemmTokens ? large : small).push_back(a);
 
   std::vector<float> x(T * H), h(P * I), y(P * H);
-  activations(hidden, fmt, kern.step, x.data());
+  activations(hidden, written_layout(fmt), kern.step, x.data());
+  const KernelInputs x_in(x.data(), T, H, fmt, kern.step);
   std::vector<const void*> x_of_pair(P), h_of_pair(P);
-  for (int64_t p = 0; p < P; ++p) {
-    x_of_pair[p] = x.data() + r.pair_token[p] * H;
-    h_of_pair[p] = h.data() + p * I;
-  }
+  for (int64_t p = 0; p < P; ++p) x_of_pair[p] = x_in.row(r.pair_token[p]);
   std::vector<int64_t> h_pos(I);  // h is written straight into the layout the down projection reads
-  for (int64_t c = 0; c < I; ++c) h_pos[c] = layout_pos(c, I, fmt, kern.step);
+  for (int64_t c = 0; c < I; ++c) h_pos[c] = layout_pos(c, I, written_layout(fmt), kern.step);
 
   // Phase A, micro-kernel route. Item i = row block (i / n) of small expert (i % n): all experts stream at
   // once, so an expert with more tokens does not leave one thread working alone at the end.
@@ -370,6 +450,8 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   }
 
   // Phase B: y[p] = down[e] . h[p].
+  const KernelInputs h_in(h.data(), P, I, fmt, kern.step);
+  for (int64_t p = 0; p < P; ++p) h_of_pair[p] = h_in.row(p);
   if (n_small) {
     parallel_items((H + block_b - 1) / block_b * n_small, [&](int64_t i) {
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
@@ -418,9 +500,10 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   if (T == 0) return;
   const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
   std::vector<float> xs(T * K);
-  activations(x, layer.first.fmt, kern.step, xs.data());
+  activations(x, written_layout(layer.first.fmt), kern.step, xs.data());
+  const KernelInputs in(xs.data(), T, K, layer.first.fmt, kern.step);
   std::vector<const void*> rows(T);
-  for (int64_t t = 0; t < T; ++t) rows[t] = xs.data() + t * K;
+  for (int64_t t = 0; t < T; ++t) rows[t] = in.row(t);
   const int64_t block = kMaxBlock;
   float* o = out.data_ptr<float>();
   parallel_items((N + block - 1) / block, [&](int64_t i) {

@@ -1,6 +1,7 @@
 // The micro-kernels, written once with GCC vector extensions and included by moe_cpu.cpp once per ISA level,
 // each time inside its own namespace, under `#pragma GCC target`, with HMOE_VBYTES (vector bytes) and HMOE_LEVEL
-// set: the same source becomes SSE2, AVX2 or AVX-512 code. Needs Fmt, Matrix, weight_at and <cstring> in scope.
+// set: the same source becomes SSE2, AVX2 or AVX-512 code. Needs Fmt, Matrix, QuantRecord, weight_at and
+// <cstring> in scope.
 
 constexpr int W = HMOE_VBYTES / 4;  // fp32 lanes per vector
 constexpr int kStep = 2 * W;        // columns per inner step: two vectors
@@ -83,16 +84,11 @@ inline float lane_sum(vf v) {
   return s;
 }
 
-// res[t * kRows + i] = row (r0 + i) of m . xs[t] for i < nr, t < NT; activations are fp32.
+// res[t * kRows + i] = row (r0 + i) of m . xs[t] for i < nr, t < NT; float formats, fp32 activations.
 template <Fmt F, int NT>
 void rows_dot(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
   const uint8_t* rows[kRows];
-  const float* scales[kRows];
-  for (int i = 0; i < kRows; ++i) {
-    const int64_t r = r0 + std::min(i, nr - 1);  // a short block repeats its last row; those results are dropped
-    rows[i] = m.row(r);
-    scales[i] = m.row_scale(r);
-  }
+  for (int i = 0; i < kRows; ++i) rows[i] = m.row(r0 + std::min(i, nr - 1));  // a short block repeats its last row
   const float* x[NT];
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const float*>(xs[t]);
   vf acc[kRows][NT] = {};
@@ -101,50 +97,160 @@ void rows_dot(const Matrix& m, int64_t r0, int nr, const void* const* xs, float*
   constexpr int64_t step_bytes = kRows * kStep * bits_of(F) / 8;
   const uint8_t* next = m.row(r0 + kRows);
   const int64_t full = m.K / kStep * kStep;
-  const int64_t group = m.scale ? m.group : std::max<int64_t>(full, 1);  // quantised: K % group == 0, group % 32 == 0
-  for (int64_t g0 = 0; g0 < full; g0 += group) {
-    // Sum q * x over the group, then scale once: no multiply per weight.
-    vf part[kRows][NT] = {};
-    for (int64_t k = g0; k < g0 + group; k += kStep) {
-      for (int64_t b = 0; b < step_bytes; b += 64) __builtin_prefetch(next + k / kStep * step_bytes + b);
-      vf xlo[NT], xhi[NT];
-      for (int t = 0; t < NT; ++t) {
-        xlo[t] = load<vf>(x[t] + k);
-        xhi[t] = load<vf>(x[t] + k + W);
-      }
-      for (int i = 0; i < kRows; ++i) {
-        vf lo, hi;
-        load_step<F>(rows[i], k, lo, hi);
-        for (int t = 0; t < NT; ++t) {
-          part[i][t] += lo * xlo[t];
-          part[i][t] += hi * xhi[t];
-        }
-      }
+  for (int64_t k = 0; k < full; k += kStep) {
+    for (int64_t b = 0; b < step_bytes; b += 64) __builtin_prefetch(next + k / kStep * step_bytes + b);
+    vf xlo[NT], xhi[NT];
+    for (int t = 0; t < NT; ++t) {
+      xlo[t] = load<vf>(x[t] + k);
+      xhi[t] = load<vf>(x[t] + k + W);
     }
     for (int i = 0; i < kRows; ++i) {
-      const float s = scales[i] ? scales[i][g0 / group] : 1.f;
-      for (int t = 0; t < NT; ++t) acc[i][t] += part[i][t] * s;
+      vf lo, hi;
+      load_step<F>(rows[i], k, lo, hi);
+      for (int t = 0; t < NT; ++t) {
+        acc[i][t] += lo * xlo[t];
+        acc[i][t] += hi * xhi[t];
+      }
     }
   }
   for (int t = 0; t < NT; ++t)
     for (int i = 0; i < nr; ++i) {
       float s = lane_sum(acc[i][t]);
-      for (int64_t k = full; k < m.K; ++k) s += weight_at(m, rows[i], scales[i], k) * x[t][k];
+      for (int64_t k = full; k < m.K; ++k) s += weight_at(m, rows[i], nullptr, k) * x[t][k];
       res[t * kRows + i] = s;
     }
+}
+
+// The same for int8 / int4 weights and quantised activation records (QuantRecord): integer products summed
+// exactly per 32-column block, then scaled by the activation block's scale, and per group by the weight's.
+// int4 multiplies the stored q + 8 and takes 8 * sum(activations) off once per group.
+#if HMOE_LEVEL >= 1
+// Block b (32 columns) of a row as 32 int8 lanes in the record's order: int8 as stored; int4 as q + 8, the
+// block's 16 bytes' low nibbles (even columns) then high nibbles (odd columns).
+template <Fmt F>
+inline __m256i load_block(const uint8_t* row, int64_t b) {
+  if constexpr (F == Fmt::I8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * b));
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(15));
+  }
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <Fmt F, int NT>
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+  const uint8_t* rows[kRows];
+  const float* scales[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    const int64_t r = r0 + std::min(i, nr - 1);
+    rows[i] = m.row(r);
+    scales[i] = m.row_scale(r);
+  }
+  QuantRecord x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
+  constexpr int64_t block_bytes = bits_of(F) * 4;
+  const uint8_t* next = m.row(r0 + kRows);
+  const int64_t per_group = m.group / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kRows][NT];
+  float offset[kRows][NT] = {};
+  for (int i = 0; i < kRows; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < m.K / 32; b0 += per_group) {
+    __m256 part[kRows][NT];
+    float sums[NT] = {};
+    for (int i = 0; i < kRows; ++i)
+      for (int t = 0; t < NT; ++t) part[i][t] = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b0 + per_group; ++b) {
+      for (int64_t o = 0; o < kRows * block_bytes; o += 64) __builtin_prefetch(next + b * kRows * block_bytes + o);
+      __m256i xq[NT];
+      __m256 xs_b[NT];
+      for (int t = 0; t < NT; ++t) {
+        xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
+        xs_b[t] = _mm256_set1_ps(x[t].scale[b]);
+        sums[t] += x[t].sum[b];
+      }
+      for (int i = 0; i < kRows; ++i) {
+        const __m256i w = load_block<F>(rows[i], b);
+        // maddubs multiplies unsigned by signed bytes: int8 moves w's sign onto x; int4's q + 8 is unsigned.
+        const __m256i wu = F == Fmt::I8 ? _mm256_sign_epi8(w, w) : w;
+        for (int t = 0; t < NT; ++t) {
+          const __m256i xt = F == Fmt::I8 ? _mm256_sign_epi8(xq[t], w) : xq[t];
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xt), ones);
+          part[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs_b[t], part[i][t]);
+        }
+      }
+    }
+    for (int i = 0; i < kRows; ++i) {
+      const float s = scales[i][b0 / per_group];
+      for (int t = 0; t < NT; ++t) {
+        acc[i][t] = _mm256_fmadd_ps(part[i][t], _mm256_set1_ps(s), acc[i][t]);
+        if constexpr (F == Fmt::I4) offset[i][t] += s * sums[t];
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < nr; ++i) res[t * kRows + i] = hsum8(acc[i][t]) - 8.f * offset[i][t];
+}
+#else
+template <Fmt F, int NT>
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+  const int64_t per_group = m.group / 32;
+  for (int t = 0; t < NT; ++t) {
+    const QuantRecord x(xs[t], m.K);
+    for (int i = 0; i < nr; ++i) {
+      const uint8_t* row = m.row(r0 + i);
+      const float* scales = m.row_scale(r0 + i);
+      float acc = 0.f;
+      for (int64_t b0 = 0; b0 < m.K / 32; b0 += per_group) {
+        float part = 0.f;
+        for (int64_t b = b0; b < b0 + per_group; ++b) {
+          const int8_t* q = x.q + 32 * b;
+          int32_t dot = 0;
+          for (int j = 0; j < 16; ++j) {
+            if constexpr (F == Fmt::I8) {
+              const int8_t* w = reinterpret_cast<const int8_t*>(row) + 32 * b;
+              dot += w[j] * q[j] + w[16 + j] * q[16 + j];
+            } else {
+              const uint8_t byte = row[16 * b + j];
+              dot += ((byte & 15) - 8) * q[j] + ((byte >> 4) - 8) * q[16 + j];
+            }
+          }
+          part += float(dot) * x.scale[b];
+        }
+        acc += part * scales[b0 / per_group];
+      }
+      res[t * kRows + i] = acc;
+    }
+  }
+}
+#endif
+
+template <Fmt F, int NT>
+void rows_any(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+  if constexpr (F == Fmt::I8 || F == Fmt::I4) rows_dot_q<F, NT>(m, r0, nr, xs, res);
+  else rows_dot<F, NT>(m, r0, nr, xs, res);
 }
 
 template <Fmt F>
 void rows_dispatch(const Matrix& m, int64_t r0, int nr, const void* const* xs, int nt, float* res) {
   switch (nt) {
-    case 1: return rows_dot<F, 1>(m, r0, nr, xs, res);
-    case 2: return rows_dot<F, 2>(m, r0, nr, xs, res);
-    case 3: if constexpr (kTok >= 3) return rows_dot<F, 3>(m, r0, nr, xs, res); break;
-    case 4: if constexpr (kTok >= 4) return rows_dot<F, 4>(m, r0, nr, xs, res); break;
+    case 1: return rows_any<F, 1>(m, r0, nr, xs, res);
+    case 2: return rows_any<F, 2>(m, r0, nr, xs, res);
+    case 3: if constexpr (kTok >= 3) return rows_any<F, 3>(m, r0, nr, xs, res); break;
+    case 4: if constexpr (kTok >= 4) return rows_any<F, 4>(m, r0, nr, xs, res); break;
   }
 }
 
-// dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n).
+// dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n); xs are fp32 rows in the
+// layout (float formats) or QuantRecords (int8 / int4).
 void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
   float res[kTok * kRows];
   for (int64_t r = r0; r < r1; r += kRows) {
