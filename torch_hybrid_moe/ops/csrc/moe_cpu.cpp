@@ -152,8 +152,9 @@ constexpr int kRows = 4;  // weight rows per micro-kernel call
 // Activations of int8 / int4 weights, quantised to int8 per block of 32 columns (one fp32 scale per block,
 // rounded to nearest, as llama.cpp's q8_0): integer products need integer activations, and at decode they
 // are what lets an int8 / int4 weight be read at memory speed (widening every weight to fp32 is compute-bound
-// on AVX2). One record per activation row: K int8 values (int4: each block's even then its odd columns, the
-// order its 16 bytes unpack to), K / 32 scales, K / 32 scale * sum(values) (int4's q + 8 offset).
+// on AVX2). One record per activation row: K int8 values, K / 32 scales, K / 32 scale * sum(values) (int4's
+// q + 8 offset). int8 keeps the column order; int4 takes the order 32 packed bytes unpack to: for each pair of
+// blocks, the even columns of both blocks, then their odd columns (a last unpaired block: even, then odd).
 inline int64_t record_bytes(int64_t K) { return K + 2 * (K / 32) * int64_t(sizeof(float)); }
 
 struct QuantRecord {
@@ -167,8 +168,13 @@ struct QuantRecord {
         sum(scale + K / 32) {}
 };
 
-// Where column c of a 32-column block sits in format f's record.
-inline int record_pos(int c, Fmt f) { return f == Fmt::I4 ? (c % 2) * 16 + c / 2 : c; }
+// Where column c of a K-column row sits in format f's record.
+inline int64_t record_pos(int64_t c, int64_t K, Fmt f) {
+  if (f != Fmt::I4) return c;
+  const int64_t j = c % 32, pair = c / 64;
+  if (64 * pair + 64 > K) return c - j + (j % 2) * 16 + j / 2;
+  return 64 * pair + (j % 2) * 32 + (c / 32 % 2) * 16 + j / 2;
+}
 
 // Row x (K fp32 values, natural column order, K % 32 == 0) as format f's record at rec.
 void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
@@ -183,7 +189,7 @@ void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
     int32_t total = 0;
     for (int c = 0; c < 32; ++c) {
       const int32_t v = int32_t(std::nearbyint(xb[c] * inv));
-      q[32 * b + record_pos(c, f)] = int8_t(v);
+      q[record_pos(32 * b + c, K, f)] = int8_t(v);
       total += v;
     }
     scale[b] = s;
@@ -338,7 +344,7 @@ class KernelInputs {
         uint8_t* rec = records_.data() + r * bytes_;
         quantise_row(x, K, f, rec);
         const QuantRecord q(rec, K);
-        for (int64_t c = 0; c < K; ++c) natural[c] = float(q.q[c - c % 32 + record_pos(int(c % 32), f)]) * q.scale[c / 32];
+        for (int64_t c = 0; c < K; ++c) natural[c] = float(q.q[record_pos(c, K, f)]) * q.scale[c / 32];
         for (int64_t c = 0; c < K; ++c) x[layout_pos(c, K, f, step)] = natural[c];
       }
     });

@@ -125,8 +125,8 @@ void rows_dot(const Matrix& m, int64_t r0, int nr, const void* const* xs, float*
 // exactly per 32-column block, then scaled by the activation block's scale, and per group by the weight's.
 // int4 multiplies the stored q + 8 and takes 8 * sum(activations) off once per group.
 #if HMOE_LEVEL >= 1
-// Block b (32 columns) of a row as 32 int8 lanes in the record's order: int8 as stored; int4 as q + 8, the
-// block's 16 bytes' low nibbles (even columns) then high nibbles (odd columns).
+// Block b (32 columns) of a row as 32 int8 lanes in the record's order: int8 as stored; int4 (its unpaired last
+// block) as q + 8, the block's 16 bytes' low nibbles (even columns) then high nibbles (odd columns).
 template <Fmt F>
 inline __m256i load_block(const uint8_t* row, int64_t b) {
   if constexpr (F == Fmt::I8) {
@@ -144,60 +144,136 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-template <Fmt F, int NT>
-void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+struct QuantRows {
   const uint8_t* rows[kRows];
   const float* scales[kRows];
-  for (int i = 0; i < kRows; ++i) {
-    const int64_t r = r0 + std::min(i, nr - 1);
-    rows[i] = m.row(r);
-    scales[i] = m.row_scale(r);
+  QuantRows(const Matrix& m, int64_t r0, int nr) {
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t r = r0 + std::min(i, nr - 1);  // a short block repeats its last row
+      rows[i] = m.row(r);
+      scales[i] = m.row_scale(r);
+    }
   }
+};
+
+// int8: one block per step; maddubs multiplies unsigned by signed bytes, so w's sign moves onto x.
+template <int NT>
+void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+  const QuantRows w(m, r0, nr);
   QuantRecord x[NT];
   for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
-  constexpr int64_t block_bytes = bits_of(F) * 4;
   const uint8_t* next = m.row(r0 + kRows);
   const int64_t per_group = m.group / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[kRows][NT];
-  float offset[kRows][NT] = {};
   for (int i = 0; i < kRows; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
   for (int64_t b0 = 0; b0 < m.K / 32; b0 += per_group) {
     __m256 part[kRows][NT];
-    float sums[NT] = {};
     for (int i = 0; i < kRows; ++i)
       for (int t = 0; t < NT; ++t) part[i][t] = _mm256_setzero_ps();
     for (int64_t b = b0; b < b0 + per_group; ++b) {
-      for (int64_t o = 0; o < kRows * block_bytes; o += 64) __builtin_prefetch(next + b * kRows * block_bytes + o);
+      for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(next + b * kRows * 32 + o);
       __m256i xq[NT];
       __m256 xs_b[NT];
       for (int t = 0; t < NT; ++t) {
         xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
         xs_b[t] = _mm256_set1_ps(x[t].scale[b]);
-        sums[t] += x[t].sum[b];
       }
       for (int i = 0; i < kRows; ++i) {
-        const __m256i w = load_block<F>(rows[i], b);
-        // maddubs multiplies unsigned by signed bytes: int8 moves w's sign onto x; int4's q + 8 is unsigned.
-        const __m256i wu = F == Fmt::I8 ? _mm256_sign_epi8(w, w) : w;
+        const __m256i q = load_block<Fmt::I8>(w.rows[i], b), magnitude = _mm256_sign_epi8(q, q);
         for (int t = 0; t < NT; ++t) {
-          const __m256i xt = F == Fmt::I8 ? _mm256_sign_epi8(xq[t], w) : xq[t];
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xt), ones);
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq[t], q)), ones);
           part[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs_b[t], part[i][t]);
         }
       }
     }
     for (int i = 0; i < kRows; ++i) {
-      const float s = scales[i][b0 / per_group];
+      const __m256 s = _mm256_set1_ps(w.scales[i][b0 / per_group]);
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_fmadd_ps(part[i][t], s, acc[i][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < nr; ++i) res[t * kRows + i] = hsum8(acc[i][t]);
+}
+
+// int4: two blocks per step. 32 packed bytes give their low nibbles (the even columns of both blocks) and high
+// nibbles (the odd columns); the products' int32 lanes 0-3 then belong to the first block and 4-7 to the
+// second, which carry their own scales. Scales are applied per span of max(group, 64) columns: one group, or
+// (groups of 32) one pair of groups, one per half of the lanes.
+template <int NT>
+void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+  const QuantRows w(m, r0, nr);
+  QuantRecord x[NT];
+  for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
+  const uint8_t* next = m.row(r0 + kRows);
+  const int64_t blocks = m.K / 32, per_group = m.group / 32, span = std::max<int64_t>(per_group, 2);
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+  __m256 acc[kRows][NT];
+  float offset[kRows][NT] = {};
+  for (int i = 0; i < kRows; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
+  for (int64_t s0 = 0; s0 < blocks; s0 += span) {
+    __m256 part[kRows][NT];
+    float sum_lo[NT] = {}, sum_hi[NT] = {};
+    for (int i = 0; i < kRows; ++i)
+      for (int t = 0; t < NT; ++t) part[i][t] = _mm256_setzero_ps();
+    for (int64_t b = s0; b < std::min(blocks, s0 + span); b += 2) {
+      for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(next + b / 2 * kRows * 32 + o);
+      if (b + 1 < blocks) {
+        __m256i even[NT], odd[NT];
+        __m256 xs_b[NT];
+        for (int t = 0; t < NT; ++t) {
+          even[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
+          odd[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b + 32));
+          xs_b[t] = _mm256_set_m128(_mm_set1_ps(x[t].scale[b + 1]), _mm_set1_ps(x[t].scale[b]));
+          sum_lo[t] += x[t].sum[b];
+          sum_hi[t] += x[t].sum[b + 1];
+        }
+        for (int i = 0; i < kRows; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 16 * b));
+          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int t = 0; t < NT; ++t) {
+            // q + 8 <= 15 and |x| <= 127: the two int16 products add up without saturating
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t]));
+            part[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), xs_b[t], part[i][t]);
+          }
+        }
+      } else {  // an unpaired last block (groups of 32, an odd block count)
+        __m256i xq[NT];
+        __m256 xs_b[NT];
+        for (int t = 0; t < NT; ++t) {
+          xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
+          xs_b[t] = _mm256_set1_ps(x[t].scale[b]);
+          sum_lo[t] += x[t].sum[b];
+        }
+        for (int i = 0; i < kRows; ++i) {
+          const __m256i q = load_block<Fmt::I4>(w.rows[i], b);
+          for (int t = 0; t < NT; ++t) {
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq[t]), ones);
+            part[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs_b[t], part[i][t]);
+          }
+        }
+      }
+    }
+    const int64_t second = std::min(s0 + 1, blocks - 1);  // the block whose scale the upper lanes take
+    for (int i = 0; i < kRows; ++i) {
+      const float lo = w.scales[i][s0 / per_group], hi = w.scales[i][second / per_group];
+      const __m256 s = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
       for (int t = 0; t < NT; ++t) {
-        acc[i][t] = _mm256_fmadd_ps(part[i][t], _mm256_set1_ps(s), acc[i][t]);
-        if constexpr (F == Fmt::I4) offset[i][t] += s * sums[t];
+        acc[i][t] = _mm256_fmadd_ps(part[i][t], s, acc[i][t]);
+        offset[i][t] += lo * sum_lo[t] + hi * sum_hi[t];
       }
     }
   }
   for (int t = 0; t < NT; ++t)
     for (int i = 0; i < nr; ++i) res[t * kRows + i] = hsum8(acc[i][t]) - 8.f * offset[i][t];
+}
+
+template <Fmt F, int NT>
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+  if constexpr (F == Fmt::I8) rows_dot_i8<NT>(m, r0, nr, xs, res);
+  else rows_dot_i4<NT>(m, r0, nr, xs, res);
 }
 #else
 template <Fmt F, int NT>
@@ -212,16 +288,11 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, floa
       for (int64_t b0 = 0; b0 < m.K / 32; b0 += per_group) {
         float part = 0.f;
         for (int64_t b = b0; b < b0 + per_group; ++b) {
-          const int8_t* q = x.q + 32 * b;
           int32_t dot = 0;
-          for (int j = 0; j < 16; ++j) {
-            if constexpr (F == Fmt::I8) {
-              const int8_t* w = reinterpret_cast<const int8_t*>(row) + 32 * b;
-              dot += w[j] * q[j] + w[16 + j] * q[16 + j];
-            } else {
-              const uint8_t byte = row[16 * b + j];
-              dot += ((byte & 15) - 8) * q[j] + ((byte >> 4) - 8) * q[16 + j];
-            }
+          for (int64_t c = 32 * b; c < 32 * b + 32; ++c) {
+            const int32_t q = F == Fmt::I8 ? reinterpret_cast<const int8_t*>(row)[c]
+                                           : int32_t(c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15) - 8;
+            dot += q * x.q[record_pos(c, m.K, F)];
           }
           part += float(dot) * x.scale[b];
         }
