@@ -105,15 +105,18 @@ def run_torch_row(row: str, path: Path, prompt: int, tokens: int, threads: int) 
     import torch_hybrid_moe as thm
 
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     gen = dict(do_sample=False)
     if row.startswith("ours"):
-        # ours-int8: int8 routed experts; ours-int8-dense: every linear int8 too, like llama.cpp's q8_0 files
+        # ours-int8: int8 routed experts; ours-int8-dense: every linear int8 too, like llama.cpp's q8_0 files.
+        # Experts stream from the checkpoint into the store (thm.from_pretrained): no second resident copy.
         dtype = next((d for d in ("int8", "int4") if d in row), "model")
         budget = 0.25 if row == "ours-b0.25" else 0.0
-        thm.patch_model(model, thm.HybridMoEConfig(expert_budget=budget, cpu_weight_dtype=dtype,
-                                                   dense_weight_dtype=dtype if row.endswith("-dense") else "model"))
-    elif row == "inductor":
+        model = thm.from_pretrained(path, thm.HybridMoEConfig(
+            expert_budget=budget, cpu_weight_dtype=dtype, dense_weight_dtype=dtype if row.endswith("-dense") else "model"),
+            dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    if row == "inductor":
         gen["cache_implementation"] = "static"
         config = CompileConfig(fullgraph=True, mode="default")
         config._compile_all_devices = True

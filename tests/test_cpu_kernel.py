@@ -9,7 +9,12 @@ import torch_hybrid_moe as thm
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.ops.expert_math import accumulate_experts_
-from torch_hybrid_moe.ops.quantize import QuantizedWeight, dequantize, quantize, quantize_activations
+from torch_hybrid_moe.ops.quantize import (
+    QuantizedWeight,
+    dequantize,
+    quantize,
+    quantize_activations,
+)
 
 pytestmark = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ kernel could not be built here")
 

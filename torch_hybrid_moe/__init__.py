@@ -2,12 +2,17 @@
 
     model = thm.patch_model(model, thm.HybridMoEConfig(expert_budget=0.25))
     model = torch.compile(model, backend="hybrid_moe")
+
+or, streaming a checkpoint's experts into place without loading them twice:
+
+    model = thm.from_pretrained("path/or/hub-id", thm.HybridMoEConfig(expert_budget=0.25))
 """
 
 from . import compile_passes, ops  # registers torch.ops.hybrid_moe.* and the hybrid_moe backend
 from .config import HybridMoEConfig
+from .loading import from_pretrained
 from .model_patches import patch_model
 from .runtime import LayerStats, reset_stats, stats
 
-__all__ = ["HybridMoEConfig", "LayerStats", "patch_model", "reset_stats", "stats"]
+__all__ = ["HybridMoEConfig", "LayerStats", "from_pretrained", "patch_model", "reset_stats", "stats"]
 __version__ = "0.1.0"

@@ -16,9 +16,18 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.config import CPU_WEIGHT_DTYPES, DENSE_WEIGHT_DTYPES, PRECALC_FROM_LAYER
+from torch_hybrid_moe.config import (
+    CPU_WEIGHT_DTYPES,
+    DENSE_WEIGHT_DTYPES,
+    PRECALC_FROM_LAYER,
+)
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
-from torch_hybrid_moe.embedded import DEFAULT_MODEL, embedded_models, load_model
+from torch_hybrid_moe.embedded import (
+    DEFAULT_MODEL,
+    embedded_models,
+    load_model,
+    load_tokenizer,
+)
 from torch_hybrid_moe.errors import InputError
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
 
@@ -63,8 +72,13 @@ def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[t
 
 
 def generate(args: argparse.Namespace) -> int:
-    model, tokenizer = load_model(args.model, _DTYPES[args.dtype])
-    thm.patch_model(model, _config(args))
+    config, dtype = _config(args), _DTYPES[args.dtype]
+    if args.model.startswith("tiny:"):
+        model, tokenizer = load_model(args.model, dtype)
+        thm.patch_model(model, config)
+    else:  # the experts stream from the checkpoint into the store: no second resident copy
+        tokenizer = load_tokenizer(args.model)
+        model = thm.from_pretrained(args.model, config, dtype=dtype)
     device = next(model.parameters()).device
     ids = _prompt_ids(tokenizer, args.prompt, model.config.vocab_size).to(device)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)

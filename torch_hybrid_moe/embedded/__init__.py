@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import InputError
 
@@ -50,16 +51,27 @@ def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.
         if arch not in TINY_ARCHITECTURES:
             raise InputError(f"unknown tiny model {arch!r}; choose from {', '.join(TINY_ARCHITECTURES)}")
         return tiny_model(arch, dtype=dtype), None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    path = resolve_model(name)
-    with tqdm(total=2, desc="loading", leave=False) as bar:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            bar.update()
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        except OSError as err:  # transformers' word for a missing file or an unreachable hub
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise InputError(f"cannot load model {name!r}: {first}") from None
-        bar.update()
+    tokenizer = load_tokenizer(name)
+    with _loading_errors(name):
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).eval()
     return model, tokenizer
+
+
+def load_tokenizer(name: str) -> object:
+    """The tokenizer of an embedded name, a local directory or a hub id."""
+    from transformers import AutoTokenizer
+
+    with _loading_errors(name):
+        return AutoTokenizer.from_pretrained(resolve_model(name))
+
+
+@contextmanager
+def _loading_errors(name: str) -> Iterator[None]:
+    """transformers' OSError (a missing file, an unreachable hub) as a one-line InputError."""
+    try:
+        yield
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"cannot load model {name!r}: {first}") from None

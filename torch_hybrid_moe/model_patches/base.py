@@ -25,6 +25,7 @@ from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
 from ..policies.device_scheduling import device_scheduler
 from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
+from ..runtime.expert_store import HostWeight
 from ..runtime.costs import policy_context
 from ..runtime.decode_graphs import DecodeGraphs
 from ..runtime.layer import RoutingRule
@@ -68,9 +69,12 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def patch_with_spec(
-    model: torch.nn.Module, spec: ArchSpec, config: HybridMoEConfig | None = None, **overrides: object
+    model: torch.nn.Module, spec: ArchSpec, config: HybridMoEConfig | None = None,
+    read_experts: Callable[[torch.nn.Module], tuple[HostWeight, HostWeight]] | None = None, **overrides: object
 ) -> torch.nn.Module:
-    """Validate everything first, then move experts into stores layer by layer; on error the model is untouched."""
+    """Validate everything first, then move experts into stores layer by layer; on error the model is untouched.
+    `read_experts(experts)` (loading.py) gives a layer's experts in the host format instead of converting the
+    module's own: a model built with uninitialised experts then never holds more than one expert of them."""
     config = (config or HybridMoEConfig()).replace(**overrides)
     if is_patched(model):
         raise RuntimeError("this model is already patched by torch_hybrid_moe; patch a fresh model instead")
@@ -106,7 +110,7 @@ def patch_with_spec(
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts
         dtype = experts.gate_up_proj.dtype
-        gate_up, down = (
+        gate_up, down = read_experts(experts) if read_experts else (
             to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size)
             for w in (experts.gate_up_proj, experts.down_proj)
         )

@@ -110,6 +110,27 @@ def to_cpu_format(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tens
     return quantize(weight, BITS[fmt], group_size)
 
 
+def empty_cpu_format(shape: tuple[int, int, int], dtype: torch.dtype, fmt: str,
+                     group_size: int) -> torch.Tensor | QuantizedWeight:
+    """Uninitialised [E, N, K] expert weights of dtype `dtype` in a `cpu_weight_dtype` format, filled one expert at
+    a time by `set_expert`: a loader converting as it reads never holds a whole layer in the source format."""
+    experts, rows, cols = shape
+    if fmt in ("model", "bfloat16"):
+        return torch.empty(shape, dtype=dtype if fmt == "model" else torch.bfloat16)
+    bits, group = BITS[fmt], check_group_size(cols, group_size)
+    data = torch.empty((experts, rows, cols if bits == 8 else cols // 2), dtype=torch.int8 if bits == 8 else torch.uint8)
+    return QuantizedWeight(data, torch.empty((experts, rows, cols // group)), bits, group)
+
+
+def set_expert(dst: torch.Tensor | QuantizedWeight, expert: int, weight: torch.Tensor) -> None:
+    """Expert `expert` of `dst` (from `empty_cpu_format`) from its [N, K] weight, converted to dst's format."""
+    if isinstance(dst, QuantizedWeight):
+        q = quantize(weight.unsqueeze(0), dst.bits, dst.group_size)
+        dst.data[expert], dst.scale[expert] = q.data[0], q.scale[0]
+    else:
+        dst[expert].copy_(weight)
+
+
 def kernel_operands(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weights, scales or None) as `hybrid_moe::cpu_experts` takes them."""
     if isinstance(weight, QuantizedWeight):

@@ -1,0 +1,243 @@
+"""Load a transformers MoE checkpoint straight into hybrid placement: `from_pretrained(path, config)`.
+
+`AutoModelForCausalLM.from_pretrained` + `patch_model` holds every expert in host memory in a float type, and
+keeps the safetensors file mapping resident beside the fused copies transformers makes of per-expert tensors:
+peak host memory about twice the checkpoint. Here the model is built with uninitialised parameters (no page
+touched), the dense weights are copied in from the shards, and each MoE layer's experts are read into place
+while it is patched, one layer at a time, then converted to the host format (`cpu_weight_dtype`). Peak host
+memory is about the final store plus the dense weights plus one layer in the model's dtype; in the model's
+dtype the experts are read straight into the memory the store keeps.
+
+Checkpoint layouts: per-expert tensors (`experts.N.gate_proj/up_proj/down_proj.weight`, Mixtral's
+`block_sparse_moe.experts.N.w1/w3/w2.weight` under transformers' own renaming) fused as transformers fuses
+them (gate rows, then up rows), or already fused `experts.gate_up_proj` / `experts.down_proj`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import HybridMoEConfig
+from .errors import InputError
+from .model_patches import ARCHITECTURES
+from .model_patches.base import patch_with_spec
+from .ops.quantize import empty_cpu_format, set_expert
+from .runtime.expert_store import HostWeight
+
+_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
+                         r"\.weight")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def from_pretrained(name_or_path: str | Path, config: HybridMoEConfig | None = None,
+                    dtype: torch.dtype | str = "auto", **overrides: object) -> torch.nn.Module:
+    """A patched model from a local checkpoint directory or hub id, experts streamed into the store.
+
+    Equivalent to `AutoModelForCausalLM.from_pretrained(path, dtype=dtype)` + `patch_model(model, config)` in its
+    outputs, with about half the peak host memory. `dtype`: the model's compute dtype ("auto": the checkpoint's).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    directory = _local_directory(str(name_or_path))
+    model_config = AutoConfig.from_pretrained(directory)
+    if model_config.model_type not in ARCHITECTURES:
+        raise InputError(f"{name_or_path}: model type {model_config.model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    if dtype == "auto":
+        dtype = getattr(model_config, "dtype", None) or torch.float32
+    checkpoint = Checkpoint(directory, model_config.model_type)
+    config = (config or HybridMoEConfig()).replace(**overrides)
+    with no_init_weights():  # parameters stay torch.empty: allocated, never touched, so not resident
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    model.tie_weights()  # tied weights (tie_word_embeddings) become one tensor, loaded under either name
+    experts = {module: name for name, module in model.named_modules() if name.endswith(".experts")
+               and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)}
+    layout = {name: checkpoint.expert_layout(name, module) for module, name in experts.items()}
+    checkpoint.load_dense(model, skip={f"{name}.{p}" for name in layout for p in ("gate_up_proj", "down_proj")})
+    if (directory / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    model.eval()
+    return patch_with_spec(model, ARCHITECTURES[model_config.model_type], config,
+                           read_experts=lambda module: checkpoint.read_experts(
+                               module, layout[experts[module]], config.cpu_weight_dtype, config.cpu_weight_group_size))
+
+
+def _local_directory(name: str) -> Path:
+    """A checkpoint directory: as given, or a hub id's snapshot (downloaded, or from the local cache offline)."""
+    from .embedded import resolve_model
+
+    resolved = Path(resolve_model(name))
+    if resolved.is_dir():
+        return resolved
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=_HUB_FILES))
+    except Exception as err:  # noqa: BLE001 - offline, unknown repository, no network: one line for each
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise InputError(f"cannot fetch {name!r} from the hub ({type(err).__name__}: {first}); pass a local "
+                         "checkpoint directory, or unset HF_HUB_OFFLINE where the hub is reachable") from None
+
+
+@dataclass(frozen=True)
+class ExpertSources:
+    """One layer's expert tensors in a checkpoint: {"gate_up_proj" / "down_proj": [(key, shard)]}, either one
+    fused tensor each, or per expert in expert order (gate_up: gate then up of each expert)."""
+
+    fused: bool
+    sources: dict[str, list[tuple[str, Shard]]]
+
+
+class Checkpoint:
+    """The safetensors shards of a checkpoint, keyed by the names the transformers model uses."""
+
+    def __init__(self, directory: Path, model_type: str) -> None:
+        from transformers.conversion_mapping import (
+            WeightRenaming,
+            get_checkpoint_conversion_mapping,
+        )
+
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            if not files:
+                raise InputError(f"{directory} has no *.safetensors files; convert the checkpoint with "
+                                 "transformers' save_pretrained (safe_serialization) first")
+        renamings = [(s, t) for rule in get_checkpoint_conversion_mapping(model_type) or []
+                     if isinstance(rule, WeightRenaming) for s, t in zip(rule.source_patterns, rule.target_patterns)]
+        self.directory = directory
+        self.source: dict[str, tuple[str, Shard]] = {}  # model-side name -> (checkpoint key, shard)
+        for file in files:
+            shard = Shard(directory / file)
+            for key in shard.tensors:
+                name = key
+                for pattern, target in renamings:
+                    name = re.sub(pattern, target, name)
+                self.source[name] = (key, shard)
+
+    def expert_layout(self, name: str, experts: torch.nn.Module) -> ExpertSources:
+        """Where layer `name`'s experts are in the checkpoint, checked against the model's shapes."""
+        num_experts, two_inter, hidden = experts.gate_up_proj.shape
+        fused = {p: self.source.get(f"{name}.{p}") for p in ("gate_up_proj", "down_proj")}
+        is_fused = all(fused.values())
+        if is_fused:
+            want = {"gate_up_proj": experts.gate_up_proj.shape, "down_proj": experts.down_proj.shape}
+            layout = {p: [fused[p]] for p in fused}
+        else:
+            roles = {"gate": [None] * num_experts, "up": [None] * num_experts, "down": [None] * num_experts}
+            for model_key, source in self.source.items():
+                match = _PER_EXPERT.fullmatch(model_key)
+                if match and match["prefix"] == name and int(match["expert"]) < num_experts:
+                    roles[_ROLE[match["proj"]]][int(match["expert"])] = source
+            missing = [f"{name}.{e}.{role}" for role, found in roles.items() for e, s in enumerate(found) if s is None]
+            if missing:
+                raise InputError(f"checkpoint {self.directory} lacks {len(missing)} expert tensors of {name} (first: "
+                                 f"{missing[0]}); is it a complete {experts.__class__.__name__} checkpoint?")
+            layout = {"gate_up_proj": [s for e in range(num_experts) for s in (roles["gate"][e], roles["up"][e])],
+                      "down_proj": roles["down"]}
+            want = {"gate_up_proj": (two_inter // 2, hidden), "down_proj": (hidden, two_inter // 2)}
+        for proj, sources in layout.items():
+            for key, shard in sources:
+                if shard.shape(key) != tuple(want[proj]):
+                    raise InputError(f"checkpoint tensor {key} is {list(shard.shape(key))}, the model's config wants "
+                                     f"{list(want[proj])}; config.json and the weights disagree")
+        return ExpertSources(is_fused, layout)
+
+    def read_experts(self, experts: torch.nn.Module, layout: ExpertSources, fmt: str,
+                     group_size: int) -> tuple[HostWeight, HostWeight]:
+        """The layer's experts in host format `fmt`, read expert by expert. In the model's dtype they are read
+        into the module's own uninitialised tensors, which the store then keeps; otherwise converted as read."""
+        out = []
+        for proj, sources in layout.sources.items():
+            param = getattr(experts, proj).data
+            dst = param if fmt == "model" else empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
+            per_expert = len(sources) // param.shape[0]
+            buffer = torch.empty(param.shape[1:], dtype=param.dtype) if dst is not param else None
+            for e in range(param.shape[0]):
+                weight = param[e] if buffer is None else buffer
+                if layout.fused:
+                    key, shard = sources[0]
+                    shard.read(key, weight, index=e)
+                else:
+                    rows = weight.shape[0] // per_expert
+                    for part, (key, shard) in enumerate(sources[e * per_expert:][:per_expert]):
+                        shard.read(key, weight[part * rows : (part + 1) * rows])
+                if buffer is not None:
+                    set_expert(dst, e, buffer)
+            out.append(dst)
+        return out[0], out[1]
+
+    def load_dense(self, model: torch.nn.Module, skip: set[str]) -> None:
+        """Copy every other parameter and persistent buffer in; a missing one is an error."""
+        state = model.state_dict(keep_vars=True)
+        wanted = {name: tensor for name, tensor in state.items() if name not in skip}
+        by_tensor: dict[int, list[str]] = defaultdict(list)  # tied weights: one tensor, several names
+        for name, tensor in wanted.items():
+            by_tensor[id(tensor)].append(name)
+        found = [name for name in wanted if name in self.source]
+        loaded = {id(wanted[name]) for name in found}
+        missing = [names[0] for ident, names in by_tensor.items() if ident not in loaded]
+        if missing:
+            raise InputError(f"checkpoint {self.directory} lacks {len(missing)} of the model's weights (first: "
+                             f"{missing[0]}); config.json and the weights disagree")
+        with torch.no_grad():
+            for name in tqdm(found, desc="loading dense weights", unit="tensor", leave=False):
+                key, shard = self.source[name]
+                shard.read(key, wanted[name].data)
+
+
+class Shard:
+    """One safetensors file, read with plain positioned reads into caller-owned memory: no file mapping, so
+    nothing of the checkpoint stays resident in this process (mapped pages would count until unmapped)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        self.start = 8 + size
+        self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}  # key -> (dtype, shape, offset)
+        for key, entry in header.items():
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                raise InputError(f"{path}: tensor {key} has dtype {entry['dtype']}, which this loader does not read")
+            self.tensors[key] = (_SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"][0])
+        end = self.start + max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        if path.stat().st_size < end:
+            raise InputError(f"{path} is {path.stat().st_size} bytes, its header describes {end}: the file is "
+                             "truncated; download it again")
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors[key][1]
+
+    def read(self, key: str, into: torch.Tensor, index: int | None = None) -> None:
+        """Tensor `key` (its `index`-th slice along the first dimension, if given) into `into`, converting dtype;
+        read straight into `into` when it is contiguous and of the stored dtype."""
+        dtype, shape, offset = self.tensors[key]
+        if index is not None:
+            shape = shape[1:]
+            offset += index * torch.Size(shape).numel() * dtype.itemsize
+        target = into if into.dtype == dtype and into.is_contiguous() else torch.empty(shape, dtype=dtype)
+        if tuple(target.shape) != tuple(shape):
+            raise InputError(f"{self.path}: tensor {key} is {list(shape)}, the model wants {list(into.shape)}; "
+                             "config.json and the weights disagree")
+        with open(self.path, "rb") as f:
+            f.seek(self.start + offset)
+            if f.readinto(target.view(-1).view(torch.uint8).numpy()) != target.nbytes:
+                raise InputError(f"{self.path} ends inside tensor {key}: the file is truncated; download it again")
+        if target is not into:
+            into.copy_(target)
