@@ -25,3 +25,41 @@ def test_eval_ppl_exact_mode_costs_nothing(capsys):
     unpatched, exact = float(line.split()[2]), float(line.split()[4])
     assert exact == pytest.approx(unpatched, rel=1e-5)
     assert 5 < unpatched < 100  # a trained model, far below the ~600 unigram perplexity
+
+
+def test_generate_defaults_fit_the_checkpoint_and_the_machine(tmp_path, capsys):
+    """A bf16 checkpoint stays bf16 (dtype auto); the prompt is stretched with --prompt-tokens and its length
+    printed beside the prefill figure; start-up phases are announced with their times; without CUDA a budget
+    buys nothing, so a given one comes with a note saying why."""
+    from torch_hybrid_moe.embedded import load_model
+
+    model, tokenizer = load_model("deepseek-tiny", torch.float32)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--max-new-tokens", "3", "--prompt-tokens", "40"]
+    assert main([*argv, "--expert-budget", "0.25", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "dtype torch.bfloat16" in captured.out and "(40-token prompt;" in captured.out
+    assert f"loading {tmp_path}: " in captured.err and "warm-up generate (compiles the decode step): " in captured.err
+    assert "without CUDA the CPU stands in for the accelerator" in captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only default")
+def test_expert_budget_defaults_to_zero_without_cuda():
+    import argparse
+
+    from torch_hybrid_moe.cli import _config
+
+    args = argparse.Namespace(expert_budget=None, device="auto", cpu_weight_dtype="model", cpu_weight_group_size=64,
+                              dense_weight_dtype="model")
+    assert _config(args).expert_budget == 0.0
+    assert _config(argparse.Namespace(**{**vars(args), "expert_budget": 0.5})).expert_budget == 0.5
+
+
+def test_build_command_reports_the_kernel(capsys):
+    from torch_hybrid_moe.ops import cpu_kernel
+
+    if cpu_kernel.best_isa() < 0:
+        pytest.skip("no C++ compiler here")
+    assert main(["build"]) == 0
+    assert f"(ISA level {cpu_kernel.ISA_NAMES[cpu_kernel.best_isa()]})" in capsys.readouterr().out

@@ -54,14 +54,47 @@ def _prompt_ids(tokenizer: object | None, prompt: str, vocab_size: int) -> torch
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
+CPU_BUDGET_NOTE = ("without CUDA the CPU stands in for the accelerator and its slots are copies in the same RAM: "
+                   "more memory, no speed-up (pass --expert-budget 0, the default here)")
 
 
 def _config(args: argparse.Namespace) -> thm.HybridMoEConfig:
-    return thm.HybridMoEConfig(
-        expert_budget=args.expert_budget, device=args.device, cpu_weight_dtype=args.cpu_weight_dtype,
-        cpu_weight_group_size=args.cpu_weight_group_size, dense_weight_dtype=args.dense_weight_dtype,
+    """The command line's config. The expert budget defaults to 0.25 with CUDA and 0 without, where slots only
+    duplicate host memory; a budget given there is kept, with a note saying why it does not help."""
+    config = thm.HybridMoEConfig(
+        expert_budget=0.0 if args.expert_budget is None else args.expert_budget, device=args.device,
+        cpu_weight_dtype=args.cpu_weight_dtype, cpu_weight_group_size=args.cpu_weight_group_size,
+        dense_weight_dtype=args.dense_weight_dtype,
     )
+    on_cpu = config.resolve_device().type == "cpu"
+    if args.expert_budget is None and not on_cpu:
+        return config.replace(expert_budget=0.25)
+    if args.expert_budget and on_cpu:
+        _phase(f"note: --expert-budget {args.expert_budget}: {CPU_BUDGET_NOTE}")
+    return config
+
+
+def _phase(message: str) -> None:
+    """One line per start-up phase on stderr, so a long first run is not mistaken for a hang."""
+    print(f"hybrid-moe: {message}", file=sys.stderr, flush=True)
+
+
+def _timed(what: str, fn: Callable[[], object]) -> object:
+    _phase(f"{what}...")
+    start = time.perf_counter()
+    result = fn()
+    _phase(f"{what}: {time.perf_counter() - start:.1f} s")
+    return result
+
+
+def _kernel_ready() -> None:
+    """Build the C++ CPU kernel now (once per machine and torch version; cached), saying so while it runs."""
+    from torch_hybrid_moe.ops import cpu_kernel
+
+    if not cpu_kernel.is_built():
+        _timed("building the C++ CPU kernel (once per machine and torch version; `hybrid-moe build` does it ahead)",
+               cpu_kernel.extension)
 
 
 def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[torch.nn.Module, object]:
@@ -73,18 +106,23 @@ def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[t
 
 def generate(args: argparse.Namespace) -> int:
     config, dtype = _config(args), _DTYPES[args.dtype]
+    _kernel_ready()
     if args.model.startswith("tiny:"):
-        model, tokenizer = load_model(args.model, dtype)
+        model, tokenizer = load_model(args.model, torch.float32 if dtype == "auto" else dtype)
         thm.patch_model(model, config)
     else:  # the experts stream from the checkpoint into the store: no second resident copy
         tokenizer = load_tokenizer(args.model)
-        model = thm.from_pretrained(args.model, config, dtype=dtype)
+        converting = f", converting experts to {config.cpu_weight_dtype}" if config.cpu_weight_dtype != "model" else ""
+        model = _timed(f"loading {args.model}{converting}", lambda: thm.from_pretrained(args.model, config, dtype=dtype))
     device = next(model.parameters()).device
-    ids = _prompt_ids(tokenizer, args.prompt, model.config.vocab_size).to(device)
-    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    ids = _prompt_ids(tokenizer, args.prompt, model.config.vocab_size)
+    if args.prompt_tokens:  # the prompt's tokens repeated to this length: a prefill figure that means something
+        ids = ids.repeat(1, -(-args.prompt_tokens // ids.shape[1]))[:, : args.prompt_tokens]
+    ids = ids.to(device)
+    gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     with torch.no_grad():
         start = time.perf_counter()
-        model.generate(ids, **gen)  # compiles the decode step for this static-cache size
+        _timed("warm-up generate (compiles the decode step)", lambda: model.generate(ids, **gen))
         compile_s = time.perf_counter() - start
         thm.reset_stats(model)
         streamer = _TimingStreamer(args.max_new_tokens)
@@ -95,11 +133,24 @@ def generate(args: argparse.Namespace) -> int:
     decode_s = times[-1] - times[1]
     new = out[0, ids.shape[1] :]
     text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer else " ".join(map(str, new.tolist()))
-    print(f"model {args.model}  budget {args.expert_budget}  device {device}  dtype {args.dtype}")
+    print(f"model {args.model}  budget {config.expert_budget}  device {device}  dtype {model.dtype}")
     print(f"output: {text}")
     print(f"warm-up with decode compile: {compile_s:.1f} s")
-    print(f"prefill: {ids.shape[1] / prefill_s:8.1f} tok/s   decode: {(len(times) - 2) / max(decode_s, 1e-9):8.1f} tok/s")
+    print(f"prefill: {ids.shape[1] / prefill_s:8.1f} tok/s ({ids.shape[1]}-token prompt; --prompt-tokens N for "
+          f"another length)   decode: {(len(times) - 2) / max(decode_s, 1e-9):8.1f} tok/s")
     print(format_stats(thm.stats(model)))
+    return 0
+
+
+def build(args: argparse.Namespace) -> int:
+    """Build (or find) the C++ CPU kernel and say which ISA level it runs at here."""
+    from torch_hybrid_moe.ops import cpu_kernel
+
+    _kernel_ready()
+    if cpu_kernel.extension() is None:
+        raise InputError("the C++ CPU kernel cannot be built here (see the warning above); the CPU experts will "
+                         "use the slower per-expert torch loop")
+    print(f"C++ CPU kernel ready: {cpu_kernel.extension().__file__} (ISA level {cpu_kernel.ISA_NAMES[cpu_kernel.best_isa()]})")
     return 0
 
 
@@ -399,13 +450,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("convert-trace", help="routing recorded elsewhere (per-token top-k ids and weights as JSONL) "
                                              "into a trace file for simulate")
     pr = sub.add_parser("profile", help="measure this machine's per-expert CPU / GPU / PCIe times, next to the presets")
+    sub.add_parser("build", help="build the C++ CPU kernel now (otherwise the first run does, for a minute or two)")
     for p in (g, e, t):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     for p in (g, e):
-        p.add_argument("--expert-budget", type=_bounded(float, 0.0, 1.0), default=0.25,
-                       help="fraction of each MoE layer's experts held in accelerator slots")
+        p.add_argument("--expert-budget", type=_bounded(float, 0.0, 1.0), default=None,
+                       help="fraction of each MoE layer's experts held in accelerator slots (default: 0.25 with "
+                            "CUDA, 0 without)")
         p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-        p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+        p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
+                       help="compute dtype; auto: the checkpoint's own (float32 for tiny:ARCH)")
     for p in (g, e):
         p.add_argument("--cpu-weight-dtype", default="model", choices=CPU_WEIGHT_DTYPES,
                        help="format of the experts' host copy; int8 / int4 are approximate")
@@ -415,6 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     g.add_argument("--prompt", type=_non_empty, default="def fibonacci(n):")
     g.add_argument("--max-new-tokens", type=_bounded(int, 2), default=32,
                    help="at least 2 (one prefill token, one decode token)")
+    g.add_argument("--prompt-tokens", type=_bounded(int, 1),
+                   help="repeat the prompt's tokens to this length, for a prefill figure (default: the prompt as is)")
     e.add_argument("--mode", default="exact", choices=["exact", "expert_deferral", "daop_precalc"],
                    help="exact, or an approximate mode: expert_deferral (KTransformers' Expert Deferral, compiled), "
                         "daop_precalc (DAOP's predictive CPU pre-calculation, compiled decode steps)")
@@ -456,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--hidden-every", type=_bounded(int, 1), default=1)
     args = parser.parse_args(argv)
     commands = {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate, "profile": profile,
-                "convert-trace": convert_trace}
+                "convert-trace": convert_trace, "build": build}
     try:
         return commands[args.command](args)
     except InputError as err:

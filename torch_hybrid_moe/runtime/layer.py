@@ -14,7 +14,7 @@ from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Place
 from ..policies.prefetching import Router
 from .costs import policy_context
 from .expert_store import ExpertStore
-from .graph_path import AHEAD, BEHIND, GraphPath
+from .graph_path import AHEAD, BEHIND, PLAIN, GraphPath
 from .registry import register_layer
 from .stats import LayerStats
 
@@ -110,6 +110,8 @@ class HybridMoELayer:
                     part: int = 0) -> torch.Tensor:
         self.settle()
         store = self.store
+        if store.num_slots == 0 and part == PLAIN and self._ahead is None and hidden.device.type == "cpu":
+            return self._all_on_cpu(hidden, topk_ids, topk_weights)
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
         flat = topk_ids.reshape(-1) + 1  # -1 (computed by another dispatch) lands in bin 0, dropped below
         counts_f, scores = torch.stack((
@@ -186,6 +188,23 @@ class HybridMoELayer:
                 if not self._fill(expert, keep=keep):
                     break
                 self.stats.prefetched_experts += 1
+
+    def _all_on_cpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """A step with no slots (budget 0) on the CPU: every pair runs in the kernel as routed, with no placement
+        or admission to decide, so the per-expert Python of the general step is skipped (it is most of a decode
+        step's fixed cost there). Same kernel call and stats as the general step."""
+        store = self.store
+        acc = torch.zeros(hidden.shape, dtype=torch.float32)
+        gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
+        down, down_scale = kernel_operands(store.host_down)
+        cpu_experts_into(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, acc)
+        active = int(torch.bincount(topk_ids.reshape(-1) + 1, minlength=store.num_experts + 1)[1:].count_nonzero())
+        s = self.stats
+        s.steps += 1
+        s.tokens += hidden.shape[0]
+        s.cpu_experts += active
+        s.misses += active
+        return acc
 
     def _relabel(self, topk_ids: torch.Tensor, index_of: dict[int, int]) -> torch.Tensor:
         """Expert ids rewritten as indices into one device's weights; -1 for pairs another device computes."""
