@@ -128,3 +128,40 @@ def test_dense_quantisation_with_a_group_that_does_not_fit_changes_nothing():
     assert not is_patched(model) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="dense_weight_dtype must be one of"):
         thm.HybridMoEConfig(dense_weight_dtype="fp8")
+
+
+@pytest.mark.parametrize("upcast", [False, True])
+def test_prefill_rows_take_the_measured_gemm_route(upcast, monkeypatch):
+    """Above the kernel's rows, torch's GEMM in bf16 or (measured faster) in fp32: both the float64 product
+    within one bf16 rounding."""
+    monkeypatch.setattr(dense_linear, "upcast_wins", lambda weight: upcast)
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(64, 256, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(200, 256, generator=g).to(torch.bfloat16)
+    got = torch.ops.hybrid_moe.linear(x, w, None, None, 4)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=2**-7, atol=1e-3)
+
+
+def test_patched_bf16_model_routes_its_linears_and_saves_unchanged(tmp_path):
+    """On the CPU, patching a bf16 model puts RoutedLinear in place of its nn.Linear layers: same parameters (ties
+    kept, state dict and saved file unchanged), as close to the fp32 model as the unpatched bf16 model is."""
+    from transformers import AutoModelForCausalLM
+
+    import torch_hybrid_moe as thm
+    from torch_hybrid_moe.embedded import load_model
+
+    ref = load_model("deepseek-tiny", torch.bfloat16)[0]
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.0, device="cpu")
+    routed = [m for m in model.modules() if isinstance(m, dense_linear.RoutedLinear)]
+    assert len(routed) == sum(type(m) is torch.nn.Linear for m in ref.modules()) and routed
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randint(3, 500, (1, 80))  # above the kernel's rows: the GEMM route
+    exact = load_model("deepseek-tiny", torch.float32)[0]
+    with torch.no_grad():
+        want = exact(x).logits
+        ours, theirs = ((m(x).logits.float() - want).abs().mean() for m in (model, ref))
+    assert ours <= 1.1 * theirs  # bf16 either way; the routes round no worse than torch's bf16 model
+    model.save_pretrained(tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in ref.state_dict().items())

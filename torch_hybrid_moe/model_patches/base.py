@@ -18,7 +18,8 @@ from transformers import CompileConfig
 from transformers.integrations.moe import ExpertsInterface
 
 from ..config import HybridMoEConfig
-from ..ops.dense_linear import QuantizedLinear
+from ..ops import cpu_kernel
+from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
 from ..ops.quantize import check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
@@ -125,7 +126,10 @@ def patch_with_spec(
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
     for (_, block), (_, nxt) in zip(moe_layers, moe_layers[1:]):
         block.experts._hybrid_moe_next = block.experts._hybrid_moe_layer.next_handle = nxt.experts._hybrid_moe_handle
-    for parent, name, linear in tqdm(dense, desc="hybrid-moe: quantising dense layers", unit="linear", leave=False):
+    for parent, name, linear in tqdm(dense, desc="hybrid-moe: routing dense layers", unit="linear", leave=False):
+        if config.dense_weight_dtype == "model":
+            setattr(parent, name, RoutedLinear(linear))
+            continue
         quantized = QuantizedLinear(linear, config.dense_weight_dtype, config.cpu_weight_group_size)
         quantized.register_state_dict_post_hook(_refuse_quantized_save)
         setattr(parent, name, quantized)
@@ -153,14 +157,17 @@ def _experts_from_store(module: torch.nn.Module, state: dict, prefix: str, metad
 
 def _dense_linears(model: torch.nn.Module, config: HybridMoEConfig, device: torch.device
                    ) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
-    """(parent, attribute, module) of every linear `dense_weight_dtype` quantises, checked before any change."""
+    """(parent, attribute, module) of every linear patching replaces, checked before any change: each one that
+    `dense_weight_dtype` int8 / int4 quantises; with "model", on the CPU, the bf16 / fp16 ones, which get this
+    machine's measured routes (RoutedLinear). Accelerators keep theirs as loaded."""
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear]
     if config.dense_weight_dtype == "model":
-        return []
+        routed = device.type == "cpu" and cpu_kernel.best_isa() >= 0
+        return [entry for entry in found if routed and entry[2].weight.dtype in KERNEL_DTYPES]
     if device.type != "cpu":
         raise ValueError(f"dense_weight_dtype={config.dense_weight_dtype!r} quantises the CPU's dense layers; on "
                          f"{device} they run on the accelerator as loaded (use dense_weight_dtype='model')")
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
     for _, name, linear in found:
         try:
             check_group_size(linear.in_features, config.cpu_weight_group_size)

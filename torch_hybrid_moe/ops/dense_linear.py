@@ -11,6 +11,7 @@ The result is accumulated in fp32 and rounded once to the activations' dtype, as
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import statistics
 import time
 
@@ -21,6 +22,7 @@ from . import cpu_kernel
 from .quantize import BITS, QuantizedWeight, dequantize, quantize, quantize_activations
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
+PREFILL_ROWS = 128  # where torch's GEMM in the weight's dtype and in fp32 are compared
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
 # many of its rows (64 MiB of bf16 at K = 2048: still well beyond the caches), keeping warm-up short.
 MEASURED_ROWS = 16384
@@ -31,11 +33,15 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
                          schema="(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int max_tokens) -> Tensor")
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
            max_tokens: int) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the micro-kernels when x has at most `max_tokens` rows. With `scale`,
-    `weight` is int8 / packed int4 (ops/quantize.py), x is rounded as the kernel rounds it, and more rows than
-    that multiply the dequantised weight in fp32."""
+    """F.linear(x, weight, bias), through the micro-kernels when x has at most `max_tokens` rows. More rows go to
+    torch's GEMM, in fp32 (weight converted per call, one rounding) where that was measured faster than its bf16 /
+    fp16 GEMM on this machine (CPUs without native bf16 arithmetic: ~8x). With `scale`, `weight` is int8 / packed
+    int4 (ops/quantize.py), x is rounded as the kernel rounds it, and more rows multiply the dequantised weight in
+    fp32."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > max_tokens:
+        if scale is None and weight.dtype in KERNEL_DTYPES and upcast_wins(weight):
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         if scale is None:
             return F.linear(x, weight, bias)
         q = QuantizedWeight.from_kernel_operands(weight, scale)
@@ -51,6 +57,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
 def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
       max_tokens: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class RoutedLinear(torch.nn.Module):
+    """An nn.Linear of a CPU bf16 / fp16 model, its calls through `hybrid_moe::linear` with the routes measured for
+    its shape here: decode rows on the micro-kernels where they win, prefill rows on fp32 GEMM where that wins.
+    Keeps the linear's own `weight` / `bias` parameters (state dict, ties and saving unchanged). `patch_model`
+    puts it in place so eager prefill gets the routes too; compiled graphs of stock models get them from the
+    backend's pass (compile_passes/dense_linear.py)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.max_tokens = kernel_token_limit(linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or x.device != self.weight.device:  # the op's kernel takes neither
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.hybrid_moe.linear(x, self.weight, None, self.bias, self.max_tokens)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, micro-kernels up to {self.max_tokens} rows"
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -87,6 +115,33 @@ def kernel_token_limit(weight: torch.Tensor, repeats: int = 5) -> int:
                     repeats)
 
 
+def upcast_wins(weight: torch.Tensor, repeats: int = 3) -> bool:
+    """Whether F.linear in fp32 (converting this bf16 / fp16 weight at each call) beats torch's GEMM in the weight's
+    dtype at PREFILL_ROWS rows, for its shape on this machine (measured once per shape and dtype)."""
+    return _upcast_wins((min(weight.shape[0], MEASURED_ROWS), weight.shape[1]), weight.dtype,
+                        torch.get_num_threads(), repeats)
+
+
+@functools.cache
+def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: int) -> bool:
+    weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)
+    x = torch.randn(PREFILL_ROWS, shape[1], dtype=dtype)
+    native_s, upcast_s = _interleaved((lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())),
+                                      repeats)
+    return upcast_s < native_s
+
+
+def _interleaved(runs: tuple[Callable[[], object], ...], repeats: int) -> list[float]:
+    """Median seconds of each run, taking turns; the first round warms them up."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats + 1):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t[1:]) for t in times]
+
+
 @functools.cache
 def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: int) -> int:
     weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)  # a weight of its own: the model's may be shared
@@ -94,14 +149,8 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: 
     for tokens in TOKEN_COUNTS:
         x = torch.randn(tokens, shape[1], dtype=dtype)
         # the op as the compiled graph calls it: its fixed cost (~0.17 ms) decides small linears
-        routes = (lambda: F.linear(x, weight), lambda: torch.ops.hybrid_moe.linear(x, weight, None, None, tokens))
-        times: list[list[float]] = [[], []]
-        for _ in range(repeats + 1):  # interleaved; the first round warms both up
-            for i, run in enumerate(routes):
-                start = time.perf_counter()
-                run()
-                times[i].append(time.perf_counter() - start)
-        torch_s, kernel_s = (statistics.median(t[1:]) for t in times)
+        torch_s, kernel_s = _interleaved(
+            (lambda: F.linear(x, weight), lambda: torch.ops.hybrid_moe.linear(x, weight, None, None, tokens)), repeats)
         if kernel_s >= torch_s:
             break
         limit = tokens
