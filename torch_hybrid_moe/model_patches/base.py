@@ -26,9 +26,9 @@ from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
 from ..policies.device_scheduling import device_scheduler
 from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
-from ..runtime.expert_store import HostWeight
 from ..runtime.costs import policy_context
 from ..runtime.decode_graphs import DecodeGraphs
+from ..runtime.expert_store import HostWeight
 from ..runtime.layer import RoutingRule
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"

@@ -11,9 +11,9 @@ The result is accumulated in fp32 and rounded once to the activations' dtype, as
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
