@@ -40,10 +40,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
     fp32."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > max_tokens:
-        if scale is None and weight.dtype in KERNEL_DTYPES and upcast_wins(weight):
-            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         if scale is None:
-            return F.linear(x, weight, bias)
+            return gemm(x, weight, bias, weight.dtype in KERNEL_DTYPES and upcast_wins(weight))
         q = QuantizedWeight.from_kernel_operands(weight, scale)
         dense = dequantize(q.data, q.scale, q.bits, q.group_size)
         return F.linear(quantize_activations(x), dense, None if bias is None else bias.float()).to(x.dtype)
@@ -70,11 +68,13 @@ class RoutedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.max_tokens = kernel_token_limit(linear.weight)
+        self.max_tokens, self.upcast = kernel_token_limit(linear.weight), upcast_wins(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype or x.device != self.weight.device:  # the op's kernel takes neither
-            return F.linear(x, self.weight, self.bias)
+        # Decided in Python, so a compiled graph holds only the route its shapes take: the op (and its fixed
+        # cost) only where the micro-kernels run, plain aten GEMMs for Inductor elsewhere.
+        if x.dtype != self.weight.dtype or x.device != self.weight.device or x.numel() // x.shape[-1] > self.max_tokens:
+            return gemm(x, self.weight, self.bias, self.upcast and x.dtype == self.weight.dtype)
         return torch.ops.hybrid_moe.linear(x, self.weight, None, self.bias, self.max_tokens)
 
     def extra_repr(self) -> str:
@@ -113,6 +113,13 @@ def kernel_token_limit(weight: torch.Tensor, repeats: int = 5) -> int:
     dtype on this machine, with every smaller count won too; 0 where they lose at one token."""
     return _measure((min(weight.shape[0], MEASURED_ROWS), weight.shape[1]), weight.dtype, torch.get_num_threads(),
                     repeats)
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
+    """torch's GEMM route: in the weight's dtype, or (`upcast`) in fp32 with one rounding to x's dtype."""
+    if not upcast:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def upcast_wins(weight: torch.Tensor, repeats: int = 3) -> bool:
