@@ -157,7 +157,8 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: 
         x = torch.randn(tokens, shape[1], dtype=dtype)
         # the op as the compiled graph calls it: its fixed cost (~0.17 ms) decides small linears
         torch_s, kernel_s = _interleaved(
-            (lambda: F.linear(x, weight), lambda: torch.ops.hybrid_moe.linear(x, weight, None, None, tokens)), repeats)
+            (lambda x=x: F.linear(x, weight), lambda x=x, n=tokens: torch.ops.hybrid_moe.linear(x, weight, None, None, n)),
+            repeats)
         if kernel_s >= torch_s:
             break
         limit = tokens
