@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 BITS = {"int8": 8, "int4": 4}
+QUANTIZE_ROWS = 8192  # rows quantised at a time: fp32 temporaries of 8192 x K, not of a whole LM head
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,18 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedWeigh
                        dtype=torch.int8 if bits == 8 else torch.uint8)
     scale = torch.empty((num_experts, rows, cols // group), dtype=torch.float32)
     for e in range(num_experts):
-        w = weight[e].detach().to("cpu", torch.float32).reshape(rows, cols // group, group)
-        s = w.abs().amax(dim=-1) / qmax
-        s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale reproduces it
-        q = torch.round(w / s.unsqueeze(-1)).clamp_(-qmax - (bits == 4), qmax).reshape(rows, cols)
-        scale[e] = s
-        if bits == 8:
-            data[e] = q.to(torch.int8)
-        else:
-            u = (q + 8).to(torch.uint8)
-            data[e] = u[:, 0::2] | (u[:, 1::2] << 4)
+        for r0 in range(0, rows, QUANTIZE_ROWS):  # a dense weight (an LM head) is one expert: bound the fp32 temps
+            r1 = min(rows, r0 + QUANTIZE_ROWS)
+            w = weight[e, r0:r1].detach().to("cpu", torch.float32).reshape(r1 - r0, cols // group, group)
+            s = w.abs().amax(dim=-1) / qmax
+            s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale reproduces it
+            q = torch.round(w / s.unsqueeze(-1)).clamp_(-qmax - (bits == 4), qmax).reshape(r1 - r0, cols)
+            scale[e, r0:r1] = s
+            if bits == 8:
+                data[e, r0:r1] = q.to(torch.int8)
+            else:
+                u = (q + 8).to(torch.uint8)
+                data[e, r0:r1] = u[:, 0::2] | (u[:, 1::2] << 4)
     return QuantizedWeight(data, scale, bits, group)
 
 
