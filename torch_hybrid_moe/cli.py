@@ -89,12 +89,11 @@ def _timed(what: str, fn: Callable[[], object]) -> object:
 
 
 def _kernel_ready() -> None:
-    """Build the C++ CPU kernel now (once per machine and torch version; cached), saying so while it runs."""
+    """Load the C++ CPU kernel now, saying so: its first load on a machine builds it (cached afterwards)."""
     from torch_hybrid_moe.ops import cpu_kernel
 
-    if not cpu_kernel.is_built():
-        _timed("building the C++ CPU kernel (once per machine and torch version; `hybrid-moe build` does it ahead)",
-               cpu_kernel.extension)
+    _timed("C++ CPU kernel (built on its first use per machine and torch version, a minute or two; "
+           "`hybrid-moe build` does it ahead)", cpu_kernel.extension)
 
 
 def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[torch.nn.Module, object]:

@@ -121,6 +121,8 @@ class Checkpoint:
                      if isinstance(rule, WeightRenaming) for s, t in zip(rule.source_patterns, rule.target_patterns)]
         self.directory = directory
         self.source: dict[str, tuple[str, Shard]] = {}  # model-side name -> (checkpoint key, shard)
+        # per-expert tensors by layer prefix: {prefix: [(expert, role, source)]}, indexed once for all layers
+        self.per_expert: dict[str, list[tuple[int, str, tuple[str, Shard]]]] = defaultdict(list)
         for file in files:
             shard = Shard(directory / file)
             for key in shard.tensors:
@@ -128,6 +130,8 @@ class Checkpoint:
                 for pattern, target in renamings:
                     name = re.sub(pattern, target, name)
                 self.source[name] = (key, shard)
+                if match := _PER_EXPERT.fullmatch(name):
+                    self.per_expert[match["prefix"]].append((int(match["expert"]), _ROLE[match["proj"]], (key, shard)))
 
     def expert_layout(self, name: str, experts: torch.nn.Module) -> ExpertSources:
         """Where layer `name`'s experts are in the checkpoint, checked against the model's shapes."""
@@ -139,10 +143,9 @@ class Checkpoint:
             layout = {p: [fused[p]] for p in fused}
         else:
             roles = {"gate": [None] * num_experts, "up": [None] * num_experts, "down": [None] * num_experts}
-            for model_key, source in self.source.items():
-                match = _PER_EXPERT.fullmatch(model_key)
-                if match and match["prefix"] == name and int(match["expert"]) < num_experts:
-                    roles[_ROLE[match["proj"]]][int(match["expert"])] = source
+            for expert, role, source in self.per_expert.get(name, []):
+                if expert < num_experts:
+                    roles[role][expert] = source
             missing = [f"{name}.{e}.{role}" for role, found in roles.items() for e, s in enumerate(found) if s is None]
             if missing:
                 raise InputError(f"checkpoint {self.directory} lacks {len(missing)} expert tensors of {name} (first: "
@@ -165,7 +168,7 @@ class Checkpoint:
         for proj, sources in layout.sources.items():
             param = getattr(experts, proj).data
             dst = param if fmt == "model" else empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
-            per_expert = len(sources) // param.shape[0]
+            per_expert = len(sources) // param.shape[0]  # unfused: 2 for gate_up (gate, up), 1 for down
             buffer = torch.empty(param.shape[1:], dtype=param.dtype) if dst is not param else None
             for e in range(param.shape[0]):
                 weight = param[e] if buffer is None else buffer

@@ -23,22 +23,6 @@ _SOURCES = (*_COMPILED, _CSRC / "moe_cpu.h", _CSRC / "rows_kernel.h")
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
 
 
-def _name() -> str:
-    """The extension's name: one build per source version and torch version."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:12]
-    return f"hybrid_moe_cpu_{digest}"
-
-
-def is_built() -> bool:
-    """Whether extension() returns at once: loaded in this process, built before on this machine, or disabled."""
-    from torch.utils import cpp_extension
-
-    if extension.cache_info().currsize or os.environ.get("HYBRID_MOE_NO_KERNEL"):
-        return True
-    build = Path(cpp_extension._get_build_directory(_name(), verbose=False))
-    return any(build.glob(f"{_name()}*.so"))
-
-
 @functools.cache
 def extension() -> ModuleType | None:
     """The compiled kernel module, or None (with a warning) when this machine cannot build it."""
@@ -46,9 +30,10 @@ def extension() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:12]
     try:
         return cpp_extension.load(
-            name=_name(),
+            name=f"hybrid_moe_cpu_{digest}",
             sources=[str(p) for p in _COMPILED],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],

@@ -142,13 +142,7 @@ class HybridMoELayer:
                                     rounded=store.rounds_inputs)
         if plan.cpu:
             cpu_ids = self._relabel(topk_ids.cpu(), {e: e for e in plan.cpu})
-            cpu_acc = torch.zeros(hidden.shape, dtype=torch.float32)
-            gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
-            down, down_scale = kernel_operands(store.host_down)
-            cpu_experts_into(
-                hidden.cpu(), cpu_ids, topk_weights.cpu(), gate_up, down, gate_up_scale, down_scale, cpu_acc
-            )
-            acc += cpu_acc.to(acc.device, non_blocking=True)
+            acc += self._cpu_share(hidden.cpu(), cpu_ids, topk_weights.cpu()).to(acc.device, non_blocking=True)
 
         s = self.stats
         s.accelerator_experts += len(plan.accelerator)
@@ -193,18 +187,22 @@ class HybridMoELayer:
         """A step with no slots (budget 0) on the CPU: every pair runs in the kernel as routed, with no placement
         or admission to decide, so the per-expert Python of the general step is skipped (it is most of a decode
         step's fixed cost there). Same kernel call and stats as the general step."""
-        store = self.store
-        acc = torch.zeros(hidden.shape, dtype=torch.float32)
-        gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
-        down, down_scale = kernel_operands(store.host_down)
-        cpu_experts_into(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, acc)
-        active = int(torch.bincount(topk_ids.reshape(-1) + 1, minlength=store.num_experts + 1)[1:].count_nonzero())
+        acc = self._cpu_share(hidden, topk_ids, topk_weights)
+        active = int(torch.bincount(topk_ids.reshape(-1) + 1, minlength=self.store.num_experts + 1)[1:].count_nonzero())
         s = self.stats
         s.steps += 1
         s.tokens += hidden.shape[0]
         s.cpu_experts += active
         s.misses += active
         return acc
+
+    def _cpu_share(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The fp32 sum of the pairs whose id is >= 0, computed from the host masters by the CPU kernel."""
+        out = torch.zeros(hidden.shape, dtype=torch.float32)
+        gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
+        down, down_scale = kernel_operands(self.store.host_down)
+        cpu_experts_into(hidden, ids, weights, gate_up, down, gate_up_scale, down_scale, out)
+        return out
 
     def _relabel(self, topk_ids: torch.Tensor, index_of: dict[int, int]) -> torch.Tensor:
         """Expert ids rewritten as indices into one device's weights; -1 for pairs another device computes."""

@@ -329,20 +329,21 @@ inline Fmt written_layout(Fmt f) { return quantised(f) ? Fmt::F32 : f; }
 
 // Activation rows made ready for format f's kernels. Float formats: the fp32 rows as given, already in the
 // kernels' layout. int8 / int4: the rows arrive in natural column order; each becomes a QuantRecord for the
-// micro-kernels and is rewritten in place as its quantised values in the layout, for the GEMM route: both
-// routes compute one product.
+// micro-kernels and, where the GEMM route will read them (`for_gemm`), is rewritten in place as its quantised
+// values in the layout: both routes compute one product.
 class KernelInputs {
  public:
-  KernelInputs(float* rows, int64_t n, int64_t K, Fmt f, int64_t step) : rows_(rows), K_(K) {
+  KernelInputs(float* rows, int64_t n, int64_t K, Fmt f, int64_t step, bool for_gemm) : rows_(rows), K_(K) {
     if (!quantised(f)) return;
     bytes_ = record_bytes(K);
     records_.resize(n * bytes_);
     at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-      std::vector<float> natural(K);
+      std::vector<float> natural(for_gemm ? K : 0);
       for (int64_t r = r0; r < r1; ++r) {
         float* x = rows + r * K;
         uint8_t* rec = records_.data() + r * bytes_;
         quantise_row(x, K, f, rec);
+        if (!for_gemm) continue;
         const QuantRecord q(rec, K);
         for (int64_t c = 0; c < K; ++c) natural[c] = float(q.q[record_pos(c, K, f)]) * q.scale[c / 32];
         for (int64_t c = 0; c < K; ++c) x[layout_pos(c, K, f, step)] = natural[c];
@@ -422,7 +423,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
 
   std::vector<float> x(T * H), h(P * I), y(P * H);
   activations(hidden, written_layout(fmt), kern.step, x.data());
-  const KernelInputs x_in(x.data(), T, H, fmt, kern.step);
+  const KernelInputs x_in(x.data(), T, H, fmt, kern.step, !large.empty());
   std::vector<const void*> x_of_pair(P), h_of_pair(P);
   for (int64_t p = 0; p < P; ++p) x_of_pair[p] = x_in.row(r.pair_token[p]);
   std::vector<int64_t> h_pos(I);  // h is written straight into the layout the down projection reads
@@ -456,7 +457,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   }
 
   // Phase B: y[p] = down[e] . h[p].
-  const KernelInputs h_in(h.data(), P, I, fmt, kern.step);
+  const KernelInputs h_in(h.data(), P, I, fmt, kern.step, !large.empty());
   for (int64_t p = 0; p < P; ++p) h_of_pair[p] = h_in.row(p);
   if (n_small) {
     parallel_items((H + block_b - 1) / block_b * n_small, [&](int64_t i) {
@@ -507,7 +508,7 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
   std::vector<float> xs(T * K);
   activations(x, written_layout(layer.first.fmt), kern.step, xs.data());
-  const KernelInputs in(xs.data(), T, K, layer.first.fmt, kern.step);
+  const KernelInputs in(xs.data(), T, K, layer.first.fmt, kern.step, false);
   std::vector<const void*> rows(T);
   for (int64_t t = 0; t < T; ++t) rows[t] = in.row(t);
   const int64_t block = kMaxBlock;

@@ -144,48 +144,61 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-struct QuantRows {
+// One call's operands: kRows weight rows and their group scales, NT activation records.
+template <int NT>
+struct QuantOperands {
   const uint8_t* rows[kRows];
   const float* scales[kRows];
-  QuantRows(const Matrix& m, int64_t r0, int nr) {
+  QuantRecord x[NT];
+  const uint8_t* next;  // the rows of the next call, prefetched at the pace these are read
+
+  QuantOperands(const Matrix& m, int64_t r0, int nr, const void* const* xs) : next(m.row(r0 + kRows)) {
     for (int i = 0; i < kRows; ++i) {
       const int64_t r = r0 + std::min(i, nr - 1);  // a short block repeats its last row
       rows[i] = m.row(r);
       scales[i] = m.row_scale(r);
     }
+    for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
+  }
+
+  // The 32 int8 values at block position b of each record, and each block's scale broadcast.
+  void block(int64_t b, __m256i* q, __m256* scale) const {
+    for (int t = 0; t < NT; ++t) {
+      q[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
+      scale[t] = _mm256_set1_ps(x[t].scale[b]);
+    }
   }
 };
+
+// acc + (int16 pair sums, summed again in pairs to int32) * scale.
+inline __m256 add_products(__m256i pairs, __m256 scale, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1))), scale, acc);
+}
+
+template <int NT>
+inline void zero(__m256 (&v)[kRows][NT]) {
+  for (int i = 0; i < kRows; ++i)
+    for (int t = 0; t < NT; ++t) v[i][t] = _mm256_setzero_ps();
+}
 
 // int8: one block per step; maddubs multiplies unsigned by signed bytes, so w's sign moves onto x.
 template <int NT>
 void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
-  const QuantRows w(m, r0, nr);
-  QuantRecord x[NT];
-  for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
-  const uint8_t* next = m.row(r0 + kRows);
+  const QuantOperands<NT> w(m, r0, nr, xs);
   const int64_t per_group = m.group / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[kRows][NT];
-  for (int i = 0; i < kRows; ++i)
-    for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
+  __m256 acc[kRows][NT], part[kRows][NT];
+  zero(acc);
   for (int64_t b0 = 0; b0 < m.K / 32; b0 += per_group) {
-    __m256 part[kRows][NT];
-    for (int i = 0; i < kRows; ++i)
-      for (int t = 0; t < NT; ++t) part[i][t] = _mm256_setzero_ps();
+    zero(part);
     for (int64_t b = b0; b < b0 + per_group; ++b) {
-      for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(next + b * kRows * 32 + o);
+      for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(w.next + b * kRows * 32 + o);
       __m256i xq[NT];
       __m256 xs_b[NT];
-      for (int t = 0; t < NT; ++t) {
-        xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
-        xs_b[t] = _mm256_set1_ps(x[t].scale[b]);
-      }
+      w.block(b, xq, xs_b);
       for (int i = 0; i < kRows; ++i) {
         const __m256i q = load_block<Fmt::I8>(w.rows[i], b), magnitude = _mm256_sign_epi8(q, q);
-        for (int t = 0; t < NT; ++t) {
-          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq[t], q)), ones);
-          part[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs_b[t], part[i][t]);
-        }
+        for (int t = 0; t < NT; ++t)
+          part[i][t] = add_products(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq[t], q)), xs_b[t], part[i][t]);
       }
     }
     for (int i = 0; i < kRows; ++i) {
@@ -203,56 +216,39 @@ void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const void* const* xs, flo
 // (groups of 32) one pair of groups, one per half of the lanes.
 template <int NT>
 void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
-  const QuantRows w(m, r0, nr);
-  QuantRecord x[NT];
-  for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
-  const uint8_t* next = m.row(r0 + kRows);
+  const QuantOperands<NT> w(m, r0, nr, xs);
   const int64_t blocks = m.K / 32, per_group = m.group / 32, span = std::max<int64_t>(per_group, 2);
-  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
-  __m256 acc[kRows][NT];
+  const __m256i nibble = _mm256_set1_epi8(15);
+  __m256 acc[kRows][NT], part[kRows][NT];
   float offset[kRows][NT] = {};
-  for (int i = 0; i < kRows; ++i)
-    for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
+  zero(acc);
   for (int64_t s0 = 0; s0 < blocks; s0 += span) {
-    __m256 part[kRows][NT];
     float sum_lo[NT] = {}, sum_hi[NT] = {};
-    for (int i = 0; i < kRows; ++i)
-      for (int t = 0; t < NT; ++t) part[i][t] = _mm256_setzero_ps();
+    zero(part);
     for (int64_t b = s0; b < std::min(blocks, s0 + span); b += 2) {
-      for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(next + b / 2 * kRows * 32 + o);
-      if (b + 1 < blocks) {
-        __m256i even[NT], odd[NT];
-        __m256 xs_b[NT];
-        for (int t = 0; t < NT; ++t) {
-          even[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
-          odd[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b + 32));
-          xs_b[t] = _mm256_set_m128(_mm_set1_ps(x[t].scale[b + 1]), _mm_set1_ps(x[t].scale[b]));
-          sum_lo[t] += x[t].sum[b];
-          sum_hi[t] += x[t].sum[b + 1];
+      for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(w.next + b / 2 * kRows * 32 + o);
+      const bool paired = b + 1 < blocks;  // else an unpaired last block (groups of 32, an odd block count)
+      __m256i even[NT], odd[NT];
+      __m256 xs_b[NT], xs_odd[NT];
+      w.block(b, even, xs_b);  // a pair's record: the even columns of both blocks, then their odd columns
+      if (paired) w.block(b + 1, odd, xs_odd);
+      for (int t = 0; t < NT; ++t) {
+        sum_lo[t] += w.x[t].sum[b];
+        if (paired) {
+          sum_hi[t] += w.x[t].sum[b + 1];
+          xs_b[t] = _mm256_blend_ps(xs_b[t], xs_odd[t], 0xF0);  // lanes 4-7: the second block's scale
         }
-        for (int i = 0; i < kRows; ++i) {
+      }
+      for (int i = 0; i < kRows; ++i) {
+        if (paired) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 16 * b));
           const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          for (int t = 0; t < NT; ++t) {
-            // q + 8 <= 15 and |x| <= 127: the two int16 products add up without saturating
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t]));
-            part[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), xs_b[t], part[i][t]);
-          }
-        }
-      } else {  // an unpaired last block (groups of 32, an odd block count)
-        __m256i xq[NT];
-        __m256 xs_b[NT];
-        for (int t = 0; t < NT; ++t) {
-          xq[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
-          xs_b[t] = _mm256_set1_ps(x[t].scale[b]);
-          sum_lo[t] += x[t].sum[b];
-        }
-        for (int i = 0; i < kRows; ++i) {
+          for (int t = 0; t < NT; ++t)  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
+            part[i][t] = add_products(_mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]),
+                                                       _mm256_maddubs_epi16(hi, odd[t])), xs_b[t], part[i][t]);
+        } else {
           const __m256i q = load_block<Fmt::I4>(w.rows[i], b);
-          for (int t = 0; t < NT; ++t) {
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq[t]), ones);
-            part[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), xs_b[t], part[i][t]);
-          }
+          for (int t = 0; t < NT; ++t) part[i][t] = add_products(_mm256_maddubs_epi16(q, even[t]), xs_b[t], part[i][t]);
         }
       }
     }
