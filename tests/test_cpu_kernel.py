@@ -22,13 +22,13 @@ LEVELS = range(cpu_kernel.best_isa() + 1)
 FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
 
 
-def experts(fmt, num_experts, hidden, inter, seed=0):
+def experts(fmt, num_experts, hidden, inter, seed=0, group=32):
     """(kernel operands, the float64 weights they stand for)."""
     g = torch.Generator().manual_seed(seed)
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1
     down = torch.randn(num_experts, hidden, inter, generator=g) * 0.1
     if fmt in ("int8", "int4"):
-        q = [quantize(w, 8 if fmt == "int8" else 4, 32) for w in (gate_up, down)]
+        q = [quantize(w, 8 if fmt == "int8" else 4, group) for w in (gate_up, down)]
         ref = [torch.stack([w[e] for e in range(num_experts)]).double() for w in q]
         return (q[0].data, q[1].data, q[0].scale, q[1].scale), ref
     gate_up, down = gate_up.to(getattr(torch, fmt)), down.to(getattr(torch, fmt))
@@ -48,10 +48,10 @@ def reference(hidden, ids, weights, gate_up, down, rounded=False):
     return out
 
 
-def run(operands, hidden, ids, weights, isa=None):
+def run(operands, hidden, ids, weights, isa=None, route=None):
     gate_up, down, gate_up_scale, down_scale = operands
     out = torch.zeros(hidden.shape)
-    cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, out, gate_up_scale, down_scale, isa=isa)
+    cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, out, gate_up_scale, down_scale, isa=isa, route=route)
     return out
 
 
@@ -61,16 +61,21 @@ def routing(tokens, num_experts, top_k, seed=1):
     return ids, torch.rand(ids.shape, generator=g)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("isa", LEVELS)
-@pytest.mark.parametrize("tokens", [1, 5, 70])  # 70 x top-4 of 8: experts over the GEMM route's threshold
-def test_formats_match_float64(fmt, isa, tokens):
-    operands, (gate_up, down) = experts(fmt, 8, 64, 96)
-    hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
-    ids, weights = routing(tokens, 8, 4)
+GEMM_ROUTES = {  # 70 tokens x top-4 of 8 experts: every expert over the threshold of the GEMM routes
+    "micro_kernels": cpu_kernel.MICRO_KERNELS, "fp32_panels": cpu_kernel.GemmRoute(32, False),
+    "bf16_gemm": cpu_kernel.GemmRoute(32, True),
+}
+
+
+def check_against_float64(fmt, operands, weights64, tokens, isa=None, route=None, bf16_hidden=False):
+    gate_up, down = weights64
+    hidden = torch.randn(tokens, gate_up.shape[2], generator=torch.Generator().manual_seed(tokens))
+    if bf16_hidden:
+        hidden = hidden.bfloat16()
+    ids, weights = routing(tokens, gate_up.shape[0], 4)
     rounded = fmt in ("int8", "int4")
     ref = reference(hidden, ids, weights, gate_up, down, rounded)
-    out = run(operands, hidden, ids, weights, isa)
+    out = run(operands, hidden, ids, weights, isa, route)
     atol = 1e-5 * ref.abs().max().item()
     if rounded:  # an fp32 h on a rounding boundary may take the neighbouring int8 step in the float64 reference:
         # allow one such step (its scale times the largest down weight); the integer products themselves are
@@ -78,7 +83,47 @@ def test_formats_match_float64(fmt, isa, tokens):
         gate, up = torch.einsum("enh,th->etn", gate_up, hidden.double()).chunk(2, dim=-1)
         step = (torch.nn.functional.silu(gate) * up).abs().amax() / 127
         atol += step.item() * down.abs().max().item()
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=atol)
+    if route is not None and route.bf16 and bf16_hidden and fmt == "bfloat16":
+        # bf16 GEMM: gate / up and h rounded to bf16 as transformers' bf16 experts round them
+        atol, rtol = 2e-2 * ref.abs().max().item(), 2e-2
+    else:
+        rtol = 1e-5
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_formats_match_float64(fmt, isa, tokens):
+    operands, weights64 = experts(fmt, 8, 64, 96)
+    check_against_float64(fmt, operands, weights64, tokens, isa)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("route", GEMM_ROUTES)
+@pytest.mark.parametrize("bf16_hidden", [False, True])
+def test_gemm_routes_match_float64(fmt, route, bf16_hidden):
+    """Prefill: every route on every format (the bf16 GEMM applies to bf16 weights and activations only; the
+    others fall to fp32 panels), and the route this machine measured (route=None)."""
+    operands, weights64 = experts(fmt, 8, 64, 96)
+    check_against_float64(fmt, operands, weights64, 70, route=GEMM_ROUTES[route], bf16_hidden=bf16_hidden)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("group", [32, 64, 96])
+def test_quantised_group_sizes_and_steps_with_tails(fmt, isa, group):
+    """384 columns: whole vector steps only (AVX-512: 6 int8 steps of 2 blocks, 3 int4 steps of 4); 192: steps plus
+    a tail (int4: one step and 2 blocks); groups of 1, 2 and 3 blocks, which a step's lanes straddle unevenly."""
+    operands, weights64 = experts(fmt, 8, 384, 192, group=group)
+    check_against_float64(fmt, operands, weights64, 3, isa)
+
+
+def test_measured_route_is_one_of_the_routes():
+    operands, weights64 = experts("bfloat16", 8, 64, 96)
+    route = cpu_kernel.gemm_route(torch.zeros(70, 64, dtype=torch.bfloat16), operands[0], None)
+    assert route == cpu_kernel.MICRO_KERNELS or route.tokens in cpu_kernel.ROUTE_TOKENS
+    assert cpu_kernel.gemm_route(torch.zeros(15, 64), operands[0], None) == cpu_kernel.MICRO_KERNELS  # decode
 
 
 @pytest.mark.parametrize("isa", LEVELS)

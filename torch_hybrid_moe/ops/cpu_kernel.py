@@ -11,7 +11,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import statistics
+import time
 import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -47,7 +51,7 @@ def extension() -> ModuleType | None:
 
 @functools.cache
 def best_isa() -> int:
-    """Highest ISA level the kernel runs at on this CPU (0 generic, 1 AVX2 + FMA, 2 AVX-512); -1: no kernel."""
+    """Highest ISA level the kernel runs at on this CPU (0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI); -1: no kernel."""
     ext = extension()
     return -1 if ext is None else int(ext.best_isa())
 
@@ -60,6 +64,21 @@ def _level(isa: int | None) -> int:
     return level
 
 
+@dataclass(frozen=True)
+class GemmRoute:
+    """Where an expert leaves the micro-kernels for torch's GEMM (from `tokens` tokens on), and whether that GEMM
+    runs in bf16 on the stored weights (bf16 weights and activations) or on fp32 panels. Which is fastest depends on
+    the CPU (native bf16 arithmetic or not, VNNI for the integer micro-kernels) and the shape: measured, not assumed."""
+
+    tokens: int
+    bf16: bool
+
+
+MICRO_KERNELS = GemmRoute(2**62, False)  # no expert reaches the GEMM
+ROUTE_TOKENS = (16, 32, 64, 128, 256)  # tokens per expert at which the routes are compared
+ROUTE_INTER = 512  # time scales with an expert's rows: wider experts are timed on this many intermediate columns
+
+
 def moe_experts(
     hidden: torch.Tensor,
     ids: torch.Tensor,
@@ -70,13 +89,77 @@ def moe_experts(
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     isa: int | None = None,
+    route: GemmRoute | None = None,
 ) -> None:
-    """out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]); `isa` below the CPU's best is for tests."""
+    """out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]). `route` (default: the one measured fastest here for
+    this shape, `gemm_route`) and `isa` below the CPU's best are for tests and benchmarks."""
     level = _level(isa)
+    if route is None:
+        route = gemm_route(hidden, gate_up, gate_up_scale)
     extension().moe_experts(
         hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous(), gate_up, gate_up_scale,
-        down, down_scale, level, out,
+        down, down_scale, level, route.tokens, route.bf16, out,
     )
+
+
+def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> GemmRoute:
+    """The prefill route measured fastest on this machine for experts shaped and stored like these (see `GemmRoute`),
+    timed once per process and shape on experts of the same format; the micro-kernels for batches too small to
+    reach any GEMM threshold (decode), which need no measurement."""
+    if hidden.shape[0] < ROUTE_TOKENS[0]:
+        return MICRO_KERNELS
+    hidden_size = hidden.shape[1]
+    group = 0 if gate_up_scale is None else hidden_size // gate_up_scale.shape[-1]
+    return _measure_route(hidden_size, gate_up.shape[1] // 2, gate_up.dtype, group, hidden.dtype,
+                          torch.get_num_threads())
+
+
+@functools.cache
+def _measure_route(hidden_size: int, inter: int, stored: torch.dtype, group: int, activations: torch.dtype,
+                   threads: int, repeats: int = 3) -> GemmRoute:
+    from .quantize import kernel_operands, to_cpu_format
+
+    inter = min(inter, ROUTE_INTER)
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(2, 2 * inter, hidden_size, generator=g) * hidden_size**-0.5
+    down = torch.randn(2, hidden_size, inter, generator=g) * inter**-0.5
+    if group:  # int8, or int4 packed in uint8
+        fmt = "int8" if stored == torch.int8 else "int4"
+        (gu, gus), (dn, dns) = (kernel_operands(to_cpu_format(w, fmt, group)) for w in (gate_up, down))
+    else:
+        (gu, gus), (dn, dns) = (gate_up.to(stored), None), (down.to(stored), None)
+    gemms = [GemmRoute(1, False)]
+    if stored == activations == torch.bfloat16:
+        gemms.append(GemmRoute(1, True))
+    wins: list[tuple[int, GemmRoute | None]] = []  # per token count: the fastest GEMM, or None where it loses
+    for n in ROUTE_TOKENS:
+        hidden = torch.randn(n, hidden_size, generator=g).to(activations)
+        ids, weights = torch.tensor([[0, 1]]).expand(n, 2).contiguous(), torch.full((n, 2), 0.5)
+        out = torch.zeros(n, hidden_size)
+
+        def run(r: GemmRoute) -> None:
+            extension().moe_experts(hidden, ids, weights, gu, gus, dn, dns, best_isa(), r.tokens, r.bf16, out)
+
+        seconds = interleaved_medians([lambda r=r: run(r) for r in (MICRO_KERNELS, *gemms)], repeats)
+        fastest = min(range(len(gemms)), key=lambda i: seconds[i + 1])
+        wins.append((n, gemms[fastest] if seconds[fastest + 1] < seconds[0] else None))
+    if wins[-1][1] is None:
+        return MICRO_KERNELS
+    start = len(wins) - 1  # the GEMM route from the smallest count from which it wins at every larger one
+    while start > 0 and wins[start - 1][1] is not None:
+        start -= 1
+    return GemmRoute(wins[start][0], wins[-1][1].bf16)
+
+
+def interleaved_medians(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds of each run, taking turns; the first round warms them up."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats + 1):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t[1:]) for t in times]
 
 
 def dense_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,

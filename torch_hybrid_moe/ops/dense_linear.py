@@ -133,20 +133,9 @@ def upcast_wins(weight: torch.Tensor, repeats: int = 3) -> bool:
 def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: int) -> bool:
     weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)
     x = torch.randn(PREFILL_ROWS, shape[1], dtype=dtype)
-    native_s, upcast_s = _interleaved((lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())),
+    native_s, upcast_s = cpu_kernel.interleaved_medians((lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())),
                                       repeats)
     return upcast_s < native_s
-
-
-def _interleaved(runs: tuple[Callable[[], object], ...], repeats: int) -> list[float]:
-    """Median seconds of each run, taking turns; the first round warms them up."""
-    times: list[list[float]] = [[] for _ in runs]
-    for _ in range(repeats + 1):
-        for i, run in enumerate(runs):
-            start = time.perf_counter()
-            run()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t[1:]) for t in times]
 
 
 @functools.cache
@@ -156,7 +145,7 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: 
     for tokens in TOKEN_COUNTS:
         x = torch.randn(tokens, shape[1], dtype=dtype)
         # the op as the compiled graph calls it: its fixed cost (~0.17 ms) decides small linears
-        torch_s, kernel_s = _interleaved(
+        torch_s, kernel_s = cpu_kernel.interleaved_medians(
             (lambda x=x: F.linear(x, weight), lambda x=x, n=tokens: torch.ops.hybrid_moe.linear(x, weight, None, None, n)),
             repeats)
         if kernel_s >= torch_s:

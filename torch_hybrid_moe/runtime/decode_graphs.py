@@ -24,6 +24,11 @@ from .layer import HybridMoELayer
 from .stats import model_layers
 
 
+def _cache_argument(kwargs: dict[str, object]) -> str:
+    """The name generate() passes the KV cache under: `cache` from transformers 5.24, `past_key_values` before."""
+    return "cache" if "cache" in kwargs else "past_key_values"
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -75,12 +80,12 @@ class DecodeGraphs:
         The arguments other than the cache are flattened as a tree (masks may come as a dict per layer type):
         tensor leaves become static input buffers, other leaves and the tree's shape are part of the key.
         """
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(_cache_argument(kwargs))
         if type(cache) is not StaticCache or not all(
             type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers
         ):
             return None
-        leaves, spec = pytree.tree_flatten({k: v for k, v in kwargs.items() if k != "past_key_values"})
+        leaves, spec = pytree.tree_flatten({k: v for k, v in kwargs.items() if k != _cache_argument(kwargs)})
         parts: list[object] = [str(spec)]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
@@ -102,9 +107,10 @@ class DecodeGraphs:
             self.graphs.popitem(last=False)
         _, leaves, spec = self._signature(kwargs)
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-        cache = kwargs["past_key_values"]
+        name = _cache_argument(kwargs)
+        cache = kwargs[name]
         static = {**pytree.tree_unflatten([b if b is not None else v for b, v in zip(inputs, leaves)], spec),
-                  "past_key_values": cache}
+                  name: cache}
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
         with self._graph_mode():
             # Warm up (compilation, Triton and allocator), then undo the cache length bump and the counters (the

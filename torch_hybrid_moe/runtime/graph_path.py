@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..ops.cpu_kernel import extension
+from ..ops.cpu_kernel import extension, gemm_route
 from ..ops.expert_math import slot_experts_
 from ..ops.quantize import QuantizedWeight, kernel_operands
 from ..ops.row_copy import copy_rows_, device_view
@@ -265,8 +265,9 @@ class GraphPath:
             out = torch.empty(hidden.shape, dtype=torch.float32, pin_memory=pin)
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             down, down_scale = kernel_operands(store.host_down)
+            route = gemm_route(hid, gate_up, gate_up_scale)
             task = extension().CpuTask(hid, cpu_ids, weights, gate_up, gate_up_scale, down, down_scale, out,
-                                       self.layer.config.resolve_cpu_threads())
+                                       self.layer.config.resolve_cpu_threads(), route.tokens, route.bf16)
             self._buffers[key] = _TaskBuffers(hid, cpu_ids, weights, out, task)
         return self._buffers[key]
 

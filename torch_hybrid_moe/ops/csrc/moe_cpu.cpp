@@ -11,10 +11,12 @@
 //      h[p, :]  = silu(gu[p, :I]) * gu[p, I:]          (ATen, vectorised)
 //   B  y[p, :]  = down[e] . h[p]
 //   C  out[t, :] += sum_k weight[t, k] * y[pair(t, k)]   (k in order)
-// A projection takes one of two routes per expert. Few tokens (decode, bandwidth-bound): the micro-kernels
-// of rows_kernel.h stream rows once and dot them with up to a few tokens at a time, work items handed to
-// torch's threads dynamically. Many tokens (prefill, compute-bound): blocks of rows are converted to fp32
-// panels and multiplied by the expert's gathered tokens with torch's GEMM (oneDNN / MKL).
+// An expert takes one of two routes. Few tokens (decode, bandwidth-bound): the micro-kernels of rows_kernel.h
+// stream rows once and dot them with up to a few tokens at a time, work items handed to torch's threads
+// dynamically. Many tokens (prefill, compute-bound; from `gemm_tokens` on, measured per machine and shape by the
+// caller): torch's GEMM (oneDNN / MKL), either on blocks of rows converted to fp32 panels, or (`bf16_gemm`, bf16
+// weights and activations) on the expert's weights as stored, in bf16 as transformers computes it: on CPUs with
+// native bf16 arithmetic (AVX512-BF16, AMX) that is several times the fp32 rate.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count nor on which other tokens share the batch.
 
@@ -41,11 +43,8 @@ constexpr int64_t bits_of(Fmt f) { return f == Fmt::F32 ? 32 : f == Fmt::I8 ? 8 
 // ISA levels of the micro-kernels; the caller passes one the CPU supports (best_isa()).
 enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
 
-// An expert gets the GEMM route once it has this many tokens: below it the micro-kernels, which read the
-// weights once, win; above it the weight panel's conversion is amortised and GEMM's blocking wins.
-constexpr int64_t kGemmTokens = 32;
+constexpr int64_t kMaxTokens = 32;  // tokens per micro-kernel work item (more are split into several)
 constexpr int64_t kPanelRows = 256;  // rows per fp32 weight panel on the GEMM route
-constexpr int64_t kMaxBlock = 64;    // rows per work item on the micro-kernel route
 
 // One expert's [N, K] weight in its stored format.
 struct Matrix {
@@ -176,6 +175,19 @@ inline int64_t record_pos(int64_t c, int64_t K, Fmt f) {
   return 64 * pair + (j % 2) * 32 + (c / 32 % 2) * 16 + j / 2;
 }
 
+// The exact integer dot product of block b (32 columns) of an int8 / int4 row (int4: q, not q + 8) with record x:
+// the portable level's whole row, and the AVX-512 level's blocks after its last full step.
+template <Fmt F>
+inline int32_t block_dot(const uint8_t* row, int64_t b, const QuantRecord& x, int64_t K) {
+  int32_t dot = 0;
+  for (int64_t c = 32 * b; c < 32 * b + 32; ++c) {
+    const int32_t q = F == Fmt::I8 ? reinterpret_cast<const int8_t*>(row)[c]
+                                   : int32_t(c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15) - 8;
+    dot += q * x.q[record_pos(c, K, F)];
+  }
+  return dot;
+}
+
 // Row x (K fp32 values, natural column order, K % 32 == 0) as format f's record at rec.
 void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
   int8_t* q = reinterpret_cast<int8_t*>(rec);
@@ -219,7 +231,7 @@ namespace level1 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 namespace level2 {
 #define HMOE_VBYTES 64
 #define HMOE_LEVEL 2
@@ -388,15 +400,28 @@ at::Tensor gather_rows(const float* x, int64_t K, const int64_t* rows, int64_t n
   return out;
 }
 
-// Row blocks for the micro-kernel route: small enough that there are several items per thread.
-int64_t row_block(int64_t rows) { return std::min<int64_t>(kMaxBlock, std::max<int64_t>(kRows, rows / 8 / kRows * kRows)); }
+// One bf16 expert on tokens xs [n, H] (bf16) by torch's bf16 GEMM on its weights as stored: gate and up rounded to
+// bf16 as the GEMM gives them, h = silu(gate) * up in fp32 rounded once to bf16, y [n, H] in bf16.
+at::Tensor bf16_expert(const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& xs) {
+  const at::Tensor g_u = at::linear(xs, gate_up).to(at::kFloat);
+  const int64_t I = down.size(1);
+  return at::linear((at::silu(g_u.narrow(1, 0, I)) * g_u.narrow(1, I, I)).to(at::kBFloat16), down);
+}
+
+// Rows per work item on the micro-kernel route, for `rows` rows cut into about `runs` runs. An item's rows are one
+// run, read front to back: small items cost bandwidth (each new run restarts the hardware prefetchers; 64-row items
+// read a Qwen3 LM head at 44 GB/s against 70 with 4 runs per thread, on 2 threads of an AVX-512 EPYC), while a few
+// items per thread let the others make up for a thread slowed by other work.
+int64_t run_rows(int64_t rows, int64_t runs) { return ((rows + runs - 1) / runs + kRows - 1) / kRows * kRows; }
+constexpr int64_t kRunsPerThread = 4;
 
 }  // namespace
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0.
 void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
                  const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, at::Tensor& out) {
+                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
+                 at::Tensor& out) {
   TORCH_CHECK(hidden.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == hidden.size(0),
               "expected hidden [T, H], ids and weights [T, K]");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
@@ -404,6 +429,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == hidden.sizes(),
               "out must be a contiguous fp32 tensor shaped like hidden");
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
+  TORCH_CHECK(gemm_tokens > 0, "gemm_tokens must be positive");
   const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
   const Layer gu = make_layer("gate_up", gate_up, gate_up_scale, H);
   TORCH_CHECK(gu.N % 2 == 0, "gate_up must have 2 * I rows");
@@ -419,11 +445,14 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
   std::vector<int64_t> small, large;
   for (int64_t a = 0; a < int64_t(r.experts.size()); ++a)
-    (r.offsets[a + 1] - r.offsets[a] >= kGemmTokens ? large : small).push_back(a);
+    (r.offsets[a + 1] - r.offsets[a] >= gemm_tokens ? large : small).push_back(a);
+  // bf16 GEMM on the stored weights needs bf16 weights and activations; otherwise fp32 panels.
+  const bool direct = bf16_gemm && fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
+  const bool panels = !large.empty() && !direct;
 
   std::vector<float> x(T * H), h(P * I), y(P * H);
   activations(hidden, written_layout(fmt), kern.step, x.data());
-  const KernelInputs x_in(x.data(), T, H, fmt, kern.step, !large.empty());
+  const KernelInputs x_in(x.data(), T, H, fmt, kern.step, panels);
   std::vector<const void*> x_of_pair(P), h_of_pair(P);
   for (int64_t p = 0; p < P; ++p) x_of_pair[p] = x_in.row(r.pair_token[p]);
   std::vector<int64_t> h_pos(I);  // h is written straight into the layout the down projection reads
@@ -431,22 +460,34 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
 
   // Phase A, micro-kernel route. Item i = row block (i / n) of small expert (i % n): all experts stream at
   // once, so an expert with more tokens does not leave one thread working alone at the end.
-  const int64_t n_small = int64_t(small.size()), block_a = row_block(I), block_b = row_block(H);
+  const int64_t n_small = int64_t(small.size());
+  const int64_t runs = (kRunsPerThread * at::get_num_threads() + n_small - 1) / std::max<int64_t>(n_small, 1);
+  const int64_t block_a = run_rows(I, runs), block_b = run_rows(H, runs);
   if (n_small) {
     parallel_items((I + block_a - 1) / block_a * n_small, [&](int64_t i) {
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
       const int64_t r0 = (i / n_small) * block_a, r1 = std::min(I, r0 + block_a), nr = r1 - r0;
       const Matrix m = gu.expert(r.experts[a]);
-      float g[kGemmTokens * kMaxBlock], u[kGemmTokens * kMaxBlock];
-      kern.matvec_block(m, r0, r1, x_of_pair.data() + p0, n, g, nr);
-      kern.matvec_block(m, I + r0, I + r1, x_of_pair.data() + p0, n, u, nr);
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t c = 0; c < nr; ++c) h[(p0 + t) * I + h_pos[r0 + c]] = silu_mul(g[t * nr + c], u[t * nr + c]);
+      std::vector<float> g(std::min(n, kMaxTokens) * nr), u(g.size());
+      for (int64_t t0 = 0; t0 < n; t0 += kMaxTokens) {
+        const int64_t nt = std::min(kMaxTokens, n - t0);
+        kern.matvec_block(m, r0, r1, x_of_pair.data() + p0 + t0, nt, g.data(), nr);
+        kern.matvec_block(m, I + r0, I + r1, x_of_pair.data() + p0 + t0, nt, u.data(), nr);
+        for (int64_t t = 0; t < nt; ++t)
+          for (int64_t c = 0; c < nr; ++c)
+            h[(p0 + t0 + t) * I + h_pos[r0 + c]] = silu_mul(g[t * nr + c], u[t * nr + c]);
+      }
     });
   }
-  // Phase A, GEMM route.
+  // GEMM route. bf16: the whole expert at once, y rows written here; fp32 panels: phase A, h rows written here.
   for (const int64_t a : large) {
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
+    if (direct) {
+      const at::Tensor rows = at::tensor(at::ArrayRef<int64_t>(r.pair_token.data() + p0, n));
+      const at::Tensor y_e = bf16_expert(gate_up[r.experts[a]], down[r.experts[a]], hidden.index_select(0, rows));
+      at::from_blob(y.data() + p0 * H, {n, H}, at::TensorOptions().dtype(at::kFloat)).copy_(y_e);
+      continue;
+    }
     const at::Tensor g_u = gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I,
                                      gather_rows(x.data(), H, r.pair_token.data() + p0, n));
     const float* gp = g_u.data_ptr<float>();
@@ -457,7 +498,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   }
 
   // Phase B: y[p] = down[e] . h[p].
-  const KernelInputs h_in(h.data(), P, I, fmt, kern.step, !large.empty());
+  const KernelInputs h_in(h.data(), P, I, fmt, kern.step, panels);
   for (int64_t p = 0; p < P; ++p) h_of_pair[p] = h_in.row(p);
   if (n_small) {
     parallel_items((H + block_b - 1) / block_b * n_small, [&](int64_t i) {
@@ -467,6 +508,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
     });
   }
   for (const int64_t a : large) {
+    if (direct) continue;
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
     const at::Tensor ye = gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
                                     at::from_blob(h.data() + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)));
@@ -511,7 +553,7 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   const KernelInputs in(xs.data(), T, K, layer.first.fmt, kern.step, false);
   std::vector<const void*> rows(T);
   for (int64_t t = 0; t < T; ++t) rows[t] = in.row(t);
-  const int64_t block = kMaxBlock;
+  const int64_t block = run_rows(N, kRunsPerThread * at::get_num_threads());
   float* o = out.data_ptr<float>();
   parallel_items((N + block - 1) / block, [&](int64_t i) {
     const int64_t r0 = i * block, r1 = std::min(N, r0 + block);
@@ -519,12 +561,12 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   });
 }
 
-// The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512.
+// The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.
 int64_t best_isa() {
 #ifdef HMOE_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
     return AVX512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
 #endif

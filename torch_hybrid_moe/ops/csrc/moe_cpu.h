@@ -3,17 +3,19 @@
 
 #include <torch/extension.h>
 
-// out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0.
+// out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0. An expert with at least
+// gemm_tokens tokens takes torch's GEMM (bf16_gemm: in bf16 where weights and hidden are bf16, else fp32 panels).
 void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
                  const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, at::Tensor& out);
+                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
+                 at::Tensor& out);
 
 // out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32, or int8 / int4 with fp32 group
 // scales [N, K / group]), accumulated in fp32.
 void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                   int64_t isa_level, at::Tensor& out);
 
-// The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512.
+// The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.
 int64_t best_isa();
 
 // Adds the host-function bridge (host_bridge.cpp) to the module.

@@ -84,9 +84,10 @@ inline float lane_sum(vf v) {
   return s;
 }
 
-// res[t * kRows + i] = row (r0 + i) of m . xs[t] for i < nr, t < NT; float formats, fp32 activations.
+// res[t * kRows + i] = row (r0 + i) of m . xs[t] for i < nr, t < NT; float formats, fp32 activations. `next`: the
+// rows to prefetch while these are read (the next call's).
 template <Fmt F, int NT>
-void rows_dot(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+void rows_dot(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
   const uint8_t* rows[kRows];
   for (int i = 0; i < kRows; ++i) rows[i] = m.row(r0 + std::min(i, nr - 1));  // a short block repeats its last row
   const float* x[NT];
@@ -95,7 +96,6 @@ void rows_dot(const Matrix& m, int64_t r0, int nr, const void* const* xs, float*
   // Rows are often exactly a page (2048 bf16), where hardware prefetchers stop and restart: the rows of the
   // next call (contiguous, right after these) are fetched at the pace these are read, one step's worth each step.
   constexpr int64_t step_bytes = kRows * kStep * bits_of(F) / 8;
-  const uint8_t* next = m.row(r0 + kRows);
   const int64_t full = m.K / kStep * kStep;
   for (int64_t k = 0; k < full; k += kStep) {
     for (int64_t b = 0; b < step_bytes; b += 64) __builtin_prefetch(next + k / kStep * step_bytes + b);
@@ -125,6 +125,124 @@ void rows_dot(const Matrix& m, int64_t r0, int nr, const void* const* xs, float*
 // exactly per 32-column block, then scaled by the activation block's scale, and per group by the weight's.
 // int4 multiplies the stored q + 8 and takes 8 * sum(activations) off once per group.
 #if HMOE_LEVEL >= 1
+// One call's operands: kRows weight rows and their group scales, NT activation records.
+template <int NT>
+struct QuantOperands {
+  const uint8_t* rows[kRows];
+  const float* scales[kRows];
+  QuantRecord x[NT];
+  const uint8_t* next;  // the rows of the next call, prefetched at the pace these are read
+
+  QuantOperands(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs) : next(next) {
+    for (int i = 0; i < kRows; ++i) {
+      const int64_t r = r0 + std::min(i, nr - 1);  // a short block repeats its last row
+      rows[i] = m.row(r);
+      scales[i] = m.row_scale(r);
+    }
+    for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
+  }
+
+  // The 32 int8 values at block position b of each record, and each block's scale broadcast.
+  void block(int64_t b, __m256i* q, __m256* scale) const {
+    for (int t = 0; t < NT; ++t) {
+      q[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
+      scale[t] = _mm256_set1_ps(x[t].scale[b]);
+    }
+  }
+};
+#endif
+
+#if HMOE_LEVEL == 2
+// AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and sums each 4 products into an int32 lane, 64 bytes
+// per instruction. Weights go in unsigned (int4 as stored, q + 8; int8 with its sign bit flipped, q + 128) and
+// the offset times the block's activation sum comes off again, a share in each of the block's lanes. One step
+// reads 64 bytes of a row: int8, two blocks of 8 lanes; int4, four blocks of 4 lanes (the low nibbles hold the
+// even columns, the high nibbles the odd ones, and each pair of blocks' record has its even columns first).
+template <Fmt F>
+constexpr int64_t kStepBlocks = F == Fmt::I8 ? 2 : 4;
+
+// The 16 lanes of a step: lane l gets v[l / (16 / Blocks)], the value of its block.
+template <int64_t Blocks>
+inline __m512 block_lanes(const float* v) {
+  if constexpr (Blocks == 2) {
+    const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_castps128_ps256(
+        _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v))))));
+  } else {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(v)));
+  }
+}
+
+// A row's weight scales for the blocks [b, b + Blocks) of a step, one per lane (groups of per_group blocks). The
+// usual groups load their scales straight into lanes (a vector load of values just stored one by one would stall).
+template <int64_t Blocks>
+inline __m512 scale_lanes(const float* scales, int64_t b, int64_t per_group) {
+  if (per_group % Blocks == 0) return _mm512_set1_ps(scales[b / per_group]);
+  if (per_group == 1) return block_lanes<Blocks>(scales + b);
+  if (Blocks == 4 && per_group == 2) return block_lanes<2>(scales + b / 2);
+  float v[Blocks];
+  for (int64_t j = 0; j < Blocks; ++j) v[j] = scales[(b + j) / per_group];
+  return block_lanes<Blocks>(v);
+}
+
+// 32 bytes at lo, then 32 at hi.
+inline __m512i halves(const int8_t* lo, const int8_t* hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
+}
+
+template <Fmt F, int NT>
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+  constexpr int64_t B = kStepBlocks<F>;
+  constexpr float share = -(F == Fmt::I8 ? 128.f : 8.f) / (16 / B);  // of the offset term, per lane
+  const QuantOperands<NT> w(m, r0, nr, next, xs);
+  const int64_t blocks = m.K / 32, full = blocks / B * B, per_group = m.group / 32;
+  const __m512i nibble = _mm512_set1_epi8(15), sign = _mm512_set1_epi8(char(0x80));
+  __m512 acc[kRows][NT];
+  for (int i = 0; i < kRows; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < full; b += B) {
+    for (int64_t o = 0; o < kRows * 64; o += 64) __builtin_prefetch(w.next + b / B * kRows * 64 + o);
+    __m512i lo_x[NT], hi_x[NT];
+    __m512 x_scale[NT], x_offset[NT];
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* q = w.x[t].q + 32 * b;
+      if constexpr (F == Fmt::I8) {
+        lo_x[t] = _mm512_loadu_si512(q);
+      } else {  // the even columns of this step's two pairs of blocks, then their odd columns
+        lo_x[t] = halves(q, q + 64);
+        hi_x[t] = halves(q + 32, q + 96);
+      }
+      x_scale[t] = block_lanes<B>(w.x[t].scale + b);
+      x_offset[t] = _mm512_mul_ps(block_lanes<B>(w.x[t].sum + b), _mm512_set1_ps(share));
+    }
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 s = scale_lanes<B>(w.scales[i], b, per_group);
+      const __m512i v = _mm512_loadu_si512(w.rows[i] + 64 * b / B);
+      __m512i lo, hi;
+      if constexpr (F == Fmt::I8) {
+        lo = _mm512_xor_si512(v, sign);
+      } else {
+        lo = _mm512_and_si512(v, nibble);
+        hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int t = 0; t < NT; ++t) {
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, lo_x[t]);
+        if constexpr (F == Fmt::I4) d = _mm512_dpbusd_epi32(d, hi, hi_x[t]);
+        acc[i][t] = _mm512_fmadd_ps(s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), x_scale[t], x_offset[t]), acc[i][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < nr; ++i) {
+      float sum = _mm512_reduce_add_ps(acc[i][t]);
+      for (int64_t b = full; b < blocks; ++b)
+        sum += w.scales[i][b / per_group] * w.x[t].scale[b] * float(block_dot<F>(w.rows[i], b, w.x[t], m.K));
+      res[t * kRows + i] = sum;
+    }
+}
+#elif HMOE_LEVEL == 1
 // Block b (32 columns) of a row as 32 int8 lanes in the record's order: int8 as stored; int4 (its unpaired last
 // block) as q + 8, the block's 16 bytes' low nibbles (even columns) then high nibbles (odd columns).
 template <Fmt F>
@@ -144,32 +262,6 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-// One call's operands: kRows weight rows and their group scales, NT activation records.
-template <int NT>
-struct QuantOperands {
-  const uint8_t* rows[kRows];
-  const float* scales[kRows];
-  QuantRecord x[NT];
-  const uint8_t* next;  // the rows of the next call, prefetched at the pace these are read
-
-  QuantOperands(const Matrix& m, int64_t r0, int nr, const void* const* xs) : next(m.row(r0 + kRows)) {
-    for (int i = 0; i < kRows; ++i) {
-      const int64_t r = r0 + std::min(i, nr - 1);  // a short block repeats its last row
-      rows[i] = m.row(r);
-      scales[i] = m.row_scale(r);
-    }
-    for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
-  }
-
-  // The 32 int8 values at block position b of each record, and each block's scale broadcast.
-  void block(int64_t b, __m256i* q, __m256* scale) const {
-    for (int t = 0; t < NT; ++t) {
-      q[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
-      scale[t] = _mm256_set1_ps(x[t].scale[b]);
-    }
-  }
-};
-
 // acc + (int16 pair sums, summed again in pairs to int32) * scale.
 inline __m256 add_products(__m256i pairs, __m256 scale, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1))), scale, acc);
@@ -183,8 +275,8 @@ inline void zero(__m256 (&v)[kRows][NT]) {
 
 // int8: one block per step; maddubs multiplies unsigned by signed bytes, so w's sign moves onto x.
 template <int NT>
-void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
-  const QuantOperands<NT> w(m, r0, nr, xs);
+void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+  const QuantOperands<NT> w(m, r0, nr, next, xs);
   const int64_t per_group = m.group / 32;
   __m256 acc[kRows][NT], part[kRows][NT];
   zero(acc);
@@ -212,12 +304,12 @@ void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const void* const* xs, flo
 
 // int4: two blocks per step. 32 packed bytes give their low nibbles (the even columns of both blocks) and high
 // nibbles (the odd columns); the products' int32 lanes 0-3 then belong to the first block and 4-7 to the
-// second, which carry their own scales. Scales are applied per span of max(group, 64) columns: one group, or
-// (groups of 32) one pair of groups, one per half of the lanes.
+// second, which carry their own scales. Scales are applied per span: one group of an even number of blocks, or
+// (an odd number, where a pair may straddle two groups) one pair, each half of the lanes with its block's group.
 template <int NT>
-void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
-  const QuantOperands<NT> w(m, r0, nr, xs);
-  const int64_t blocks = m.K / 32, per_group = m.group / 32, span = std::max<int64_t>(per_group, 2);
+void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+  const QuantOperands<NT> w(m, r0, nr, next, xs);
+  const int64_t blocks = m.K / 32, per_group = m.group / 32, span = per_group % 2 ? 2 : per_group;
   const __m256i nibble = _mm256_set1_epi8(15);
   __m256 acc[kRows][NT], part[kRows][NT];
   float offset[kRows][NT] = {};
@@ -267,13 +359,13 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const void* const* xs, flo
 }
 
 template <Fmt F, int NT>
-void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
-  if constexpr (F == Fmt::I8) rows_dot_i8<NT>(m, r0, nr, xs, res);
-  else rows_dot_i4<NT>(m, r0, nr, xs, res);
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+  if constexpr (F == Fmt::I8) rows_dot_i8<NT>(m, r0, nr, next, xs, res);
+  else rows_dot_i4<NT>(m, r0, nr, next, xs, res);
 }
 #else
 template <Fmt F, int NT>
-void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
   const int64_t per_group = m.group / 32;
   for (int t = 0; t < NT; ++t) {
     const QuantRecord x(xs[t], m.K);
@@ -283,15 +375,7 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, floa
       float acc = 0.f;
       for (int64_t b0 = 0; b0 < m.K / 32; b0 += per_group) {
         float part = 0.f;
-        for (int64_t b = b0; b < b0 + per_group; ++b) {
-          int32_t dot = 0;
-          for (int64_t c = 32 * b; c < 32 * b + 32; ++c) {
-            const int32_t q = F == Fmt::I8 ? reinterpret_cast<const int8_t*>(row)[c]
-                                           : int32_t(c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15) - 8;
-            dot += q * x.q[record_pos(c, m.K, F)];
-          }
-          part += float(dot) * x.scale[b];
-        }
+        for (int64_t b = b0; b < b0 + per_group; ++b) part += float(block_dot<F>(row, b, x, m.K)) * x.scale[b];
         acc += part * scales[b0 / per_group];
       }
       res[t * kRows + i] = acc;
@@ -301,35 +385,38 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const void* const* xs, floa
 #endif
 
 template <Fmt F, int NT>
-void rows_any(const Matrix& m, int64_t r0, int nr, const void* const* xs, float* res) {
-  if constexpr (F == Fmt::I8 || F == Fmt::I4) rows_dot_q<F, NT>(m, r0, nr, xs, res);
-  else rows_dot<F, NT>(m, r0, nr, xs, res);
+void rows_any(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+  if constexpr (F == Fmt::I8 || F == Fmt::I4) rows_dot_q<F, NT>(m, r0, nr, next, xs, res);
+  else rows_dot<F, NT>(m, r0, nr, next, xs, res);
 }
 
 template <Fmt F>
-void rows_dispatch(const Matrix& m, int64_t r0, int nr, const void* const* xs, int nt, float* res) {
+void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, int nt,
+                   float* res) {
   switch (nt) {
-    case 1: return rows_any<F, 1>(m, r0, nr, xs, res);
-    case 2: return rows_any<F, 2>(m, r0, nr, xs, res);
-    case 3: if constexpr (kTok >= 3) return rows_any<F, 3>(m, r0, nr, xs, res); break;
-    case 4: if constexpr (kTok >= 4) return rows_any<F, 4>(m, r0, nr, xs, res); break;
+    case 1: return rows_any<F, 1>(m, r0, nr, next, xs, res);
+    case 2: return rows_any<F, 2>(m, r0, nr, next, xs, res);
+    case 3: if constexpr (kTok >= 3) return rows_any<F, 3>(m, r0, nr, next, xs, res); break;
+    case 4: if constexpr (kTok >= 4) return rows_any<F, 4>(m, r0, nr, next, xs, res); break;
   }
 }
 
 // dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n); xs are fp32 rows in the
-// layout (float formats) or QuantRecords (int8 / int4).
+// layout (float formats) or QuantRecords (int8 / int4). Rows are read as one run: each call prefetches the next
+// call's rows, none past r1 (another thread's run: the bytes would be read twice).
 void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
   float res[kTok * kRows];
   for (int64_t r = r0; r < r1; r += kRows) {
     const int nr = int(std::min<int64_t>(kRows, r1 - r));
+    const uint8_t* next = m.row(r + kRows < r1 ? r + kRows : r);  // at the run's end: rows already in cache
     for (int64_t t = 0; t < n; t += kTok) {
       const int nt = int(std::min<int64_t>(kTok, n - t));
       switch (m.fmt) {
-        case Fmt::F32: rows_dispatch<Fmt::F32>(m, r, nr, xs + t, nt, res); break;
-        case Fmt::BF16: rows_dispatch<Fmt::BF16>(m, r, nr, xs + t, nt, res); break;
-        case Fmt::F16: rows_dispatch<Fmt::F16>(m, r, nr, xs + t, nt, res); break;
-        case Fmt::I8: rows_dispatch<Fmt::I8>(m, r, nr, xs + t, nt, res); break;
-        case Fmt::I4: rows_dispatch<Fmt::I4>(m, r, nr, xs + t, nt, res); break;
+        case Fmt::F32: rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nt, res); break;
+        case Fmt::BF16: rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nt, res); break;
+        case Fmt::F16: rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nt, res); break;
+        case Fmt::I8: rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nt, res); break;
+        case Fmt::I4: rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, nt, res); break;
       }
       for (int j = 0; j < nt; ++j)
         for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kRows + i];
