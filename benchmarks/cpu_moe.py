@@ -81,6 +81,23 @@ def matmul_tflops(repeats: int, dtype: torch.dtype, n: int = 2048) -> float:
     return 2 * n**3 / _median_seconds(lambda: F.linear(a, b), repeats) / 1e12
 
 
+def linear_tflops(shape: Shape, tokens: int, dtype: torch.dtype, repeats: int) -> float:
+    """F.linear's rate on one expert's two projections at `tokens` rows (the rows an expert gets in a prefill of this
+    shape): the GEMM rate the CPU reaches on these matrices, the bar for the kernel's prefill route."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, shape.hidden, generator=gen).to(dtype)
+    h = torch.randn(tokens, shape.inter, generator=gen).to(dtype)
+    gate_up = torch.randn(2 * shape.inter, shape.hidden, generator=gen).to(dtype)
+    down = torch.randn(shape.hidden, shape.inter, generator=gen).to(dtype)
+
+    def run() -> None:
+        F.linear(x, gate_up)
+        F.linear(h, down)
+
+    run()
+    return 2 * 3 * shape.hidden * shape.inter * tokens / _median_seconds(run, repeats) / 1e12
+
+
 def torch_loop(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The baseline: one pass over the activated experts with plain torch ops."""
     out = torch.zeros(hidden.shape, dtype=torch.float32)
@@ -209,6 +226,14 @@ def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm
                 })
         del impls
         gc.collect()  # ends kt-kernel's worker pool before the next shape
+    per_expert = 512 * shape.top_k // shape.experts  # rows an expert gets in the 512-token prefill, on average
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        records.append({"shape": shape.name, "regime": "prefill", "tokens": 512, "impl": "linear", "dtype": name,
+                        "expert_tokens": per_expert, "tflops": linear_tflops(shape, per_expert, dtype, repeats)})
+    best = max(r["tflops"] for r in records if r["impl"] == "linear")
+    for r in records:
+        if r["regime"] == "prefill" and r["impl"] != "linear":
+            r["pct_of_linear"] = 100 * r["tflops"] / best
     order = {(r["impl"], r["dtype"]): i for i, r in enumerate(records)}
     return sorted(records, key=lambda r: (r["tokens"], order[(r["impl"], r["dtype"])]))
 
@@ -237,9 +262,14 @@ def main() -> None:
     print(f"{'shape':<17} {'regime':<8} {'tok':>4} {'impl':<11} {'dtype':<5} {'ms':>9} {'GB/s':>6} {'%bw':>4} "
           f"{'TFLOP/s':>8} {'%mm':>5} {'%mm32':>5} {'x loop':>6}")
     for r in records[3:]:
+        if r["impl"] == "linear":
+            print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {'':>9} {'':>6} "
+                  f"{'':>4} {r['tflops']:>8.4f}   (one expert's projections at {r['expert_tokens']} rows)")
+            continue
         print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {r['impl']:<11} {r['dtype']:<5} {r['ms']:>9.2f} "
               f"{r['gb_per_s']:>6.1f} {r['pct_of_bandwidth']:>4.0f} {r['tflops']:>8.4f} {r['pct_of_matmul']:>5.0f} "
-              f"{r['pct_of_fp32_matmul']:>5.0f} {r['x_torch_loop']:>6.2f}")
+              f"{r['pct_of_fp32_matmul']:>5.0f} {r['x_torch_loop']:>6.2f}"
+              + (f" {r['pct_of_linear']:>5.0f}% of F.linear" if "pct_of_linear" in r else ""))
 
 
 if __name__ == "__main__":

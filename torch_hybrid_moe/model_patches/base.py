@@ -30,6 +30,7 @@ from ..runtime.costs import policy_context
 from ..runtime.decode_graphs import DecodeGraphs
 from ..runtime.expert_store import HostWeight
 from ..runtime.layer import RoutingRule
+from .cpu_attention import use_cpu_attention
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -133,6 +134,8 @@ def patch_with_spec(
         quantized = QuantizedLinear(linear, config.dense_weight_dtype, config.cpu_weight_group_size)
         quantized.register_state_dict_post_hook(_refuse_quantized_save)
         setattr(parent, name, quantized)
+    if device.type == "cpu":
+        use_cpu_attention(model)
     model.to(device)  # dense weights, attention, routers and shared experts
     _compile_decode_with_backend(model, capture)
     setattr(model, _PATCHED_ATTR, config)
