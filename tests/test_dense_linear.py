@@ -98,6 +98,9 @@ def test_quantized_linear_computes_its_dequantised_weight(fmt, tokens):
     x = torch.randn(2, tokens, 128, generator=g)
     want = quantize_activations(x).double() @ w.T + base.bias.double()
     torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
+    for limit in (0, dense_linear.UNLIMITED):  # both routes, whichever this machine measured faster
+        q.max_tokens = limit
+        torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
     assert (w - base.weight.double()).abs().max() <= (0.02 if fmt == "int8" else 0.2)  # it is approximate
 
 

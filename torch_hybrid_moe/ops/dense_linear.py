@@ -22,6 +22,8 @@ from . import cpu_kernel
 from .quantize import BITS, QuantizedWeight, dequantize, quantize, quantize_activations
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
+QUANTIZED_COUNTS = (256, 1024)  # where an int8 / int4 linear's micro-kernels and dequantising route are compared
+UNLIMITED = 2**62  # a token limit no input reaches
 PREFILL_ROWS = 128  # where torch's GEMM in the weight's dtype and in fp32 are compared
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
 # many of its rows (64 MiB of bf16 at K = 2048: still well beyond the caches), keeping warm-up short.
@@ -84,8 +86,8 @@ class RoutedLinear(torch.nn.Module):
 class QuantizedLinear(torch.nn.Module):
     """An nn.Linear whose weight is held as int8 / int4 with one fp32 scale per `group_size` columns (the experts'
     CPU formats), for `HybridMoEConfig(dense_weight_dtype=...)`: an approximate mode that cuts the bytes every
-    decode token reads from the dense layers (the LM head above all). Up to TOKEN_COUNTS[-1] rows run on the
-    micro-kernels; prefill multiplies a dequantised copy."""
+    decode token reads from the dense layers (the LM head above all). Rows run on the micro-kernels up to the
+    count where multiplying a dequantised copy was measured faster (`quantized_token_limit`)."""
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, group_size: int) -> None:
         super().__init__()
@@ -94,9 +96,10 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("qweight", q.data[0])
         self.register_buffer("scale", q.scale[0])
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.max_tokens = quantized_token_limit(self.qweight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.hybrid_moe.linear(x, self.qweight, self.scale, self.bias, TOKEN_COUNTS[-1])
+        return torch.ops.hybrid_moe.linear(x, self.qweight, self.scale, self.bias, self.max_tokens)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
@@ -136,6 +139,30 @@ def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repea
     native_s, upcast_s = cpu_kernel.interleaved_medians((lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())),
                                       repeats)
     return upcast_s < native_s
+
+
+def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: int = 3) -> int:
+    """Up to how many rows an int8 / int4 linear (ops/quantize.py operands) stays on the micro-kernels: at least
+    TOKEN_COUNTS[-1], and on through QUANTIZED_COUNTS while they beat dequantising the weight for torch's GEMM
+    (with VNNI integer dots they win at every count: UNLIMITED); measured once per shape and format."""
+    columns = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
+    return _measure_quantized((min(qweight.shape[0], MEASURED_ROWS), columns), 8 if qweight.dtype == torch.int8 else 4,
+                              columns // scale.shape[1], torch.get_num_threads(), repeats)
+
+
+@functools.cache
+def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: int, repeats: int) -> int:
+    q = quantize(torch.empty(1, *shape).normal_(0, 0.02), bits, group)
+    weight, scale = q.data[0], q.scale[0]
+    limit = TOKEN_COUNTS[-1]
+    for tokens in QUANTIZED_COUNTS:
+        x = torch.randn(tokens, shape[1], dtype=torch.bfloat16)
+        kernel_s, dequantized_s = cpu_kernel.interleaved_medians(
+            [lambda n=n: torch.ops.hybrid_moe.linear(x, weight, scale, None, n) for n in (tokens, 0)], repeats)
+        if kernel_s >= dequantized_s:
+            return limit
+        limit = tokens
+    return UNLIMITED
 
 
 @functools.cache
