@@ -1,6 +1,7 @@
 """Fixed and per-byte costs of a CPU decode step, side by side in one run: dense linears through torch's GEMM and
-through `hybrid_moe::linear`, and one MoE layer step through the raw C++ kernel, the `hybrid_moe::cpu_experts`
-op and the `hybrid_moe::dispatch` op (all experts on the CPU). Medians, interleaved; the CPU is printed.
+through `hybrid_moe::linear`, one MoE layer step through the raw C++ kernel, the `hybrid_moe::cpu_experts`
+op and the `hybrid_moe::dispatch` op (all experts on the CPU), and one token's attention through torch's SDPA and
+the CPU decode attention (model_patches/cpu_attention.py). Medians, interleaved; the CPU is printed.
 
     python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41]
 """
@@ -17,7 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import torch_hybrid_moe  # noqa: F401  (registers torch.ops.hybrid_moe)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
 from torch_hybrid_moe.config import HybridMoEConfig
+from torch_hybrid_moe.model_patches.cpu_attention import cpu_attention_forward
 from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
 
@@ -91,6 +95,21 @@ def main() -> None:
     }, args.repeats * 10)
     print(f"\nop machinery on a tiny layer (8 experts of 64x32): kernel {t['kernel'] * 1e6:.0f} us, "
           f"op {t['op'] * 1e6:.0f} us")
+
+    # Attention of one decode token: 32 query heads over 4 key / value heads of 128, 160 cached positions (bf16).
+    q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 4, 160, 128, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, 1, 160, dtype=torch.bool)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 8
+    compiled = torch.compile(cpu_attention_forward, fullgraph=True)
+    t = medians({
+        "SDPA": lambda: sdpa_attention_forward(module, q, k, v, mask),
+        "ours, eager": lambda: cpu_attention_forward(module, q, k, v, mask),
+        "ours, compiled": lambda: compiled(module, q, k, v, mask),
+    }, args.repeats)
+    print("\nattention of one decode token (32 / 4 heads of 128, 160 positions): "
+          + ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in t.items()))
 
 
 if __name__ == "__main__":
