@@ -263,8 +263,8 @@ def main() -> None:
           f"{'TFLOP/s':>8} {'%mm':>5} {'%mm32':>5} {'x loop':>6}")
     for r in records[3:]:
         if r["impl"] == "linear":
-            print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {'':>9} {'':>6} "
-                  f"{'':>4} {r['tflops']:>8.4f}   (one expert's projections at {r['expert_tokens']} rows)")
+            print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {'':>21} "
+                  f"{r['tflops']:>8.4f}   (one expert's projections at {r['expert_tokens']} rows)")
             continue
         print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {r['impl']:<11} {r['dtype']:<5} {r['ms']:>9.2f} "
               f"{r['gb_per_s']:>6.1f} {r['pct_of_bandwidth']:>4.0f} {r['tflops']:>8.4f} {r['pct_of_matmul']:>5.0f} "

@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-ROWS = ("ours", "ours-int8", "ours-int4", "ours-int8-dense", "ours-int4-dense", "ours-b0.25", "eager", "inductor",
+ROWS = ("ours", "ours-sdpa", "ours-int8", "ours-int4", "ours-int8-dense", "ours-int4-dense", "ours-b0.25", "eager",
+        "inductor",
         "llama-bf16", "llama-q8_0", "llama-q4_0")
 SHAPES = {  # (transformers config class, its arguments per layer shape); vocabularies are the real models'
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
@@ -114,6 +115,8 @@ def run_torch_row(row: str, path: Path, prompt: int, tokens: int, threads: int) 
         model = thm.from_pretrained(path, thm.HybridMoEConfig(
             expert_budget=budget, cpu_weight_dtype=dtype, dense_weight_dtype=dtype if row.endswith("-dense") else "model"),
             dtype=torch.bfloat16)
+        if row == "ours-sdpa":  # ours with torch's SDPA for decode attention too (model_patches/cpu_attention.py)
+            model.config._attn_implementation = "sdpa"
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     if row == "inductor":

@@ -51,7 +51,7 @@ def extension() -> ModuleType | None:
 
 @functools.cache
 def best_isa() -> int:
-    """Highest ISA level the kernel runs at on this CPU (0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI); -1: no kernel."""
+    """Highest ISA level the kernel runs at on this CPU (0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI); -1: none."""
     ext = extension()
     return -1 if ext is None else int(ext.best_isa())
 

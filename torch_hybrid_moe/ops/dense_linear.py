@@ -136,8 +136,8 @@ def upcast_wins(weight: torch.Tensor, repeats: int = 3) -> bool:
 def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: int) -> bool:
     weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)
     x = torch.randn(PREFILL_ROWS, shape[1], dtype=dtype)
-    native_s, upcast_s = cpu_kernel.interleaved_medians((lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())),
-                                      repeats)
+    native_s, upcast_s = cpu_kernel.interleaved_medians(
+        (lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())), repeats)
     return upcast_s < native_s
 
 
@@ -158,7 +158,7 @@ def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: i
     for tokens in QUANTIZED_COUNTS:
         x = torch.randn(tokens, shape[1], dtype=torch.bfloat16)
         kernel_s, dequantized_s = cpu_kernel.interleaved_medians(
-            [lambda n=n: torch.ops.hybrid_moe.linear(x, weight, scale, None, n) for n in (tokens, 0)], repeats)
+            [lambda x=x, n=n: torch.ops.hybrid_moe.linear(x, weight, scale, None, n) for n in (tokens, 0)], repeats)
         if kernel_s >= dequantized_s:
             return limit
         limit = tokens
@@ -173,7 +173,8 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: 
         x = torch.randn(tokens, shape[1], dtype=dtype)
         # the op as the compiled graph calls it: its fixed cost (~0.17 ms) decides small linears
         torch_s, kernel_s = cpu_kernel.interleaved_medians(
-            (lambda x=x: F.linear(x, weight), lambda x=x, n=tokens: torch.ops.hybrid_moe.linear(x, weight, None, None, n)),
+            (lambda x=x: F.linear(x, weight),
+             lambda x=x, n=tokens: torch.ops.hybrid_moe.linear(x, weight, None, None, n)),
             repeats)
         if kernel_s >= torch_s:
             break

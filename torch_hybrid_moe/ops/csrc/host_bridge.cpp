@@ -110,7 +110,8 @@ class CpuTask {
     // (an exception built on a thread Python does not know can crash the interpreter).
     at::Tensor none = at::full_like(ids_, -1);
     at::Tensor scratch = at::zeros_like(out_);
-    moe_experts(hidden_, none, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, gemm_tokens_, bf16_gemm_, scratch);
+    moe_experts(hidden_, none, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, gemm_tokens_, bf16_gemm_,
+                scratch);
   }
 
   ~CpuTask() { wait_done(); }
@@ -139,7 +140,8 @@ class CpuTask {
       try {
         if (at::get_num_threads() != threads_) at::set_num_threads(threads_);
         out_.zero_();
-        moe_experts(hidden_, ids_, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, gemm_tokens_, bf16_gemm_, out_);
+        moe_experts(hidden_, ids_, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, gemm_tokens_,
+                    bf16_gemm_, out_);
       } catch (const std::exception& err) {
         record_error(err.what());
       }
