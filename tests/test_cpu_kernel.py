@@ -83,8 +83,8 @@ def check_against_float64(fmt, operands, weights64, tokens, isa=None, route=None
         gate, up = torch.einsum("enh,th->etn", gate_up, hidden.double()).chunk(2, dim=-1)
         step = (torch.nn.functional.silu(gate) * up).abs().amax() / 127
         atol += step.item() * down.abs().max().item()
-    if route is not None and route.bf16 and bf16_hidden and fmt == "bfloat16":
-        # bf16 GEMM: gate / up and h rounded to bf16 as transformers' bf16 experts round them
+    if route is not None and route.bf16 and fmt in ("bfloat16", "int8", "int4"):
+        # bf16 GEMM: inputs, gate / up and h rounded to bf16 as transformers' bf16 experts round them
         atol, rtol = 2e-2 * ref.abs().max().item(), 2e-2
     else:
         rtol = 1e-5
@@ -103,8 +103,8 @@ def test_formats_match_float64(fmt, isa, tokens):
 @pytest.mark.parametrize("route", GEMM_ROUTES)
 @pytest.mark.parametrize("bf16_hidden", [False, True])
 def test_gemm_routes_match_float64(fmt, route, bf16_hidden):
-    """Prefill: every route on every format (the bf16 GEMM applies to bf16 weights and activations only; the
-    others fall to fp32 panels), and the route this machine measured (route=None)."""
+    """Prefill: every route on every format (the bf16 GEMM to bf16, int8 and int4 weights; fp32 and fp16 weights
+    fall to fp32 panels, bf16 would round them)."""
     operands, weights64 = experts(fmt, 8, 64, 96)
     check_against_float64(fmt, operands, weights64, 70, route=GEMM_ROUTES[route], bf16_hidden=bf16_hidden)
 

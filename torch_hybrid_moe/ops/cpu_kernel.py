@@ -67,7 +67,7 @@ def _level(isa: int | None) -> int:
 @dataclass(frozen=True)
 class GemmRoute:
     """Where an expert leaves the micro-kernels for torch's GEMM (from `tokens` tokens on), and whether that GEMM
-    runs in bf16 on the stored weights (bf16 weights and activations) or on fp32 panels. Which is fastest depends on
+    runs in bf16 (on bf16 weights as stored, or on int8 / int4 weights dequantised to bf16) or on fp32 panels. Which is fastest depends on
     the CPU (native bf16 arithmetic or not, VNNI for the integer micro-kernels) and the shape: measured, not assumed."""
 
     tokens: int
@@ -129,7 +129,7 @@ def _measure_route(hidden_size: int, inter: int, stored: torch.dtype, group: int
     else:
         (gu, gus), (dn, dns) = (gate_up.to(stored), None), (down.to(stored), None)
     gemms = [GemmRoute(1, False)]
-    if stored == activations == torch.bfloat16:
+    if activations == torch.bfloat16 and (stored == torch.bfloat16 or group):  # bf16 holds them, or they are rounded
         gemms.append(GemmRoute(1, True))
     wins: list[tuple[int, GemmRoute | None]] = []  # per token count: the fastest GEMM, or None where it loses
     for n in ROUTE_TOKENS:

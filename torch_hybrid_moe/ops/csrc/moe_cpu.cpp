@@ -14,9 +14,10 @@
 // An expert takes one of two routes. Few tokens (decode, bandwidth-bound): the micro-kernels of rows_kernel.h
 // stream rows once and dot them with up to a few tokens at a time, work items handed to torch's threads
 // dynamically. Many tokens (prefill, compute-bound; from `gemm_tokens` on, measured per machine and shape by the
-// caller): torch's GEMM (oneDNN / MKL), either on blocks of rows converted to fp32 panels, or (`bf16_gemm`, bf16
-// weights and activations) on the expert's weights as stored, in bf16 as transformers computes it: on CPUs with
-// native bf16 arithmetic (AVX512-BF16, AMX) that is several times the fp32 rate.
+// caller): torch's GEMM (oneDNN / MKL) on blocks of rows converted to fp32 panels, or (`bf16_gemm`) in bf16 as
+// transformers computes a bf16 model: on the expert's weights as stored (bf16 weights and activations), or on
+// panels of int8 / int4 rows dequantised to bf16. On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) bf16 GEMM
+// runs several times the fp32 rate.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count nor on which other tokens share the batch.
 
@@ -375,17 +376,20 @@ class KernelInputs {
 
 inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 
-// Rows [r0, r1) of expert matrix m times the n activation rows xs (fp32, m's layout), by fp32 panels and
-// torch's GEMM: the compute-bound route. Returns [n, r1 - r0].
-at::Tensor gemm_rows(const Kernels& kern, const Matrix& m, int64_t r0, int64_t r1, const at::Tensor& xs) {
+// Rows [r0, r1) of expert matrix m times the n activation rows xs (fp32, m's layout), by panels of rows converted
+// to fp32, or (`bf16`) on to bf16, and torch's GEMM: the compute-bound route. Returns fp32 [n, r1 - r0].
+at::Tensor gemm_rows(const Kernels& kern, const Matrix& m, int64_t r0, int64_t r1, const at::Tensor& xs, bool bf16) {
   at::Tensor out = at::empty({xs.size(0), r1 - r0}, xs.options());
   at::Tensor panel = at::empty({std::min(kPanelRows, r1 - r0), m.K}, xs.options());
+  const at::Tensor x = bf16 ? xs.to(at::kBFloat16) : xs;
   float* pp = panel.data_ptr<float>();
   for (int64_t b0 = r0; b0 < r1; b0 += kPanelRows) {
     const int64_t b1 = std::min(r1, b0 + kPanelRows);
     at::parallel_for(b0, b1, 16, [&](int64_t b, int64_t e) { kern.dequant_rows(m, b, e, pp + (b - b0) * m.K); });
     at::Tensor dst = out.narrow(1, b0 - r0, b1 - b0);
-    at::mm_out(dst, xs, panel.narrow(0, 0, b1 - b0).t());
+    const at::Tensor rows = panel.narrow(0, 0, b1 - b0);
+    if (bf16) dst.copy_(at::mm(x, rows.to(at::kBFloat16).t()));
+    else at::mm_out(dst, x, rows.t());
   }
   return out;
 }
@@ -446,8 +450,10 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   std::vector<int64_t> small, large;
   for (int64_t a = 0; a < int64_t(r.experts.size()); ++a)
     (r.offsets[a + 1] - r.offsets[a] >= gemm_tokens ? large : small).push_back(a);
-  // bf16 GEMM on the stored weights needs bf16 weights and activations; otherwise fp32 panels.
-  const bool direct = bf16_gemm && fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
+  // bf16 GEMM, for weights bf16 holds exactly or that are approximate already (int8 / int4; fp32 and fp16 weights
+  // keep fp32 panels): on the stored weights where they and the activations are bf16 (`direct`), else on panels.
+  const bool bf16 = bf16_gemm && (fmt == Fmt::BF16 || quantised(fmt));
+  const bool direct = bf16 && fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
   const bool panels = !large.empty() && !direct;
 
   std::vector<float> x(T * H), h(P * I), y(P * H);
@@ -489,7 +495,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
       continue;
     }
     const at::Tensor g_u = gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I,
-                                     gather_rows(x.data(), H, r.pair_token.data() + p0, n));
+                                     gather_rows(x.data(), H, r.pair_token.data() + p0, n), bf16);
     const float* gp = g_u.data_ptr<float>();
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t)
@@ -511,7 +517,8 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
     if (direct) continue;
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
     const at::Tensor ye = gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
-                                    at::from_blob(h.data() + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)));
+                                    at::from_blob(h.data() + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)),
+                                    bf16);
     std::memcpy(y.data() + p0 * H, ye.data_ptr<float>(), n * H * sizeof(float));
   }
 

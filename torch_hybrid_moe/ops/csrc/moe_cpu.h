@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0. An expert with at least
-// gemm_tokens tokens takes torch's GEMM (bf16_gemm: in bf16 where weights and hidden are bf16, else fp32 panels).
+// gemm_tokens tokens takes torch's GEMM: on fp32 panels, or (bf16_gemm, for bf16 / int8 / int4 weights) in bf16.
 void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
                  const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                  const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
