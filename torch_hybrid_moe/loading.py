@@ -28,6 +28,7 @@ from .config import HybridMoEConfig
 from .errors import InputError
 from .model_patches import ARCHITECTURES
 from .model_patches.base import patch_with_spec
+from .ops.host_memory import advise_huge_pages
 from .ops.quantize import empty_cpu_format, set_expert
 from .runtime.expert_store import HostWeight
 
@@ -62,6 +63,8 @@ def from_pretrained(name_or_path: str | Path, config: HybridMoEConfig | None = N
     with no_init_weights():  # parameters stay torch.empty: allocated, never touched, so not resident
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.tie_weights()  # tied weights (tie_word_embeddings) become one tensor, loaded under either name
+    for tensor in (*model.parameters(), *model.buffers()):  # untouched yet: ask for huge pages before loading
+        advise_huge_pages(tensor)
     experts = {module: name for name, module in model.named_modules() if name.endswith(".experts")
                and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)}
     layout = {name: checkpoint.expert_layout(name, module) for module, name in experts.items()}

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import host_memory
+
 BITS = {"int8": 8, "int4": 4}
 QUANTIZE_ROWS = 8192  # rows quantised at a time: fp32 temporaries of 8192 x K, not of a whole LM head
 
@@ -64,9 +66,9 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedWeigh
     num_experts, rows, cols = weight.shape
     group = check_group_size(cols, group_size)
     qmax = 127 if bits == 8 else 7
-    data = torch.empty((num_experts, rows, cols if bits == 8 else cols // 2),
-                       dtype=torch.int8 if bits == 8 else torch.uint8)
-    scale = torch.empty((num_experts, rows, cols // group), dtype=torch.float32)
+    data = host_memory.empty((num_experts, rows, cols if bits == 8 else cols // 2),
+                             torch.int8 if bits == 8 else torch.uint8)
+    scale = host_memory.empty((num_experts, rows, cols // group), torch.float32)
     for e in range(num_experts):
         for r0 in range(0, rows, QUANTIZE_ROWS):  # a dense weight (an LM head) is one expert: bound the fp32 temps
             r1 = min(rows, r0 + QUANTIZE_ROWS)
@@ -119,10 +121,10 @@ def empty_cpu_format(shape: tuple[int, int, int], dtype: torch.dtype, fmt: str,
     a time by `set_expert`: a loader converting as it reads never holds a whole layer in the source format."""
     experts, rows, cols = shape
     if fmt in ("model", "bfloat16"):
-        return torch.empty(shape, dtype=dtype if fmt == "model" else torch.bfloat16)
+        return host_memory.empty(shape, dtype if fmt == "model" else torch.bfloat16)
     bits, group = BITS[fmt], check_group_size(cols, group_size)
-    data = torch.empty((experts, rows, cols if bits == 8 else cols // 2), dtype=torch.int8 if bits == 8 else torch.uint8)
-    return QuantizedWeight(data, torch.empty((experts, rows, cols // group)), bits, group)
+    data = host_memory.empty((experts, rows, cols if bits == 8 else cols // 2), torch.int8 if bits == 8 else torch.uint8)
+    return QuantizedWeight(data, host_memory.empty((experts, rows, cols // group), torch.float32), bits, group)
 
 
 def set_expert(dst: torch.Tensor | QuantizedWeight, expert: int, weight: torch.Tensor) -> None:
