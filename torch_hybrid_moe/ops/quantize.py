@@ -107,11 +107,12 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def to_cpu_format(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tensor | QuantizedWeight:
-    """[E, N, K] expert weights in a `HybridMoEConfig.cpu_weight_dtype` format ("model" returns them as they are)."""
+    """[E, N, K] expert weights in a `HybridMoEConfig.cpu_weight_dtype` format ("model" returns them as they are;
+    the others are new CPU tensors, on huge pages where the kernel grants them)."""
     if fmt == "model":
         return weight
     if fmt == "bfloat16":
-        return weight.detach().to("cpu", torch.bfloat16)
+        return host_memory.empty(tuple(weight.shape), torch.bfloat16).copy_(weight.detach())
     return quantize(weight, BITS[fmt], group_size)
 
 
