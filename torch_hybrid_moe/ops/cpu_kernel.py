@@ -21,6 +21,8 @@ from types import ModuleType
 
 import torch
 
+from .quantize import kernel_operands, to_cpu_format
+
 _CSRC = Path(__file__).parent / "csrc"
 _COMPILED = (_CSRC / "module.cpp", _CSRC / "moe_cpu.cpp", _CSRC / "host_bridge.cpp")
 _SOURCES = (*_COMPILED, _CSRC / "moe_cpu.h", _CSRC / "rows_kernel.h")
@@ -67,8 +69,9 @@ def _level(isa: int | None) -> int:
 @dataclass(frozen=True)
 class GemmRoute:
     """Where an expert leaves the micro-kernels for torch's GEMM (from `tokens` tokens on), and whether that GEMM
-    runs in bf16 (on bf16 weights as stored, or on int8 / int4 weights dequantised to bf16) or on fp32 panels. Which is fastest depends on
-    the CPU (native bf16 arithmetic or not, VNNI for the integer micro-kernels) and the shape: measured, not assumed."""
+    runs in bf16 (on bf16 weights as stored, or on int8 / int4 weights dequantised to bf16) or on fp32 panels.
+    Which is fastest depends on the CPU (native bf16 arithmetic or not, VNNI for the integer micro-kernels) and
+    the shape: measured, not assumed."""
 
     tokens: int
     bf16: bool
@@ -117,8 +120,6 @@ def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
 @functools.cache
 def _measure_route(hidden_size: int, inter: int, stored: torch.dtype, group: int, activations: torch.dtype,
                    threads: int, repeats: int = 3) -> GemmRoute:
-    from .quantize import kernel_operands, to_cpu_format
-
     inter = min(inter, ROUTE_INTER)
     g = torch.Generator().manual_seed(0)
     gate_up = torch.randn(2, 2 * inter, hidden_size, generator=g) * hidden_size**-0.5
@@ -136,11 +137,10 @@ def _measure_route(hidden_size: int, inter: int, stored: torch.dtype, group: int
         hidden = torch.randn(n, hidden_size, generator=g).to(activations)
         ids, weights = torch.tensor([[0, 1]]).expand(n, 2).contiguous(), torch.full((n, 2), 0.5)
         out = torch.zeros(n, hidden_size)
-
-        def run(r: GemmRoute) -> None:
-            extension().moe_experts(hidden, ids, weights, gu, gus, dn, dns, best_isa(), r.tokens, r.bf16, out)
-
-        seconds = interleaved_medians([lambda r=r: run(r) for r in (MICRO_KERNELS, *gemms)], repeats)
+        seconds = interleaved_medians(
+            [lambda r=r, x=hidden, i=ids, w=weights, o=out: extension().moe_experts(
+                x, i, w, gu, gus, dn, dns, best_isa(), r.tokens, r.bf16, o) for r in (MICRO_KERNELS, *gemms)],
+            repeats)
         fastest = min(range(len(gemms)), key=lambda i: seconds[i + 1])
         wins.append((n, gemms[fastest] if seconds[fastest + 1] < seconds[0] else None))
     if wins[-1][1] is None:
