@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from torch_hybrid_moe.compile_passes import dense_linear as dense_pass
 from torch_hybrid_moe.ops import cpu_kernel, dense_linear
-from torch_hybrid_moe.ops.quantize import BITS, quantize, quantize_activations
+from torch_hybrid_moe.ops.quantize import BITS, dequantize, quantize, quantize_activations
 from torch_hybrid_moe.tiny_models import tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ kernel could not be built here")
@@ -102,6 +102,17 @@ def test_quantized_linear_computes_its_dequantised_weight(fmt, tokens):
         q.max_tokens = limit
         torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
     assert (w - base.weight.double()).abs().max() <= (0.02 if fmt == "int8" else 0.2)  # it is approximate
+
+
+def test_quantized_linear_without_the_kernel_takes_the_dequantised_route(monkeypatch):
+    """No compiler on the machine: the micro-kernels are missing, and decode rows must not reach them."""
+    base = torch.nn.Linear(64, 8, bias=False)
+    monkeypatch.setattr(dense_linear.cpu_kernel, "best_isa", lambda: -1)
+    q = dense_linear.QuantizedLinear(base, "int8", 32)
+    assert q.max_tokens == 0
+    x = torch.randn(1, 64)
+    want = quantize_activations(x).double() @ dequantize(q.qweight, q.scale, 8, 32).double().T
+    torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_patch_quantises_dense_layers_on_request_and_refuses_to_save_them(tmp_path):

@@ -144,7 +144,10 @@ def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repea
 def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: int = 3) -> int:
     """Up to how many rows an int8 / int4 linear (ops/quantize.py operands) stays on the micro-kernels: at least
     TOKEN_COUNTS[-1], and on through QUANTIZED_COUNTS while they beat dequantising the weight for torch's GEMM
-    (with VNNI integer dots they win at every count: UNLIMITED); measured once per shape and format."""
+    (with VNNI integer dots they win at every count: UNLIMITED); measured once per shape and format. 0 where the
+    kernel could not be built: every row count takes the dequantised route."""
+    if cpu_kernel.best_isa() < 0:
+        return 0
     columns = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
     return _measure_quantized((min(qweight.shape[0], MEASURED_ROWS), columns), 8 if qweight.dtype == torch.int8 else 4,
                               columns // scale.shape[1], torch.get_num_threads(), repeats)
