@@ -44,7 +44,7 @@ constexpr int64_t bits_of(Fmt f) { return f == Fmt::F32 ? 32 : f == Fmt::I8 ? 8 
 // ISA levels of the micro-kernels; the caller passes one the CPU supports (best_isa()).
 enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
 
-constexpr int64_t kMaxTokens = 32;  // tokens per micro-kernel work item (more are split into several)
+constexpr int64_t kMaxTokens = 32;  // tokens of an expert a phase-A work item takes at a time (its gate / up buffers)
 constexpr int64_t kPanelRows = 256;  // rows per fp32 weight panel on the GEMM route
 
 // One expert's [N, K] weight in its stored format.
@@ -413,9 +413,9 @@ at::Tensor bf16_expert(const at::Tensor& gate_up, const at::Tensor& down, const 
 }
 
 // Rows per work item on the micro-kernel route, for `rows` rows cut into about `runs` runs. An item's rows are one
-// run, read front to back: small items cost bandwidth (each new run restarts the hardware prefetchers; 64-row items
-// read a Qwen3 LM head at 44 GB/s against 70 with 4 runs per thread, on 2 threads of an AVX-512 EPYC), while a few
-// items per thread let the others make up for a thread slowed by other work.
+// run, read front to back: small items cost bandwidth (each new run restarts the hardware prefetchers, and 64-row
+// items left a third of the read bandwidth unused on an AVX-512 EPYC: benchmarks/RESULTS.md, 2026-11-25), while a
+// few items per thread let the others make up for a thread slowed by other work.
 int64_t run_rows(int64_t rows, int64_t runs) { return ((rows + runs - 1) / runs + kRows - 1) / kRows * kRows; }
 constexpr int64_t kRunsPerThread = 4;
 
