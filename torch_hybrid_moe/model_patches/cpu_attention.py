@@ -2,8 +2,8 @@
 
 torch's SDPA on the CPU runs its flash kernel also for one query. Called alone it is quick (0.11 ms for a
 Qwen3-30B-A3B layer at 160 cached positions, 2 threads of an AVX-512 EPYC, `benchmarks/cpu_decode_costs.py`), but
-inside the compiled decode step, between the expert kernel's and the linears' thread pools, it took ~0.4 ms a layer
-(torch.profiler), and the step with it is ~0.65 ms a layer slower than with this function
+inside the compiled decode step, between the expert kernel's and the linears' thread pools, the step with it is
+~0.65 ms a layer slower than with this function
 (`benchmarks/end_to_end.py --rows ours,ours-sdpa`): ~30 ms a token over 48 layers. Prompts (more than one query)
 keep SDPA, which never builds the [queries x keys] matrix. The math is transformers' eager attention (fp32
 softmax), with the query heads of a key / value head multiplied together instead of copying the cache per head

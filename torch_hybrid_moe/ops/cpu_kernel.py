@@ -77,7 +77,8 @@ class GemmRoute:
     bf16: bool
 
 
-MICRO_KERNELS = GemmRoute(2**62, False)  # no expert reaches the GEMM
+UNLIMITED = 2**62  # a token count no input reaches
+MICRO_KERNELS = GemmRoute(UNLIMITED, False)  # no expert reaches the GEMM
 ROUTE_TOKENS = (16, 32, 64, 128, 256)  # tokens per expert at which the routes are compared
 ROUTE_INTER = 512  # time scales with an expert's rows: wider experts are timed on this many intermediate columns
 

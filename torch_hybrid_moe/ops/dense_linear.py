@@ -11,9 +11,6 @@ The result is accumulated in fp32 and rounded once to the activations' dtype, as
 from __future__ import annotations
 
 import functools
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +20,6 @@ from .quantize import BITS, QuantizedWeight, dequantize, quantize, quantize_acti
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 QUANTIZED_COUNTS = (256, 1024)  # where an int8 / int4 linear's micro-kernels and dequantising route are compared
-UNLIMITED = 2**62  # a token limit no input reaches
 PREFILL_ROWS = 128  # where torch's GEMM in the weight's dtype and in fp32 are compared
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
 # many of its rows (64 MiB of bf16 at K = 2048: still well beyond the caches), keeping warm-up short.
@@ -144,7 +140,7 @@ def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repea
 def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: int = 3) -> int:
     """Up to how many rows an int8 / int4 linear (ops/quantize.py operands) stays on the micro-kernels: at least
     TOKEN_COUNTS[-1], and on through QUANTIZED_COUNTS while they beat dequantising the weight for torch's GEMM
-    (with VNNI integer dots they win at every count: UNLIMITED); measured once per shape and format. 0 where the
+    (with VNNI integer dots they win at every count: no limit); measured once per shape and format. 0 where the
     kernel could not be built: every row count takes the dequantised route."""
     if cpu_kernel.best_isa() < 0:
         return 0
@@ -165,7 +161,7 @@ def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: i
         if kernel_s >= dequantized_s:
             return limit
         limit = tokens
-    return UNLIMITED
+    return cpu_kernel.UNLIMITED
 
 
 @functools.cache

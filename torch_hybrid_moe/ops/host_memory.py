@@ -3,7 +3,8 @@
 A decode token streams every active weight from DRAM once. On 4 KB pages a bf16 row of 2048 columns is one page,
 and the stream takes a TLB miss per row; where Linux's transparent huge pages are on request ("madvise", the
 usual default) a weight allocated by torch stays on 4 KB pages. On 2 MB pages the micro-kernels read a Qwen3 LM
-head at 72 GB/s against 58 (2 threads of an AVX-512 EPYC; `python benchmarks/cpu_decode_costs.py` prints both).
+head at 64 GB/s against 54 in one run on 2 threads of an AVX-512 EPYC (`python benchmarks/cpu_decode_costs.py`
+prints both).
 So buffers that will hold weights are advised before anything is written to them (an advice on pages already
 touched only lets the kernel's background collapse reach them, slowly).
 """
