@@ -165,3 +165,57 @@ def test_embedded_model_with_tied_embeddings():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     reference = thm.patch_model(load_model("deepseek-tiny", torch.float32)[0], device="cpu")
     assert torch.equal(_logits(model), _logits(reference))
+
+
+@pytest.mark.parametrize("fmt", ["model", "int8"])
+def test_dense_weights_quantised_on_load_equal_patching_the_loaded_model(fmt, tmp_path):
+    """dense_weight_dtype: linears read and quantised a block of rows at a time (QUANTIZE_ROWS shrunk so an LM head
+    spans several blocks), and the embedding left mapped in the file, give the logits of load + patch."""
+    _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)
+    config = {"expert_budget": 0.0, "cpu_weight_dtype": "int8", "dense_weight_dtype": fmt, "cpu_weight_group_size": 32}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("torch_hybrid_moe.ops.quantize.QUANTIZE_ROWS", 48)
+        m.setattr("torch_hybrid_moe.loading.QUANTIZE_ROWS", 48)
+        model = thm.from_pretrained(tmp_path, device="cpu", **config)
+    assert model.model.embed_tokens.weight.untyped_storage().nbytes() > model.model.embed_tokens.weight.nbytes
+    assert torch.equal(_logits(model), _reference(tmp_path, **config))
+
+
+def test_saving_into_the_checkpoints_own_directory_writes_the_mapped_embedding(tmp_path):
+    """The embedding stays mapped from the checkpoint file; saving over that file must still write its values."""
+    _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)
+    want = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    thm.from_pretrained(tmp_path, expert_budget=0.0, device="cpu").save_pretrained(tmp_path)
+    got = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_embedding_table_stays_in_the_file(tmp_path):
+    """In a fresh process: of a 64 MB embedding table only the rows of the tokens read become resident."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=65536, hidden_size=256, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
+        tie_word_embeddings=False)).save_pretrained(tmp_path)
+    script = textwrap.dedent(f"""
+        import torch, torch_hybrid_moe as thm
+        model = thm.from_pretrained({str(tmp_path)!r}, expert_budget=0.0, device="cpu", dense_weight_dtype="int8",
+                                    cpu_weight_group_size=64)
+        with torch.no_grad():
+            model(torch.arange(8)[None])
+        table = model.model.embed_tokens.weight
+        address, resident = table.data_ptr(), None
+        for line in open("/proc/self/smaps"):  # the resident part of the memory area holding the table
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                low, high = (int(v, 16) for v in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "Rss:":
+                resident = int(line.split()[1]) * 1024
+        print(table.nbytes, resident)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    table, resident = map(int, out.split()[-2:])
+    assert resident < table / 4, (resident, table)

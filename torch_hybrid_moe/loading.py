@@ -6,7 +6,10 @@ peak host memory about twice the checkpoint. Here the model is built with uninit
 touched), the dense weights are copied in from the shards, and each MoE layer's experts are read into place
 while it is patched, one layer at a time, then converted to the host format (`cpu_weight_dtype`). Peak host
 memory is about the final store plus the dense weights plus one layer in the model's dtype; in the model's
-dtype the experts are read straight into the memory the store keeps.
+dtype the experts are read straight into the memory the store keeps. Dense linears that `dense_weight_dtype`
+quantises are read and quantised a block of rows at a time, and the input embedding stays mapped in the file
+(a token reads one row of it): with int8 weights the process peaks at 1.09x llama.cpp's resident memory on
+the same model (benchmarks/RESULTS.md).
 
 Checkpoint layouts: per-expert tensors (`experts.N.gate_proj/up_proj/down_proj.weight`, Mixtral's
 `block_sparse_moe.experts.N.w1/w3/w2.weight` under transformers' own renaming) fused as transformers fuses
@@ -27,9 +30,9 @@ from tqdm.auto import tqdm
 from .config import HybridMoEConfig
 from .errors import InputError
 from .model_patches import ARCHITECTURES
-from .model_patches.base import patch_with_spec
+from .model_patches.base import dense_linears, patch_with_spec
 from .ops.host_memory import advise_huge_pages
-from .ops.quantize import empty_cpu_format, set_expert
+from .ops.quantize import QUANTIZE_ROWS, QuantizedWeight, empty_cpu_format, set_expert
 from .runtime.expert_store import HostWeight
 
 _PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
@@ -68,13 +71,58 @@ def from_pretrained(name_or_path: str | Path, config: HybridMoEConfig | None = N
     experts = {module: name for name, module in model.named_modules() if name.endswith(".experts")
                and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)}
     layout = {name: checkpoint.expert_layout(name, module) for module, name in experts.items()}
-    checkpoint.load_dense(model, skip={f"{name}.{p}" for name in layout for p in ("gate_up_proj", "down_proj")})
+    quantised = _quantised_linears(model, config, checkpoint)
+    mapped = _mapped_embedding(model, checkpoint)
+    checkpoint.load_dense(model, skip={f"{name}.{p}" for name in layout for p in ("gate_up_proj", "down_proj")}
+                          | set(quantised.values()) | mapped)
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
     model.eval()
-    return patch_with_spec(model, ARCHITECTURES[model_config.model_type], config,
-                           read_experts=lambda module: checkpoint.read_experts(
-                               module, layout[experts[module]], config.cpu_weight_dtype, config.cpu_weight_group_size))
+    fmt, group = config.cpu_weight_dtype, config.cpu_weight_group_size
+    return patch_with_spec(
+        model, ARCHITECTURES[model_config.model_type], config,
+        read_experts=lambda module: checkpoint.read_experts(module, layout[experts[module]], fmt, group),
+        read_linear=lambda linear: checkpoint.read_quantized(quantised[linear], linear.weight.dtype,
+                                                             config.dense_weight_dtype, group)
+        if linear in quantised else None)
+
+
+def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers held under one name only (not tied to another)."""
+    state = model.state_dict(keep_vars=True)
+    names = defaultdict(list)
+    for name, tensor in state.items():
+        names[id(tensor)].append(name)
+    return {name: tensor for name, tensor in state.items() if len(names[id(tensor)]) == 1}
+
+
+def _quantised_linears(model: torch.nn.Module, config: HybridMoEConfig, checkpoint: Checkpoint
+                       ) -> dict[torch.nn.Module, str]:
+    """{linear: its weight's name} for the linears `dense_weight_dtype` quantises whose weight is their own: they are
+    read and quantised a block of rows at a time when patching asks (never held in the model's dtype)."""
+    if config.dense_weight_dtype == "model":
+        return {}
+    untied, names = _untied(model), {module: name for name, module in model.named_modules()}
+    linears = {linear: f"{names[linear]}.weight" for _, _, linear in dense_linears(model, config, config.resolve_device())}
+    return {linear: name for linear, name in linears.items() if name in untied and name in checkpoint.source}
+
+
+def _mapped_embedding(model: torch.nn.Module, checkpoint: Checkpoint) -> set[str]:
+    """Leave the input embedding in the checkpoint file, mapped (its name, or nothing): a token reads one row of it,
+    so only the rows of tokens seen become resident, as in llama.cpp (0.6 GB of Qwen3's 151936-token table that
+    would otherwise be read in and kept). Only where the table is its own (an LM head tied to it reads every row)
+    and stored in the model's dtype."""
+    embedding = model.get_input_embeddings()
+    name = next((n for n, t in _untied(model).items() if t is embedding.weight), None)
+    if name is None or name not in checkpoint.source:
+        return set()
+    key, shard = checkpoint.source[name]
+    if shard.tensors[key][:2] != (embedding.weight.dtype, tuple(embedding.weight.shape)):
+        return set()
+    # save_pretrained into the checkpoint's own directory is safe: safetensors writes a new file and renames it
+    # over the old, whose mapping stays valid (tested).
+    embedding.weight.data = shard.map(key)
+    return {name}
 
 
 def _local_directory(name: str) -> Path:
@@ -187,6 +235,18 @@ class Checkpoint:
             out.append(dst)
         return out[0], out[1]
 
+    def read_quantized(self, name: str, dtype: torch.dtype, fmt: str, group_size: int) -> QuantizedWeight:
+        """2-D weight `name` in int8 / int4 `fmt`, as quantising it in `dtype` gives, read QUANTIZE_ROWS at a time."""
+        key, shard = self.source[name]
+        rows, cols = shard.shape(key)
+        dst = empty_cpu_format((1, rows, cols), dtype, fmt, group_size)
+        buffer = torch.empty((min(rows, QUANTIZE_ROWS), cols), dtype=dtype)
+        for start in range(0, rows, QUANTIZE_ROWS):
+            block = buffer[: min(rows, start + QUANTIZE_ROWS) - start]
+            shard.read(key, block, rows=(start, start + block.shape[0]))
+            set_expert(dst, 0, block, row=start)
+        return dst
+
     def load_dense(self, model: torch.nn.Module, skip: set[str]) -> None:
         """Copy every other parameter and persistent buffer in; a missing one is an error."""
         state = model.state_dict(keep_vars=True)
@@ -230,13 +290,16 @@ class Shard:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.tensors[key][1]
 
-    def read(self, key: str, into: torch.Tensor, index: int | None = None) -> None:
-        """Tensor `key` (its `index`-th slice along the first dimension, if given) into `into`, converting dtype;
-        read straight into `into` when it is contiguous and of the stored dtype."""
+    def read(self, key: str, into: torch.Tensor, index: int | None = None, rows: tuple[int, int] | None = None) -> None:
+        """Tensor `key` (its `index`-th slice along the first dimension, or its `rows` [start, stop), if given) into
+        `into`, converting dtype; read straight into `into` when it is contiguous and of the stored dtype."""
         dtype, shape, offset = self.tensors[key]
         if index is not None:
             shape = shape[1:]
             offset += index * torch.Size(shape).numel() * dtype.itemsize
+        if rows is not None:
+            offset += rows[0] * torch.Size(shape[1:]).numel() * dtype.itemsize
+            shape = (rows[1] - rows[0], *shape[1:])
         target = into if into.dtype == dtype and into.is_contiguous() else torch.empty(shape, dtype=dtype)
         if tuple(target.shape) != tuple(shape):
             raise InputError(f"{self.path}: tensor {key} is {list(shape)}, the model wants {list(into.shape)}; "
@@ -247,3 +310,11 @@ class Shard:
                 raise InputError(f"{self.path} ends inside tensor {key}: the file is truncated; download it again")
         if target is not into:
             into.copy_(target)
+
+    def map(self, key: str) -> torch.Tensor:
+        """Tensor `key` as a view of a private mapping of the file: its pages are read in, and count as resident,
+        only where the tensor is read."""
+        dtype, shape, offset = self.tensors[key]
+        file = torch.from_file(str(self.path), shared=False, size=self.path.stat().st_size, dtype=torch.uint8)
+        start = self.start + offset
+        return file[start : start + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)

@@ -20,7 +20,7 @@ from transformers.integrations.moe import ExpertsInterface
 from ..config import HybridMoEConfig
 from ..ops import cpu_kernel
 from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
-from ..ops.quantize import check_group_size, to_cpu_format
+from ..ops.quantize import QuantizedWeight, check_group_size, to_cpu_format
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
 from ..policies.device_scheduling import device_scheduler
@@ -72,11 +72,14 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 def patch_with_spec(
     model: torch.nn.Module, spec: ArchSpec, config: HybridMoEConfig | None = None,
-    read_experts: Callable[[torch.nn.Module], tuple[HostWeight, HostWeight]] | None = None, **overrides: object
+    read_experts: Callable[[torch.nn.Module], tuple[HostWeight, HostWeight]] | None = None,
+    read_linear: Callable[[torch.nn.Linear], QuantizedWeight | None] | None = None, **overrides: object
 ) -> torch.nn.Module:
     """Validate everything first, then move experts into stores layer by layer; on error the model is untouched.
     `read_experts(experts)` (loading.py) gives a layer's experts in the host format instead of converting the
-    module's own: a model built with uninitialised experts then never holds more than one expert of them."""
+    module's own: a model built with uninitialised experts then never holds more than one expert of them.
+    `read_linear(linear)` likewise gives a linear's weight already quantised to `dense_weight_dtype` (None: quantise
+    the module's own)."""
     config = (config or HybridMoEConfig()).replace(**overrides)
     if is_patched(model):
         raise RuntimeError("this model is already patched by torch_hybrid_moe; patch a fresh model instead")
@@ -88,7 +91,7 @@ def patch_with_spec(
     device = config.resolve_device()
     first = moe_layers[0][1].experts
     _check_cpu_format(config, first)
-    dense = _dense_linears(model, config, device)
+    dense = dense_linears(model, config, device)
     expert_bytes = first.gate_up_proj[0].nbytes + first.down_proj[0].nbytes
     num_experts = first.gate_up_proj.shape[0]
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
@@ -131,7 +134,8 @@ def patch_with_spec(
         if config.dense_weight_dtype == "model":
             setattr(parent, name, RoutedLinear(linear))
             continue
-        quantized = QuantizedLinear(linear, config.dense_weight_dtype, config.cpu_weight_group_size)
+        quantized = QuantizedLinear(linear, config.dense_weight_dtype, config.cpu_weight_group_size,
+                                    read_linear(linear) if read_linear else None)
         quantized.register_state_dict_post_hook(_refuse_quantized_save)
         setattr(parent, name, quantized)
     if device.type == "cpu":
@@ -158,7 +162,7 @@ def _experts_from_store(module: torch.nn.Module, state: dict, prefix: str, metad
         state[prefix + name] = host
 
 
-def _dense_linears(model: torch.nn.Module, config: HybridMoEConfig, device: torch.device
+def dense_linears(model: torch.nn.Module, config: HybridMoEConfig, device: torch.device
                    ) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
     """(parent, attribute, module) of every linear patching replaces, checked before any change: each one that
     `dense_weight_dtype` int8 / int4 quantises; with "model", on the CPU, the bf16 / fp16 ones, which get this

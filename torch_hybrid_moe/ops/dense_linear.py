@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernel
-from .quantize import BITS, QuantizedWeight, dequantize, quantize, quantize_activations
+from .quantize import BITS, QUANTIZE_ROWS, QuantizedWeight, dequantize, quantize, quantize_activations
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 QUANTIZED_COUNTS = (256, 1024)  # where an int8 / int4 linear's micro-kernels and dequantising route are compared
@@ -24,6 +24,9 @@ PREFILL_ROWS = 128  # where torch's GEMM in the weight's dtype and in fp32 are c
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
 # many of its rows (64 MiB of bf16 at K = 2048: still well beyond the caches), keeping warm-up short.
 MEASURED_ROWS = 16384
+# At QUANTIZED_COUNTS both int8 / int4 routes are bound by arithmetic, not by reading the weight, so fewer rows
+# time them alike, and keep the measurement's fp32 outputs and copies small beside a freshly loaded model.
+QUANTIZED_ROWS = 4096
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -40,13 +43,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bi
     if rows.shape[0] > max_tokens:
         if scale is None:
             return gemm(x, weight, bias, weight.dtype in KERNEL_DTYPES and upcast_wins(weight))
-        q = QuantizedWeight.from_kernel_operands(weight, scale)
-        dense = dequantize(q.data, q.scale, q.bits, q.group_size)
-        return F.linear(quantize_activations(x), dense, None if bias is None else bias.float()).to(x.dtype)
+        return dequantized_linear(x, QuantizedWeight.from_kernel_operands(weight, scale), bias)
     out = cpu_kernel.dense_matvec(rows, weight, scale)
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def dequantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x times an [N, K] quantised weight through torch's fp32 GEMM, QUANTIZE_ROWS output features at a time: the
+    fp32 copy of an LM head would be 4 bytes per weight, held beside the model during every prefill call."""
+    xq = quantize_activations(x)
+    out = xq.new_empty((*x.shape[:-1], q.data.shape[0]))
+    for start in range(0, out.shape[-1], QUANTIZE_ROWS):
+        rows = slice(start, start + QUANTIZE_ROWS)
+        out[..., rows] = F.linear(xq, dequantize(q.data[rows], q.scale[rows], q.bits, q.group_size),
+                                  None if bias is None else bias[rows].float())
+    return out.to(x.dtype)
 
 
 @linear.register_fake
@@ -83,11 +96,13 @@ class QuantizedLinear(torch.nn.Module):
     """An nn.Linear whose weight is held as int8 / int4 with one fp32 scale per `group_size` columns (the experts'
     CPU formats), for `HybridMoEConfig(dense_weight_dtype=...)`: an approximate mode that cuts the bytes every
     decode token reads from the dense layers (the LM head above all). Rows run on the micro-kernels up to the
-    count where multiplying a dequantised copy was measured faster (`quantized_token_limit`)."""
+    count where multiplying a dequantised copy was measured faster (`quantized_token_limit`). `weight`: the linear's
+    weight already quantised so (a loader's, read from the checkpoint a block of rows at a time), else quantised
+    from `linear.weight`."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str, group_size: int) -> None:
+    def __init__(self, linear: torch.nn.Linear, fmt: str, group_size: int, weight: QuantizedWeight | None = None) -> None:
         super().__init__()
-        q = quantize(linear.weight.detach().unsqueeze(0), BITS[fmt], group_size)
+        q = weight or quantize(linear.weight.detach().unsqueeze(0), BITS[fmt], group_size)
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.register_buffer("qweight", q.data[0])
         self.register_buffer("scale", q.scale[0])
@@ -145,13 +160,13 @@ def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: i
     if cpu_kernel.best_isa() < 0:
         return 0
     columns = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
-    return _measure_quantized((min(qweight.shape[0], MEASURED_ROWS), columns), 8 if qweight.dtype == torch.int8 else 4,
+    return _measure_quantized((min(qweight.shape[0], QUANTIZED_ROWS), columns), 8 if qweight.dtype == torch.int8 else 4,
                               columns // scale.shape[1], torch.get_num_threads(), repeats)
 
 
 @functools.cache
 def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: int, repeats: int) -> int:
-    q = quantize(torch.empty(1, *shape).normal_(0, 0.02), bits, group)
+    q = quantize(torch.empty(1, *shape, dtype=torch.bfloat16).normal_(0, 0.02), bits, group)
     weight, scale = q.data[0], q.scale[0]
     limit = TOKEN_COUNTS[-1]
     for tokens in QUANTIZED_COUNTS:

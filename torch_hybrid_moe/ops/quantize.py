@@ -16,7 +16,7 @@ import torch
 from . import host_memory
 
 BITS = {"int8": 8, "int4": 4}
-QUANTIZE_ROWS = 8192  # rows quantised at a time: fp32 temporaries of 8192 x K, not of a whole LM head
+QUANTIZE_ROWS = 2048  # rows quantised at a time: fp32 temporaries of 2048 x K, not of a whole LM head
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,15 @@ def empty_cpu_format(shape: tuple[int, int, int], dtype: torch.dtype, fmt: str,
     return QuantizedWeight(data, host_memory.empty((experts, rows, cols // group), torch.float32), bits, group)
 
 
-def set_expert(dst: torch.Tensor | QuantizedWeight, expert: int, weight: torch.Tensor) -> None:
-    """Expert `expert` of `dst` (from `empty_cpu_format`) from its [N, K] weight, converted to dst's format."""
+def set_expert(dst: torch.Tensor | QuantizedWeight, expert: int, weight: torch.Tensor, row: int = 0) -> None:
+    """Rows `row`... of expert `expert` of `dst` (from `empty_cpu_format`) from an [n, K] weight (all N rows by
+    default), converted to dst's format."""
+    rows = slice(row, row + weight.shape[0])
     if isinstance(dst, QuantizedWeight):
         q = quantize(weight.unsqueeze(0), dst.bits, dst.group_size)
-        dst.data[expert], dst.scale[expert] = q.data[0], q.scale[0]
+        dst.data[expert, rows], dst.scale[expert, rows] = q.data[0], q.scale[0]
     else:
-        dst[expert].copy_(weight)
+        dst[expert, rows].copy_(weight)
 
 
 def kernel_operands(weight: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
