@@ -337,7 +337,10 @@ def _simulation_plots(args: argparse.Namespace, trace: object, costs: object, ca
 def profile(args: argparse.Namespace) -> int:
     """Measure (or read from the cache) this machine's expert costs; print them next to the presets'."""
     from torch_hybrid_moe.cost_model import CostModel
+    from torch_hybrid_moe.ops import measured
 
+    if args.refresh:  # the kernels' measured routes too (ops/measured.py): measured again by the next run
+        measured.forget()
     p = _local_profile(args)
     m, shape = p.measured, p.expert
     cached = f"cached at {p.path}" if p.path else "not cached"
@@ -501,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--num-experts", type=_bounded(int, 1, 2**15), required=True)
     c.add_argument("--model-name", default="external", help="recorded in the trace's metadata")
     c.add_argument("--out", type=_writable, required=True)
-    pr.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    pr.add_argument("--refresh", action="store_true",
+                    help="measure again even if a cached profile exists; forget the kernels' measured routes too")
     t.add_argument("--out", type=_writable, required=True)
     t.add_argument("--prompts", type=_bounded(int, 1), default=16)
     t.add_argument("--prompt-tokens", type=_bounded(int, 1), default=64)

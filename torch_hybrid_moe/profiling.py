@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 import warnings
@@ -28,8 +27,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .cost_model import (BANDWIDTH_EFFICIENCY, COMPUTE_EFFICIENCY, HARDWARE, PCIE_EFFICIENCY, CostModel, ExpertShape,
-                         Hardware)
+from .cost_model import (
+    BANDWIDTH_EFFICIENCY,
+    COMPUTE_EFFICIENCY,
+    HARDWARE,
+    PCIE_EFFICIENCY,
+    CostModel,
+    ExpertShape,
+    Hardware,
+)
+from .ops.measured import cache_dir, cpu_model
 
 FORMAT = 1  # bump when what a cached measurement means changes
 DEFAULT_TOKENS = (1, 4, 16, 64)
@@ -198,21 +205,6 @@ class HardwareProfile:
         if self.measured.gpu_s:
             out["gpu"] = {n: costs.t_gpu(n) / s - 1 for n, s in self.measured.gpu_s.items()}
         return out
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "torch_hybrid_moe"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def profile_key(expert: ExpertShape, tokens: Sequence[int]) -> dict:

@@ -21,6 +21,7 @@ from types import ModuleType
 
 import torch
 
+from .measured import count, flag, measured
 from .quantize import kernel_operands, to_cpu_format
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -118,7 +119,7 @@ def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
                           torch.get_num_threads())
 
 
-@functools.cache
+@measured(encode=lambda r: [r.tokens, r.bf16], decode=lambda v: GemmRoute(count(v[0]), flag(v[1])))
 def _measure_route(hidden_size: int, inter: int, stored: torch.dtype, group: int, activations: torch.dtype,
                    threads: int, repeats: int = 3) -> GemmRoute:
     inter = min(inter, ROUTE_INTER)

@@ -10,13 +10,19 @@ The result is accumulated in fp32 and rounded once to the activations' dtype, as
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from . import cpu_kernel
-from .quantize import BITS, QUANTIZE_ROWS, QuantizedWeight, dequantize, quantize, quantize_activations
+from .measured import count, flag, measured
+from .quantize import (
+    BITS,
+    QUANTIZE_ROWS,
+    QuantizedWeight,
+    dequantize,
+    quantize,
+    quantize_activations,
+)
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 QUANTIZED_COUNTS = (256, 1024)  # where an int8 / int4 linear's micro-kernels and dequantising route are compared
@@ -143,7 +149,7 @@ def upcast_wins(weight: torch.Tensor, repeats: int = 3) -> bool:
                         torch.get_num_threads(), repeats)
 
 
-@functools.cache
+@measured(decode=flag)
 def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: int) -> bool:
     weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)
     x = torch.randn(PREFILL_ROWS, shape[1], dtype=dtype)
@@ -164,7 +170,7 @@ def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: i
                               columns // scale.shape[1], torch.get_num_threads(), repeats)
 
 
-@functools.cache
+@measured(decode=count)
 def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: int, repeats: int) -> int:
     q = quantize(torch.empty(1, *shape, dtype=torch.bfloat16).normal_(0, 0.02), bits, group)
     weight, scale = q.data[0], q.scale[0]
@@ -179,7 +185,7 @@ def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: i
     return cpu_kernel.UNLIMITED
 
 
-@functools.cache
+@measured(decode=count)
 def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: int) -> int:
     weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)  # a weight of its own: the model's may be shared
     limit = 0

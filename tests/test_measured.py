@@ -1,0 +1,62 @@
+"""ops/measured.py: a warm-up measurement runs once per machine, its result read back from disk by later
+processes; a corrupted file, another machine's file or `forget()` measure again."""
+
+import contextlib
+import json
+
+import pytest
+
+from torch_hybrid_moe.ops import measured
+
+
+def _counting(calls: list, **codec):
+    @measured.measured(**codec)
+    def measure(shape: tuple[int, int], bits: int) -> int:
+        calls.append((shape, bits))
+        return shape[0] + bits
+    return measure
+
+
+def test_measured_once_per_machine_and_arguments(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    first = _counting(calls, decode=measured.count)
+    assert first((8, 4), 8) == 16 and first((8, 4), 8) == 16 and first((8, 4), 4) == 12
+    assert calls == [((8, 4), 8), ((8, 4), 4)]
+    later = _counting(calls, decode=measured.count)  # a new process: nothing in memory, the file on disk
+    assert later((8, 4), 8) == 16 and later((8, 4), 4) == 12
+    assert len(calls) == 2
+    measured.forget()
+    assert _counting(calls, decode=measured.count)((8, 4), 8) == 16 and len(calls) == 3
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps(["a list"]), "bad value"])
+def test_a_corrupted_routes_file_is_measured_again(content, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    _counting(calls, decode=measured.count)((8, 4), 8)
+    path = measured.routes_file()
+    if content == "bad value":  # a hand-edited entry: a negative token count must not choose a route
+        content = json.dumps({k: -5 for k in json.loads(path.read_text())})
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="unusable") if content.startswith("{not") else contextlib.nullcontext():
+        assert _counting(calls, decode=measured.count)((8, 4), 8) == 16
+    assert len(calls) == 2
+    assert json.loads(path.read_text())  # rewritten with the fresh value
+
+
+def test_another_machine_measures_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    _counting(calls)((8, 4), 8)
+    monkeypatch.setattr(measured, "cpu_model", lambda: "another CPU")
+    _counting(calls)((8, 4), 8)
+    assert len(calls) == 2 and len(list((tmp_path / "torch_hybrid_moe").glob("routes-*.json"))) == 2
+
+
+def test_an_unwritable_cache_still_measures(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # the cache's parent is a file
+    calls = []
+    with pytest.warns(UserWarning, match="route not cached"):
+        assert _counting(calls)((8, 4), 8) == 16
