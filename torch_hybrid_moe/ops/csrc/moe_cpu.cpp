@@ -45,7 +45,7 @@ constexpr int64_t bits_of(Fmt f) { return f == Fmt::F32 ? 32 : f == Fmt::I8 ? 8 
 enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
 
 constexpr int64_t kMaxTokens = 32;  // tokens of an expert a phase-A work item takes at a time (its gate / up buffers)
-constexpr int64_t kPanelRows = 256;  // rows per fp32 weight panel on the GEMM route
+constexpr int64_t kPanelRows = 256;  // rows per weight panel on the GEMM route
 
 // One expert's [N, K] weight in its stored format.
 struct Matrix {
@@ -248,14 +248,15 @@ struct Kernels {
   int64_t step;  // columns per inner step: the block size of pairs_layout
   void (*matvec_block)(const Matrix&, int64_t, int64_t, const void* const*, int64_t, float*, int64_t);
   void (*dequant_rows)(const Matrix&, int64_t, int64_t, float*);
+  void (*dequant_rows_bf16)(const Matrix&, int64_t, int64_t, uint16_t*);
 };
 
 Kernels kernels_for(Isa isa) {
 #ifdef HMOE_X86
-  if (isa == AVX512) return {level2::kStep, level2::matvec_block, level2::dequant_rows};
-  if (isa == AVX2) return {level1::kStep, level1::matvec_block, level1::dequant_rows};
+  if (isa == AVX512) return {level2::kStep, level2::matvec_block, level2::dequant_rows, level2::dequant_rows_bf16};
+  if (isa == AVX2) return {level1::kStep, level1::matvec_block, level1::dequant_rows, level1::dequant_rows_bf16};
 #endif
-  return {level0::kStep, level0::matvec_block, level0::dequant_rows};
+  return {level0::kStep, level0::matvec_block, level0::dequant_rows, level0::dequant_rows_bf16};
 }
 
 // Pairs grouped by expert (in token order within an expert), and each token's pairs in k order.
@@ -377,18 +378,23 @@ class KernelInputs {
 inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 
 // Rows [r0, r1) of expert matrix m times the n activation rows xs (fp32, m's layout), by panels of rows converted
-// to fp32, or (`bf16`) on to bf16, and torch's GEMM: the compute-bound route. Returns fp32 [n, r1 - r0].
+// to fp32, or (`bf16`) to bf16 a row at a time (through an fp32 row in L1: no fp32 panel goes through the caches),
+// and torch's GEMM: the compute-bound route. Returns fp32 [n, r1 - r0].
 at::Tensor gemm_rows(const Kernels& kern, const Matrix& m, int64_t r0, int64_t r1, const at::Tensor& xs, bool bf16) {
   at::Tensor out = at::empty({xs.size(0), r1 - r0}, xs.options());
-  at::Tensor panel = at::empty({std::min(kPanelRows, r1 - r0), m.K}, xs.options());
+  at::Tensor panel = at::empty({std::min(kPanelRows, r1 - r0), m.K}, xs.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const at::Tensor x = bf16 ? xs.to(at::kBFloat16) : xs;
-  float* pp = panel.data_ptr<float>();
   for (int64_t b0 = r0; b0 < r1; b0 += kPanelRows) {
     const int64_t b1 = std::min(r1, b0 + kPanelRows);
-    at::parallel_for(b0, b1, 16, [&](int64_t b, int64_t e) { kern.dequant_rows(m, b, e, pp + (b - b0) * m.K); });
+    at::parallel_for(b0, b1, 16, [&](int64_t b, int64_t e) {
+      if (bf16)
+        kern.dequant_rows_bf16(m, b, e, reinterpret_cast<uint16_t*>(panel.data_ptr<c10::BFloat16>()) + (b - b0) * m.K);
+      else
+        kern.dequant_rows(m, b, e, panel.data_ptr<float>() + (b - b0) * m.K);
+    });
     at::Tensor dst = out.narrow(1, b0 - r0, b1 - b0);
     const at::Tensor rows = panel.narrow(0, 0, b1 - b0);
-    if (bf16) dst.copy_(at::mm(x, rows.to(at::kBFloat16).t()));
+    if (bf16) dst.copy_(at::mm(x, rows.t()));
     else at::mm_out(dst, x, rows.t());
   }
   return out;

@@ -458,3 +458,26 @@ void dequant_rows(const Matrix& m, int64_t r0, int64_t r1, float* dst) {
     case Fmt::I4: return dequant_rows_as<Fmt::I4>(m, r0, r1, dst);
   }
 }
+
+// Rows [r0, r1) dequantised as dequant_rows does, then rounded to bf16 (nearest even; the weights are finite) a
+// vector at a time: the bf16 GEMM route's panels, with the fp32 row only in L1.
+void dequant_rows_bf16(const Matrix& m, int64_t r0, int64_t r1, uint16_t* dst) {
+  typedef uint16_t vh __attribute__((vector_size(HMOE_VBYTES / 2)));
+  std::vector<float> row(m.K);
+  for (int64_t r = r0; r < r1; ++r) {
+    dequant_rows(m, r, r + 1, row.data());
+    uint16_t* out = dst + (r - r0) * m.K;
+    int64_t k = 0;
+    for (; k + W <= m.K; k += W) {
+      vu b = load<vu>(row.data() + k);
+      b += 0x7FFFu + ((b >> 16) & 1u);
+      const vh h = __builtin_convertvector(b >> 16, vh);
+      std::memcpy(out + k, &h, sizeof(vh));
+    }
+    for (; k < m.K; ++k) {
+      uint32_t b;
+      std::memcpy(&b, row.data() + k, 4);
+      out[k] = uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    }
+  }
+}
