@@ -31,16 +31,21 @@ ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
 
 
 @functools.cache
+def source_digest() -> str:
+    """What the compiled kernel is: its sources and torch's version (its build's name; the measured routes' key)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:12]
+
+
+@functools.cache
 def extension() -> ModuleType | None:
     """The compiled kernel module, or None (with a warning) when this machine cannot build it."""
     if os.environ.get("HYBRID_MOE_NO_KERNEL"):
         return None
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:12]
     try:
         return cpp_extension.load(
-            name=f"hybrid_moe_cpu_{digest}",
+            name=f"hybrid_moe_cpu_{source_digest()}",
             sources=[str(p) for p in _COMPILED],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],

@@ -4,7 +4,7 @@ Which route is fastest depends on the CPU, its thread count and the weight's sha
 time the candidates on first use (ops/cpu_kernel.py, ops/dense_linear.py). Timed anew in every process, a
 noisy moment could flip a near-tie from one run to the next, and the timing costs seconds at every start.
 So each result is kept in one JSON file beside the cost profile (profiling.py), keyed by what it depends on:
-CPU model, torch version, kernel ISA and the measuring function's arguments (which carry thread count,
+CPU model, torch version, the kernel's sources and ISA, and the measuring function's arguments (which carry thread count,
 shape and format). `forget()` (`hybrid-moe profile --refresh`) measures everything again.
 """
 
@@ -43,10 +43,12 @@ def cpu_model() -> str:
 
 
 def routes_file() -> Path:
-    """This machine's file of measured routes (its name digests CPU model, torch version and kernel ISA)."""
-    from .cpu_kernel import ISA_NAMES, best_isa
+    """This machine's file of measured routes (its name digests CPU model, torch version, the kernel's sources and
+    the ISA it runs at: a changed kernel measures again)."""
+    from .cpu_kernel import ISA_NAMES, best_isa, source_digest
 
-    key = {"format": FORMAT, "cpu": cpu_model(), "torch": torch.__version__, "isa": ISA_NAMES.get(best_isa(), "none")}
+    key = {"format": FORMAT, "cpu": cpu_model(), "torch": torch.__version__, "kernel": source_digest(),
+           "isa": ISA_NAMES.get(best_isa(), "none")}
     return cache_dir() / f"routes-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
 
 
