@@ -10,14 +10,16 @@ from .graph_utils import DISPATCH, PREFETCH, calls, insertion_point_after
 
 
 def insert_prefetch(gm: fx.GraphModule) -> int:
-    """Insert `prefetch(hidden_l, topk_ids_l, handle_{l+1})` for each dispatch; returns how many."""
+    """Insert `prefetch(hidden_l, topk_ids_l, handle_{l+1})` for each dispatch whose next layer has slots; returns
+    how many."""
     graph = gm.graph
     done = {(n.args[1], n.args[2]) for n in graph.nodes if calls(n, PREFETCH)}
     inserted = 0
     for node in [n for n in graph.nodes if calls(n, DISPATCH)]:
         hidden, ids, _, handle = node.args
         nxt = get_layer(handle).next_handle
-        if nxt is None or (ids, nxt) in done:
+        # A layer without slots (expert_budget 0) has nowhere to prefetch into: no op call in its decode step.
+        if nxt is None or (ids, nxt) in done or get_layer(nxt).store.num_slots == 0:
             continue
         with graph.inserting_after(insertion_point_after(graph, hidden, ids)):
             started = graph.call_function(PREFETCH.default, (hidden, ids, nxt))
