@@ -6,6 +6,8 @@ so a captured graph holds no Python object and stays valid across replays.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..runtime.registry import get_layer
@@ -17,12 +19,21 @@ from .quantize import QuantizedWeight
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    torch._check(hidden.dim() == 2, lambda: f"hidden must be [T, H], got {tuple(hidden.shape)}")
-    torch._check(topk_ids.dim() == 2, lambda: f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
-    torch._check(topk_ids.shape == topk_weights.shape, lambda: "topk_ids and topk_weights shapes differ")
-    torch._check(topk_ids.shape[0] == hidden.shape[0], lambda: "topk_ids and hidden disagree on tokens")
-    torch._check(not topk_ids.is_floating_point(), lambda: "topk_ids must be an integer tensor")
+def _require(condition: bool, message: Callable[[], str]) -> None:
+    """torch._check for concrete tensors: the same error, without its symbolic-shape machinery (~1 us a check,
+    ten checks in each decode layer's step)."""
+    if not condition:
+        raise RuntimeError(message())
+
+
+def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   check: Callable[[bool, Callable[[], str]], None] = _require) -> None:
+    """The ops' shape contract; fake implementations pass torch._check (their shapes may be symbolic)."""
+    check(hidden.dim() == 2, lambda: f"hidden must be [T, H], got {tuple(hidden.shape)}")
+    check(topk_ids.dim() == 2, lambda: f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
+    check(topk_ids.shape == topk_weights.shape, lambda: "topk_ids and topk_weights shapes differ")
+    check(topk_ids.shape[0] == hidden.shape[0], lambda: "topk_ids and hidden disagree on tokens")
+    check(not topk_ids.is_floating_point(), lambda: "topk_ids must be an integer tensor")
 
 
 @torch.library.custom_op(
@@ -39,7 +50,7 @@ def dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 @dispatch.register_fake
 def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
-    _check_routing(hidden, topk_ids, topk_weights)
+    _check_routing(hidden, topk_ids, topk_weights, torch._check)
     return torch.empty_like(hidden)
 
 
@@ -69,7 +80,7 @@ def dispatch_begin(
 
 @dispatch_begin.register_fake
 def _(hidden, topk_ids, topk_weights, layer, part, carry):  # noqa: ANN001, ANN202
-    _check_routing(hidden, topk_ids, topk_weights)
+    _check_routing(hidden, topk_ids, topk_weights, torch._check)
     return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device), torch.empty_like(carry)
 
 
@@ -140,7 +151,7 @@ cpu_experts = torch.library.custom_op(
 
 @cpu_experts.register_fake
 def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, out) -> None:  # noqa: ANN001
-    _check_routing(hidden, topk_ids, topk_weights)
+    _check_routing(hidden, topk_ids, topk_weights, torch._check)
 
 
 @torch.library.custom_op(
