@@ -181,6 +181,14 @@ def test_dense_weights_quantised_on_load_equal_patching_the_loaded_model(fmt, tm
     assert torch.equal(_logits(model), _reference(tmp_path, **config))
 
 
+def test_a_quantised_linear_whose_shape_disagrees_fails_in_one_line(tmp_path):
+    _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)
+    _break(tmp_path, lambda w: w.update({"lm_head.weight": w["lm_head.weight"][:-1].clone()}))
+    with pytest.raises(InputError, match="lm_head.weight is \\[511, 64\\].*config.json and the weights disagree") as err:
+        thm.from_pretrained(tmp_path, device="cpu", dense_weight_dtype="int8", cpu_weight_group_size=32)
+    assert "\n" not in str(err.value)
+
+
 def test_saving_into_the_checkpoints_own_directory_writes_the_mapped_embedding(tmp_path):
     """The embedding stays mapped from the checkpoint file; saving over that file must still write its values."""
     _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)

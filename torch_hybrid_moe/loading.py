@@ -104,7 +104,13 @@ def _quantised_linears(model: torch.nn.Module, config: HybridMoEConfig, checkpoi
         return {}
     untied, names = _untied(model), {module: name for name, module in model.named_modules()}
     linears = {linear: f"{names[linear]}.weight" for _, _, linear in dense_linears(model, config, config.resolve_device())}
-    return {linear: name for linear, name in linears.items() if name in untied and name in checkpoint.source}
+    chosen = {linear: name for linear, name in linears.items() if name in untied and name in checkpoint.source}
+    for linear, name in chosen.items():  # checked now: nothing else reads these before patching quantises them
+        key, shard = checkpoint.source[name]
+        if shard.shape(key) != tuple(linear.weight.shape):
+            raise InputError(f"checkpoint tensor {key} is {list(shard.shape(key))}, the model's config wants "
+                             f"{list(linear.weight.shape)}; config.json and the weights disagree")
+    return chosen
 
 
 def _mapped_embedding(model: torch.nn.Module, checkpoint: Checkpoint) -> set[str]:
