@@ -8,7 +8,7 @@ while it is patched, one layer at a time, then converted to the host format (`cp
 memory is about the final store plus the dense weights plus one layer in the model's dtype; in the model's
 dtype the experts are read straight into the memory the store keeps. Dense linears that `dense_weight_dtype`
 quantises are read and quantised a block of rows at a time, and the input embedding stays mapped in the file
-(a token reads one row of it): with int8 weights the process peaks at 1.09x llama.cpp's resident memory on
+(a token reads one row of it): with int8 weights the process peaks at 1.06x llama.cpp's resident memory on
 the same model (benchmarks/RESULTS.md).
 
 Checkpoint layouts: per-expert tensors (`experts.N.gate_proj/up_proj/down_proj.weight`, Mixtral's
