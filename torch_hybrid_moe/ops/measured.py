@@ -4,8 +4,9 @@ Which route is fastest depends on the CPU, its thread count and the weight's sha
 time the candidates on first use (ops/cpu_kernel.py, ops/dense_linear.py). Timed anew in every process, a
 noisy moment could flip a near-tie from one run to the next, and the timing costs seconds at every start.
 So each result is kept in one JSON file beside the cost profile (profiling.py), keyed by what it depends on:
-CPU model, torch version, the kernel's sources and ISA, and the measuring function's arguments (which carry thread count,
-shape and format). `forget()` (`hybrid-moe profile --refresh`) measures everything again.
+CPU model, torch version, the kernel's sources and ISA, and the measuring function's arguments (which carry
+thread count, shape and format). A result measured while the load average exceeded the core count is used by
+its process only. `forget()` (`hybrid-moe profile --refresh`) measures everything again.
 """
 
 from __future__ import annotations
@@ -79,7 +80,13 @@ def measured(encode: Callable[[T], Any] = lambda v: v, decode: Callable[[Any], T
                     return decode(stored[entry])
                 except (TypeError, ValueError):
                     pass
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
             value = fn(*args)
+            cores = os.cpu_count() or 1
+            if load is not None and load > cores:  # other work skewed the timing: for this process only
+                warnings.warn(f"route not cached: load average {load:.1f} above the {cores} cores while measuring; "
+                              "the next process measures it again", stacklevel=2)
+                return value
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 stored = {**_read(path), entry: encode(value)}  # another process may have added routes meanwhile
