@@ -61,24 +61,31 @@ def checkpoint(shape: str, layers: int, cache: Path) -> Path:
     return path
 
 
-def decode_bytes(path: Path) -> int:
-    """Bytes one decode token reads: every weight but the embedding table, routed experts counted top-k of E."""
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}  # int8 / int4 with a scale per 64: as q8_0 / q4_0
+
+
+def decode_bytes(path: Path, row: str = "ours") -> float:
+    """Bytes one decode token of `row` reads: every weight but the embedding table (a row of it), routed experts
+    counted top-k of E, in the row's weight type (int8 / int4 rows: experts, and dense layers where quantised)."""
     from safetensors import safe_open
 
     config = json.loads((path / "config.json").read_text())
     experts = config.get("num_experts") or config.get("num_local_experts")
     share = config["num_experts_per_tok"] / experts
-    total = 0
+    kind = next((k for k in ("int8", "int4") if k in row), "bf16")
+    kind = {"q8_0": "int8", "q4_0": "int4"}.get(row.removeprefix("llama-"), kind)
+    dense_kind = kind if row.startswith("llama-") or row.endswith("-dense") else "bf16"
+    total = 0.0
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         for name in f.keys():
             if "embed_tokens" in name:
                 continue
-            t = f.get_slice(name)
-            nbytes = 2
-            for d in t.get_shape():
-                nbytes *= d
-            total += nbytes * share if ".experts." in name else nbytes
-    return int(total)
+            weights = 1
+            for d in f.get_slice(name).get_shape():
+                weights *= d
+            total += weights * share * BYTES_PER_WEIGHT[kind] if ".experts." in name else weights * (
+                BYTES_PER_WEIGHT[dense_kind] if len(f.get_slice(name).get_shape()) == 2 else 2.0)
+    return total
 
 
 def read_bandwidth(threads: int) -> float:
@@ -251,9 +258,11 @@ def main() -> None:
                 last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
                 print(f"{row}: failed: {last}")
                 continue
-            records[row].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            # the read bandwidth of this moment, next to the measurement: another tenant's load comes and goes
+            records[row].append({**json.loads(done.stdout.strip().splitlines()[-1]),
+                                 "bandwidth_gb_s": read_bandwidth(args.threads)})
     floor_gb = decode_bytes(path) / 1e9
-    bandwidth = read_bandwidth(args.threads)
+    bandwidth = statistics.median(r["bandwidth_gb_s"] for recs in records.values() for r in recs)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
@@ -261,10 +270,12 @@ def main() -> None:
     print(f"{args.shape}, {args.layers} layers, bf16 checkpoint {path}; {cpu} ({' '.join(flags)}), {args.threads} "
           f"threads; prompt {args.prompt}, {args.tokens} new tokens; medians of {args.repeats} [min-max]; "
           f"{time.strftime('%Y-%m-%d')}")
-    print(f"decode floor: {floor_gb:.3f} GB per token at {bandwidth:.1f} GB/s read = {bandwidth / floor_gb:.1f} tok/s "
-          "(bf16 weights)")
+    print(f"decode floor: {floor_gb:.3f} GB per token at {bandwidth:.1f} GB/s read (median of the reads taken after "
+          f"each measurement) = {bandwidth / floor_gb:.1f} tok/s (bf16 weights); '% floor': each decode rate over the "
+          "floor of its row's weight type at the read taken right after it")
     reference = next((r["tokens"] for r in records.get("eager", []) if r["tokens"]), None)
-    print(f"{'row':<12} {'decode tok/s':>22} {'prefill tok/s':>22} {'peak RSS GB':>11} {'tokens = eager':>14}")
+    print(f"{'row':<12} {'decode tok/s':>22} {'% floor':>8} {'prefill tok/s':>22} {'peak RSS GB':>11} "
+          f"{'tokens = eager':>14}")
     for row, recs in records.items():
         if not recs:
             continue
@@ -272,9 +283,11 @@ def main() -> None:
         for key in ("decode_tok_s", "prefill_tok_s", "peak_rss_gb"):
             values = [r[key] for r in recs]
             cells.append(f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
+        row_gb = decode_bytes(path, row) / 1e9
+        floor = statistics.median(100 * r["decode_tok_s"] * row_gb / r["bandwidth_gb_s"] for r in recs)
         agree = "-" if reference is None or recs[0]["tokens"] is None else (
             f"{sum(a == b for a, b in zip(recs[0]['tokens'], reference))}/{len(reference)}")
-        print(f"{row:<12} {cells[0]:>22} {cells[1]:>22} {cells[2]:>11} {agree:>14}")
+        print(f"{row:<12} {cells[0]:>22} {floor:>8.0f} {cells[1]:>22} {cells[2]:>11} {agree:>14}")
     if args.json:
         args.json.write_text(json.dumps(dict(shape=args.shape, layers=args.layers, cpu=cpu, flags=flags,
                                              threads=args.threads, floor_gb=floor_gb, bandwidth_gb_s=bandwidth,
