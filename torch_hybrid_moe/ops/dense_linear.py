@@ -15,14 +15,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernel
 from .measured import count, flag, measured
-from .quantize import (
-    BITS,
-    QUANTIZE_ROWS,
-    QuantizedWeight,
-    dequantize,
-    quantize,
-    quantize_activations,
-)
+from .quantize import BITS, QUANTIZE_ROWS, QuantizedWeight, dequantize, quantize, quantize_activations
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 QUANTIZED_COUNTS = (256, 1024)  # where an int8 / int4 linear's micro-kernels and dequantising route are compared
@@ -108,7 +101,7 @@ class QuantizedLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, fmt: str, group_size: int, weight: QuantizedWeight | None = None) -> None:
         super().__init__()
-        q = weight or quantize(linear.weight.detach().unsqueeze(0), BITS[fmt], group_size)
+        q = weight if weight is not None else quantize(linear.weight.detach().unsqueeze(0), BITS[fmt], group_size)
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.register_buffer("qweight", q.data[0])
         self.register_buffer("scale", q.scale[0])
