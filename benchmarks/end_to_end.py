@@ -80,11 +80,13 @@ def decode_bytes(path: Path, row: str = "ours") -> float:
         for name in f.keys():
             if "embed_tokens" in name:
                 continue
+            shape = f.get_slice(name).get_shape()
             weights = 1
-            for d in f.get_slice(name).get_shape():
+            for d in shape:
                 weights *= d
-            total += weights * share * BYTES_PER_WEIGHT[kind] if ".experts." in name else weights * (
-                BYTES_PER_WEIGHT[dense_kind] if len(f.get_slice(name).get_shape()) == 2 else 2.0)
+            per_weight = BYTES_PER_WEIGHT[kind] if ".experts." in name else (
+                BYTES_PER_WEIGHT[dense_kind] if len(shape) == 2 else 2.0)  # norms stay in bf16
+            total += weights * per_weight * (share if ".experts." in name else 1)
     return total
 
 
@@ -262,7 +264,8 @@ def main() -> None:
             records[row].append({**json.loads(done.stdout.strip().splitlines()[-1]),
                                  "bandwidth_gb_s": read_bandwidth(args.threads)})
     floor_gb = decode_bytes(path) / 1e9
-    bandwidth = statistics.median(r["bandwidth_gb_s"] for recs in records.values() for r in recs)
+    reads = [r["bandwidth_gb_s"] for recs in records.values() for r in recs]
+    bandwidth = statistics.median(reads) if reads else read_bandwidth(args.threads)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")

@@ -79,3 +79,14 @@ def test_a_route_measured_under_load_is_not_kept(tmp_path, monkeypatch):
     assert not measured.routes_file().exists()
     monkeypatch.setattr(measured.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert _counting(calls)((8, 4), 8) == 16 and len(calls) == 2 and measured.routes_file().exists()
+
+
+def test_a_truncated_pair_is_measured_again(tmp_path, monkeypatch):
+    """A route stored as a pair (cpu_kernel.GemmRoute's form) cut short by hand: measured again, not a crash."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    pair = {"encode": lambda v: [v, 0], "decode": lambda v: measured.count(v[0]) + measured.count(v[1])}
+    _counting(calls, **pair)((8, 4), 8)
+    path = measured.routes_file()
+    path.write_text(json.dumps({k: [16] for k in json.loads(path.read_text())}))
+    assert _counting(calls, **pair)((8, 4), 8) == 16 and len(calls) == 2

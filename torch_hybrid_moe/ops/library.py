@@ -20,8 +20,8 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 def _require(condition: bool, message: Callable[[], str]) -> None:
-    """torch._check for concrete tensors: the same error, without its symbolic-shape machinery (~1 us a check,
-    ten checks in each decode layer's step)."""
+    """torch._check for concrete tensors: the same error, without its symbolic-shape machinery (ten checks in each
+    decode layer's step)."""
     if not condition:
         raise RuntimeError(message())
 

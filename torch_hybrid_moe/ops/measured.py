@@ -78,7 +78,7 @@ def measured(encode: Callable[[T], Any] = lambda v: v, decode: Callable[[Any], T
             if entry in stored:
                 try:
                     return decode(stored[entry])
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, IndexError, KeyError):  # a hand-edited or corrupted entry
                     pass
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
             value = fn(*args)
