@@ -12,6 +12,8 @@ Rows, each on a freshly built model (patching moves its experts into pinned host
 - all-cpu: budget 0, every routed expert on the CPU (the Fiddler / KTransformers layout), graph on and off;
 - on-demand: every missing expert fetched into a slot before it runs (MoE-Infinity's GPU-centric placement),
   graph on and off;
+- no-stream: the hybrid row with the prefill staging ring off (`staging_slots=0`): every expert not in a slot is
+  computed on the CPU at prefill; the other rows stream the heaviest through the ring (runtime/staging_ring.py);
 - accelerate: transformers + accelerate `device_map` offload (the routed experts' modules on "cpu", their
   weights streamed to the GPU at every forward).
 
@@ -21,10 +23,12 @@ Each row warms up (compilation, graph capture) with both prompt lengths, then ti
 prompt's tokens over the time of a 1-token generate; decode = the extra tokens over the extra time of a longer
 generate. Medians of --repeats. The floor is the time to stream the experts the CPU computed per token
 (measured misses) at the host's measured copy rate (bytes read plus written, an upper bound on what reads
-alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU.
+alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU. The prefill floor is the
+better of two: every routed expert copied to the GPU once at the measured pinned copy rate (PCIe), or read once by
+the CPU at the host's copy rate; the prefill column's share of it is printed beside it.
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
-        [--rows hybrid prefetch prefetch-1 deferral dali all-cpu on-demand accelerate]
+        [--rows hybrid prefetch prefetch-1 deferral dali all-cpu on-demand no-stream accelerate]
         [--graph off on] [--tokens 32] [--prompt 512] [--cpu-threads N] [--json] [--profile DIR]
 """
 
@@ -45,11 +49,12 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 import torch_hybrid_moe as thm
 
 
-ROWS = ("hybrid", "prefetch", "prefetch-1", "deferral", "dali", "all-cpu", "on-demand", "accelerate")
+ROWS = ("hybrid", "prefetch", "prefetch-1", "deferral", "dali", "all-cpu", "on-demand", "no-stream", "accelerate")
 VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"},
             "prefetch-1": {"prefetcher": "gate", "prefetch_size": 1},
             "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
-            "dali": {"scheduler": "dali_greedy", "hardware": "local"}, "on-demand": {"scheduler": "on_demand"}}
+            "dali": {"scheduler": "dali_greedy", "hardware": "local"}, "on-demand": {"scheduler": "on_demand"},
+            "no-stream": {"staging_slots": 0}}
 
 
 def lite_config(layers: int) -> DeepseekV2Config:
@@ -101,6 +106,20 @@ def host_bandwidth_gb_s() -> float:
     return 2 * a.nbytes / statistics.median(times) / 1e9
 
 
+def pcie_gb_s() -> float:
+    """Pinned host-to-GPU copy rate, the staging ring's ceiling."""
+    a = torch.empty(1 << 28, dtype=torch.uint8, pin_memory=True)
+    b = torch.empty_like(a, device="cuda")
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        b.copy_(a, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return a.nbytes / statistics.median(times) / 1e9
+
+
 def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: StaticCache | None) -> float:
     """Seconds of one greedy generate() into `cache`: one cache (one shape, one address) for every call, so
     no call recompiles or recaptures the decode step (None: generate's own dynamic cache)."""
@@ -147,7 +166,7 @@ def build(row: dict, config: DeepseekV2Config) -> torch.nn.Module:
     return thm.patch_model(model, device="cuda", **{k: v for k, v in row.items() if k != "row"})
 
 
-def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandwidth: float) -> dict:
+def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandwidth: float, pcie: float) -> dict:
     model = build(row, config)
     patched = row["row"] != "accelerate"
     prompt = torch.randint(3, config.vocab_size, (1, args.prompt), device="cuda")
@@ -176,12 +195,14 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
     # On-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model.
     on_cpu = row.get("scheduler") != "on_demand"
     cpu_bytes_per_token = statistics.median(misses) / args.tokens * expert_bytes if on_cpu else 0
+    all_experts = (config.num_hidden_layers - config.first_k_dense_replace) * config.n_routed_experts * expert_bytes
     del model, cache
     release()
     return {
         **row, "decode_tok_s": 1 / statistics.median(decode), "prefill_tok_s": statistics.median(prefill),
         "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)) if patched else None,
         "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else None,
+        "prefill_floor_tok_s": args.prompt * max(pcie, bandwidth) * 1e9 / all_experts,
     }
 
 
@@ -251,11 +272,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA GPU")
     config = lite_config(args.layers)
-    bandwidth = host_bandwidth_gb_s()
+    bandwidth, pcie = host_bandwidth_gb_s(), pcie_gb_s()
     results = []
     for row in rows_of(args):
         try:
-            r = measure(row, args, config, bandwidth)
+            r = measure(row, args, config, bandwidth, pcie)
         except Exception:  # noqa: BLE001 - one failing baseline must not lose the other rows
             print(f"\n{row}: failed:\n{traceback.format_exc()}", flush=True)
             r = None
@@ -266,10 +287,11 @@ def main() -> None:
         extra = {k: v for k, v in row.items() if k not in ("row", "cuda_graph")}
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         print(f"{row['row']:10s} {extra!s:45s} graph {'on ' if row.get('cuda_graph') else 'off'}  decode "
-              f"{r['decode_tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s  hit "
+              f"{r['decode_tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s "
+              f"({r['prefill_tok_s'] / r['prefill_floor_tok_s']:4.0%} of {r['prefill_floor_tok_s']:.0f})  hit "
               f"{fmt(r['hit_rate'], '.3f')}  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s", flush=True)
     meta = {"device": torch.cuda.get_device_name(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "host_copy_gb_s": round(bandwidth, 1), "layers": args.layers,
+            "threads": torch.get_num_threads(), "host_copy_gb_s": round(bandwidth, 1), "pcie_gb_s": round(pcie, 1), "layers": args.layers,
             "tokens": args.tokens, "prompt": args.prompt, "repeats": args.repeats}
     if args.json:
         print(json.dumps({"meta": meta, "rows": results}, indent=1))

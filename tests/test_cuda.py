@@ -28,3 +28,18 @@ def test_cuda_matches_reference(arch, budget):
             assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-4
     tokens = ref.generate(x, max_new_tokens=8, do_sample=False)
     assert torch.equal(model.generate(x, max_new_tokens=8, do_sample=False), tokens)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_cuda_prefill_streams_through_ring(arch):
+    """The staging ring on a real copy stream: prefill streams experts while the CPU computes the rest at the same
+    time, and the logits stay the unpatched model's."""
+    ref = tiny_model(arch).cuda()
+    model = thm.patch_model(tiny_model(arch), expert_budget=0.25, device="cuda", hardware="dali",
+                            expert_shape="deepseek-v2-lite")
+    x = torch.randint(3, 96, (3, 64), device="cuda")
+    with torch.no_grad():
+        want = ref(x).logits.double()
+        got = model(x).logits.double()
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert all(s.streamed_experts > 0 and s.cpu_experts > 0 for s in thm.stats(model).values())

@@ -44,6 +44,11 @@ class HybridMoEConfig:
         experts, dense MLPs, the LM head) as loaded; "int8" / "int4" quantise them with one scale per
         `cpu_weight_group_size` columns and run them on the CPU kernel's micro-kernels: an approximate mode for
         CPU-only machines, where those bytes bound every decode token (benchmarks/RESULTS.md); refused on CUDA.
+    staging_slots: accelerator buffers a prefill step streams experts through when the cost model says a copy and
+        the accelerator's compute beat the CPU for them (its heaviest experts; the CPU computes the rest at the same
+        time, and the cache's slots are left alone; runtime/staging_ring.py). The cost model is `hardware`'s, or on
+        CUDA with `hardware` '' this machine's measured profile; on the CPU stand-in only a set `hardware` streams.
+        0: experts not in a slot all run on the CPU.
     cuda_graph: on CUDA, capture each decode step of `generate()` as one CUDA graph (CPU experts run from host
         functions inside it; slot decisions are made by tensor ops at replay). False: run decode uncaptured.
     fills_per_step: inside a graph, the most missed experts the cache policy may admit into slots per layer step
@@ -79,6 +84,7 @@ class HybridMoEConfig:
     cpu_weight_dtype: str = "model"
     cpu_weight_group_size: int = 64
     dense_weight_dtype: str = "model"
+    staging_slots: int = 2
     cuda_graph: bool = True
     fills_per_step: int = 1
     prefetch_size: int = 0
@@ -99,7 +105,7 @@ class HybridMoEConfig:
             self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32
         ):
             raise ValueError(f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}")
-        for name in ("fills_per_step", "prefetch_size", "cpu_threads"):
+        for name in ("staging_slots", "fills_per_step", "prefetch_size", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")

@@ -41,16 +41,21 @@ def accumulate_experts_(
             continue
         pairs = order[start : start + n]
         start += n
-        tokens = pairs // num_k
-        x = hidden[tokens]
-        w_gate_up, w_down = gate_up[e], down[e]
-        if w_gate_up.dtype != x.dtype:
-            x = x.to(w_gate_up.dtype)
         rounds = rounded or isinstance(gate_up, QuantizedWeight)
-        gate, up = F.linear(_rounded(x, rounds), w_gate_up).chunk(2, dim=-1)
-        y = F.linear(_rounded(F.silu(gate) * up, rounds), w_down)
-        out.index_add_(0, tokens, y.to(out.dtype) * flat_w[pairs].to(out.dtype).unsqueeze(-1))
+        expert_into_(out, hidden, pairs // num_k, flat_w[pairs], gate_up[e], down[e], rounds)
     return out
+
+
+def expert_into_(out: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor,
+                 w_gate_up: torch.Tensor, w_down: torch.Tensor, rounded: bool) -> None:
+    """out[tokens] += weights * FFN(hidden[tokens]) for one expert's weights (`rounded`: as in
+    `accumulate_experts_`); the one expert step of the per-expert loop and of the prefill staging ring."""
+    x = hidden[tokens]
+    if w_gate_up.dtype != x.dtype:
+        x = x.to(w_gate_up.dtype)
+    gate, up = F.linear(_rounded(x, rounded), w_gate_up).chunk(2, dim=-1)
+    y = F.linear(_rounded(F.silu(gate) * up, rounded), w_down)
+    out.index_add_(0, tokens, y.to(out.dtype) * weights.to(out.dtype).unsqueeze(-1))
 
 
 def _rounded(x: torch.Tensor, rounds: bool) -> torch.Tensor:

@@ -29,13 +29,25 @@ def _local_model(shape: ExpertShape) -> CostModel:
     return profile_hardware(shape, progress=False).cost_model()
 
 
-def live_costs(config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: int) -> CostModel | None:
-    """The configured cost model for experts of this size (or of `config.expert_shape`); None without one."""
-    if not config.hardware:
+def live_costs(config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: int,
+               hardware: str | None = None) -> CostModel | None:
+    """The configured cost model (or `hardware`'s) for experts of this size (or of `config.expert_shape`); None
+    without one."""
+    hardware = config.hardware if hardware is None else hardware
+    if not hardware:
         return None
     own = ExpertShape("model", hidden, inter, expert_bytes / (3 * hidden * inter))
     shape = EXPERT_SHAPES.get(config.expert_shape, own)
-    return _local_model(shape) if config.hardware == "local" else CostModel(HARDWARE[config.hardware], shape)
+    return _local_model(shape) if hardware == "local" else CostModel(HARDWARE[hardware], shape)
+
+
+def streaming_costs(config: HybridMoEConfig, device_type: str, hidden: int, inter: int,
+                    expert_bytes: int) -> CostModel | None:
+    """The cost model a prefill step's staging ring plans with: the configured one, else on CUDA this machine's
+    measured profile (streaming is on by default there); None (no streaming) without either, or with no buffers."""
+    if not config.staging_slots:
+        return None
+    return live_costs(config, hidden, inter, expert_bytes, config.hardware or ("local" if device_type == "cuda" else ""))
 
 
 def policy_context(config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int,

@@ -56,7 +56,12 @@ class ExpertStore(SlotMap):
         return self.expert_bytes
 
     def _fill(self, slot: int, expert: int) -> None:
-        for dst, src in ((self.slot_gate_up[slot], self.host_gate_up), (self.slot_down[slot], self.host_down)):
+        self.copy_expert(expert, self.slot_gate_up[slot], self.slot_down[slot])
+
+    def copy_expert(self, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Write `expert`'s host master into two device buffers of the slots' shapes and dtype (dequantised there:
+        quantised experts cross the link quantised), on the current stream."""
+        for dst, src in ((gate_up, self.host_gate_up), (down, self.host_down)):
             if isinstance(src, QuantizedWeight):
                 data = src.data[expert].to(self.device, non_blocking=True)
                 scale = src.scale[expert].to(self.device, non_blocking=True)

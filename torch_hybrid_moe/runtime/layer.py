@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..config import HybridMoEConfig
+from ..cost_model import CostModel
 from ..ops.expert_math import accumulate_experts_
 from ..ops.library import cpu_experts_into
 from ..ops.quantize import kernel_operands
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement
 from ..policies.prefetching import Router
-from .costs import policy_context
+from ..policies.streaming import plan_streaming
+from .costs import policy_context, streaming_costs
 from .expert_store import ExpertStore
 from .graph_path import AHEAD, BEHIND, PLAIN, GraphPath
 from .registry import register_layer
+from .staging_ring import StagingRing
 from .stats import LayerStats
 
 
@@ -110,7 +114,8 @@ class HybridMoELayer:
                     part: int = 0) -> torch.Tensor:
         self.settle()
         store = self.store
-        if store.num_slots == 0 and part == PLAIN and self._ahead is None and hidden.device.type == "cpu":
+        if (store.num_slots == 0 and part == PLAIN and self._ahead is None and hidden.device.type == "cpu"
+                and self.streaming is None):
             return self._all_on_cpu(hidden, topk_ids, topk_weights)
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
         flat = topk_ids.reshape(-1) + 1  # -1 (computed by another dispatch) lands in bin 0, dropped below
@@ -129,6 +134,14 @@ class HybridMoELayer:
             if not self._fill(expert, keep=set(plan.accelerator)):
                 raise RuntimeError(f"{self.name}: no slot free for on-demand fetch of expert {expert}")
 
+        streaming = self.streaming
+        streamed = plan_streaming(counts, plan.cpu, plan.accelerator, streaming[1]) if streaming else []
+        cpu = sorted(set(plan.cpu) - set(streamed))
+        # Host copies taken before the accelerator's work is queued (each waits for the queue): the CPU share
+        # must not wait for the accelerator's.
+        host_ids, host_weights = (topk_ids.cpu(), topk_weights.cpu()) if plan.cpu else (topk_ids, topk_weights)
+        host_hidden = hidden.cpu() if cpu else hidden
+
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         if plan.accelerator:
             store.wait_for_copies()
@@ -140,13 +153,16 @@ class HybridMoELayer:
             else:
                 accumulate_experts_(acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down,
                                     rounded=store.rounds_inputs)
-        if plan.cpu:
-            cpu_ids = self._relabel(topk_ids.cpu(), {e: e for e in plan.cpu})
-            acc += self._cpu_share(hidden.cpu(), cpu_ids, topk_weights.cpu()).to(acc.device, non_blocking=True)
+        if streamed:
+            self.stats.bytes_transferred += streaming[0].run(acc, hidden, host_ids, host_weights, streamed)
+        if cpu:
+            cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
+            acc += self._cpu_share(host_hidden, cpu_ids, host_weights).to(acc.device, non_blocking=True)
 
         s = self.stats
         s.accelerator_experts += len(plan.accelerator)
-        s.cpu_experts += len(plan.cpu)
+        s.cpu_experts += len(cpu)
+        s.streamed_experts += len(streamed)
         if part == AHEAD:  # the layer's plain dispatch of this step counts and admits for it
             self._ahead = counts, scores
             return acc
@@ -182,6 +198,15 @@ class HybridMoELayer:
                 if not self._fill(expert, keep=keep):
                     break
                 self.stats.prefetched_experts += 1
+
+    @functools.cached_property
+    def streaming(self) -> tuple[StagingRing, CostModel] | None:
+        """The prefill staging ring and the cost model that plans it, built on first use (the cost model may be
+        this machine's profile, measured once); None where `staging_slots` is 0 or no cost model applies."""
+        store = self.store
+        _, two_inter, hidden = store.host_gate_up.shape
+        costs = streaming_costs(self.config, store.device.type, hidden, two_inter // 2, store.expert_bytes)
+        return None if costs is None else (StagingRing(store, self.config.staging_slots), costs)
 
     def _all_on_cpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """A step with no slots (budget 0) on the CPU: every pair runs in the kernel as routed, with no placement

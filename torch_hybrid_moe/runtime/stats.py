@@ -19,7 +19,8 @@ class LayerStats:
     tokens: token rows routed through the layer; accelerator_experts / cpu_experts: activated
     experts computed in slots / on the CPU (summed over steps); hits / misses: activated experts
     found / not found in a slot when routing arrived; bytes_transferred: host-to-slot copies,
-    cache fills and prefetches; prefetched_experts: experts copied early by the prefetcher.
+    cache fills, prefetches and the prefill staging ring's copies; prefetched_experts: experts copied early by the
+    prefetcher; streamed_experts: experts a prefill step streamed through the staging ring (neither CPU nor slot).
     """
 
     tokens: int = 0
@@ -31,6 +32,7 @@ class LayerStats:
     bytes_transferred: int = 0
     prefetch_calls: int = 0
     prefetched_experts: int = 0
+    streamed_experts: int = 0
 
     @property
     def hit_rate(self) -> float:

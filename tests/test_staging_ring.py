@@ -1,0 +1,127 @@
+"""The prefill staging ring: which experts stream (against every subset), what they compute (against the per-expert
+float64 loop), and a patched model streaming them (against the unpatched model). CPU-run: on CUDA the same code
+adds a copy stream and events, which test_cuda.py's GPU runs cover."""
+
+import copy
+import itertools
+import random
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
+from torch_hybrid_moe.ops.expert_math import accumulate_experts_
+from torch_hybrid_moe.ops.quantize import dequantize, quantize
+from torch_hybrid_moe.policies.streaming import plan_streaming, streaming_makespan
+from torch_hybrid_moe.runtime.expert_store import ExpertStore
+from torch_hybrid_moe.runtime.staging_ring import StagingRing
+
+from .test_exactness import assert_logits_close, inputs
+
+COSTS = [CostModel(HARDWARE[h], EXPERT_SHAPES[s]) for h in ("dali", "rtx4090", "rtx5090") for s in EXPERT_SHAPES]
+
+
+@pytest.mark.parametrize("costs", COSTS, ids=lambda c: f"{c.hardware.name}-{c.expert.name}")
+def test_plan_is_the_best_subset(costs):
+    """Against brute force over every subset of the CPU's experts, on prompts of 16 to 4096 tokens."""
+    rng = random.Random(0)
+    for tokens in (16, 128, 512, 4096):
+        for _ in range(5):
+            counts = [rng.randint(0, 2 * tokens // 8) for _ in range(12)]
+            active = [e for e, c in enumerate(counts) if c]
+            accelerator = active[:2]
+            cpu = active[2:]
+            streamed = plan_streaming(counts, cpu, accelerator, costs)
+            assert set(streamed) <= set(cpu)
+            got = streaming_makespan(counts, streamed, sorted(set(cpu) - set(streamed)), accelerator, costs)
+            best = min(streaming_makespan(counts, s, sorted(set(cpu) - set(s)), accelerator, costs)
+                       for k in range(len(cpu) + 1) for s in itertools.combinations(cpu, k))
+            assert got == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("costs", COSTS, ids=lambda c: f"{c.hardware.name}-{c.expert.name}")
+def test_lone_token_streams_nothing(costs):
+    """A step of one token on one CPU expert: the CPU computes it before the link could copy it, on every preset
+    (a decode token's eight CPU experts may stream one where the CPU is slow beside the link: the plan's choice)."""
+    assert plan_streaming([0, 1], [1], [], costs) == []
+
+
+def _experts(num_experts=6, hidden=64, inter=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5,
+            torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("bits", [None, 4])
+def test_ring_computes_streamed_pairs(depth, bits):
+    """More experts than buffers (each buffer reused), int4 masters dequantised into the buffers: the sum over the
+    streamed experts' pairs, and nothing of the others, against the float64 per-expert loop."""
+    gate_up, down = _experts()
+    if bits:
+        qg, qd = quantize(gate_up, bits, 32), quantize(down, bits, 32)
+        store = ExpertStore(qg, qd, 0, torch.device("cpu"), torch.float32)
+        gate_up, down = (dequantize(q.data, q.scale, q.bits, q.group_size) for q in (qg, qd))
+    else:
+        store = ExpertStore(gate_up, down, 0, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 64, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(40)])
+    weights = torch.rand(40, 2, generator=g)
+    streamed = [4, 0, 5, 2]
+    got = torch.zeros(40, 64)
+    moved = StagingRing(store, depth).run(got, hidden, ids, weights, streamed)
+    assert moved == len(streamed) * store.expert_bytes
+    only = torch.where(torch.isin(ids, torch.tensor(streamed)), ids, -1)
+    want = accumulate_experts_(torch.zeros(40, 64, dtype=torch.float64), hidden.double(), only, weights.double(),
+                               gate_up.double(), down.double(), rounded=bits is not None)
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
+
+
+def test_ring_refuses_no_buffers():
+    store = ExpertStore(*_experts(), 0, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="at least one buffer"):
+        StagingRing(store, 0)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
+def test_patched_model_streams_prefill_exactly(reference_models, arch):
+    """A cost model that streams (the CPU stand-in as the accelerator): prefill streams some experts and computes
+    the rest on the CPU, decode streams none, and the logits are the unpatched model's."""
+    ref = reference_models[arch]
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, hardware="dali", expert_shape="deepseek-v2-lite")
+    with torch.no_grad():
+        x = inputs(3, 64)
+        assert_logits_close(model(x).logits, ref(x).logits)
+        prefill = thm.stats(model)
+        assert all(s.streamed_experts > 0 and s.cpu_experts > 0 for s in prefill.values())
+        thm.reset_stats(model)
+        x = inputs(1, 1)
+        assert_logits_close(model(x).logits, ref(x).logits)
+        assert all(s.streamed_experts == 0 for s in thm.stats(model).values())
+
+
+def test_staging_slots_off_and_bad(reference_models):
+    """0 buffers: nothing streams whatever the cost model; a negative count is refused."""
+    model = thm.patch_model(copy.deepcopy(reference_models["mixtral"]), expert_budget=0.25, hardware="dali",
+                            expert_shape="deepseek-v2-lite", staging_slots=0)
+    with torch.no_grad():
+        model(inputs(3, 64))
+    assert all(s.streamed_experts == 0 for s in thm.stats(model).values())
+    with pytest.raises(ValueError, match="staging_slots must be a non-negative int"):
+        thm.HybridMoEConfig(staging_slots=-1)
+
+
+def test_chunked_prefill_matches(reference_models):
+    """Long prompts prefill in chunks through transformers' `prefill_chunk_size`, streaming per chunk: the same
+    greedy tokens as one whole-prompt prefill of the unpatched model."""
+    ref = reference_models["qwen3_moe"]
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, hardware="dali", expert_shape="deepseek-v2-lite")
+    x = inputs(1, 96)
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = ref.generate(x, **settings)
+        got = model.generate(x, prefill_chunk_size=32, **settings)
+    assert torch.equal(got, want)
+    assert all(s.streamed_experts > 0 for s in thm.stats(model).values())
