@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.model_patches.cpu_attention import cpu_attention_forward
-from torch_hybrid_moe.ops import cpu_kernel, host_memory
+from torch_hybrid_moe.ops import cpu_kernel, host_memory, kernel_build
 from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
 
 # Qwen3-30B-A3B at decode: LM head, q / kv / o projections; its MoE layer: 128 experts of 2048 x 768, top-8
@@ -52,7 +52,7 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown CPU")
     flags = sorted({f for line in info if line.startswith("flags") for f in line.split() if f.startswith(("avx", "amx"))})
     print(f"{cpu} ({' '.join(flags)}), {args.threads} threads, kernel ISA "
-          f"{cpu_kernel.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}, {time.strftime('%Y-%m-%d')}")
+          f"{kernel_build.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}, {time.strftime('%Y-%m-%d')}")
 
     # The op on the weight as torch allocates it (4 KB pages where THP is "madvise") and on 2 MB pages.
     print(f"\n{'bf16 linear, 1 token':<22} {'F.linear ms':>11} {'GB/s':>6} {'op ms':>8} {'GB/s':>6} "

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_hybrid_moe  # noqa: F401  (registers the ops)
-from torch_hybrid_moe.ops import cpu_kernel
+from torch_hybrid_moe.ops import cpu_kernel, kernel_build
 from torch_hybrid_moe.ops.quantize import QuantizedWeight, kernel_operands, to_cpu_format
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -257,7 +257,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(records, indent=1))
         return
-    print(f"{torch.get_num_threads()} threads, kernel ISA {cpu_kernel.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}; "
+    print(f"{torch.get_num_threads()} threads, kernel ISA {kernel_build.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}; "
           f"read bandwidth {bandwidth:.1f} GB/s; matmul bf16 {mm:.4f} / fp32 {mm32:.4f} TFLOP/s")
     print(f"{'shape':<17} {'regime':<8} {'tok':>4} {'impl':<11} {'dtype':<5} {'ms':>9} {'GB/s':>6} {'%bw':>4} "
           f"{'TFLOP/s':>8} {'%mm':>5} {'%mm32':>5} {'x loop':>6}")

@@ -57,9 +57,9 @@ def test_expert_budget_defaults_to_zero_without_cuda():
 
 
 def test_build_command_reports_the_kernel(capsys):
-    from torch_hybrid_moe.ops import cpu_kernel
+    from torch_hybrid_moe.ops import cpu_kernel, kernel_build
 
     if cpu_kernel.best_isa() < 0:
         pytest.skip("no C++ compiler here")
     assert main(["build"]) == 0
-    assert f"(ISA level {cpu_kernel.ISA_NAMES[cpu_kernel.best_isa()]})" in capsys.readouterr().out
+    assert f"(ISA level {kernel_build.ISA_NAMES[cpu_kernel.best_isa()]})" in capsys.readouterr().out

@@ -176,8 +176,9 @@ def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
 
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(num_experts, 8, 4, generator=g), torch.randn(num_experts, 4, 4, generator=g)
+    # the simulator does not model the prefill staging ring: the live layer runs without it
     config = HybridMoEConfig(expert_budget=0.25, device="cpu", scheduler=scheduler, cache_policy=cache_policy,
-                             hardware="dali", expert_shape="deepseek-v2-lite")
+                             hardware="dali", expert_shape="deepseek-v2-lite", staging_slots=0)
     store = ExpertStore(gate_up, down, config.slots_per_layer(num_experts, 1, 1), torch.device("cpu"), torch.float32)
     live = HybridMoELayer("live", layer_idx, store, config)
     topk = trace.layers[layer_idx].topk_ids.long()
@@ -205,7 +206,7 @@ def test_live_prefetch_and_simulator_agree(prefetcher):
     sim = simulate(trace, Stack("t", "cached_on_accelerator", "lru", True, "", prefetcher), COSTS, 1, 0.25)
 
     config = HybridMoEConfig(expert_budget=0.25, device="cpu", prefetcher=prefetcher, hardware="dali",
-                             expert_shape="deepseek-v2-lite")
+                             expert_shape="deepseek-v2-lite", staging_slots=0)  # no ring: the simulator has none
     g = torch.Generator().manual_seed(0)
     layers = {}
     for idx in (first, second):

@@ -143,13 +143,13 @@ def generate(args: argparse.Namespace) -> int:
 
 def build(args: argparse.Namespace) -> int:
     """Build (or find) the C++ CPU kernel and say which ISA level it runs at here."""
-    from torch_hybrid_moe.ops import cpu_kernel
+    from torch_hybrid_moe.ops import cpu_kernel, kernel_build
 
     _kernel_ready()
     if cpu_kernel.extension() is None:
         raise InputError("the C++ CPU kernel cannot be built here (see the warning above); the CPU experts will "
                          "use the slower per-expert torch loop")
-    print(f"C++ CPU kernel ready: {cpu_kernel.extension().__file__} (ISA level {cpu_kernel.ISA_NAMES[cpu_kernel.best_isa()]})")
+    print(f"C++ CPU kernel ready: {cpu_kernel.extension().__file__} (ISA level {kernel_build.ISA_NAMES[cpu_kernel.best_isa()]})")
     return 0
 
 

@@ -209,12 +209,12 @@ class HardwareProfile:
 
 def profile_key(expert: ExpertShape, tokens: Sequence[int]) -> dict:
     """What a measurement depends on: the cache key."""
-    from .ops import cpu_kernel
+    from .ops import cpu_kernel, kernel_build
 
     isa = cpu_kernel.best_isa()
     return {
         "format": FORMAT, "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "kernel": cpu_kernel.ISA_NAMES.get(isa, "torch loop"), "expert": asdict(expert),
+        "kernel": kernel_build.ISA_NAMES.get(isa, "torch loop"), "expert": asdict(expert),
         "tokens": sorted(int(n) for n in tokens),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
     }

@@ -47,12 +47,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..ops.library import TAGS
+from ..policies.prefetching import router_scores
 from ..runtime import HybridMoELayer, get_layer
 from ..runtime.graph_path import AHEAD
-from ..policies.prefetching import router_scores
 from .graph_utils import DISPATCH, DISPATCH_END, PREFETCH, begin_after, block_and_layer, calls, module_paths
-
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 class DaopPrecalcPatternError(RuntimeError):
@@ -109,7 +108,7 @@ def degrade(
     "hybrid_moe::precalc_routing",
     mutates_args=(),
     schema="(Tensor ids, Tensor weights, Tensor logits, int layer) -> (Tensor, Tensor, Tensor, Tensor)",
-    tags=_TAGS,
+    tags=TAGS,
 )
 def precalc_routing(
     ids: torch.Tensor, weights: torch.Tensor, logits: torch.Tensor, layer: int
@@ -134,7 +133,7 @@ def _(ids, weights, logits, layer):  # noqa: ANN001, ANN202
             torch.empty(shape, dtype=weights.dtype, device=device), torch.empty(shape, dtype=torch.bool, device=device))
 
 
-@torch.library.custom_op("hybrid_moe::precalc_account", mutates_args=(), tags=_TAGS,
+@torch.library.custom_op("hybrid_moe::precalc_account", mutates_args=(), tags=TAGS,
                          schema="(Tensor exact_ids, Tensor ids, Tensor swapped, Tensor early_ids, int layer) -> ()")
 def precalc_account(exact_ids: torch.Tensor, ids: torch.Tensor, swapped: torch.Tensor, early_ids: torch.Tensor,
                     layer: int) -> None:

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .kernel_build import ISA_NAMES, best_isa, source_digest
+
 FORMAT = 1  # bump when what a cached route means changes
 T = TypeVar("T")
 
@@ -46,8 +48,6 @@ def cpu_model() -> str:
 def routes_file() -> Path:
     """This machine's file of measured routes (its name digests CPU model, torch version, the kernel's sources and
     the ISA it runs at: a changed kernel measures again)."""
-    from .cpu_kernel import ISA_NAMES, best_isa, source_digest
-
     key = {"format": FORMAT, "cpu": cpu_model(), "torch": torch.__version__, "kernel": source_digest(),
            "isa": ISA_NAMES.get(best_isa(), "none")}
     return cache_dir() / f"routes-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -70,24 +69,6 @@ class Router:
             choice = choice.masked_fill(~keep.repeat_interleave(groups.shape[2], dim=1), float("-inf"))
         ids = choice.topk(self.top_k, dim=-1).indices
         return ids, scores.gather(1, ids)
-
-
-def residual_vectors(trace: object) -> dict[int, torch.Tensor]:
-    """DALI's res_vec(l) = mean over rows of (gate input of the next MoE layer - gate input of layer l), from
-    the rows whose gate inputs a trace (a `traces.Trace` or its file) kept; keyed by l, the last layer has none.
-    Accumulated in float64, returned as float32."""
-    from ..traces import Trace
-
-    if isinstance(trace, (str, Path)):
-        trace = Trace.load(trace)
-    order = list(trace.layers)
-    vectors = {}
-    for layer, nxt in zip(order, order[1:]):
-        here, there = trace.layers[layer], trace.layers[nxt]
-        if here.hidden.shape[0] == 0 or not torch.equal(here.hidden_rows, there.hidden_rows):
-            raise ValueError(f"layers {layer} and {nxt}: the trace has no gate inputs of the same rows to calibrate on")
-        vectors[layer] = (there.hidden.double() - here.hidden.double()).mean(0).float()
-    return vectors
 
 
 class MissingRouter(ValueError):
@@ -163,7 +144,7 @@ class GatePrefetch:
 @PREFETCHERS.register("residual")
 class ResidualPrefetch(GatePrefetch):
     """DALI: the gate prefetch on hidden + res_vec, the mean residual between the two layers' gate inputs
-    (`residual_vectors`), which brings the input closer to this layer's own gate input."""
+    (`simulator.calibration.residual_vectors`), which brings the input closer to this layer's own gate input."""
 
     name = "residual"
 
@@ -172,7 +153,7 @@ class ResidualPrefetch(GatePrefetch):
         super().__init__(info, router, size)
         if residual is None or residual.shape != (self.router.weight.shape[1],):
             raise ValueError(f"prefetcher 'residual' needs residual=[{self.router.weight.shape[1]}] "
-                             "(residual_vectors of a calibration trace)")
+                             "(simulator.calibration.residual_vectors of a calibration trace)")
         self.residual = residual.float()
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Run-time state of patched models: expert stores, per-layer dispatch, handles and counters."""
 
+from . import layer_ops  # registers torch.ops.hybrid_moe.dispatch / dispatch_begin / dispatch_end / prefetch
 from .expert_store import ExpertStore
 from .layer import HybridMoELayer
 from .registry import get_layer, register_layer

@@ -11,11 +11,27 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..policies.prefetching import Router, residual_vectors
+from ..policies.prefetching import Router
 from ..traces import Trace
 
 # Where each architecture's checkpoint keeps layer L's router (Mixtral's original name, everyone else's).
 _ROUTER_KEYS = ("model.layers.{}.mlp.gate", "model.layers.{}.block_sparse_moe.gate")
+
+
+def residual_vectors(trace: Trace | str | Path) -> dict[int, torch.Tensor]:
+    """DALI's res_vec(l) = mean over rows of (gate input of the next MoE layer - gate input of layer l), from
+    the rows whose gate inputs a trace (a `traces.Trace` or its file) kept; keyed by l, the last layer has none.
+    Accumulated in float64, returned as float32."""
+    if isinstance(trace, (str, Path)):
+        trace = Trace.load(trace)
+    order = list(trace.layers)
+    vectors = {}
+    for layer, nxt in zip(order, order[1:]):
+        here, there = trace.layers[layer], trace.layers[nxt]
+        if here.hidden.shape[0] == 0 or not torch.equal(here.hidden_rows, there.hidden_rows):
+            raise ValueError(f"layers {layer} and {nxt}: the trace has no gate inputs of the same rows to calibrate on")
+        vectors[layer] = (there.hidden.double() - here.hidden.double()).mean(0).float()
+    return vectors
 
 
 def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:

@@ -1,0 +1,57 @@
+"""Build the C++ CPU side: the expert kernel (`csrc/moe_cpu.cpp`) and the CUDA host-function bridge that runs it
+from inside captured graphs (`csrc/host_bridge.cpp`).
+
+The kernel is compiled on first use with torch's own extension builder (g++ and ninja; no CUDA toolkit),
+once per machine and torch version, and cached under torch's extensions directory. Where it cannot be
+built (no compiler) the CPU experts fall back to the per-expert torch loop with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_CSRC = Path(__file__).parent / "csrc"
+_COMPILED = (_CSRC / "module.cpp", _CSRC / "moe_cpu.cpp", _CSRC / "host_bridge.cpp")
+_SOURCES = (*_COMPILED, _CSRC / "moe_cpu.h", _CSRC / "rows_kernel.h")
+ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
+
+
+@functools.cache
+def source_digest() -> str:
+    """What the compiled kernel is: its sources and torch's version (its build's name; the measured routes' key)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The compiled kernel module, or None (with a warning) when this machine cannot build it."""
+    if os.environ.get("HYBRID_MOE_NO_KERNEL"):
+        return None
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            name=f"hybrid_moe_cpu_{source_digest()}",
+            sources=[str(p) for p in _COMPILED],
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as err:  # noqa: BLE001 - any build failure means: use the torch loop
+        warnings.warn(f"torch_hybrid_moe: CPU expert kernel unavailable ({err}); using the per-expert torch loop",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+@functools.cache
+def best_isa() -> int:
+    """Highest ISA level the kernel runs at on this CPU (0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI); -1: none."""
+    ext = extension()
+    return -1 if ext is None else int(ext.best_isa())
