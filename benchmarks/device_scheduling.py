@@ -24,7 +24,6 @@ from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.policies import SCHEDULERS, LayerInfo
 from torch_hybrid_moe.policies.device_caching import fetch_admissions
 from torch_hybrid_moe.policies import device_scheduling
-from torch_hybrid_moe.policies.device_scheduling import DEVICE_SCHEDULERS, device_scheduler
 from torch_hybrid_moe.runtime.costs import IdleLink
 
 EXPERTS, TOP_K, SLOTS = 64, 6, 16
@@ -72,7 +71,7 @@ def walks_as_on_cuda(counter: OpCounter) -> Iterator[None]:
 
 def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
     python = SCHEDULERS.create(name, info=LayerInfo(0, EXPERTS, SLOTS, 1), costs=costs, timeline=IdleLink())
-    form = device_scheduler(python)
+    form = SCHEDULERS.tensor_form(name)(python)
     torch.manual_seed(0)
     ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)])
     counts = torch.bincount(ids.flatten(), minlength=EXPERTS).float()
@@ -96,7 +95,7 @@ def main() -> None:
           f"{SLOTS} slots")
     print(f"{'scheduler':34s}" + "".join(f"{f'batch {b}':>18s}" for b in args.batches))
     base = {b: ops_per_step("cached_on_accelerator", costs, b, cuda=False) for b in args.batches}
-    for name in DEVICE_SCHEDULERS:
+    for name in SCHEDULERS.graph_names():
         walks = name in ("dali_greedy", "hybrimoe")
         for cuda in ((False, True) if walks else (False,)):
             cells = []

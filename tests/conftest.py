@@ -1,12 +1,34 @@
 import copy
+from types import ModuleType
 
 import pytest
 import torch
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.ops import cpu_kernel, kernel_build
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 torch.set_num_threads(2)
+
+ISA_LEVELS = tuple(kernel_build.ISA_NAMES)  # every level the C++ kernel has, whichever this CPU runs
+
+
+@pytest.fixture(scope="session")
+def kernel() -> ModuleType:
+    """The C++ CPU kernel, built (or loaded from torch's cache) by the first test that needs it, not while collecting:
+    a cold build takes about a minute on 2 cores. Its tests skip where it cannot be built."""
+    if cpu_kernel.best_isa() < 0:
+        pytest.skip("the C++ kernel could not be built here")
+    return cpu_kernel.extension()
+
+
+@pytest.fixture(params=ISA_LEVELS)
+def isa(request: pytest.FixtureRequest, kernel: ModuleType) -> int:
+    """Each ISA level the kernel runs at on this CPU. Parametrised over all levels, since this CPU's best is known only
+    once the kernel is built; the levels above it skip."""
+    if request.param > cpu_kernel.best_isa():
+        pytest.skip(f"this CPU does not run the kernel at ISA level {request.param}")
+    return request.param
 
 
 @pytest.fixture(scope="session")

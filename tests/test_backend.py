@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import torch_hybrid_moe as thm
@@ -15,6 +16,7 @@ from torch_hybrid_moe.runtime import model_layers
 from .conftest import patched_copy
 
 
+@pytest.mark.slow
 def test_backend_name_works_without_importing_the_package():
     code = textwrap.dedent("""
         import sys, torch
@@ -49,6 +51,7 @@ def capture_graph(model, x):
     return graphs[0]
 
 
+@pytest.mark.slow
 def test_passes_rewrite_stock_regions_and_chain_prefetches(reference_models):
     import copy
 
@@ -73,6 +76,7 @@ def test_passes_rewrite_stock_regions_and_chain_prefetches(reference_models):
     assert not any("grouped_mm" in str(n.target) for n in gm.graph.nodes)
 
 
+@pytest.mark.slow
 def test_compiled_prefetch_runs_every_step(reference_models):
     model = patched_copy(reference_models["mixtral"])
     compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True)
@@ -115,6 +119,7 @@ def _perturbed(model, seed):
     return other
 
 
+@pytest.mark.slow
 def test_each_stock_model_computes_with_its_own_experts(reference_models):
     """Dynamo reuses one compiled graph for two models of one architecture: each must still run its own
     experts, keep its own counters, and outlive the model compiled first."""
@@ -135,6 +140,7 @@ def test_each_stock_model_computes_with_its_own_experts(reference_models):
         torch.testing.assert_close(compiled_second(x).logits, want[1])
 
 
+@pytest.mark.slow
 def test_compiled_stock_model_follows_weight_changes_and_new_options(reference_models):
     model = _perturbed(reference_models["mixtral"], 3)
     x = torch.randint(3, 96, (1, 5))

@@ -27,6 +27,7 @@ def test_eval_ppl_exact_mode_costs_nothing(capsys):
     assert 5 < unpatched < 100  # a trained model, far below the ~600 unigram perplexity
 
 
+@pytest.mark.slow
 def test_generate_defaults_fit_the_checkpoint_and_the_machine(tmp_path, capsys):
     """A bf16 checkpoint stays bf16 (dtype auto); the prompt is stretched with --prompt-tokens and its length
     printed beside the prefill figure; start-up phases are announced with their times; without CUDA a budget

@@ -16,9 +16,8 @@ from torch_hybrid_moe.ops.quantize import (
     quantize_activations,
 )
 
-pytestmark = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ kernel could not be built here")
+pytestmark = pytest.mark.usefixtures("kernel")
 
-LEVELS = range(cpu_kernel.best_isa() + 1)
 FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
 
 
@@ -92,7 +91,6 @@ def check_against_float64(fmt, operands, weights64, tokens, isa=None, route=None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_formats_match_float64(fmt, isa, tokens):
     operands, weights64 = experts(fmt, 8, 64, 96)
@@ -110,7 +108,6 @@ def test_gemm_routes_match_float64(fmt, route, bf16_hidden):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("group", [32, 64, 96])
 def test_quantised_group_sizes_and_steps_with_tails(fmt, isa, group):
     """384 columns: whole vector steps only (AVX-512: 6 int8 steps of 2 blocks, 3 int4 steps of 4); 192: steps plus
@@ -126,7 +123,6 @@ def test_measured_route_is_one_of_the_routes():
     assert cpu_kernel.gemm_route(torch.zeros(15, 64), operands[0], None) == cpu_kernel.MICRO_KERNELS  # decode
 
 
-@pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("hidden_size, inter", [(40, 24), (7, 5), (100, 33)])
 def test_column_counts_not_multiple_of_the_vector_step(isa, hidden_size, inter):
     operands, (gate_up, down) = experts("bfloat16", 4, hidden_size, inter)

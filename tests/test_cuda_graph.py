@@ -11,7 +11,7 @@ import torch_hybrid_moe as thm
 from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.runtime import model_layers
-from torch_hybrid_moe.runtime.graph_path import AHEAD, BEHIND, LEADING, PLAIN, GraphPath
+from torch_hybrid_moe.runtime.graph_path import GraphPath, Part
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 pytestmark = [
@@ -168,9 +168,9 @@ def test_approximate_modes_in_the_graph_equal_uncaptured_and_overlap_on_their_ow
         parts = {key[-1]: buf.task for key, buf in layer.graph_path()._buffers.items()}
         # deferral: every MoE layer but the last; DAOP: every one but the first
         if mode["mode"] == "expert_deferral":
-            assert set(parts) == ({LEADING, BEHIND} if i < len(layers) - 1 else {PLAIN})
+            assert set(parts) == ({Part.LEADING, Part.BEHIND} if i < len(layers) - 1 else {Part.PLAIN})
         else:
-            assert set(parts) == ({PLAIN, AHEAD} if i > 0 else {PLAIN})
+            assert set(parts) == ({Part.PLAIN, Part.AHEAD} if i > 0 else {Part.PLAIN})
         for task in parts.values():
             assert task.submits == task.syncs == task.runs == runner.replays + runner.captures
 

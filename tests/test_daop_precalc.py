@@ -16,7 +16,7 @@ from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.model_patches.base import is_patched
 from torch_hybrid_moe.runtime import model_layers
-from torch_hybrid_moe.runtime.graph_path import AHEAD
+from torch_hybrid_moe.runtime.graph_path import Part
 
 from .conftest import patched_copy
 from .test_expert_deferral import hand_experts, inductor_op_order, inputs, rel_err
@@ -126,6 +126,7 @@ def precalc_ops(gm):
     return sum(n.target is torch.ops.hybrid_moe.precalc_routing.default for n in gm.graph.nodes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start,count", [(1, 2), (3, 1)])
 def test_decode_step_matches_hand_reference(deepseek_tiny, start, count):
     model = patched_copy(deepseek_tiny, expert_budget=0.25, mode="daop_precalc", precalc_from_layer=start)
@@ -142,6 +143,7 @@ def test_decode_step_matches_hand_reference(deepseek_tiny, start, count):
     assert all(c.degraded for c in counts.values() if c.pairs)  # 8 of 32 resident, top-4: swaps happen
 
 
+@pytest.mark.slow
 def test_inductor_keeps_the_early_pairs_around_the_previous_and_own_dispatch(deepseek_tiny):
     model = patched_copy(deepseek_tiny, mode="daop_precalc", precalc_from_layer=3)
     # layers 1, 2 exact; layer 3's early pairs begun right after layer 2's dispatch, ended after its own (where
@@ -152,6 +154,7 @@ def test_inductor_keeps_the_early_pairs_around_the_previous_and_own_dispatch(dee
     assert order.index("precalc_routing") < order.index("dispatch_begin")
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_replay_safe_path_matches_hand_reference(deepseek_tiny):
     """The captured-step form (host functions called directly here): the slot map is read from the device tables
@@ -175,10 +178,11 @@ def test_replay_safe_path_matches_hand_reference(deepseek_tiny):
     counts = precalc_stats(model_layers(model))
     assert [idx for idx, c in counts.items() if c.pairs] == [2, 3] and all(c.early for c in counts.values() if c.pairs)
     for layer in layers[1:]:  # the pairs on x_i ran on their own task buffers
-        (task,) = [buf.task for key, buf in layer.graph_path()._buffers.items() if key[-1] == AHEAD]
+        (task,) = [buf.task for key, buf in layer.graph_path()._buffers.items() if key[-1] == Part.AHEAD]
         assert task.submits == task.syncs == task.runs == 1
 
 
+@pytest.mark.slow
 def test_mixtral_through_backend_matches_hand_reference(reference_models):
     base = reference_models["mixtral"]  # softmax, top-2, renormalised: the paper's setting
     model = patched_copy(base, expert_budget=0.5, mode="daop_precalc", precalc_from_layer=1)
@@ -190,6 +194,7 @@ def test_mixtral_through_backend_matches_hand_reference(reference_models):
     assert rel_err(got, want) < 1e-5 and rel_err(base(x).logits, want) > 1e-3
 
 
+@pytest.mark.slow
 def test_prefill_and_early_layers_stay_exact(deepseek_tiny):
     model = patched_copy(deepseek_tiny, mode="daop_precalc", precalc_from_layer=1)
     x = inputs(2, 5)
@@ -217,6 +222,7 @@ def test_prefill_and_early_layers_stay_exact(deepseek_tiny):
     assert set(second.users) == {begin}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [1.0, 0.0])
 def test_degradation_needs_both_cpu_and_resident_experts(deepseek_tiny, budget):
     model = patched_copy(deepseek_tiny, expert_budget=budget, mode="daop_precalc", precalc_from_layer=1)

@@ -12,13 +12,12 @@ from torch_hybrid_moe.ops import cpu_kernel, dense_linear
 from torch_hybrid_moe.ops.quantize import BITS, dequantize, quantize, quantize_activations
 from torch_hybrid_moe.tiny_models import tiny_model
 
-pytestmark = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ kernel could not be built here")
+pytestmark = pytest.mark.usefixtures("kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, "int8", "int4"])
-@pytest.mark.parametrize("level", range(cpu_kernel.best_isa() + 1))
 @pytest.mark.parametrize("n, k, tokens", [(37, 64, 1), (130, 2048, 3), (64, 100, 5), (9, 256, 4)])
-def test_dense_matvec_against_float64(dtype, level, n, k, tokens):
+def test_dense_matvec_against_float64(dtype, isa, n, k, tokens):
     """Float weights times x; int8 / int4 (groups of 32 and 64 columns) times x rounded per 32 columns, with the
     integer products summed exactly: both within fp32 summation error of float64."""
     if isinstance(dtype, str) and k % 64:
@@ -28,11 +27,11 @@ def test_dense_matvec_against_float64(dtype, level, n, k, tokens):
     x = torch.randn(tokens, k, generator=g)
     if isinstance(dtype, str):
         q = quantize(w.unsqueeze(0), BITS[dtype], 32 if tokens % 2 else 64)
-        got = cpu_kernel.dense_matvec(x, q.data[0], q.scale[0], isa=level)
+        got = cpu_kernel.dense_matvec(x, q.data[0], q.scale[0], isa=isa)
         want = quantize_activations(x).double() @ q[0].double().T
     else:
         w, x = w.to(dtype), x.to(dtype)
-        got = cpu_kernel.dense_matvec(x, w, isa=level)
+        got = cpu_kernel.dense_matvec(x, w, isa=isa)
         want = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (tokens, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)

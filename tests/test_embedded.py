@@ -46,6 +46,7 @@ def test_training_report_shows_learning_and_specialised_routing(name):
         assert layer["temporal_reuse"] > 1.2 * layer["random_reuse"]  # neighbouring tokens share experts
 
 
+@pytest.mark.slow
 def test_hybrid_generate_equals_transformers_generate(loaded):
     model, tokenizer = loaded["deepseek-tiny"]
     ids = tokenizer("import os\n\ndef main(", return_tensors="pt").input_ids
@@ -118,6 +119,7 @@ def test_trace_rejects_foreign_files(tmp_path):
         Trace.load(tmp_path / "x.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_shipped_models_generate_at_any_batch_size(name, loaded):
     """Shipped configs are inference configs (no router aux loss): a padded batch of 3 generates unpatched, and

@@ -27,7 +27,7 @@ def assert_logits_close(got, want, rel=1e-5):
     assert err <= rel, f"relative error {err:.3g} > {rel}"
 
 
-@pytest.mark.parametrize("budget", [0.0, 0.25, 1.0])
+@pytest.mark.parametrize("budget", [0.0, pytest.param(0.25, marks=pytest.mark.slow), 1.0])
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_patched_matches_reference(reference_models, arch, budget):
     """Eager at every budget, and compiled at 0.25: the compiled graph calls the same dispatch op whatever the
@@ -55,6 +55,7 @@ def test_patched_matches_reference(reference_models, arch, budget):
             assert s.cpu_experts > 0 and s.accelerator_experts > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_stock_model_compiled_with_backend_matches_reference(reference_models, arch):
     ref = reference_models[arch]
@@ -70,6 +71,7 @@ def test_stock_model_compiled_with_backend_matches_reference(reference_models, a
     assert all(s.cpu_experts > 0 for s in layer_stats.values())  # default budget 0.25 splits the work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
 def test_bf16_within_bf16_rounding(arch):
     """Our bf16 error against the fp32 model is of the order of transformers' own bf16 error."""

@@ -16,7 +16,7 @@ from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, DISPATCH_BEGIN
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.model_patches.base import is_patched
 from torch_hybrid_moe.runtime import model_layers
-from torch_hybrid_moe.runtime.graph_path import BEHIND, LEADING, PLAIN
+from torch_hybrid_moe.runtime.graph_path import Part
 from torch_hybrid_moe.tiny_models import tiny_model
 
 from .conftest import patched_copy
@@ -77,6 +77,7 @@ def rel_err(got, want):
 
 # mixtral: top-2, every layer MoE; deepseek_v3: top-3, shared experts, layer 0 dense; qwen2_moe: top-3, shared
 # expert, layer 1 dense *between* MoE layers 0 and 2 (so the deferral crosses a dense layer).
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,deferred", [("mixtral", 1), ("deepseek_v3", 2), ("qwen2_moe", 1)])
 def test_compiled_deferral_matches_hand_reference(reference_models, arch, deferred):
     base = reference_models[arch]
@@ -95,6 +96,7 @@ def test_compiled_deferral_matches_hand_reference(reference_models, arch, deferr
     assert steps == [1] * len(moe)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_replay_safe_path_defers_on_its_own_task_buffers(reference_models):
     """The captured-step form (host functions called directly here): the deferred half is submitted to the CPU
@@ -111,8 +113,8 @@ def test_replay_safe_path_defers_on_its_own_task_buffers(reference_models):
             x = inputs(2, 5, seed)
             assert rel_err(compiled(x).logits, ref(x).logits) < 1e-5
     tasks = {key[-1]: buf.task for key, buf in layers[0].graph_path()._buffers.items()}
-    assert set(tasks) == {LEADING, BEHIND} and all(t.submits == t.syncs == t.runs == 3 for t in tasks.values())
-    assert {key[-1] for key in layers[1].graph_path()._buffers} == {PLAIN}  # the last layer defers nothing
+    assert set(tasks) == {Part.LEADING, Part.BEHIND} and all(t.submits == t.syncs == t.runs == 3 for t in tasks.values())
+    assert {key[-1] for key in layers[1].graph_path()._buffers} == {Part.PLAIN}  # the last layer defers nothing
     assert [s.steps for s in thm.stats(model).values()] == [3, 3]  # the deferred half counts no step
 
 
@@ -126,6 +128,7 @@ def inductor_op_order(model, x):
     return re.findall(r"torch\.ops\.hybrid_moe\.(\w+)\.default\(", codes[0])
 
 
+@pytest.mark.slow
 def test_inductor_keeps_the_deferred_half_around_the_next_layer(reference_models):
     """Inductor schedules ops by data dependencies only; the begin's carried output and the end's `after` input
     keep the deferred CPU experts overlapping the next block in the generated code (without them Inductor
@@ -135,6 +138,7 @@ def test_inductor_keeps_the_deferred_half_around_the_next_layer(reference_models
     assert order == ["prefetch", "dispatch_begin", "dispatch_end", "dispatch_begin", "dispatch", "dispatch_end"]
 
 
+@pytest.mark.slow
 def test_stock_model_defers_through_backend_options(reference_models):
     base = reference_models["deepseek_v3"]
     ref, _ = deferral_reference(base, 1)
@@ -162,6 +166,7 @@ def capture(model, x, passes):
     return graphs[0], out
 
 
+@pytest.mark.slow
 def test_zero_deferred_and_exact_mode_equal_unpatched(reference_models):
     base = reference_models["mixtral"]
     x = inputs(2, 5)
@@ -175,6 +180,7 @@ def test_zero_deferred_and_exact_mode_equal_unpatched(reference_models):
         assert sum(calls(n, DISPATCH) for n in gm.graph.nodes) == 3
 
 
+@pytest.mark.slow
 def test_last_layer_never_defers_and_deferred_output_lands_after_next_residual_add(reference_models):
     model = patched_copy(reference_models["deepseek_v3"], mode="expert_deferral", deferred_experts=2)
     with torch.no_grad():
@@ -188,9 +194,9 @@ def test_last_layer_never_defers_and_deferred_output_lands_after_next_residual_a
     lead, begin = [n for n in gm.graph.nodes if calls(n, DISPATCH_BEGIN)]
     immediate, end = [n for n in gm.graph.nodes if calls(n, DISPATCH_END)]
     # the immediate half: a whole step begun and ended at once, which leaves its slot fills to the deferred half
-    assert immediate.args[0].args == (lead, 0) and lead.args[4] == immediate.args[3] == LEADING
+    assert immediate.args[0].args == (lead, 0) and lead.args[4] == immediate.args[3] == Part.LEADING
     assert lead.args[3] == begin.args[3] == end.args[2] == handle and final is last
-    assert end.args[0].args == (begin, 0) and begin.args[4] == end.args[3] == BEHIND  # its own task buffers
+    assert end.args[0].args == (begin, 0) and begin.args[4] == end.args[3] == Part.BEHIND  # its own task buffers
     # pinned by data: the immediate output passes through the begin, and the end reads the next residual add
     assert set(immediate.users) == {begin} and begin.args[5] is immediate and end.args[4] is residual
     (carried,) = [u for u in begin.users if u.args == (begin, 1)]
@@ -207,6 +213,7 @@ def test_last_layer_never_defers_and_deferred_output_lands_after_next_residual_a
     assert set(residual.users) == {end, view, total}
 
 
+@pytest.mark.slow
 def test_pattern_not_found_fails_loudly_and_leaves_the_graph_alone(reference_models):
     model = patched_copy(reference_models["mixtral"], mode="expert_deferral", deferred_experts=1)
     with torch.no_grad():
@@ -237,6 +244,7 @@ def test_config_validation():
     assert not is_patched(model) and all(hasattr(layer.mlp.experts, "gate_up_proj") for layer in model.model.layers)
 
 
+@pytest.mark.slow
 def test_perplexity_cost_on_embedded_model(capsys):
     """`hybrid-moe eval-ppl --mode expert_deferral` on deepseek-tiny (top-4; default 2 immediate + 2 deferred)."""
     from torch_hybrid_moe.cli import main

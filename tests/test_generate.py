@@ -16,6 +16,7 @@ def prompts(batch=2, length=6):
     return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(batch * length))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_plain_generate_after_patch_gives_reference_tokens(reference_models, arch):
     ref = reference_models[arch]
@@ -37,6 +38,7 @@ def _counting_config(counter):
     return config
 
 
+@pytest.mark.slow
 def test_decode_is_one_graph_and_never_recompiles_per_token(reference_models):
     ref = reference_models["deepseek_v3"]
     model = patched_copy(ref, expert_budget=0.25)
@@ -66,6 +68,7 @@ def test_stock_model_generate_through_backend(reference_models):
     assert all(s.steps == 7 for s in thm.stats(stock).values())  # the 7 decode steps went through dispatch
 
 
+@pytest.mark.slow
 def test_issue_snippet_patch_compile_generate(reference_models):
     """The README's flow verbatim: patch, torch.compile with the backend, generate with a static cache."""
     ref = reference_models["mixtral"]
@@ -78,6 +81,7 @@ def test_issue_snippet_patch_compile_generate(reference_models):
     assert hasattr(model._orig_mod, "_compiled_call")  # generate's decode step went through the backend
 
 
+@pytest.mark.slow
 def test_a_budget_sweep_of_30_patched_models_in_one_process(reference_models):
     """A notebook sweep: patch, generate, drop; 30 times with changing budgets and CPU formats. Every model
     gives the reference tokens, compiled graphs are reused (Dynamo's recompile limit is 8), and freed

@@ -14,16 +14,16 @@ from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
 from torch_hybrid_moe.ops.row_copy import copy_rows_
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
-from torch_hybrid_moe.policies.device_caching import DEVICE_CACHE_POLICIES, admissions, device_ranking
-from torch_hybrid_moe.policies.device_scheduling import DEVICE_SCHEDULERS, device_scheduler
+from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo, Registry
+from torch_hybrid_moe.policies.device_caching import admissions
 from torch_hybrid_moe.policies.prefetching import Router
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.runtime.costs import IdleLink
-from torch_hybrid_moe.runtime.graph_path import AHEAD, BEHIND, LEADING, PLAIN
+from torch_hybrid_moe.runtime.graph_path import Part
+from torch_hybrid_moe.runtime.layer_policies import build_policies
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
-needs_kernel = pytest.mark.skipif(cpu_kernel.best_isa() < 0, reason="the C++ CPU kernel could not be built here")
+needs_kernel = pytest.mark.usefixtures("kernel")
 
 
 def _routing(tokens: int, k: int, experts: int, drop: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,12 +119,12 @@ def test_copy_rows_copies_only_rows_with_a_source():
         copy_rows_(dst, torch.tensor([0]), src[:, :2], torch.tensor([0]))
 
 
-@pytest.mark.parametrize("name", DEVICE_CACHE_POLICIES)
+@pytest.mark.parametrize("name", CACHE_POLICIES.graph_names())
 def test_tensor_form_ranks_like_the_python_policy(name):
     rng = random.Random(0)
     info = LayerInfo(0, 8, 3, 1)
     policy = CACHE_POLICIES.create(name, info=info)
-    ranking = device_ranking(policy, 8, torch.device("cpu"))
+    ranking = CACHE_POLICIES.tensor_form(name)(policy, 8, torch.device("cpu"))
     for _ in range(20):
         counts = [rng.choice([0, 0, 1, 3]) for _ in range(8)]
         scores = [c * rng.random() for c in counts]
@@ -141,7 +141,7 @@ def test_tensor_form_ranks_like_the_python_policy(name):
             assert bool(may) == changes
 
 
-@pytest.mark.parametrize("name", DEVICE_SCHEDULERS)
+@pytest.mark.parametrize("name", SCHEDULERS.graph_names())
 def test_tensor_form_schedulers_place_like_the_python_ones(name):
     """Random steps from one token to a prefill's worth per expert, on two machines: the same experts on the
     accelerator (fetches included) as the Python scheduler; decisions hinge on exact float64 cost sums."""
@@ -158,7 +158,7 @@ def test_tensor_form_schedulers_place_like_the_python_ones(name):
             for e in rng.sample(range(experts), min(slots, experts)):
                 resident[e] = rng.random() < 0.8
             want = python.place(counts, resident)
-            got = device_scheduler(python).place(torch.tensor(counts, dtype=torch.float32), torch.tensor(resident),
+            got = SCHEDULERS.tensor_form(name)(python).place(torch.tensor(counts, dtype=torch.float32), torch.tensor(resident),
                                                  slots, sum(counts))
             assert {e for e, on in enumerate(got.tolist()) if on} == set(want.accelerator), (counts, resident, slots)
             tried.add((bool(want.fetch), bool(want.cpu), any(resident[e] for e in want.cpu)))
@@ -169,9 +169,9 @@ def test_tensor_form_schedulers_place_like_the_python_ones(name):
 
 
 def test_tensor_form_of_an_offline_policy_is_refused():
-    info = LayerInfo(0, 4, 2, 1)
-    with pytest.raises(ValueError, match="no tensor form"):
-        device_ranking(CACHE_POLICIES.create("belady", info=info, future=[[0] * 4]), 4, torch.device("cpu"))
+    for name in ("belady", "oracle_window"):  # oracle_window: a window cache's subclass, with no form of its own
+        with pytest.raises(ValueError, match=f"cache policy '{name}' has no tensor form"):
+            CACHE_POLICIES.tensor_form(name)
 
 
 def _best_swaps(values, active, expert_slot, slot_expert, fills):  # noqa: ANN001, ANN202
@@ -293,6 +293,7 @@ def _compiled_steps_match_reference(ref: torch.nn.Module, model: torch.nn.Module
             assert ((got - want).abs().max() / want.abs().max()) < 1e-5
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("name", ["deepseek-tiny", "mixtral-tiny"])
 def test_replay_safe_path_with_gate_prefetch_matches_reference_model(name):
@@ -314,7 +315,7 @@ def _skewed_routing(tokens: int, k: int, experts: int) -> tuple[torch.Tensor, to
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", [s for s in DEVICE_SCHEDULERS if s != "cached_on_accelerator"])
+@pytest.mark.parametrize("name", [s for s in SCHEDULERS.graph_names() if s != "cached_on_accelerator"])
 def test_replay_safe_step_places_and_fetches_as_the_python_scheduler(name):
     """Layer steps of 1 to 64 tokens on the replay-safe path: the Python scheduler's plan from the same slot map
     says which experts ran where and which were fetched (no cache fills: fills_per_step=0); fetched slots hold
@@ -352,6 +353,7 @@ def test_replay_safe_step_places_and_fetches_as_the_python_scheduler(name):
         assert stats.accelerator_experts == 0
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("name", ["on_demand", "dali_greedy"])  # the other forms: the test above
 def test_replay_safe_schedulers_match_reference_model(name):
@@ -424,9 +426,9 @@ def test_replay_safe_step_runs_no_op_that_waits_for_the_device(scheduler, cache_
         for tokens in (1, 8, 64):
             hidden = torch.randn(tokens, layer.store.host_gate_up.shape[2])
             (ids, w), (more, more_w) = _skewed_routing(tokens, 3, 32), _skewed_routing(tokens, 1, 32)
-            path.start_step()
+            path.begin_step()
             layer.prefetch(hidden, ids)
-            for first, second in ((PLAIN, None), (AHEAD, PLAIN), (LEADING, BEHIND)):
+            for first, second in ((Part.PLAIN, None), (Part.AHEAD, Part.PLAIN), (Part.LEADING, Part.BEHIND)):
                 layer.end(layer.begin(hidden, ids, w, first), hidden, first)
                 if second is not None:
                     layer.end(layer.begin(hidden, more, more_w, second), hidden, second)
@@ -436,12 +438,13 @@ def test_replay_safe_step_runs_no_op_that_waits_for_the_device(scheduler, cache_
     assert layer.stats.steps == 3 * 3 and layer.stats.accelerator_experts + layer.stats.cpu_experts > 0
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_leading_dispatch_leaves_its_slot_fills_to_its_behind_half():
     """Expert Deferral's immediate half (LEADING) counts the step but queues no copy: its deferred half (BEHIND)
     reads the slots first and then queues the fills, which end where a plain dispatch's would."""
     outcomes = []
-    for first in (PLAIN, LEADING):
+    for first in (Part.PLAIN, Part.LEADING):
         model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25,
                                 device="cpu", fills_per_step=2, cache_policy="lfu")
         layer = list(model_layers(model).values())[1]
@@ -452,14 +455,15 @@ def test_leading_dispatch_leaves_its_slot_fills_to_its_behind_half():
         (ids, weights), (later, later_w) = _skewed_routing(8, 3, 32), _skewed_routing(8, 1, 32)
         tables = path.expert_slot.clone()
         layer.end(layer.begin(hidden, ids, weights, first), hidden, first)
-        assert torch.equal(path.expert_slot, tables) == (first == LEADING)  # LEADING: nothing admitted yet
-        deferred = layer.begin(hidden, later, later_w, BEHIND)
-        layer.end(deferred, hidden, BEHIND)
+        assert torch.equal(path.expert_slot, tables) == (first == Part.LEADING)  # LEADING: nothing admitted yet
+        deferred = layer.begin(hidden, later, later_w, Part.BEHIND)
+        layer.end(deferred, hidden, Part.BEHIND)
         path.pull()
         outcomes.append((layer.store.expert_slot[:], layer.stats.as_dict()))
     assert outcomes[0] == outcomes[1] and outcomes[0][1]["steps"] == 1 and outcomes[0][1]["bytes_transferred"] > 0
 
 
+@pytest.mark.slow
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16"])
 def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
@@ -514,7 +518,6 @@ def test_graph_options_are_validated(field, value):
 
 
 def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching():
-    from torch_hybrid_moe.model_patches.base import _check_policies
     from torch_hybrid_moe.runtime.costs import policy_context
 
     router = Router(torch.randn(8, 2), 2)
@@ -524,17 +527,15 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
     for config in configs:
         context = policy_context(config, LayerInfo(0, 8, 2, 24), hidden=2, inter=2, router=router)
         with pytest.raises(ValueError, match="CUDA graph"):
-            _check_policies(config, context, capture=True)
-        _check_policies(config, context, capture=False)  # fine uncaptured
-    for name in DEVICE_SCHEDULERS:
+            build_policies(config, context, capture=True)
+        build_policies(config, context, capture=False)  # fine uncaptured
+    for name in SCHEDULERS.graph_names():
         config = thm.HybridMoEConfig(scheduler=name, hardware="dali")
-        _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)
+        build_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)
 
-    class OwnGreedy(SCHEDULERS._factories["dali_greedy"]):  # may place differently: no tensor form inherited
-        pass
-
-    with pytest.raises(ValueError, match="OwnGreedy has no tensor form"):
-        device_scheduler(OwnGreedy(LayerInfo(0, 8, 2, 24), CostModel(HARDWARE["dali"],
-                                                                      EXPERT_SHAPES["deepseek-v2-lite"])))
+    own = Registry("scheduler")  # a policy registered under its own name gets no form, whatever class it extends
+    own.register("own_greedy")(SCHEDULERS._factories["dali_greedy"])
+    with pytest.raises(ValueError, match="scheduler 'own_greedy' has no tensor form"):
+        own.tensor_form("own_greedy")
     config = thm.HybridMoEConfig(prefetcher="gate")
-    _check_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)
+    build_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)

@@ -27,6 +27,7 @@ def _reference(path, **config) -> torch.Tensor:
     return _logits(thm.patch_model(AutoModelForCausalLM.from_pretrained(path), device="cpu", **config))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_streamed_model_equals_transformers_load_and_patch(arch, tmp_path):
     tiny_model(arch).save_pretrained(tmp_path)  # per-expert tensors, Mixtral's under block_sparse_moe.*.w1/w3/w2
@@ -46,6 +47,7 @@ def _qwen3(hidden: int, experts: int, inter: int, layers: int) -> torch.nn.Modul
         num_experts=experts, num_experts_per_tok=4, decoder_sparse_step=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16"])
 def test_streamed_host_formats_equal_patching_the_loaded_model(fmt, tmp_path):
     _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)
@@ -53,6 +55,7 @@ def test_streamed_host_formats_equal_patching_the_loaded_model(fmt, tmp_path):
     assert torch.equal(_logits(thm.from_pretrained(tmp_path, device="cpu", **config)), _reference(tmp_path, **config))
 
 
+@pytest.mark.slow
 def test_fused_and_sharded_checkpoints(tmp_path):
     model = tiny_model("deepseek_v3")
     model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
@@ -65,6 +68,7 @@ def test_fused_and_sharded_checkpoints(tmp_path):
         assert torch.equal(_logits(thm.from_pretrained(path, expert_budget=0.25, device="cpu")), want)
 
 
+@pytest.mark.slow
 def test_dtype_auto_takes_the_checkpoints(tmp_path):
     tiny_model("mixtral", dtype=torch.bfloat16).save_pretrained(tmp_path)
     model = thm.from_pretrained(tmp_path, device="cpu")
@@ -113,6 +117,7 @@ def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_hub_id_loads_from_the_local_cache_offline(tmp_path, monkeypatch):
     """A hub id whose snapshot is in the local cache loads with HF_HUB_OFFLINE=1 (no network)."""
     snapshot = tmp_path / "hub" / "models--owner--tiny" / "snapshots" / ("0" * 40)
@@ -126,6 +131,7 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path, monkeypatch):
     assert torch.equal(_logits(thm.from_pretrained("owner/tiny", device="cpu")), _reference(snapshot))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["model", "int4"])
 def test_peak_host_memory_stays_near_the_final_footprint(fmt, tmp_path):
     """In a fresh process: peak RSS while loading <= 1.15 x (host store + dense weights) + the RSS before it,
@@ -157,6 +163,7 @@ def test_peak_host_memory_stays_near_the_final_footprint(fmt, tmp_path):
     assert peak - before <= 1.15 * (store + dense), (peak - before, store, dense)
 
 
+@pytest.mark.slow
 def test_embedded_model_with_tied_embeddings():
     """deepseek-tiny ties its LM head to the embedding (no lm_head.weight in the file): one tensor, loaded once."""
     from torch_hybrid_moe.embedded import load_model
@@ -167,6 +174,7 @@ def test_embedded_model_with_tied_embeddings():
     assert torch.equal(_logits(model), _logits(reference))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["model", "int8"])
 def test_dense_weights_quantised_on_load_equal_patching_the_loaded_model(fmt, tmp_path):
     """dense_weight_dtype: linears read and quantised a block of rows at a time (QUANTIZE_ROWS shrunk so an LM head
@@ -198,6 +206,7 @@ def test_saving_into_the_checkpoints_own_directory_writes_the_mapped_embedding(t
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_the_embedding_table_stays_in_the_file(tmp_path):
     """In a fresh process: of a 64 MB embedding table only the rows of the tokens read become resident."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

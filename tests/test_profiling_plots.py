@@ -108,6 +108,7 @@ def test_refresh_and_a_new_key_measure_again(tmp_path, monkeypatch):
         profiling.profile_hardware(SMALL, preset="nope")
 
 
+@pytest.mark.slow
 def test_importing_the_package_leaves_matplotlib_alone():
     code = ("import sys, torch_hybrid_moe, torch_hybrid_moe.cli, torch_hybrid_moe.profiling, "
             "torch_hybrid_moe.simulator.plots; print('matplotlib' in sys.modules)")
@@ -147,6 +148,7 @@ def test_timeline_draws_one_bar_per_event_of_the_window(mixtral_trace, tmp_path)
         plots.plot_timeline(events, tmp_path / "empty.png", first_step=10**6)
 
 
+@pytest.mark.slow
 def test_oracle_hit_rate_never_falls_as_the_cache_grows(mixtral_trace, tmp_path):
     from torch_hybrid_moe.simulator import plots
 
@@ -197,6 +199,7 @@ def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, 
     assert rows["ktransformers"].split()[4] == "-" and rows["dali"].split()[4].endswith("%")
 
 
+@pytest.mark.slow
 def test_simulate_cli_plot_dir_writes_every_figure(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib", reason="plots need matplotlib (extra: plot)")
     from torch_hybrid_moe.simulator import plots

@@ -128,6 +128,7 @@ def test_tuner_keeps_the_fastest_candidate_and_never_prefetches_without_gate_inp
     assert (oracle.scheduler, oracle.cache_policy, oracle.options) == ("oracle", "oracle_window", best.options)
 
 
+@pytest.mark.slow
 def test_ours_beats_every_paper_stack_and_reaches_the_oracle_on_a_held_out_trace():
     """The issue's claim at one setting the suite can afford (the full table: benchmarks/policies.py)."""
     trace = Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")

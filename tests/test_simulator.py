@@ -250,6 +250,7 @@ def test_cost_aware_scheduler_needs_a_cost_model_live_and_leaves_the_model_alone
             HybridMoEConfig(**bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("scheduler", "prefetcher"), [
     ("fiddler", "none"), ("dali_greedy", "none"), ("optimal", "none"), ("hybrimoe", "none"),
     ("queue_aware", "impact"), ("cached_on_accelerator", "gate"),

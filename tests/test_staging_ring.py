@@ -113,6 +113,7 @@ def test_staging_slots_off_and_bad(reference_models):
         thm.HybridMoEConfig(staging_slots=-1)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_matches(reference_models):
     """Long prompts prefill in chunks through transformers' `prefill_chunk_size`, streaming per chunk: the same
     greedy tokens as one whole-prompt prefill of the unpatched model."""

@@ -20,7 +20,7 @@ whose decoder-block index is >= `precalc_from_layer` and whose previous MoE laye
    complementary routing (-1 marks the pairs the other call computes). DAOP starts the first group on the
    CPU one block early: the prediction and the degradation are placed before layer i's dispatch (Inductor
    may move them, which changes nothing: no prefetcher may run with this mode, and a second half neither
-   admits into slots nor counts, see `runtime.graph_path.AHEAD`), `dispatch_begin` of layer j on x_i right
+   admits into slots nor counts, see `runtime.graph_path.Part.AHEAD`), `dispatch_begin` of layer j on x_i right
    after it, and `dispatch_end` at layer j, where its output is added to layer j's own `dispatch` of the
    resident pairs on x_j (data dependencies pin those two: `graph_utils.begin_after`). Inside a captured decode step the CPU worker computes
    them while layer i's block finishes and layer j's attention runs (the same two-halves mechanism as
@@ -50,7 +50,7 @@ import torch.fx as fx
 from ..ops.library import TAGS
 from ..policies.prefetching import router_scores
 from ..runtime import HybridMoELayer, get_layer
-from ..runtime.graph_path import AHEAD
+from ..runtime.graph_path import Part
 from .graph_utils import DISPATCH, DISPATCH_END, PREFETCH, begin_after, block_and_layer, calls, module_paths
 
 
@@ -311,13 +311,13 @@ def _rewrite(graph: fx.Graph, plan: _Plan) -> None:
             torch.ops.hybrid_moe.precalc_routing.default, (predicted, env[node.args[2]], env[plan.logits], handle)
         )
         early_ids, late_ids, weights, swapped = (graph.call_function(operator.getitem, (routed, i)) for i in range(4))
-    partial = begin_after(graph, plan.previous, (plan.hidden_i, early_ids, weights, handle, AHEAD))
+    partial = begin_after(graph, plan.previous, (plan.hidden_i, early_ids, weights, handle, int(Part.AHEAD)))
     with graph.inserting_before(node):
         account = graph.call_function(torch.ops.hybrid_moe.precalc_account.default,
                                       (exact_ids, predicted, swapped, early_ids, handle))
     node.args = (hidden, late_ids, weights, handle)
     with graph.inserting_after(node):
-        early = graph.call_function(DISPATCH_END.default, (partial, plan.hidden_i, handle, AHEAD, node))
+        early = graph.call_function(DISPATCH_END.default, (partial, plan.hidden_i, handle, int(Part.AHEAD), node))
     with graph.inserting_after(early):
         total = graph.call_function(operator.add, (node, early))
     node.replace_all_uses_with(total, delete_user_cb=lambda user: user not in (total, early))

@@ -9,13 +9,13 @@ MoE layer's block output has been added to it:
     O_last  = I_L + S_L(I_L) + R_{L-1}^def(I_{L-1}) + R_L^all(I_L)       the last one defers nothing)
 
 with O the decoder layer's output after its MoE block. The immediate half is a whole step of the top-(K - N)
-pairs (`dispatch_begin` and `dispatch_end` back to back, part `runtime.graph_path.LEADING`: it counts the step
+pairs (`dispatch_begin` and `dispatch_end` back to back, part `runtime.graph_path.Part.LEADING`: it counts the step
 and leaves its slot fills to the deferred half, whose slot reads then need not wait for those copies). The
 deferred half is split: `dispatch_begin` right after it (the graph goes on with the immediate output passed
 through it), `dispatch_end` right before its output is added, after the next block's residual add (on which it
 depends, so Inductor cannot move it earlier). On the replay-safe (CUDA graph) path the deferred CPU experts then
 run on the CPU worker while the next decoder block's attention and GPU experts do (KTransformers' overlap); it
-uses its own pinned task buffers (`runtime.graph_path.BEHIND`). Elsewhere `dispatch_begin` runs the whole step
+uses its own pinned task buffers (`runtime.graph_path.Part.BEHIND`). Elsewhere `dispatch_begin` runs the whole step
 and `dispatch_end` only rounds.
 
 The residual add is found from each MoE layer's (original) dispatch node: the nodes reachable from it
@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime import get_layer
-from ..runtime.graph_path import BEHIND, LEADING
+from ..runtime.graph_path import Part
 from .graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, begin_after, block_and_layer, calls, module_paths
 
 _ADDS = {operator.add, operator.iadd, torch.add, torch.Tensor.add, torch.ops.aten.add.Tensor}
@@ -159,17 +159,17 @@ def _split(graph: fx.Graph, this: _MoELayer, after: _MoELayer, top_k: int, n_def
         imm_ids, imm_w = part(ids_sorted, 0, keep), part(w_sorted, 0, keep)
         def_ids, def_w = part(ids_sorted, keep, n_def), part(w_sorted, keep, n_def)
     with graph.inserting_before(node):  # the immediate half: a whole step that leaves its slot fills to the other
-        begun = graph.call_function(DISPATCH_BEGIN.default, (hidden, imm_ids, imm_w, handle, LEADING, imm_w))
+        begun = graph.call_function(DISPATCH_BEGIN.default, (hidden, imm_ids, imm_w, handle, int(Part.LEADING), imm_w))
         first = graph.call_function(operator.getitem, (begun, 0))
-        immediate = graph.call_function(DISPATCH_END.default, (first, hidden, handle, LEADING, first))
+        immediate = graph.call_function(DISPATCH_END.default, (first, hidden, handle, int(Part.LEADING), first))
     for new in (begun, first, immediate):
         new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
     node.replace_all_uses_with(immediate)
     graph.erase_node(node)
-    partial = begin_after(graph, immediate, (hidden, def_ids, def_w, handle, BEHIND))
+    partial = begin_after(graph, immediate, (hidden, def_ids, def_w, handle, int(Part.BEHIND)))
     residual = after.residual_add
     with graph.inserting_after(residual):
-        deferred = graph.call_function(DISPATCH_END.default, (partial, hidden, handle, BEHIND, residual))
+        deferred = graph.call_function(DISPATCH_END.default, (partial, hidden, handle, int(Part.BEHIND), residual))
     with graph.inserting_after(deferred):
         shaped = graph.call_method("view_as", (deferred, residual))
     with graph.inserting_after(shaped):

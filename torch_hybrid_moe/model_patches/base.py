@@ -20,16 +20,15 @@ from transformers.integrations.moe import ExpertsInterface
 from ..config import HybridMoEConfig
 from ..ops import cpu_kernel
 from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
-from ..ops.quantize import QuantizedWeight, check_group_size, to_cpu_format
-from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
-from ..policies.device_caching import DEVICE_PREFETCHERS, device_ranking
-from ..policies.device_scheduling import device_scheduler
+from ..ops.quantize import QuantizedWeight, check_group_size, empty_cpu_format, to_cpu_format
+from ..policies import LayerInfo
 from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context
 from ..runtime.decode_graphs import DecodeGraphs
-from ..runtime.expert_store import HostWeight
+from ..runtime.expert_store import HostWeight, expert_nbytes
 from ..runtime.layer import RoutingRule
+from ..runtime.layer_policies import build_policies
 from .cpu_attention import use_cpu_attention
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
@@ -98,9 +97,13 @@ def patch_with_spec(
     _check_fits(device, slots * expert_bytes * len(moe_layers))
     capture = device.type == "cuda" and config.cuda_graph
     _, two_inter, hidden = first.gate_up_proj.shape
-    info = LayerInfo(moe_layers[0][0], num_experts, slots, expert_bytes)
-    router = _router(moe_layers[0][1], spec, cfg)
-    _check_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
+    host_bytes = sum(expert_nbytes(empty_cpu_format((1, *w.shape[1:]), w.dtype, config.cpu_weight_dtype,
+                                              config.cpu_weight_group_size)) for w in (first.gate_up_proj, first.down_proj))
+    policies = {  # each layer's, built once, before anything changes (one that cannot run fails here)
+        idx: build_policies(config, policy_context(config, LayerInfo(idx, num_experts, slots, host_bytes), hidden,
+                                                   two_inter // 2, _router(block, spec, cfg)), capture)
+        for idx, block in moe_layers
+    }
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
     last = moe_layers[-1][0]
     if config.mode == "daop_precalc" and (config.precalc_from_layer > last or len(moe_layers) < 2):
@@ -123,7 +126,7 @@ def patch_with_spec(
         # Drop the module's own copy now, so peak host memory grows by at most one layer.
         del experts.gate_up_proj, experts.down_proj
         experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config,
-                                                   _router(block, spec, cfg), routing)
+                                                   _router(block, spec, cfg), routing, policies[idx])
         experts._hybrid_moe_handle = experts._hybrid_moe_layer.handle
         experts.register_state_dict_post_hook(_experts_from_store)
         experts._hybrid_moe_next = None
@@ -270,21 +273,6 @@ def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None
                 check_group_size(getattr(experts, name).shape[-1], config.cpu_weight_group_size)
             except ValueError as err:
                 raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r}: experts.{name}: {err}") from None
-
-
-def _check_policies(config: HybridMoEConfig, context: dict[str, object], capture: bool) -> None:
-    """Build each policy once before anything changes: one that cannot run live (a cost-aware scheduler
-    without `hardware=`) or, with `capture`, cannot run inside a CUDA graph fails here, not halfway through."""
-    scheduler = SCHEDULERS.create(config.scheduler, **context)
-    cache = CACHE_POLICIES.create(config.cache_policy, **context)
-    PREFETCHERS.create(config.prefetcher, **context)
-    if capture:
-        device_ranking(cache, context["info"].num_experts, torch.device("cpu"))
-        device_scheduler(scheduler)
-        if config.prefetcher not in DEVICE_PREFETCHERS:
-            raise ValueError(f"prefetcher {config.prefetcher!r} has no replay-safe form for CUDA graphs yet (only "
-                             f"{', '.join(map(repr, DEVICE_PREFETCHERS))}); use HybridMoEConfig(cuda_graph=False) to "
-                             "run it uncaptured")
 
 
 def _check_fits(device: torch.device, slot_bytes: int) -> None:

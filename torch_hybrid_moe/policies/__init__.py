@@ -1,6 +1,7 @@
 """Pluggable placement policies (scheduler, cache policy, prefetcher) and their registries."""
 
-from . import activation_matrices, sequence_allocation, static_placement  # noqa: F401 - they register policies
+# they register policies, and the tensor forms of those that run inside CUDA graphs
+from . import activation_matrices, device_caching, device_scheduling, sequence_allocation, static_placement  # noqa: F401
 from .base import CachePolicy, LayerInfo, Placement, Prefetcher, Scheduler, Timeline
 from .caching import CACHE_POLICIES
 from .prefetching import PREFETCHERS

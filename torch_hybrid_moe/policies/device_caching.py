@@ -9,9 +9,13 @@ is a PCIe copy that must finish inside the step).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
-from .caching import LFU, LRU, MinusRecentScore, WorkloadWindow
+from .caching import CACHE_POLICIES
+from .prefetching import PREFETCHERS, GatePrefetch
 
 
 class DeviceRanking:
@@ -87,23 +91,12 @@ class WindowRanking(DeviceRanking):
         return closes
 
 
-def device_ranking(policy: object, num_experts: int, device: torch.device) -> DeviceRanking:
-    """The tensor form of a live cache policy object, with its parameters."""
-    if isinstance(policy, LRU):
-        return LRURanking(num_experts, device)
-    if isinstance(policy, LFU):
-        return LFURanking(num_experts, device)
-    if isinstance(policy, MinusRecentScore):
-        return MRSRanking(num_experts, device, policy.alpha)
-    if isinstance(policy, WorkloadWindow):
-        return WindowRanking(num_experts, device, policy.w_size, policy.u_size)
-    raise ValueError(
-        f"cache policy {type(policy).__name__} has no tensor form, so it cannot run inside a CUDA graph; "
-        f"use one of {', '.join(DEVICE_CACHE_POLICIES)} or HybridMoEConfig(cuda_graph=False)"
-    )
+CACHE_POLICIES.add_tensor_form("lru", lambda policy, num_experts, device: LRURanking(num_experts, device))
+CACHE_POLICIES.add_tensor_form("lfu", lambda policy, num_experts, device: LFURanking(num_experts, device))
+CACHE_POLICIES.add_tensor_form("mrs", lambda policy, num_experts, device: MRSRanking(num_experts, device, policy.alpha))
+CACHE_POLICIES.add_tensor_form("dali_window", lambda policy, num_experts, device: WindowRanking(
+    num_experts, device, policy.w_size, policy.u_size))
 
-
-DEVICE_CACHE_POLICIES = ("lru", "lfu", "mrs", "dali_window")
 
 
 def _pairs(candidates: torch.Tensor, held: torch.Tensor, fills: int) -> tuple[torch.Tensor, ...]:
@@ -146,7 +139,19 @@ def _swap_in(
     return torch.where(admit, cand, -1), victim
 
 
-DEVICE_PREFETCHERS = ("none", "gate")
+def _gate_on_device(prefetcher: GatePrefetch, device: torch.device) -> GatePrefetch:
+    """The gate prefetcher with its router's weights on the device (a capture cannot copy them in); its choice is
+    made by `prefetch_admissions`."""
+    on_device = copy.copy(prefetcher)
+    router = prefetcher.router
+    on_device.router = dataclasses.replace(router, **{
+        f: getattr(router, f).to(device, torch.float32) for f in ("weight", "bias") if getattr(router, f) is not None
+    })
+    return on_device
+
+
+PREFETCHERS.add_tensor_form("none", lambda prefetcher, device: None)
+PREFETCHERS.add_tensor_form("gate", _gate_on_device)
 
 
 def prefetch_admissions(

@@ -9,13 +9,12 @@ the cost-aware ones evaluate the same `CostModel` terms in float64, in the same 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 
 from ..cost_model import CostModel, Terms
 from ..ops.placement_walks import dali_walk, hybrimoe_walk
-from .schedulers import AllOnCPU, CachedOnAccelerator, DaliGreedy, Fiddler, HybriMoE, OnDemand
+from .schedulers import SCHEDULERS
 
 
 class DeviceScheduler:
@@ -116,26 +115,9 @@ class HybriMoEForm(CostAwareForm):
         return torch.zeros_like(take).scatter_(0, order, take)
 
 
-_FORMS: dict[type, Callable[[object], DeviceScheduler]] = {
-    CachedOnAccelerator: lambda s: CachedOnAcceleratorForm(),
-    AllOnCPU: lambda s: AllOnCPUForm(),
-    OnDemand: lambda s: OnDemandForm(),
-    Fiddler: lambda s: FiddlerForm(s.costs),
-    DaliGreedy: lambda s: DaliGreedyForm(s.costs),
-    HybriMoE: lambda s: HybriMoEForm(s.costs),  # live layers' timeline is the idle link its form assumes
-}
-
-
-def device_scheduler(scheduler: object) -> DeviceScheduler:
-    """The tensor form of a live scheduler object, with its cost model. Exact classes only: a subclass may
-    place differently, and its tensor form would silently not."""
-    form = _FORMS.get(type(scheduler))
-    if form is None:
-        raise ValueError(
-            f"scheduler {type(scheduler).__name__} has no tensor form, so it cannot run inside a CUDA graph; use one "
-            f"of {', '.join(map(repr, DEVICE_SCHEDULERS))} or HybridMoEConfig(cuda_graph=False)"
-        )
-    return form(scheduler)
-
-
-DEVICE_SCHEDULERS = ("cached_on_accelerator", "all_cpu", "on_demand", "fiddler", "dali_greedy", "hybrimoe")
+SCHEDULERS.add_tensor_form("cached_on_accelerator", lambda s: CachedOnAcceleratorForm())
+SCHEDULERS.add_tensor_form("all_cpu", lambda s: AllOnCPUForm())
+SCHEDULERS.add_tensor_form("on_demand", lambda s: OnDemandForm())
+SCHEDULERS.add_tensor_form("fiddler", lambda s: FiddlerForm(s.costs))
+SCHEDULERS.add_tensor_form("dali_greedy", lambda s: DaliGreedyForm(s.costs))
+SCHEDULERS.add_tensor_form("hybrimoe", lambda s: HybriMoEForm(s.costs))  # live layers' link is the idle one it assumes

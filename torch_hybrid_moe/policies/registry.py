@@ -10,11 +10,13 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """A named collection of policy factories of one kind."""
+    """A named collection of policy factories of one kind, and of the tensor forms (what a CUDA graph runs at
+    replay) of those that have one: which policies run inside a graph is read from here, nowhere else."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._factories: dict[str, Callable[..., T]] = {}
+        self._tensor_forms: dict[str, Callable[..., object]] = {}
 
     def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
         def add(factory: Callable[..., T]) -> Callable[..., T]:
@@ -25,8 +27,29 @@ class Registry(Generic[T]):
 
         return add
 
+    def add_tensor_form(self, name: str, form: Callable[..., object]) -> None:
+        """Pair the policy registered as `name` with its tensor form: `form(policy, ...)` builds it from the live
+        policy object (its parameters); it must decide as the object does (each form has a test saying so)."""
+        self.check(name)
+        if name in self._tensor_forms:
+            raise ValueError(f"{self.kind} {name!r} already has a tensor form")
+        self._tensor_forms[name] = form
+
     def names(self) -> list[str]:
         return sorted(self._factories)
+
+    def graph_names(self) -> list[str]:
+        """The policies that can run inside a CUDA graph."""
+        return sorted(self._tensor_forms)
+
+    def tensor_form(self, name: str) -> Callable[..., object]:
+        """The tensor-form builder of `name`, or a one-line error naming those that have one. By name, not by the
+        object's class: a policy subclassed under another name may decide differently, and gets no form."""
+        self.check(name)
+        if name not in self._tensor_forms:
+            raise ValueError(f"{self.kind} {name!r} has no tensor form, so it cannot run inside a CUDA graph; use one "
+                             f"of {', '.join(map(repr, self.graph_names()))} or HybridMoEConfig(cuda_graph=False)")
+        return self._tensor_forms[name]
 
     def check(self, name: str) -> None:
         if name not in self._factories:

@@ -119,7 +119,7 @@ class DecodeGraphs:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._start_step()
+                self._begin_step()
                 self.compiled(**static)
                 self._join_fills()
             torch.cuda.current_stream(self.device).wait_stream(side)
@@ -130,7 +130,7 @@ class DecodeGraphs:
                 cache_layer.cumulative_length.copy_(length)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                self._start_step()
+                self._begin_step()
                 output = self.compiled(**static)
                 self._join_fills()
         self.captures += 1
@@ -151,9 +151,9 @@ class DecodeGraphs:
             elif layer.mode_counters is not None:  # created by the warm-up
                 layer.mode_counters.zero_()
 
-    def _start_step(self) -> None:
+    def _begin_step(self) -> None:
         for layer in self.layers:
-            layer.graph_path().start_step()
+            layer.graph_path().begin_step()
 
     def _join_fills(self) -> None:
         """Slot fills overlap the following layers; the step (and its graph) ends when they are done."""

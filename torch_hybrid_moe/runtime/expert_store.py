@@ -30,7 +30,7 @@ class ExpertStore(SlotMap):
         self.host_gate_up = _host_copy(gate_up, pin)
         self.host_down = _host_copy(down, pin)
         self.num_experts = gate_up.shape[0]
-        self.expert_bytes = _expert_bytes(gate_up) + _expert_bytes(down)
+        self.expert_bytes = expert_nbytes(gate_up) + expert_nbytes(down)
         self.slot_gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=slot_dtype, device=device)
         self.slot_down = torch.empty((num_slots, *down.shape[1:]), dtype=slot_dtype, device=device)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -75,7 +75,8 @@ class ExpertStore(SlotMap):
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
 
 
-def _expert_bytes(weight: HostWeight) -> int:
+def expert_nbytes(weight: HostWeight) -> int:
+    """Bytes of one expert of an [E, N, K] host weight (data and scales where quantised)."""
     return weight.nbytes_per_expert() if isinstance(weight, QuantizedWeight) else weight[0].nbytes
 
 

@@ -24,9 +24,8 @@ is how the CPU-only test suite checks this path against the reference model.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
+import enum
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,22 +37,28 @@ from ..ops.cpu_kernel import extension, gemm_route
 from ..ops.expert_math import slot_experts_
 from ..ops.quantize import QuantizedWeight, kernel_operands
 from ..ops.row_copy import copy_rows_, device_view
-from ..policies.device_caching import (DEVICE_PREFETCHERS, admissions, device_ranking, fetch_admissions,
-                                       prefetch_admissions)
-from ..policies.device_scheduling import device_scheduler
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
+from ..policies.device_caching import admissions, fetch_admissions, prefetch_admissions
 
 if TYPE_CHECKING:
     from .layer import HybridMoELayer
 
-# Which half of a layer's step a dispatch is (the `part` of dispatch_begin / dispatch_end), each with its own
-# pinned task buffers, so a half still running never shares them with another dispatch of the layer.
-PLAIN = 0  # a whole dispatch: counts the step and admits into slots
-AHEAD = 1  # begun before the layer's plain dispatch of the step (DAOP's early pairs): that dispatch counts and
-# admits for it, so the slots its routing assumed stay put until then
-BEHIND = 2  # begun after the layer's LEADING dispatch (Expert Deferral's deferred pairs): it only computes, then
-# queues the admission that dispatch left to it
-LEADING = 3  # a plain dispatch followed in the step by a BEHIND half (Expert Deferral's immediate pairs): it
-# counts the step but leaves the admission to that half, whose slot reads would otherwise wait for the copies
+class Part(enum.IntEnum):
+    """Which half of a layer's step a dispatch is (the `part` of dispatch_begin / dispatch_end, an int in the ops'
+    schemas), each with its own pinned task buffers, so a half still running never shares them with another
+    dispatch of the layer."""
+
+    PLAIN = 0  # a whole dispatch: counts the step and admits into slots
+    # begun before the layer's plain dispatch of the step (DAOP's early pairs): that dispatch counts and admits for
+    # it, so the slots its routing assumed stay put until then
+    AHEAD = 1
+    # begun after the layer's LEADING dispatch (Expert Deferral's deferred pairs): it only computes, then queues the
+    # admission that dispatch left to it
+    BEHIND = 2
+    # a plain dispatch followed in the step by a BEHIND half (Expert Deferral's immediate pairs): it counts the step
+    # but leaves the admission to that half, whose slot reads would otherwise wait for the copies
+    LEADING = 3
+
 
 _replays = itertools.count(1)
 _last_replay = [0]
@@ -102,8 +107,9 @@ class GraphPath:
         self.device = store.device
         self.num_experts, self.num_slots = store.num_experts, store.num_slots
         self.fills = min(layer.config.fills_per_step, self.num_slots)
-        self.ranking = device_ranking(layer.cache_policy, self.num_experts, self.device)
-        self.scheduler = device_scheduler(layer.scheduler)
+        config = layer.config
+        self.ranking = CACHE_POLICIES.tensor_form(config.cache_policy)(layer.cache_policy, self.num_experts, self.device)
+        self.scheduler = SCHEDULERS.tensor_form(config.scheduler)(layer.scheduler)
         self.expert_slot = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
         self.slot_expert = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
         self.counters = torch.zeros(len(self.COUNTERS), dtype=torch.float64, device=self.device)
@@ -112,7 +118,7 @@ class GraphPath:
         self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # an AHEAD half's counts and scores per expert
         self._unadmitted: tuple[torch.Tensor, torch.Tensor] | None = None  # a LEADING dispatch's, for its BEHIND half
         self._host = {name: self._readable(getattr(store, f"host_{name}")) for name in ("gate_up", "down")}
-        self.prefetcher = self._device_prefetcher(layer)
+        self.prefetcher = PREFETCHERS.tensor_form(config.prefetcher)(layer.prefetcher, self.device)
         self._ready: torch.cuda.Event | None = None  # this step's last fill-stream work for this layer
         self.pushed_version = -1
         self.pulled_replay = _last_replay[0]
@@ -126,22 +132,6 @@ class GraphPath:
             return QuantizedWeight(device_view(weight.data, self.device), device_view(weight.scale, self.device),
                                    weight.bits, weight.group_size)
         return device_view(weight, self.device)
-
-    def _device_prefetcher(self, layer: HybridMoELayer) -> object | None:
-        """The layer's gate prefetcher with its router's weights on the device (a capture cannot copy them in)."""
-        name = layer.config.prefetcher
-        if name not in DEVICE_PREFETCHERS:
-            raise ValueError(f"prefetcher {name!r} has no replay-safe form for CUDA graphs (only "
-                             f"{', '.join(DEVICE_PREFETCHERS)}); use HybridMoEConfig(cuda_graph=False)")
-        if name == "none":
-            return None
-        prefetcher = copy.copy(layer.prefetcher)
-        router = prefetcher.router
-        prefetcher.router = dataclasses.replace(router, **{
-            f: getattr(router, f).to(self.device, torch.float32) for f in ("weight", "bias")
-            if getattr(router, f) is not None
-        })
-        return prefetcher
 
     # -- keeping the device tables and the store's SlotMap in step ------------------------------------------
 
@@ -175,7 +165,7 @@ class GraphPath:
             self.push()
         self.layer.store.wait_for_copies()
 
-    def start_step(self) -> None:
+    def begin_step(self) -> None:
         """Before a decode step is run or captured: no copy of this step is queued for the layer yet."""
         self._ready = self._ahead = self._unadmitted = None
 
@@ -190,11 +180,10 @@ class GraphPath:
 
     # -- the step ---------------------------------------------------------------------------------------------
 
-    def start(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
+    def begin(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
         """Place the step's experts (the scheduler's tensor form), submit the CPU share (task buffers `part`), copy
         in the missing experts placed on the accelerator, compute the slot share, queue the cache's fills as
-        `part` says (PLAIN, AHEAD, BEHIND, LEADING above); returns the fp32 accumulator `finish` completes once
-        the CPU share is in."""
+        `part` says (`Part`); returns the fp32 accumulator `end` completes once the CPU share is in."""
         store = self.layer.store
         self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
         self._wait_for_copies()
@@ -226,17 +215,17 @@ class GraphPath:
                           store.slot_gate_up, store.slot_down, rounded=store.rounds_inputs)
         active = counts > 0
         self._count(accelerator_experts=on_accelerator.sum(), cpu_experts=(active & ~on_accelerator).sum())
-        if part in (PLAIN, LEADING):
+        if part in (Part.PLAIN, Part.LEADING):
             ahead, self._ahead = self._ahead, None
             if ahead is not None:
                 counts, scores = counts + ahead[0], scores + ahead[1]
                 active = counts > 0
             self._count(steps=1, tokens=ids.shape[0], hits=(active & resident).sum(), misses=(active & ~resident).sum())
-            if part == PLAIN:
+            if part == Part.PLAIN:
                 self._on_fill_stream(self._admit, counts, scores)
             else:
                 self._unadmitted = counts, scores
-        elif part == AHEAD:
+        elif part == Part.AHEAD:
             self._ahead = counts, scores
         elif self._unadmitted is not None:  # BEHIND: its slot reads are queued, the copies may follow
             unadmitted, self._unadmitted = self._unadmitted, None
@@ -244,8 +233,8 @@ class GraphPath:
         self._pending[part] = buf
         return acc
 
-    def finish(self, acc: torch.Tensor, hidden: torch.Tensor, part: int) -> torch.Tensor:
-        """Wait for the CPU share `start` submitted with `part` (the `sync` host function) and add it."""
+    def end(self, acc: torch.Tensor, hidden: torch.Tensor, part: int) -> torch.Tensor:
+        """Wait for the CPU share `begin` submitted with `part` (the `sync` host function) and add it."""
         buf = self._pending.pop(part)
         if buf is not None:
             self._launch(buf.task, "sync")

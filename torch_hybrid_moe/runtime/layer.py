@@ -12,12 +12,13 @@ from ..cost_model import CostModel
 from ..ops.expert_math import accumulate_experts_
 from ..ops.library import cpu_experts_into
 from ..ops.quantize import kernel_operands
-from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement
+from ..policies import LayerInfo, Placement
 from ..policies.prefetching import Router
 from ..policies.streaming import plan_streaming
 from .costs import policy_context, streaming_costs
 from .expert_store import ExpertStore
-from .graph_path import AHEAD, BEHIND, PLAIN, GraphPath
+from .graph_path import GraphPath, Part
+from .layer_policies import LayerPolicies, build_policies
 from .registry import register_layer
 from .staging_ring import StagingRing
 from .stats import LayerStats
@@ -44,7 +45,10 @@ class HybridMoELayer:
     """
 
     def __init__(self, name: str, layer_idx: int, store: ExpertStore, config: HybridMoEConfig,
-                 router: Router | None = None, routing: RoutingRule | None = None) -> None:
+                 router: Router | None = None, routing: RoutingRule | None = None,
+                 policies: LayerPolicies | None = None) -> None:
+        """`policies`: built by the patching step for this layer (`layer_policies.build_policies` with this layer's
+        `policy_context`); None builds them here."""
         self.name = name
         self.routing = routing
         self.store = store
@@ -52,10 +56,10 @@ class HybridMoELayer:
         info = LayerInfo(layer_idx, store.num_experts, store.num_slots, store.expert_bytes)
         self.info = info
         _, two_inter, hidden = store.host_gate_up.shape
-        context = policy_context(config, info, hidden, two_inter // 2, router)
-        self.scheduler = SCHEDULERS.create(config.scheduler, **context)
-        self.cache_policy = CACHE_POLICIES.create(config.cache_policy, **context)
-        self.prefetcher = PREFETCHERS.create(config.prefetcher, **context)
+        if policies is None:
+            capture = store.device.type == "cuda" and config.cuda_graph
+            policies = build_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
+        self.scheduler, self.cache_policy, self.prefetcher = policies.scheduler, policies.cache_policy, policies.prefetcher
         self.stats = LayerStats()
         self.next_handle: int | None = None
         self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields()))
@@ -95,26 +99,26 @@ class HybridMoELayer:
     def begin(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
         """The step up to its fp32 partial sum. On the replay-safe path the CPU share is still running when this
         returns (`end` waits for it), so work placed in between overlaps it; elsewhere the step is complete.
-        `part` (graph_path.PLAIN, AHEAD, BEHIND, LEADING) also says who counts the step and admits into slots: a
+        `part` (graph_path.Part) also says who counts the step and admits into slots: a
         plain dispatch does, for itself and for an AHEAD half begun before it (DAOP's early pairs, whose routing
         assumed the slots stay put until then); a BEHIND half (Expert Deferral's deferred pairs) only computes.
         A LEADING dispatch (Expert Deferral's immediate pairs) is a plain one here; on the replay-safe path its
         BEHIND half queues its slot fills."""
         if self.graph_mode:
-            return self.graph_path().start(hidden, topk_ids, topk_weights, part)
+            return self.graph_path().begin(hidden, topk_ids, topk_weights, part)
         return self._accumulate(hidden, topk_ids, topk_weights, part)
 
     def end(self, partial: torch.Tensor, hidden: torch.Tensor, part: int) -> torch.Tensor:
         """Finish the step `begin` started with the same `part`; the one rounding to the model's dtype."""
         if self.graph_mode:
-            return self.graph_path().finish(partial, hidden, part)
+            return self.graph_path().end(partial, hidden, part)
         return partial.to(hidden.dtype)
 
     def _accumulate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     part: int = 0) -> torch.Tensor:
         self.settle()
         store = self.store
-        if (store.num_slots == 0 and part == PLAIN and self._ahead is None and hidden.device.type == "cpu"
+        if (store.num_slots == 0 and part == Part.PLAIN and self._ahead is None and hidden.device.type == "cpu"
                 and self.streaming is None):
             return self._all_on_cpu(hidden, topk_ids, topk_weights)
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
@@ -163,10 +167,10 @@ class HybridMoELayer:
         s.accelerator_experts += len(plan.accelerator)
         s.cpu_experts += len(cpu)
         s.streamed_experts += len(streamed)
-        if part == AHEAD:  # the layer's plain dispatch of this step counts and admits for it
+        if part == Part.AHEAD:  # the layer's plain dispatch of this step counts and admits for it
             self._ahead = counts, scores
             return acc
-        if part == BEHIND:
+        if part == Part.BEHIND:
             return acc
         if self._ahead is not None:
             counts, scores = ([a + b for a, b in zip(mine, theirs)] for mine, theirs in zip((counts, scores), self._ahead))

@@ -43,7 +43,7 @@ def dispatch_begin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`dispatch` in two halves, for a result needed later (Expert Deferral's deferred experts, DAOP's early
     pairs): on a captured step the CPU share is handed to the worker and this returns with it still running;
-    `dispatch_end` of the same (layer, part) waits for it. `part` is runtime.graph_path's AHEAD (begun before the
+    `dispatch_end` of the same (layer, part) waits for it. `part` is runtime.graph_path's Part: AHEAD (begun before the
     layer's plain dispatch of the step, which counts and admits for it), BEHIND (begun after a LEADING one,
     computes only, then queues the slot fills it left) or LEADING (a whole step ended at once, Expert Deferral's
     immediate half); each has its own pinned task buffers, so a half-finished step never shares them.

@@ -25,13 +25,13 @@ popularity, past requests); only the oracles take `future`, the routing still to
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..cost_model import CostModel
-from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement, Prefetcher
 from ..policies.requests import RequestActivations
 from ..runtime.slot_map import SlotMap
 from ..traces import LayerTrace, Trace
@@ -204,13 +204,27 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
     `calibration`: what the policies learn beforehand (default: `Calibration.from_trace(trace)`, the trace
     itself); `events`, when given, receives every busy interval of the CPU, GPU and link."""
     num_experts = trace.meta["num_experts"]
-    slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
     steps = list(batched_steps(trace, batch))
     link = _Link(costs, events)
     calibration = calibration or Calibration.from_trace(trace)
     request = RequestActivations(list(trace.layers), num_experts, history=calibration.requests)
+    slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
+    layers, prefetchers = _build_layers(trace, stack, costs, slots, steps, calibration, request, link)
+    _check_deferred(trace, stack)
+    replay = _Replay(trace, stack, costs, layers, prefetchers, request, link, events)
+    for step_no, ((prefill, tokens, counts_by_layer), (_, rows)) in enumerate(zip(steps, step_rows(trace, batch))):
+        replay.step(step_no, prefill, tokens, counts_by_layer, rows)
+    return replay.result(batch, cache_ratio, len(steps))
+
+
+def _build_layers(trace: Trace, stack: Stack, costs: CostModel, slots: int,
+                  steps: list[tuple[bool, int, dict[int, tuple[list[int], list[float]]]]], calibration: Calibration,
+                  request: RequestActivations, link: _Link) -> tuple[dict[int, _Layer], dict[int, Prefetcher]]:
+    """Each layer's slots and policies, and a prefetcher for each layer after the first (it is asked during the
+    layer before): built before the replay, since the oracles among them take the whole routing to come."""
+    num_experts = trace.meta["num_experts"]
     layers: dict[int, _Layer] = {}
-    prefetchers: dict[int, object] = {}
+    prefetchers: dict[int, Prefetcher] = {}
     for prev, idx in zip([None, *trace.layers], trace.layers):
         info = LayerInfo(idx, num_experts, slots, costs.expert.nbytes)
         context = {  # everything a policy may use; each takes what its signature names
@@ -222,100 +236,164 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
         layers[idx] = _Layer(info, stack, link, context)
         if prev is not None and stack.uses_slots and stack.prefetcher != "none":
             prefetchers[idx] = PREFETCHERS.create(stack.prefetcher, **context, info=info)
-    following = {prev: idx for prev, idx in zip(layers, list(layers)[1:]) if idx in prefetchers}
-    gate_input = {prev: _gate_input_index(trace, prev) for prev in following}
-    predicted = out_of = 0
-    planning = 0.0
-    now = 0.0
-    cpu_busy = gpu_busy = 0.0
-    hits = misses = 0
-    phase_time = {True: 0.0, False: 0.0}
-    phase_tokens = {True: 0, False: 0}
+    return layers, prefetchers
 
+
+def _check_deferred(trace: Trace, stack: Stack) -> None:
+    """Expert Deferral keeps at least one expert of each token immediate: a layer's output needs one."""
     top_k = trace.layers[next(iter(trace.layers))].topk_ids.shape[1]
     if not 0 <= stack.deferred < top_k:
         raise ValueError(f"{stack.name}: deferred experts must be in [0, top-k {top_k}), got {stack.deferred}")
-    last = list(layers)[-1]
-    cpu_free = 0.0  # when the CPU finishes what it was given (deferred experts run past their layer's end)
 
-    for step_no, ((prefill, tokens, counts_by_layer), (_, rows)) in enumerate(zip(steps, step_rows(trace, batch))):
-        step_start = now
+
+class _Replay:
+    """A replay under way: the layers and their policies, the clock, and the totals `SimResult` reports. One method
+    per phase of a layer step, called in the order the live runtime runs them, so the policies see the same calls."""
+
+    def __init__(self, trace: Trace, stack: Stack, costs: CostModel, layers: dict[int, _Layer],
+                 prefetchers: dict[int, Prefetcher], request: RequestActivations, link: _Link,
+                 events: list[Event] | None) -> None:
+        self.trace, self.stack, self.costs, self.events = trace, stack, costs, events
+        self.layers, self.prefetchers, self.request, self.link = layers, prefetchers, request, link
+        self.following = {prev: idx for prev, idx in zip(layers, list(layers)[1:]) if idx in prefetchers}
+        self.gate_input = {prev: _gate_input_index(trace, prev) for prev in self.following}
+        self.last = list(layers)[-1]
+        self.now = 0.0
+        self.cpu_free = 0.0  # when the CPU finishes what it was given (deferred experts run past their layer's end)
+        self.pending = 0.0  # when the previous layer's deferred experts are done (0: it deferred none)
+        self.cpu_busy = self.gpu_busy = 0.0
+        self.hits = self.misses = 0
+        self.planning = 0.0  # seconds the policies took to decide
+        self.predicted = self.out_of = 0  # the prefetch accuracy's counts (`top_workload_overlap`)
+        self.phase_time = {True: 0.0, False: 0.0}  # by is_prefill
+        self.phase_tokens = {True: 0, False: 0}
+
+    def step(self, step_no: int, prefill: bool, tokens: int,
+             counts_by_layer: dict[int, tuple[list[int], list[float]]], rows: torch.Tensor) -> None:
+        """One forward step through every layer, its time and tokens booked to prefill or decode (the two rates)."""
+        step_start = self.now
         if prefill:
-            request.begin()
-        pending = 0.0  # when the previous layer's deferred experts are done
-        for idx, layer in layers.items():
-            dense = costs.t_dense(tokens)
-            if events is not None and dense:
-                events.append(Event(step_no, idx, "gpu", "dense", -1, now, now + dense))
-            gpu_busy += dense
-            now += dense
+            self.request.begin()
+        self.pending = 0.0
+        for idx, layer in self.layers.items():
             counts, scores = counts_by_layer[idx]
-            defer = stack.deferred and not prefill and idx != last
-            later = _lowest_weight_counts(trace.layers[idx], rows, stack.deferred, num_experts) if defer else None
-            request.record(idx, counts)
-            link.now = now
-            link.where = (step_no, idx)
-            resident = layer.resident()
-            active = [e for e, c in enumerate(counts) if c]
-            began = time.perf_counter()
-            plan = layer.scheduler.place(counts, resident)
-            planning += time.perf_counter() - began
-            for e in plan.fetch:
-                if not layer.fill(e, keep=set(plan.accelerator)):
-                    raise RuntimeError(f"{stack.name}: no slot free for on-demand fetch of expert {e}")
-                layer.ready[e] = link.copy(now, "fetch", e)
-            if idx in following:
-                link.where = (step_no, following[idx])
-                hit, of, took = _prefetch(trace, idx, following[idx], rows, gate_input[idx],
-                                          prefetchers[following[idx]], layers[following[idx]], now)
-                predicted, out_of, planning = predicted + hit, out_of + of, planning + took
-                link.where = (step_no, idx)
-            cpu_start = max(now, cpu_free)
-            cpu_time = deferred_time = 0.0
-            for e in plan.cpu:
-                t_cpu = costs.t_cpu(counts[e] - (later[e] if later else 0))
-                at = cpu_start + cpu_time
-                if events is not None and t_cpu:
-                    events.append(Event(step_no, idx, "cpu", "expert", e, at, at + t_cpu))
-                cpu_time += t_cpu
-            for e in plan.cpu if later else ():
-                t_def = costs.t_cpu(later[e])
-                at = cpu_start + cpu_time + deferred_time
-                if events is not None and t_def:
-                    events.append(Event(step_no, idx, "cpu", "deferred", e, at, at + t_def))
+            defer = self.stack.deferred and not prefill and idx != self.last
+            later = (_lowest_weight_counts(self.trace.layers[idx], rows, self.stack.deferred, layer.info.num_experts)
+                     if defer else None)
+            self._layer_step(step_no, idx, layer, tokens, counts, scores, rows, later)
+        self.phase_time[prefill] += self.now - step_start
+        self.phase_tokens[prefill] += tokens
+
+    def _layer_step(self, step_no: int, idx: int, layer: _Layer, tokens: int, counts: list[int], scores: list[float],
+                    rows: torch.Tensor, later: list[int] | None) -> None:
+        """One decoder block: its dense work, then the MoE layer's phases. The layer ends when both shares and the
+        previous layer's deferred experts are done; its hits are counted on the slots it started with."""
+        self._dense(step_no, idx, tokens)
+        self.request.record(idx, counts)
+        self.link.now = self.now
+        self.link.where = (step_no, idx)
+        resident = layer.resident()
+        plan = self._schedule(layer, counts, resident)
+        if idx in self.following:
+            self._prefetch_next(step_no, idx, rows)
+        cpu_start = max(self.now, self.cpu_free)
+        cpu_time, deferred_time = self._cpu_share(step_no, idx, plan.cpu, counts, later, cpu_start)
+        gpu_end = self._gpu_share(step_no, idx, layer, plan.accelerator, counts)
+        self.cpu_busy += cpu_time + deferred_time
+        end = max(cpu_start + cpu_time, gpu_end, self.pending)
+        self.cpu_free = cpu_start + cpu_time + deferred_time
+        self.pending = self.cpu_free if deferred_time else 0.0
+        active = [e for e, c in enumerate(counts) if c]
+        layer_hits = sum(resident[e] for e in active)
+        self.hits += layer_hits
+        self.misses += len(active) - layer_hits
+        self._admit(layer, counts, scores, end)
+        self.now = end
+
+    def _dense(self, step_no: int, idx: int, tokens: int) -> None:
+        """The block's dense work on the GPU (attention, shared experts): the routing, so the experts, wait for it."""
+        dense = self.costs.t_dense(tokens)
+        if self.events is not None and dense:
+            self.events.append(Event(step_no, idx, "gpu", "dense", -1, self.now, self.now + dense))
+        self.gpu_busy += dense
+        self.now += dense
+
+    def _schedule(self, layer: _Layer, counts: list[int], resident: list[bool]) -> Placement:
+        """The scheduler's split, and the copies of the accelerator's experts not in a slot, queued at the layer's
+        start: they run once copied."""
+        began = time.perf_counter()
+        plan = layer.scheduler.place(counts, resident)
+        self.planning += time.perf_counter() - began
+        for e in plan.fetch:
+            if not layer.fill(e, keep=set(plan.accelerator)):
+                raise RuntimeError(f"{self.stack.name}: no slot free for on-demand fetch of expert {e}")
+            layer.ready[e] = self.link.copy(self.now, "fetch", e)
+        return plan
+
+    def _prefetch_next(self, step_no: int, idx: int, rows: torch.Tensor) -> None:
+        """The next layer's prefetch, asked at this layer's start (after its fetches) so its copies overlap this
+        layer's compute; its copies are the next layer's events."""
+        target = self.following[idx]
+        self.link.where = (step_no, target)
+        hit, of, took = _prefetch(self.trace, idx, target, rows, self.gate_input[idx], self.prefetchers[target],
+                                  self.layers[target], self.now)
+        self.predicted, self.out_of, self.planning = self.predicted + hit, self.out_of + of, self.planning + took
+        self.link.where = (step_no, idx)
+
+    def _cpu_share(self, step_no: int, idx: int, experts: Sequence[int], counts: list[int], later: list[int] | None,
+                   start: float) -> tuple[float, float]:
+        """Seconds of the CPU's share, back to back from `start`: the immediate tokens, which the layer's end waits
+        for, then the deferred ones (Expert Deferral), which only the next layer's end waits for."""
+        cpu_time = deferred_time = 0.0
+        for e in experts:
+            t_cpu = self.costs.t_cpu(counts[e] - (later[e] if later else 0))
+            at = start + cpu_time
+            if self.events is not None and t_cpu:
+                self.events.append(Event(step_no, idx, "cpu", "expert", e, at, at + t_cpu))
+            cpu_time += t_cpu
+        if later:
+            for e in experts:
+                t_def = self.costs.t_cpu(later[e])
+                at = start + cpu_time + deferred_time
+                if self.events is not None and t_def:
+                    self.events.append(Event(step_no, idx, "cpu", "deferred", e, at, at + t_def))
                 deferred_time += t_def
-            gpu_end = now
-            for e in sorted(plan.accelerator, key=lambda e: layer.ready[e]):
-                start = max(gpu_end, layer.ready[e])
-                gpu_end = start + costs.t_gpu(counts[e])
-                gpu_busy += costs.t_gpu(counts[e])
-                if events is not None:
-                    events.append(Event(step_no, idx, "gpu", "expert", e, start, gpu_end))
-            cpu_busy += cpu_time + deferred_time
-            end = max(cpu_start + cpu_time, gpu_end, pending)
-            cpu_free = cpu_start + cpu_time + deferred_time
-            pending = cpu_free if deferred_time else 0.0
-            layer_hits = sum(resident[e] for e in active)
-            hits += layer_hits
-            misses += len(active) - layer_hits
-            admitted: set[int] = set()
-            began = time.perf_counter()
-            admissions = layer.cache.admit(counts, layer.resident(), scores)
-            planning += time.perf_counter() - began
-            for e in admissions:
-                admitted.add(e)
-                if not layer.fill(e, keep=admitted):
-                    break
-                layer.ready[e] = link.copy(end, "admit", e)
-            now = end
-        phase_time[prefill] += now - step_start
-        phase_tokens[prefill] += tokens
-    return SimResult(
-        stack=stack.name, hardware=costs.hardware.name, batch=batch, cache_ratio=cache_ratio,
-        decode_tok_s=phase_tokens[False] / phase_time[False] if phase_time[False] else 0.0,
-        prefill_tok_s=phase_tokens[True] / phase_time[True] if phase_time[True] else 0.0,
-        hit_rate=hits / max(hits + misses, 1), moe_time_s=now, pcie_gb=link.copies * costs.expert.nbytes / 1e9,
-        cpu_busy=cpu_busy / now if now else 0.0, gpu_busy=gpu_busy / now if now else 0.0, hits=hits, misses=misses,
-        prefetch_accuracy=predicted / out_of if out_of else None,
-        planning_us=planning * 1e6 / max(len(steps) * len(layers), 1),
-    )
+        return cpu_time, deferred_time
+
+    def _gpu_share(self, step_no: int, idx: int, layer: _Layer, experts: Sequence[int], counts: list[int]) -> float:
+        """When the accelerator's share ends: its experts in the order their weights arrive, none before its copy."""
+        gpu_end = self.now
+        for e in sorted(experts, key=lambda e: layer.ready[e]):
+            start = max(gpu_end, layer.ready[e])
+            gpu_end = start + self.costs.t_gpu(counts[e])
+            self.gpu_busy += self.costs.t_gpu(counts[e])
+            if self.events is not None:
+                self.events.append(Event(step_no, idx, "gpu", "expert", e, start, gpu_end))
+        return gpu_end
+
+    def _admit(self, layer: _Layer, counts: list[int], scores: list[float], end: float) -> None:
+        """The cache policy's admissions, copied in the background from the layer's `end` and usable once copied;
+        the first that finds no slot ends them."""
+        admitted: set[int] = set()
+        began = time.perf_counter()
+        admissions = layer.cache.admit(counts, layer.resident(), scores)
+        self.planning += time.perf_counter() - began
+        for e in admissions:
+            admitted.add(e)
+            if not layer.fill(e, keep=admitted):
+                break
+            layer.ready[e] = self.link.copy(end, "admit", e)
+
+    def result(self, batch: int, cache_ratio: float, steps: int) -> SimResult:
+        """The totals as rates and fractions of the replay's time."""
+        now, time_by, tokens_by = self.now, self.phase_time, self.phase_tokens
+        return SimResult(
+            stack=self.stack.name, hardware=self.costs.hardware.name, batch=batch, cache_ratio=cache_ratio,
+            decode_tok_s=tokens_by[False] / time_by[False] if time_by[False] else 0.0,
+            prefill_tok_s=tokens_by[True] / time_by[True] if time_by[True] else 0.0,
+            hit_rate=self.hits / max(self.hits + self.misses, 1), moe_time_s=now,
+            pcie_gb=self.link.copies * self.costs.expert.nbytes / 1e9,
+            cpu_busy=self.cpu_busy / now if now else 0.0, gpu_busy=self.gpu_busy / now if now else 0.0,
+            hits=self.hits, misses=self.misses, prefetch_accuracy=self.predicted / self.out_of if self.out_of else None,
+            planning_us=self.planning * 1e6 / max(steps * len(self.layers), 1),
+        )

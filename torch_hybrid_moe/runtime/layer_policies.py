@@ -1,0 +1,30 @@
+"""One MoE layer's policies, built once from the config's names: by the patching step, before it changes anything,
+and handed to the layer (whose replay-safe path derives their tensor forms from the same objects)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import HybridMoEConfig
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, CachePolicy, Prefetcher, Scheduler
+
+
+@dataclass(frozen=True)
+class LayerPolicies:
+    scheduler: Scheduler
+    cache_policy: CachePolicy
+    prefetcher: Prefetcher
+
+
+def build_policies(config: HybridMoEConfig, context: dict[str, object], capture: bool) -> LayerPolicies:
+    """The layer's scheduler, cache policy and prefetcher from what it offers them (`runtime.costs.policy_context`).
+    One that cannot run live (a cost-aware scheduler without `hardware=`) fails here, and so, with `capture` (decode
+    steps captured as CUDA graphs), does one without a tensor form."""
+    policies = LayerPolicies(SCHEDULERS.create(config.scheduler, **context),
+                             CACHE_POLICIES.create(config.cache_policy, **context),
+                             PREFETCHERS.create(config.prefetcher, **context))
+    if capture:
+        for registry, name in ((SCHEDULERS, config.scheduler), (CACHE_POLICIES, config.cache_policy),
+                               (PREFETCHERS, config.prefetcher)):
+            registry.tensor_form(name)
+    return policies
