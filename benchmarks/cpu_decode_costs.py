@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-import torch_hybrid_moe  # noqa: F401  (registers torch.ops.hybrid_moe)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import torch_hybrid_moe  # noqa: F401  (registers torch.ops.hybrid_moe)
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.model_patches.cpu_attention import cpu_attention_forward
 from torch_hybrid_moe.ops import cpu_kernel, host_memory, kernel_build
@@ -42,6 +41,20 @@ def medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, fl
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _linear_times(n: int, k: int, repeats: int) -> tuple[dict[str, float], int]:
+    """Medians of one token through an [n, k] bf16 linear: F.linear, the op, the op on 2 MB pages; and its bytes.
+    Its weights are freed on return, before the next (an LM head is 0.6 GB)."""
+    w = torch.empty(n, k, dtype=torch.bfloat16).normal_(0, 0.02)
+    huge = host_memory.empty((n, k), torch.bfloat16).copy_(w)
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    runs = {
+        "torch": lambda: F.linear(x, w),
+        "op": lambda: torch.ops.hybrid_moe.linear(x, w, None, None, 64),
+        "huge": lambda: torch.ops.hybrid_moe.linear(x, huge, None, None, 64),
+    }
+    return medians(runs, repeats), w.nbytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -50,54 +63,81 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown CPU")
-    flags = sorted({f for line in info if line.startswith("flags") for f in line.split() if f.startswith(("avx", "amx"))})
-    print(f"{cpu} ({' '.join(flags)}), {args.threads} threads, kernel ISA "
-          f"{kernel_build.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}, {time.strftime('%Y-%m-%d')}")
+    flags = sorted(
+        {f for line in info if line.startswith("flags") for f in line.split() if f.startswith(("avx", "amx"))}
+    )
+    print(
+        f"{cpu} ({' '.join(flags)}), {args.threads} threads, kernel ISA "
+        f"{kernel_build.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}, {time.strftime('%Y-%m-%d')}"
+    )
 
     # The op on the weight as torch allocates it (4 KB pages where THP is "madvise") and on 2 MB pages.
-    print(f"\n{'bf16 linear, 1 token':<22} {'F.linear ms':>11} {'GB/s':>6} {'op ms':>8} {'GB/s':>6} "
-          f"{'huge pages ms':>13} {'GB/s':>6}")
+    print(
+        f"\n{'bf16 linear, 1 token':<22} {'F.linear ms':>11} {'GB/s':>6} {'op ms':>8} {'GB/s':>6} "
+        f"{'huge pages ms':>13} {'GB/s':>6}"
+    )
     for name, (n, k) in LINEARS.items():
-        w = torch.empty(n, k, dtype=torch.bfloat16).normal_(0, 0.02)
-        huge = host_memory.empty((n, k), torch.bfloat16).copy_(w)
-        x = torch.randn(1, k, dtype=torch.bfloat16)
-        t = medians({"torch": lambda: F.linear(x, w), "op": lambda: torch.ops.hybrid_moe.linear(x, w, None, None, 64),
-                     "huge": lambda: torch.ops.hybrid_moe.linear(x, huge, None, None, 64)}, max(5, args.repeats // 8))
-        print(f"{name + f' {n}x{k}':<22} " + " ".join(f"{t[r] * 1e3:>{width}.2f} {w.nbytes / t[r] / 1e9:>6.1f}"
-                                                      for r, width in (("torch", 11), ("op", 8), ("huge", 13))))
-        del w, huge
+        t, nbytes = _linear_times(n, k, max(5, args.repeats // 8))
+        print(
+            f"{name + f' {n}x{k}':<22} "
+            + " ".join(
+                f"{t[r] * 1e3:>{width}.2f} {nbytes / t[r] / 1e9:>6.1f}"
+                for r, width in (("torch", 11), ("op", 8), ("huge", 13))
+            )
+        )
 
     gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.bfloat16) * 0.02
     down = torch.randn(EXPERTS, HIDDEN, INTER, dtype=torch.bfloat16) * 0.02
-    layer = HybridMoELayer("bench", 0, ExpertStore(gate_up, down, 0, torch.device("cpu"), torch.bfloat16),
-                           HybridMoEConfig(expert_budget=0.0))
+    layer = HybridMoELayer(
+        "bench",
+        0,
+        ExpertStore(gate_up, down, 0, torch.device("cpu"), torch.bfloat16),
+        HybridMoEConfig(expert_budget=0.0),
+    )
     hidden = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
-    routing = [(torch.randperm(EXPERTS, generator=gen)[:TOP_K].view(1, TOP_K), torch.rand(1, TOP_K, generator=gen))
-               for _ in range(16)]  # other experts each call, so weights come from memory
+    routing = [
+        (torch.randperm(EXPERTS, generator=gen)[:TOP_K].view(1, TOP_K), torch.rand(1, TOP_K, generator=gen))
+        for _ in range(16)
+    ]  # other experts each call, so weights come from memory
     step = iter(range(10**9))
 
     def pick() -> tuple[torch.Tensor, torch.Tensor]:
         return routing[next(step) % len(routing)]
 
-    t = medians({
-        "kernel": lambda: cpu_kernel.moe_experts(hidden, *pick(), gate_up, down, torch.zeros(1, HIDDEN)),
-        "cpu_experts op": lambda: torch.ops.hybrid_moe.cpu_experts(hidden, *pick(), gate_up, down, None, None,
-                                                                    torch.zeros(1, HIDDEN)),
-        "dispatch op": lambda: torch.ops.hybrid_moe.dispatch(hidden, *pick(), layer.handle),
-    }, args.repeats)
+    t = medians(
+        {
+            "kernel": lambda: cpu_kernel.moe_experts(hidden, *pick(), gate_up, down, torch.zeros(1, HIDDEN)),
+            "cpu_experts op": lambda: torch.ops.hybrid_moe.cpu_experts(
+                hidden, *pick(), gate_up, down, None, None, torch.zeros(1, HIDDEN)
+            ),
+            "dispatch op": lambda: torch.ops.hybrid_moe.dispatch(hidden, *pick(), layer.handle),
+        },
+        args.repeats,
+    )
     print(f"\nMoE layer step, {EXPERTS} experts of {HIDDEN}x{INTER}, top-{TOP_K}, 1 token, all on the CPU:")
     for name, s in t.items():
         print(f"  {name:<15} {s * 1e3:7.3f} ms   +{(s - t['kernel']) * 1e3:.3f} ms over the kernel")
 
-    small = (torch.randn(8, 64, 64), torch.randn(8, 64, 32), torch.randn(1, 64), torch.tensor([[1, 3]]), torch.rand(1, 2))
+    small = (
+        torch.randn(8, 64, 64),
+        torch.randn(8, 64, 32),
+        torch.randn(1, 64),
+        torch.tensor([[1, 3]]),
+        torch.rand(1, 2),
+    )
     gu, dn, h, ids, wts = small
-    t = medians({
-        "kernel": lambda: cpu_kernel.moe_experts(h, ids, wts, gu, dn, torch.zeros(1, 64)),
-        "op": lambda: torch.ops.hybrid_moe.cpu_experts(h, ids, wts, gu, dn, None, None, torch.zeros(1, 64)),
-    }, args.repeats * 10)
-    print(f"\nop machinery on a tiny layer (8 experts of 64x32): kernel {t['kernel'] * 1e6:.0f} us, "
-          f"op {t['op'] * 1e6:.0f} us")
+    t = medians(
+        {
+            "kernel": lambda: cpu_kernel.moe_experts(h, ids, wts, gu, dn, torch.zeros(1, 64)),
+            "op": lambda: torch.ops.hybrid_moe.cpu_experts(h, ids, wts, gu, dn, None, None, torch.zeros(1, 64)),
+        },
+        args.repeats * 10,
+    )
+    print(
+        f"\nop machinery on a tiny layer (8 experts of 64x32): kernel {t['kernel'] * 1e6:.0f} us, "
+        f"op {t['op'] * 1e6:.0f} us"
+    )
 
     # Attention of one decode token: 32 query heads over 4 key / value heads of 128, 160 cached positions (bf16).
     q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
@@ -106,13 +146,18 @@ def main() -> None:
     module = torch.nn.Module()
     module.num_key_value_groups = 8
     compiled = torch.compile(cpu_attention_forward, fullgraph=True)
-    t = medians({
-        "SDPA": lambda: sdpa_attention_forward(module, q, k, v, mask),
-        "ours, eager": lambda: cpu_attention_forward(module, q, k, v, mask),
-        "ours, compiled": lambda: compiled(module, q, k, v, mask),
-    }, args.repeats)
-    print("\nattention of one decode token (32 / 4 heads of 128, 160 positions): "
-          + ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in t.items()))
+    t = medians(
+        {
+            "SDPA": lambda: sdpa_attention_forward(module, q, k, v, mask),
+            "ours, eager": lambda: cpu_attention_forward(module, q, k, v, mask),
+            "ours, compiled": lambda: compiled(module, q, k, v, mask),
+        },
+        args.repeats,
+    )
+    print(
+        "\nattention of one decode token (32 / 4 heads of 128, 160 positions): "
+        + ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in t.items())
+    )
 
 
 if __name__ == "__main__":

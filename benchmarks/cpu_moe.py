@@ -32,7 +32,7 @@ from torch_hybrid_moe.ops import cpu_kernel, kernel_build
 from torch_hybrid_moe.ops.quantize import QuantizedWeight, kernel_operands, to_cpu_format
 
 sys.path.insert(0, str(Path(__file__).parent))
-import kt_kernel_baseline  # noqa: E402  (beside this file)
+import kt_kernel_baseline
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,9 @@ def linear_tflops(shape: Shape, tokens: int, dtype: torch.dtype, repeats: int) -
     return 2 * 3 * shape.hidden * shape.inter * tokens / _median_seconds(run, repeats) / 1e12
 
 
-def torch_loop(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def torch_loop(
+    hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """The baseline: one pass over the activated experts with plain torch ops."""
     out = torch.zeros(hidden.shape, dtype=torch.float32)
     for e in ids.unique().tolist():
@@ -123,7 +125,10 @@ class Impl:
 
 def implementations(gate_up: torch.Tensor, down: torch.Tensor) -> list[Impl]:
     """The torch loop and our kernel in each CPU weight format."""
-    dense = (lambda e: (gate_up[e].double(), down[e].double()))
+
+    def dense(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return gate_up[e].double(), down[e].double()
+
     bf16_bytes = gate_up[0].nbytes + down[0].nbytes
 
     def ours(gu: torch.Tensor | QuantizedWeight, dn: torch.Tensor | QuantizedWeight):
@@ -133,6 +138,7 @@ def implementations(gate_up: torch.Tensor, down: torch.Tensor) -> list[Impl]:
             out = torch.zeros(hidden.shape, dtype=torch.float32)
             torch.ops.hybrid_moe.cpu_experts(hidden, ids, weights, g, d, gs, ds, out)
             return out
+
         return run
 
     impls = [
@@ -141,8 +147,15 @@ def implementations(gate_up: torch.Tensor, down: torch.Tensor) -> list[Impl]:
     ]
     for fmt in ("int8", "int4"):
         gu, dn = (to_cpu_format(w, fmt, 64) for w in (gate_up, down))
-        impls.append(Impl("hybrid_moe", fmt, ours(gu, dn), gu.nbytes_per_expert() + dn.nbytes_per_expert(),
-                          lambda e, gu=gu, dn=dn: (gu[e].double(), dn[e].double())))
+        impls.append(
+            Impl(
+                "hybrid_moe",
+                fmt,
+                ours(gu, dn),
+                gu.nbytes_per_expert() + dn.nbytes_per_expert(),
+                lambda e, gu=gu, dn=dn: (gu[e].double(), dn[e].double()),
+            )
+        )
     return impls
 
 
@@ -150,11 +163,18 @@ def kt_kernel_impl(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> Imp
     """KTransformers' BF16 CPU MoE on the same weights. Its worker threads are pinned and stay busy while it
     lives, which would slow everything else on a small machine: build it only for its own timing block."""
     kt = kt_kernel_baseline.KTMoE(gate_up, down, top_k, max_tokens=512, threads=torch.get_num_threads())
-    return Impl("kt-kernel", "bf16", lambda h, i, w: kt(h, i, w).float(), gate_up[0].nbytes + down[0].nbytes,
-                lambda e: (gate_up[e].double(), down[e].double()))
+    return Impl(
+        "kt-kernel",
+        "bf16",
+        lambda h, i, w: kt(h, i, w).float(),
+        gate_up[0].nbytes + down[0].nbytes,
+        lambda e: (gate_up[e].double(), down[e].double()),
+    )
 
 
-def reference(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: Callable, rows: list[int]) -> torch.Tensor:
+def reference(
+    hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: Callable, rows: list[int]
+) -> torch.Tensor:
     """float64 result for the given token rows."""
     out = torch.zeros(len(rows), hidden.shape[1], dtype=torch.float64)
     for i, t in enumerate(rows):
@@ -183,7 +203,9 @@ def check(impl: Impl, shape: Shape, regime: str, tokens: int, gen: torch.Generat
         raise AssertionError(f"{impl.name} {impl.dtype} on {shape.name} {regime} {tokens}: relative error {err:.3g}")
 
 
-def median_ms(impls: list[Impl], shape: Shape, tokens: int, repeats: int, gen: torch.Generator) -> tuple[list[float], float]:
+def median_ms(
+    impls: list[Impl], shape: Shape, tokens: int, repeats: int, gen: torch.Generator
+) -> tuple[list[float], float]:
     """Median ms per implementation, every repetition running all of them on the same fresh inputs (interleaved,
     so machine noise hits them alike), and the mean number of distinct experts the inputs activated."""
     times: list[list[float]] = [[] for _ in impls]
@@ -218,18 +240,37 @@ def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm
             for impl, m in zip(impls, ms):
                 gb_s = active * impl.expert_bytes / m / 1e6
                 tflops = 2 * 3 * shape.hidden * shape.inter * tokens * shape.top_k / m / 1e9
-                records.append({
-                    "shape": shape.name, "regime": regime, "tokens": tokens, "impl": impl.name, "dtype": impl.dtype,
-                    "ms": m, "gb_per_s": gb_s, "pct_of_bandwidth": 100 * gb_s / bandwidth, "tflops": tflops,
-                    "pct_of_matmul": 100 * tflops / mm_bf16, "pct_of_fp32_matmul": 100 * tflops / mm_fp32,
-                    "x_torch_loop": loop_ms[tokens] / m,
-                })
+                records.append(
+                    {
+                        "shape": shape.name,
+                        "regime": regime,
+                        "tokens": tokens,
+                        "impl": impl.name,
+                        "dtype": impl.dtype,
+                        "ms": m,
+                        "gb_per_s": gb_s,
+                        "pct_of_bandwidth": 100 * gb_s / bandwidth,
+                        "tflops": tflops,
+                        "pct_of_matmul": 100 * tflops / mm_bf16,
+                        "pct_of_fp32_matmul": 100 * tflops / mm_fp32,
+                        "x_torch_loop": loop_ms[tokens] / m,
+                    }
+                )
         del impls
         gc.collect()  # ends kt-kernel's worker pool before the next shape
     per_expert = 512 * shape.top_k // shape.experts  # rows an expert gets in the 512-token prefill, on average
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        records.append({"shape": shape.name, "regime": "prefill", "tokens": 512, "impl": "linear", "dtype": name,
-                        "expert_tokens": per_expert, "tflops": linear_tflops(shape, per_expert, dtype, repeats)})
+        records.append(
+            {
+                "shape": shape.name,
+                "regime": "prefill",
+                "tokens": 512,
+                "impl": "linear",
+                "dtype": name,
+                "expert_tokens": per_expert,
+                "tflops": linear_tflops(shape, per_expert, dtype, repeats),
+            }
+        )
     best = max(r["tflops"] for r in records if r["impl"] == "linear")
     for r in records:
         if r["regime"] == "prefill" and r["impl"] != "linear":
@@ -257,19 +298,27 @@ def main() -> None:
     if args.json:
         print(json.dumps(records, indent=1))
         return
-    print(f"{torch.get_num_threads()} threads, kernel ISA {kernel_build.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}; "
-          f"read bandwidth {bandwidth:.1f} GB/s; matmul bf16 {mm:.4f} / fp32 {mm32:.4f} TFLOP/s")
-    print(f"{'shape':<17} {'regime':<8} {'tok':>4} {'impl':<11} {'dtype':<5} {'ms':>9} {'GB/s':>6} {'%bw':>4} "
-          f"{'TFLOP/s':>8} {'%mm':>5} {'%mm32':>5} {'x loop':>6}")
+    print(
+        f"{torch.get_num_threads()} threads, kernel ISA {kernel_build.ISA_NAMES.get(cpu_kernel.best_isa(), 'none')}; "
+        f"read bandwidth {bandwidth:.1f} GB/s; matmul bf16 {mm:.4f} / fp32 {mm32:.4f} TFLOP/s"
+    )
+    print(
+        f"{'shape':<17} {'regime':<8} {'tok':>4} {'impl':<11} {'dtype':<5} {'ms':>9} {'GB/s':>6} {'%bw':>4} "
+        f"{'TFLOP/s':>8} {'%mm':>5} {'%mm32':>5} {'x loop':>6}"
+    )
     for r in records[3:]:
         if r["impl"] == "linear":
-            print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {'':>21} "
-                  f"{r['tflops']:>8.4f}   (one expert's projections at {r['expert_tokens']} rows)")
+            print(
+                f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {'':>21} "
+                f"{r['tflops']:>8.4f}   (one expert's projections at {r['expert_tokens']} rows)"
+            )
             continue
-        print(f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {r['impl']:<11} {r['dtype']:<5} {r['ms']:>9.2f} "
-              f"{r['gb_per_s']:>6.1f} {r['pct_of_bandwidth']:>4.0f} {r['tflops']:>8.4f} {r['pct_of_matmul']:>5.0f} "
-              f"{r['pct_of_fp32_matmul']:>5.0f} {r['x_torch_loop']:>6.2f}"
-              + (f" {r['pct_of_linear']:>5.0f}% of F.linear" if "pct_of_linear" in r else ""))
+        print(
+            f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {r['impl']:<11} {r['dtype']:<5} {r['ms']:>9.2f} "
+            f"{r['gb_per_s']:>6.1f} {r['pct_of_bandwidth']:>4.0f} {r['tflops']:>8.4f} {r['pct_of_matmul']:>5.0f} "
+            f"{r['pct_of_fp32_matmul']:>5.0f} {r['x_torch_loop']:>6.2f}"
+            + (f" {r['pct_of_linear']:>5.0f}% of F.linear" if "pct_of_linear" in r else "")
+        )
 
 
 if __name__ == "__main__":

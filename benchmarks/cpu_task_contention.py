@@ -27,9 +27,17 @@ EXPERTS, HIDDEN, INTER, TOP_K = 8, 2048, 1408, 6
 def task_ms(threads: int, runs: int) -> float:
     gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.02).bfloat16()
     down = (torch.randn(EXPERTS, HIDDEN, INTER) * 0.02).bfloat16()
-    task = cpu_kernel.extension().CpuTask(torch.randn(1, HIDDEN).bfloat16(), torch.arange(TOP_K).view(1, TOP_K),
-                                          torch.rand(1, TOP_K), gate_up, None, down, None, torch.zeros(1, HIDDEN),
-                                          threads)
+    task = cpu_kernel.extension().CpuTask(
+        torch.randn(1, HIDDEN).bfloat16(),
+        torch.arange(TOP_K).view(1, TOP_K),
+        torch.rand(1, TOP_K),
+        gate_up,
+        None,
+        down,
+        None,
+        torch.zeros(1, HIDDEN),
+        threads,
+    )
     times = []
     for i in range(runs + 3):  # 3 warm-up runs
         start = time.perf_counter()
@@ -57,8 +65,10 @@ def main() -> None:
         finally:
             if spinner:
                 spinner.kill()
-        print(f"spinner {'on ' if spin else 'off'}: {cores} threads {full:6.2f} ms, {max(1, cores - 1)} threads "
-              f"{fewer:6.2f} ms (ratio {full / fewer:.2f})")
+        print(
+            f"spinner {'on ' if spin else 'off'}: {cores} threads {full:6.2f} ms, {max(1, cores - 1)} threads "
+            f"{fewer:6.2f} ms (ratio {full / fewer:.2f})"
+        )
 
 
 if __name__ == "__main__":

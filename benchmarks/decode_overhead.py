@@ -2,9 +2,9 @@
 
 For each model (the embedded trained ones by default, or tiny:ARCH): per-token greedy decode time of
 the unpatched model (eager, and compiled with Inductor over a static cache), and of the patched model
-compiled with the hybrid_moe backend at expert budgets 0, 0.25 and 1.0, with its cache hit rate. Median of several timed generate() calls after a warm-up
-that compiles. On a CPU-only machine this measures the dispatch overhead (host sync, CPU share),
-not an accelerator speedup.
+compiled with the hybrid_moe backend at expert budgets 0, 0.25 and 1.0, with its cache hit rate. Median of
+several timed generate() calls after a warm-up that compiles. On a CPU-only machine this measures the dispatch
+overhead (host sync, CPU share), not an accelerator speedup.
 
     python benchmarks/decode_overhead.py [--model deepseek-tiny] [--tokens 32] [--repeats 5] [--json]
 """
@@ -54,7 +54,11 @@ def main() -> None:
         rows = {
             "transformers eager": per_token_ms(ref, ids, args.tokens, args.repeats),
             "transformers + inductor": per_token_ms(
-                copy.deepcopy(ref), ids, args.tokens, args.repeats, cache_implementation="static",
+                copy.deepcopy(ref),
+                ids,
+                args.tokens,
+                args.repeats,
+                cache_implementation="static",
                 compile_config=inductor,
             ),
         }
@@ -68,8 +72,15 @@ def main() -> None:
         torch._dynamo.reset()
         base = rows["transformers eager"]
         for impl, ms in rows.items():
-            records.append({"model": name, "impl": impl, "ms_per_token": ms, "vs_eager": ms / base,
-                            "hit_rate": hit_rates.get(impl)})
+            records.append(
+                {
+                    "model": name,
+                    "impl": impl,
+                    "ms_per_token": ms,
+                    "vs_eager": ms / base,
+                    "hit_rate": hit_rates.get(impl),
+                }
+            )
     if args.json:
         print(json.dumps(records, indent=1))
         return

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from end_to_end import SHAPES, checkpoint  # noqa: E402  (beside this file)
+from end_to_end import SHAPES, checkpoint
 
 
 def profiled(model: torch.nn.Module, ids: torch.Tensor, new: int) -> tuple[float, dict[str, tuple[float, int]]]:
@@ -37,8 +37,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--weights", choices=("model", "int8", "int4"), default="model",
-                        help="int8 / int4: experts and dense layers, as end_to_end.py's ours-int8-dense rows")
+    parser.add_argument(
+        "--weights",
+        choices=("model", "int8", "int4"),
+        default="model",
+        help="int8 / int4: experts and dense layers, as end_to_end.py's ours-int8-dense rows",
+    )
     parser.add_argument("--tokens", type=int, default=32, help="decode steps profiled")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rows", type=int, default=25, help="ops listed")
@@ -51,19 +55,33 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     path = checkpoint(args.shape, args.layers, args.cache)
-    model = thm.from_pretrained(path, thm.HybridMoEConfig(
-        expert_budget=0.0, cpu_weight_dtype=args.weights,
-        dense_weight_dtype="model" if args.weights == "model" else args.weights), dtype=torch.bfloat16)
+    model = thm.from_pretrained(
+        path,
+        thm.HybridMoEConfig(
+            expert_budget=0.0,
+            cpu_weight_dtype=args.weights,
+            dense_weight_dtype="model" if args.weights == "model" else args.weights,
+        ),
+        dtype=torch.bfloat16,
+    )
     ids = torch.randint(100, 2000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         short_s, short = profiled(model, ids, 2)
         long_s, long = profiled(model, ids, 2 + args.tokens)
     per_token = (long_s - short_s) / args.tokens
-    rows = sorted(((long[k][0] - short.get(k, (0.0, 0))[0]) / args.tokens,
-                   (long[k][1] - short.get(k, (0.0, 0))[1]) / args.tokens, k) for k in long)[::-1]
-    print(f"{args.shape}, {args.layers} layers, {args.weights} weights, {args.threads} threads: "
-          f"{per_token * 1e3:.2f} ms a decode token under the profiler ({1 / per_token:.1f} tok/s), "
-          f"{time.strftime('%Y-%m-%d')}")
+    rows = sorted(
+        (
+            (long[k][0] - short.get(k, (0.0, 0))[0]) / args.tokens,
+            (long[k][1] - short.get(k, (0.0, 0))[1]) / args.tokens,
+            k,
+        )
+        for k in long
+    )[::-1]
+    print(
+        f"{args.shape}, {args.layers} layers, {args.weights} weights, {args.threads} threads: "
+        f"{per_token * 1e3:.2f} ms a decode token under the profiler ({1 / per_token:.1f} tok/s), "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     print(f"{'self ms/token':>13} {'calls/token':>11}  op")
     for seconds, calls, name in rows[: args.rows]:
         print(f"{seconds * 1e3:13.3f} {calls:11.1f}  {name[:90]}")

@@ -21,9 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.policies import SCHEDULERS, LayerInfo
+from torch_hybrid_moe.policies import SCHEDULERS, LayerInfo, device_scheduling
 from torch_hybrid_moe.policies.device_caching import fetch_admissions
-from torch_hybrid_moe.policies import device_scheduling
 from torch_hybrid_moe.runtime.costs import IdleLink
 
 EXPERTS, TOP_K, SLOTS = 64, 6, 16
@@ -41,7 +40,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -51,7 +50,7 @@ def walks_as_on_cuda(counter: OpCounter) -> Iterator[None]:
     """Run the walks uncounted and count what their CUDA form launches instead."""
     originals = {name: getattr(device_scheduling, name) for name in WALK_OPS_ON_CUDA}
 
-    def counted(name: str):  # noqa: ANN202
+    def counted(name: str):
         def walk(*args: object) -> torch.Tensor:
             with torch.utils._python_dispatch._disable_current_modes():
                 out = originals[name](*args)
@@ -78,7 +77,7 @@ def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
     expert_slot = torch.full((EXPERTS,), -1)
     expert_slot[:SLOTS] = torch.arange(SLOTS)
     slot_expert, values = torch.arange(SLOTS), torch.rand(EXPERTS)
-    with OpCounter() as counter, (walks_as_on_cuda(counter) if cuda else contextlib.nullcontext()):
+    with OpCounter() as counter, walks_as_on_cuda(counter) if cuda else contextlib.nullcontext():
         on = form.place(counts, expert_slot >= 0, SLOTS, min(EXPERTS, ids.numel()))
         if form.fetches:
             fetch_admissions(on & (expert_slot < 0), on, values, expert_slot, slot_expert, min(SLOTS, ids.numel()))
@@ -91,13 +90,15 @@ def main() -> None:
     p.add_argument("--hardware", default="rtx5090", choices=sorted(HARDWARE))
     args = p.parse_args()
     costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES["deepseek-v2-lite"])
-    print(f"device ops per MoE layer step (placement + on-demand slot assignment), {EXPERTS} experts, top-{TOP_K}, "
-          f"{SLOTS} slots")
+    print(
+        f"device ops per MoE layer step (placement + on-demand slot assignment), {EXPERTS} experts, top-{TOP_K}, "
+        f"{SLOTS} slots"
+    )
     print(f"{'scheduler':34s}" + "".join(f"{f'batch {b}':>18s}" for b in args.batches))
     base = {b: ops_per_step("cached_on_accelerator", costs, b, cuda=False) for b in args.batches}
     for name in SCHEDULERS.graph_names():
         walks = name in ("dali_greedy", "hybrimoe")
-        for cuda in ((False, True) if walks else (False,)):
+        for cuda in (False, True) if walks else (False,):
             cells = []
             for b in args.batches:
                 n = ops_per_step(name, costs, b, cuda)

@@ -23,17 +23,50 @@ import sys
 import time
 from pathlib import Path
 
-ROWS = ("ours", "ours-sdpa", "ours-int8", "ours-int4", "ours-int8-dense", "ours-int4-dense", "ours-b0.25", "eager",
-        "inductor",
-        "llama-bf16", "llama-q8_0", "llama-q4_0")
+ROWS = (
+    "ours",
+    "ours-sdpa",
+    "ours-int8",
+    "ours-int4",
+    "ours-int8-dense",
+    "ours-int4-dense",
+    "ours-b0.25",
+    "eager",
+    "inductor",
+    "llama-bf16",
+    "llama-q8_0",
+    "llama-q4_0",
+)
 SHAPES = {  # (transformers config class, its arguments per layer shape); vocabularies are the real models'
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-        tie_word_embeddings=False)),
-    "mixtral-8x7b": ("MixtralConfig", dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-        num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "mixtral-8x7b": (
+        "MixtralConfig",
+        dict(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -84,8 +117,11 @@ def decode_bytes(path: Path, row: str = "ours") -> float:
             weights = 1
             for d in shape:
                 weights *= d
-            per_weight = BYTES_PER_WEIGHT[kind] if ".experts." in name else (
-                BYTES_PER_WEIGHT[dense_kind] if len(shape) == 2 else 2.0)  # norms stay in bf16
+            per_weight = (
+                BYTES_PER_WEIGHT[kind]
+                if ".experts." in name
+                else (BYTES_PER_WEIGHT[dense_kind] if len(shape) == 2 else 2.0)
+            )  # norms stay in bf16
             total += weights * per_weight * (share if ".experts." in name else 1)
     return total
 
@@ -100,7 +136,7 @@ def read_bandwidth(threads: int) -> float:
     return a.nbytes / best / 1e9
 
 
-def _timed(fn) -> float:  # noqa: ANN001
+def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -121,9 +157,15 @@ def run_torch_row(row: str, path: Path, prompt: int, tokens: int, threads: int) 
         # Experts stream from the checkpoint into the store (thm.from_pretrained): no second resident copy.
         dtype = next((d for d in ("int8", "int4") if d in row), "model")
         budget = 0.25 if row == "ours-b0.25" else 0.0
-        model = thm.from_pretrained(path, thm.HybridMoEConfig(
-            expert_budget=budget, cpu_weight_dtype=dtype, dense_weight_dtype=dtype if row.endswith("-dense") else "model"),
-            dtype=torch.bfloat16)
+        model = thm.from_pretrained(
+            path,
+            thm.HybridMoEConfig(
+                expert_budget=budget,
+                cpu_weight_dtype=dtype,
+                dense_weight_dtype=dtype if row.endswith("-dense") else "model",
+            ),
+            dtype=torch.bfloat16,
+        )
         if row == "ours-sdpa":  # ours with torch's SDPA for decode attention too (model_patches/cpu_attention.py)
             model.config._attn_implementation = "sdpa"
     else:
@@ -141,8 +183,11 @@ def run_torch_row(row: str, path: Path, prompt: int, tokens: int, threads: int) 
         start = time.perf_counter()
         out = model.generate(ids, streamer=stamps, **gen)
     times = stamps.times  # the prompt's push, then one per new token: the first ends prefill
-    return dict(prefill_tok_s=prompt / (times[1] - start), decode_tok_s=(len(times) - 2) / (times[-1] - times[1]),
-                tokens=out[0, prompt:].tolist())
+    return dict(
+        prefill_tok_s=prompt / (times[1] - start),
+        decode_tok_s=(len(times) - 2) / (times[-1] - times[1]),
+        tokens=out[0, prompt:].tolist(),
+    )
 
 
 class _Stamps:
@@ -161,9 +206,26 @@ class _Stamps:
 def run_llama_row(row: str, path: Path, prompt: int, tokens: int, threads: int, llama: Path) -> dict:
     """One llama-bench measurement of the GGUF of `path` in the row's weight type."""
     gguf = gguf_file(path, row.removeprefix("llama-"), llama)
-    out = subprocess.run([str(llama / "build" / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads),
-                          "-p", str(prompt), "-n", str(tokens), "-r", "1", "-o", "json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            str(llama / "build" / "bin" / "llama-bench"),
+            "-m",
+            str(gguf),
+            "-t",
+            str(threads),
+            "-p",
+            str(prompt),
+            "-n",
+            str(tokens),
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     tests = json.loads(out.stdout)
     rate = {("prefill" if t["n_prompt"] else "decode"): t["avg_ts"] for t in tests}
     return dict(prefill_tok_s=rate["prefill"], decode_tok_s=rate["decode"], tokens=None)
@@ -175,8 +237,11 @@ def gguf_file(path: Path, kind: str, llama: Path) -> Path:
     if target.exists():
         return target
     if kind == "q4_0":
-        subprocess.run([str(llama / "build" / "bin" / "llama-quantize"), str(gguf_file(path, "bf16", llama)),
-                        str(target), "q4_0"], check=True, capture_output=True)
+        subprocess.run(
+            [str(llama / "build" / "bin" / "llama-quantize"), str(gguf_file(path, "bf16", llama)), str(target), "q4_0"],
+            check=True,
+            capture_output=True,
+        )
         return target
     # The embedded tokenizer's pre-tokenizer is unknown to the converter: treat it as GPT-2's (byte-level BPE).
     code = (
@@ -188,8 +253,11 @@ def gguf_file(path: Path, kind: str, llama: Path) -> Path:
         "b.TextModel.get_vocab_base_pre = pre; sys.argv = sys.argv[1:2] + sys.argv[2:];"
         "runpy.run_path(sys.argv[0] + '/convert_hf_to_gguf.py', run_name='__main__')"
     )
-    subprocess.run([sys.executable, "-c", code, str(llama), str(path), "--outtype", kind, "--outfile", str(target)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", code, str(llama), str(path), "--outtype", kind, "--outfile", str(target)],
+        check=True,
+        capture_output=True,
+    )
     return target
 
 
@@ -251,8 +319,20 @@ def main() -> None:
     records: dict[str, list[dict]] = {r: [] for r in rows}
     for _ in range(args.repeats):  # interleaved: each round measures every row once
         for row in rows:
-            cmd = [sys.executable, __file__, "--child", row, "--child-path", str(path), "--prompt", str(args.prompt),
-                   "--tokens", str(args.tokens), "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                row,
+                "--child-path",
+                str(path),
+                "--prompt",
+                str(args.prompt),
+                "--tokens",
+                str(args.tokens),
+                "--threads",
+                str(args.threads),
+            ]
             if args.llama_cpp:
                 cmd += ["--llama-cpp", str(args.llama_cpp)]
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -261,24 +341,44 @@ def main() -> None:
                 print(f"{row}: failed: {last}")
                 continue
             # the read bandwidth of this moment, next to the measurement: another tenant's load comes and goes
-            records[row].append({**json.loads(done.stdout.strip().splitlines()[-1]),
-                                 "bandwidth_gb_s": read_bandwidth(args.threads)})
+            records[row].append(
+                {**json.loads(done.stdout.strip().splitlines()[-1]), "bandwidth_gb_s": read_bandwidth(args.threads)}
+            )
     floor_gb = decode_bytes(path) / 1e9
     reads = [r["bandwidth_gb_s"] for recs in records.values() for r in recs]
     bandwidth = statistics.median(reads) if reads else read_bandwidth(args.threads)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-                    for f in line.split() if f.startswith(("avx", "amx"))})
-    print(f"{args.shape}, {args.layers} layers, bf16 checkpoint {path}; {cpu} ({' '.join(flags)}), {args.threads} "
-          f"threads; prompt {args.prompt}, {args.tokens} new tokens; medians of {args.repeats} [min-max]; "
-          f"{time.strftime('%Y-%m-%d')}")
-    print(f"decode floor: {floor_gb:.3f} GB per token at {bandwidth:.1f} GB/s read (median of the reads taken after "
-          f"each measurement) = {bandwidth / floor_gb:.1f} tok/s (bf16 weights); '% floor': each decode rate over the "
-          "floor of its row's weight type at the read taken right after it")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    flags = sorted(
+        {
+            f
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+            for f in line.split()
+            if f.startswith(("avx", "amx"))
+        }
+    )
+    print(
+        f"{args.shape}, {args.layers} layers, bf16 checkpoint {path}; {cpu} ({' '.join(flags)}), {args.threads} "
+        f"threads; prompt {args.prompt}, {args.tokens} new tokens; medians of {args.repeats} [min-max]; "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+    print(
+        f"decode floor: {floor_gb:.3f} GB per token at {bandwidth:.1f} GB/s read (median of the reads taken after "
+        f"each measurement) = {bandwidth / floor_gb:.1f} tok/s (bf16 weights); '% floor': each decode rate over the "
+        "floor of its row's weight type at the read taken right after it"
+    )
     reference = next((r["tokens"] for r in records.get("eager", []) if r["tokens"]), None)
-    print(f"{'row':<12} {'decode tok/s':>22} {'% floor':>8} {'prefill tok/s':>22} {'peak RSS GB':>11} "
-          f"{'tokens = eager':>14}")
+    print(
+        f"{'row':<12} {'decode tok/s':>22} {'% floor':>8} {'prefill tok/s':>22} {'peak RSS GB':>11} "
+        f"{'tokens = eager':>14}"
+    )
     for row, recs in records.items():
         if not recs:
             continue
@@ -288,13 +388,28 @@ def main() -> None:
             cells.append(f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
         row_gb = decode_bytes(path, row) / 1e9
         floor = statistics.median(100 * r["decode_tok_s"] * row_gb / r["bandwidth_gb_s"] for r in recs)
-        agree = "-" if reference is None or recs[0]["tokens"] is None else (
-            f"{sum(a == b for a, b in zip(recs[0]['tokens'], reference))}/{len(reference)}")
+        agree = (
+            "-"
+            if reference is None or recs[0]["tokens"] is None
+            else (f"{sum(a == b for a, b in zip(recs[0]['tokens'], reference))}/{len(reference)}")
+        )
         print(f"{row:<12} {cells[0]:>22} {floor:>8.0f} {cells[1]:>22} {cells[2]:>11} {agree:>14}")
     if args.json:
-        args.json.write_text(json.dumps(dict(shape=args.shape, layers=args.layers, cpu=cpu, flags=flags,
-                                             threads=args.threads, floor_gb=floor_gb, bandwidth_gb_s=bandwidth,
-                                             records=records), indent=1))
+        args.json.write_text(
+            json.dumps(
+                dict(
+                    shape=args.shape,
+                    layers=args.layers,
+                    cpu=cpu,
+                    flags=flags,
+                    threads=args.threads,
+                    floor_gb=floor_gb,
+                    bandwidth_gb_s=bandwidth,
+                    records=records,
+                ),
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -48,23 +48,44 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 
 import torch_hybrid_moe as thm
 
-
 ROWS = ("hybrid", "prefetch", "prefetch-1", "deferral", "dali", "all-cpu", "on-demand", "no-stream", "accelerate")
-VARIANTS = {"hybrid": {}, "prefetch": {"prefetcher": "gate"},
-            "prefetch-1": {"prefetcher": "gate", "prefetch_size": 1},
-            "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
-            "dali": {"scheduler": "dali_greedy", "hardware": "local"}, "on-demand": {"scheduler": "on_demand"},
-            "no-stream": {"staging_slots": 0}}
+VARIANTS = {
+    "hybrid": {},
+    "prefetch": {"prefetcher": "gate"},
+    "prefetch-1": {"prefetcher": "gate", "prefetch_size": 1},
+    "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
+    "dali": {"scheduler": "dali_greedy", "hardware": "local"},
+    "on-demand": {"scheduler": "on_demand"},
+    "no-stream": {"staging_slots": 0},
+}
 
 
 def lite_config(layers: int) -> DeepseekV2Config:
     """DeepSeek-V2-Lite's published shape."""
     return DeepseekV2Config(
-        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
-        n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=64, topk_method="greedy",
-        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=4096,
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        head_dim=64,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        max_position_embeddings=4096,
     )
 
 
@@ -127,8 +148,14 @@ def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: St
         cache.reset()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, past_key_values=cache,
-                   cache_implementation=None)
+    model.generate(
+        ids,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        past_key_values=cache,
+        cache_implementation=None,
+    )
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -199,7 +226,9 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
     del model, cache
     release()
     return {
-        **row, "decode_tok_s": 1 / statistics.median(decode), "prefill_tok_s": statistics.median(prefill),
+        **row,
+        "decode_tok_s": 1 / statistics.median(decode),
+        "prefill_tok_s": statistics.median(prefill),
         "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)) if patched else None,
         "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else None,
         "prefill_floor_tok_s": args.prompt * max(pcie, bandwidth) * 1e9 / all_experts,
@@ -211,16 +240,24 @@ def label(row: dict) -> str:
     return "-".join(f"{v}" for k, v in row.items() if k != "hardware").replace("/", "_")
 
 
-def profile(model: torch.nn.Module, short: torch.Tensor, prompt: torch.Tensor, tokens: int,
-            cache: StaticCache | None, path: Path) -> None:
+def profile(
+    model: torch.nn.Module,
+    short: torch.Tensor,
+    prompt: torch.Tensor,
+    tokens: int,
+    cache: StaticCache | None,
+    path: Path,
+) -> None:
     """Chrome traces of one decode run and one prefill, with the top ops printed: device time for decode
     (graph replays are traced kernel by kernel), host time for prefill (the CPU experts run on this thread)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    for what, ids, n, key in (("decode", short, tokens, "self_device_time_total"),
-                              ("prefill", prompt, 1, "self_cpu_time_total")):
+    for what, ids, n, key in (
+        ("decode", short, tokens, "self_device_time_total"),
+        ("prefill", prompt, 1, "self_cpu_time_total"),
+    ):
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             generate_s(model, ids, n, cache)
         prof.export_chrome_trace(f"{path}-{what}.json")
@@ -241,8 +278,11 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
     rows = []
     for name in args.rows:
         if name in VARIANTS:
-            rows += [dict(row=name, expert_budget=b, cuda_graph=g, **VARIANTS[name])
-                     for b in args.budgets for g in args.graph]
+            rows += [
+                dict(row=name, expert_budget=b, cuda_graph=g, **VARIANTS[name])
+                for b in args.budgets
+                for g in args.graph
+            ]
         elif name == "all-cpu":
             rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in args.graph]
         else:
@@ -257,16 +297,30 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="expert budgets of the hybrid rows")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    p.add_argument("--graph", nargs="+", default=["off", "on"], choices=["off", "on"],
-                   help="decode step uncaptured, as one CUDA graph, or both (rows other than accelerate)")
+    p.add_argument(
+        "--graph",
+        nargs="+",
+        default=["off", "on"],
+        choices=["off", "on"],
+        help="decode step uncaptured, as one CUDA graph, or both (rows other than accelerate)",
+    )
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--cpu-threads", type=int, default=0, help="HybridMoEConfig.cpu_threads of the rows with the "
-                   "graph on (the only ones that use it; 0: the library's default, torch's thread count)")
-    p.add_argument("--profile", type=Path, metavar="DIR", help="also write a decode and a prefill profiler trace "
-                   "per row into DIR and print each one's top ops")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="HybridMoEConfig.cpu_threads of the rows with the "
+        "graph on (the only ones that use it; 0: the library's default, torch's thread count)",
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="also write a decode and a prefill profiler trace per row into DIR and print each one's top ops",
+    )
     args = p.parse_args()
     args.graph = [g == "on" for g in args.graph]
     if not torch.cuda.is_available():
@@ -277,7 +331,7 @@ def main() -> None:
     for row in rows_of(args):
         try:
             r = measure(row, args, config, bandwidth, pcie)
-        except Exception:  # noqa: BLE001 - one failing baseline must not lose the other rows
+        except Exception:
             print(f"\n{row}: failed:\n{traceback.format_exc()}", flush=True)
             r = None
         if r is None:  # released outside the handler: the traceback's frames hold the failed row's model
@@ -286,13 +340,24 @@ def main() -> None:
         results.append(r)
         extra = {k: v for k, v in row.items() if k not in ("row", "cuda_graph")}
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        print(f"{row['row']:10s} {extra!s:45s} graph {'on ' if row.get('cuda_graph') else 'off'}  decode "
-              f"{r['decode_tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s "
-              f"({r['prefill_tok_s'] / r['prefill_floor_tok_s']:4.0%} of {r['prefill_floor_tok_s']:.0f})  hit "
-              f"{fmt(r['hit_rate'], '.3f')}  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s", flush=True)
-    meta = {"device": torch.cuda.get_device_name(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "host_copy_gb_s": round(bandwidth, 1), "pcie_gb_s": round(pcie, 1), "layers": args.layers,
-            "tokens": args.tokens, "prompt": args.prompt, "repeats": args.repeats}
+        print(
+            f"{row['row']:10s} {extra!s:45s} graph {'on ' if row.get('cuda_graph') else 'off'}  decode "
+            f"{r['decode_tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s "
+            f"({r['prefill_tok_s'] / r['prefill_floor_tok_s']:4.0%} of {r['prefill_floor_tok_s']:.0f})  hit "
+            f"{fmt(r['hit_rate'], '.3f')}  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s",
+            flush=True,
+        )
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "host_copy_gb_s": round(bandwidth, 1),
+        "pcie_gb_s": round(pcie, 1),
+        "layers": args.layers,
+        "tokens": args.tokens,
+        "prompt": args.prompt,
+        "repeats": args.repeats,
+    }
     if args.json:
         print(json.dumps({"meta": meta, "rows": results}, indent=1))
     print(meta)

@@ -46,9 +46,7 @@ class KTMoE:
     ``gate_up``: [E, 2I, H] bf16 (rows :I gate, I: up); ``down``: [E, H, I] bf16.
     """
 
-    def __init__(
-        self, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, max_tokens: int, threads: int
-    ) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, max_tokens: int, threads: int) -> None:
         from kt_kernel import kt_kernel_ext
 
         cls = _moe_cls()

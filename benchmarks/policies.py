@@ -35,7 +35,7 @@ class GreedyVersusOptimum(DaliGreedy):
 
     totals = {"greedy": 0.0, "optimum": 0.0}
 
-    def place(self, counts, resident):  # noqa: ANN001, ANN201
+    def place(self, counts, resident):
         plan = super().place(counts, resident)
         exact = Optimal(self.info, self.costs).place(counts, resident)
         self.totals["greedy"] += makespan(counts, resident, plan.accelerator, self.costs)
@@ -48,8 +48,10 @@ SCHEDULERS.register("dali_greedy_vs_optimum")(GreedyVersusOptimum)
 
 def row(r: SimResult) -> str:
     acc = f"{r.prefetch_accuracy:.1%}" if r.prefetch_accuracy is not None else "-"
-    return (f"| {r.stack} | {r.decode_tok_s:.1f} | {r.prefill_tok_s:.1f} | {r.hit_rate:.1%} | {acc} | "
-            f"{r.pcie_gb:.2f} | {r.planning_us:.0f} |")
+    return (
+        f"| {r.stack} | {r.decode_tok_s:.1f} | {r.prefill_tok_s:.1f} | {r.hit_rate:.1%} | {acc} | "
+        f"{r.pcie_gb:.2f} | {r.planning_us:.0f} |"
+    )
 
 
 def main() -> None:
@@ -74,19 +76,39 @@ def main() -> None:
                 deferred = max(1, trace.meta["top_k"] - 2)
                 ceiling = oracle(trace, ours, costs, batch, ratio, calibration)
                 stacks = [*STACKS.values(), ours, ceiling]
-                stacks += [replace(s, name=f"{s.name}+deferral", deferred=deferred,
-                                   description=f"{s.description}; Expert Deferral of {deferred} (approximate)")
-                           for s in (STACKS["ktransformers"], ours)]
+                stacks += [
+                    replace(
+                        s,
+                        name=f"{s.name}+deferral",
+                        deferred=deferred,
+                        description=f"{s.description}; Expert Deferral of {deferred} (approximate)",
+                    )
+                    for s in (STACKS["ktransformers"], ours)
+                ]
                 stacks += [Stack(f"cache:{c}", "cached_on_accelerator", c, True, "hit-rate comparison") for c in CACHES]
-                stacks += [Stack(f"prefetch:{p}", "cached_on_accelerator", "dali_window", True, "accuracy comparison", p)
-                           for p in PREFETCHERS]
-                stacks.append(Stack("dali-greedy-vs-optimum", "dali_greedy_vs_optimum", "dali_window", True,
-                                    "DALI's stack, each step also solved exactly", "residual"))
+                stacks += [
+                    Stack(f"prefetch:{p}", "cached_on_accelerator", "dali_window", True, "accuracy comparison", p)
+                    for p in PREFETCHERS
+                ]
+                stacks.append(
+                    Stack(
+                        "dali-greedy-vs-optimum",
+                        "dali_greedy_vs_optimum",
+                        "dali_window",
+                        True,
+                        "DALI's stack, each step also solved exactly",
+                        "residual",
+                    )
+                )
                 GreedyVersusOptimum.totals = {"greedy": 0.0, "optimum": 0.0}
                 results = {s.name: simulate(trace, s, costs, batch, ratio, calibration) for s in stacks}
-                print(f"\n### {model}, batch {batch}, cache ratio {ratio:g} (ours: {ours.description}; oracle: "
-                      f"{ceiling.description})\n")
-                print("| stack | decode tok/s | prefill tok/s | hit rate | prefetch acc | PCIe GB | planning us/layer |")
+                print(
+                    f"\n### {model}, batch {batch}, cache ratio {ratio:g} (ours: {ours.description}; oracle: "
+                    f"{ceiling.description})\n"
+                )
+                print(
+                    "| stack | decode tok/s | prefill tok/s | hit rate | prefetch acc | PCIe GB | planning us/layer |"
+                )
                 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
                 for r in results.values():
                     print(row(r))
@@ -94,30 +116,47 @@ def main() -> None:
                 mine, best_foresight = results["ours"].decode_tok_s, results["oracle"].decode_tok_s
                 greedy = GreedyVersusOptimum.totals
                 entry = {
-                    "model": model, "batch": batch, "cache_ratio": ratio, "ours": ours.description,
-                    "ours_decode": mine, "best_paper": best, "best_paper_decode": results[best].decode_tok_s,
-                    "ours_over_best_paper": mine / results[best].decode_tok_s, "ours_over_oracle": mine / best_foresight,
+                    "model": model,
+                    "batch": batch,
+                    "cache_ratio": ratio,
+                    "ours": ours.description,
+                    "ours_decode": mine,
+                    "best_paper": best,
+                    "best_paper_decode": results[best].decode_tok_s,
+                    "ours_over_best_paper": mine / results[best].decode_tok_s,
+                    "ours_over_oracle": mine / best_foresight,
                     "optimum_over_greedy_makespan": greedy["optimum"] / greedy["greedy"],
                     "hit_rates": {c: results[f"cache:{c}"].hit_rate for c in CACHES},
                     "prefetch_accuracy": {p: results[f"prefetch:{p}"].prefetch_accuracy for p in PREFETCHERS},
-                    "deferral_gain": {n: results[f"{n}+deferral"].decode_tok_s / results[n].decode_tok_s
-                                      for n in ("ktransformers", "ours")},
+                    "deferral_gain": {
+                        n: results[f"{n}+deferral"].decode_tok_s / results[n].decode_tok_s
+                        for n in ("ktransformers", "ours")
+                    },
                 }
                 summary.append(entry)
                 records += [asdict(r) | {"model": model} for r in results.values()]
-                print(f"\nours / best paper ({best}): {entry['ours_over_best_paper']:.3f}; ours / oracle: "
-                      f"{entry['ours_over_oracle']:.3f}; DALI greedy makespan vs exact optimum on the same states: "
-                      f"optimum / greedy = {entry['optimum_over_greedy_makespan']:.3f}")
+                print(
+                    f"\nours / best paper ({best}): {entry['ours_over_best_paper']:.3f}; ours / oracle: "
+                    f"{entry['ours_over_oracle']:.3f}; DALI greedy makespan vs exact optimum on the same states: "
+                    f"optimum / greedy = {entry['optimum_over_greedy_makespan']:.3f}"
+                )
     print("\n## Summary\n")
-    print("| model | batch | cache | ours / best paper | ours / oracle | optimum / greedy | hit rate "
-          + " / ".join(CACHES) + " | prefetch acc " + " / ".join(PREFETCHERS) + " | deferral gain kt / ours |")
+    print(
+        "| model | batch | cache | ours / best paper | ours / oracle | optimum / greedy | hit rate "
+        + " / ".join(CACHES)
+        + " | prefetch acc "
+        + " / ".join(PREFETCHERS)
+        + " | deferral gain kt / ours |"
+    )
     print("| --- | ---: | ---: | --- | ---: | ---: | --- | --- | --- |")
     for e in summary:
         hits = " / ".join(f"{e['hit_rates'][c]:.1%}" for c in CACHES)
         accs = " / ".join(f"{e['prefetch_accuracy'][p]:.1%}" for p in PREFETCHERS)
-        print(f"| {e['model']} | {e['batch']} | {e['cache_ratio']:g} | {e['ours_over_best_paper']:.3f} "
-              f"({e['best_paper']}) | {e['ours_over_oracle']:.3f} | {e['optimum_over_greedy_makespan']:.3f} | "
-              f"{hits} | {accs} | {e['deferral_gain']['ktransformers']:.3f} / {e['deferral_gain']['ours']:.3f} |")
+        print(
+            f"| {e['model']} | {e['batch']} | {e['cache_ratio']:g} | {e['ours_over_best_paper']:.3f} "
+            f"({e['best_paper']}) | {e['ours_over_oracle']:.3f} | {e['optimum_over_greedy_makespan']:.3f} | "
+            f"{hits} | {accs} | {e['deferral_gain']['ktransformers']:.3f} / {e['deferral_gain']['ours']:.3f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "records": records}, indent=1))
 

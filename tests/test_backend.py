@@ -58,7 +58,8 @@ def test_passes_rewrite_stock_regions_and_chain_prefetches(reference_models):
     stock = copy.deepcopy(reference_models["deepseek_v3"])  # layers 1, 2 are MoE
     gm, example_inputs = capture_graph(stock, torch.randint(3, 96, (1, 4)))
     assert [r.path for r in find_experts_regions(gm.graph)] == [
-        "L['self'].model.layers.1.mlp.experts", "L['self'].model.layers.2.mlp.experts"
+        "L['self'].model.layers.1.mlp.experts",
+        "L['self'].model.layers.2.mlp.experts",
     ]
     assert len(rewrite_experts_regions(gm, example_inputs, HybridMoEConfig()).sites) == 2
     assert insert_prefetch(gm) == 1

@@ -12,10 +12,10 @@ def test_generate_prints_reference_tokens_and_stats(capsys):
     out = capsys.readouterr().out
     ref = tiny_model("mixtral")
     ids = _prompt_ids(None, "def fibonacci(n):", ref.config.vocab_size)
-    want = ref.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    want = ref.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :].tolist()
     assert f"output: {' '.join(map(str, want))}" in out
     assert "decode:" in out and "tok/s" in out
-    table = out[out.index("layer"):].splitlines()
+    table = out[out.index("layer") :].splitlines()
     assert len(table) == 1 + 3  # header + three MoE layers
 
 
@@ -51,8 +51,13 @@ def test_expert_budget_defaults_to_zero_without_cuda():
 
     from torch_hybrid_moe.cli import _config
 
-    args = argparse.Namespace(expert_budget=None, device="auto", cpu_weight_dtype="model", cpu_weight_group_size=64,
-                              dense_weight_dtype="model")
+    args = argparse.Namespace(
+        expert_budget=None,
+        device="auto",
+        cpu_weight_dtype="model",
+        cpu_weight_group_size=64,
+        dense_weight_dtype="model",
+    )
     assert _config(args).expert_budget == 0.0
     assert _config(argparse.Namespace(**{**vars(args), "expert_budget": 0.5})).expert_budget == 0.5
 

@@ -47,6 +47,7 @@ def nan_at(name):
     def edit(tensors, meta):
         tensors[name] = tensors[name].clone()
         tensors[name][3, 0] = math.nan
+
     return edit
 
 
@@ -71,28 +72,31 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
     one_line_error(capsys, ["simulate", "--trace", str(path)], match)
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["simulate", "--trace", "{tmp}"], "is a directory, not a trace file"),
-    (["simulate", "--trace", "{tmp}/nothing.safetensors"], "no such file"),
-    (["simulate", "--trace", "{json}"], "is not a safetensors trace file"),
-    (["simulate", "--trace", str(TRACE), "--batch", "-3"], "--batch: must be >= 1, got -3"),
-    (["simulate", "--trace", str(TRACE), "--cache-ratio", "1.5"], "--cache-ratio: must be in [0.0, 1.0], got 1.5"),
-    (["simulate", "--trace", str(TRACE), "--cache-ratio", "nan"], "--cache-ratio: must be in [0.0, 1.0]"),
-    (["simulate", "--trace", str(TRACE), "--plot-dir", "{json}"], "is not a writable directory"),
-    (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
-    (["trace", "--out", "{tmp}"], "is a directory; give a file name"),
-    (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
-    (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1000", "--prompt-tokens", "1000"], "too few"),
-    (["eval-ppl", "--max-tokens", "-5"], "--max-tokens: must be >= 1, got -5"),
-    (["generate", "--prompt", ""], "--prompt: must not be empty"),
-    (["generate", "--max-new-tokens", "1"], "--max-new-tokens: must be >= 2"),
-    (["generate", "--expert-budget", "2"], "--expert-budget: must be in [0.0, 1.0]"),
-    (["generate", "--model", "{tmp}/no/such/model"], "not an embedded model"),
-    (["generate", "--model", "{json}"], "is a file; pass the checkpoint's directory"),
-    (["generate", "--model", "{tmp}"], "has no config.json"),
-    (["generate", "--model", "tiny:llama"], "unknown tiny model 'llama'"),
-    (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["simulate", "--trace", "{tmp}"], "is a directory, not a trace file"),
+        (["simulate", "--trace", "{tmp}/nothing.safetensors"], "no such file"),
+        (["simulate", "--trace", "{json}"], "is not a safetensors trace file"),
+        (["simulate", "--trace", str(TRACE), "--batch", "-3"], "--batch: must be >= 1, got -3"),
+        (["simulate", "--trace", str(TRACE), "--cache-ratio", "1.5"], "--cache-ratio: must be in [0.0, 1.0], got 1.5"),
+        (["simulate", "--trace", str(TRACE), "--cache-ratio", "nan"], "--cache-ratio: must be in [0.0, 1.0]"),
+        (["simulate", "--trace", str(TRACE), "--plot-dir", "{json}"], "is not a writable directory"),
+        (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
+        (["trace", "--out", "{tmp}"], "is a directory; give a file name"),
+        (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
+        (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1000", "--prompt-tokens", "1000"], "too few"),
+        (["eval-ppl", "--max-tokens", "-5"], "--max-tokens: must be >= 1, got -5"),
+        (["generate", "--prompt", ""], "--prompt: must not be empty"),
+        (["generate", "--max-new-tokens", "1"], "--max-new-tokens: must be >= 2"),
+        (["generate", "--expert-budget", "2"], "--expert-budget: must be in [0.0, 1.0]"),
+        (["generate", "--model", "{tmp}/no/such/model"], "not an embedded model"),
+        (["generate", "--model", "{json}"], "is a file; pass the checkpoint's directory"),
+        (["generate", "--model", "{tmp}"], "has no config.json"),
+        (["generate", "--model", "tiny:llama"], "unknown tiny model 'llama'"),
+        (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
+    ],
+)
 def test_cli_user_errors_are_one_line(argv, match, tmp_path, capsys):
     (tmp_path / "x.json").write_text("{}")
     argv = [a.format(tmp=tmp_path, json=tmp_path / "x.json") for a in argv]
@@ -119,8 +123,15 @@ def synthetic_measurements(expert, tokens):
     return profiling.Measurements(profiling.profile_key(expert, tokens), {n: c.t_cpu(n) for n in tokens})
 
 
-BAD_CPU_TIMES = {"empty": {}, "zero": 0.0, "negative": -1e-3, "nan": math.nan, "null": None, "inf": math.inf,
-                 "huge": 1e300}
+BAD_CPU_TIMES = {
+    "empty": {},
+    "zero": 0.0,
+    "negative": -1e-3,
+    "nan": math.nan,
+    "null": None,
+    "inf": math.inf,
+    "huge": 1e300,
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_CPU_TIMES))
@@ -131,7 +142,7 @@ def test_a_bad_profile_cache_is_measured_again_with_a_warning(case, tmp_path, mo
     good = profiling.profile_hardware(expert)
     data = json.loads(good.path.read_text())
     value = BAD_CPU_TIMES[case]
-    data["cpu_s"] = value if isinstance(value, dict) else {k: value for k in data["cpu_s"]}
+    data["cpu_s"] = value if isinstance(value, dict) else dict.fromkeys(data["cpu_s"], value)
     good.path.write_text(json.dumps(data))  # json writes NaN / Infinity, as a hand edit might
     with pytest.warns(UserWarning, match=f"cached profile {good.path} is unusable"):
         again = profiling.profile_hardware(expert)
@@ -190,14 +201,33 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
     with (tmp_path / "routing.jsonl").open("w") as f:
         for r in range(rows):
             layers = original.layers.items()
-            f.write(json.dumps({"sequence": int(original.sequence[r]), "step": int(original.step[r]),
-                                "token": int(original.tokens[r]),
-                                "ids": {str(i): t.topk_ids[r].tolist() for i, t in layers},
-                                "weights": {str(i): t.scores[r, :t.topk_ids.shape[1]].tolist() for i, t in layers}})
-                    + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "sequence": int(original.sequence[r]),
+                        "step": int(original.step[r]),
+                        "token": int(original.tokens[r]),
+                        "ids": {str(i): t.topk_ids[r].tolist() for i, t in layers},
+                        "weights": {str(i): t.scores[r, : t.topk_ids.shape[1]].tolist() for i, t in layers},
+                    }
+                )
+                + "\n"
+            )
     out = tmp_path / "converted.safetensors"
-    assert main(["convert-trace", "--jsonl", str(tmp_path / "routing.jsonl"), "--num-experts",
-                 str(original.meta["num_experts"]), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "convert-trace",
+                "--jsonl",
+                str(tmp_path / "routing.jsonl"),
+                "--num-experts",
+                str(original.meta["num_experts"]),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     converted = Trace.load(out)
     for idx, layer in original.layers.items():
         assert torch.equal(converted.layers[idx].topk_ids, layer.topk_ids[:rows])
@@ -211,16 +241,38 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
     assert {r["stack"] for r in records if "skipped" in r} == {"dali", "hybrimoe"}
 
 
-@pytest.mark.parametrize("line, match", [
-    ("not json", "line 1 is not JSON"),
-    ('{"sequence": 0, "step": -1, "ids": {"0": [1]}, "weights": {"0": [1.0]}}', "'step' must be a non-negative int"),
-    ('{"sequence": 0, "step": 0, "ids": {"0": [9]}, "weights": {"0": [1.0]}}', "expert ids outside [0, num_experts=4)"),
-    ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": ["x"]}}',
-     "weights['0'] must be a list of numbers"),
-    ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [NaN]}}', "holds NaN"),
-])
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ("not json", "line 1 is not JSON"),
+        (
+            '{"sequence": 0, "step": -1, "ids": {"0": [1]}, "weights": {"0": [1.0]}}',
+            "'step' must be a non-negative int",
+        ),
+        (
+            '{"sequence": 0, "step": 0, "ids": {"0": [9]}, "weights": {"0": [1.0]}}',
+            "expert ids outside [0, num_experts=4)",
+        ),
+        (
+            '{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": ["x"]}}',
+            "weights['0'] must be a list of numbers",
+        ),
+        ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [NaN]}}', "holds NaN"),
+    ],
+)
 def test_convert_trace_refuses_bad_rows(line, match, tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text(line + "\n")
-    one_line_error(capsys, ["convert-trace", "--jsonl", str(tmp_path / "bad.jsonl"), "--num-experts", "4",
-                            "--out", str(tmp_path / "t.safetensors")], match)
+    one_line_error(
+        capsys,
+        [
+            "convert-trace",
+            "--jsonl",
+            str(tmp_path / "bad.jsonl"),
+            "--num-experts",
+            "4",
+            "--out",
+            str(tmp_path / "t.safetensors"),
+        ],
+        match,
+    )
     assert not (tmp_path / "t.safetensors").exists()

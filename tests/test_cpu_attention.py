@@ -30,8 +30,11 @@ def test_one_query_matches_sdpa(mask_kind, heads, kv_heads, dv):
     key = torch.randn(b, kv_heads, s, d, generator=g)
     value = torch.randn(b, kv_heads, s, dv, generator=g)
     valid = torch.arange(s) < torch.tensor([[7], [11]])  # batch row 0: a static cache filled to 7 positions
-    mask = {"none": None, "bool": valid[:, None, None, :],
-            "additive": torch.where(valid, 0.0, float("-inf"))[:, None, None, :]}[mask_kind]
+    mask = {
+        "none": None,
+        "bool": valid[:, None, None, :],
+        "additive": torch.where(valid, 0.0, float("-inf"))[:, None, None, :],
+    }[mask_kind]
     out, weights = cpu_attention_forward(_Module(), query, key, value, mask, scaling=0.3)
     assert weights is None and out.shape == (b, 1, heads, dv)
     ref_mask = None if mask is None else (mask if mask.dtype == torch.bool else mask.double())
@@ -40,8 +43,10 @@ def test_one_query_matches_sdpa(mask_kind, heads, kv_heads, dv):
 
 def test_prompts_keep_sdpa(monkeypatch):
     called = []
-    monkeypatch.setattr("torch_hybrid_moe.model_patches.cpu_attention.sdpa_attention_forward",
-                        lambda *a, **k: called.append(a[1].shape) or (None, None))
+    monkeypatch.setattr(
+        "torch_hybrid_moe.model_patches.cpu_attention.sdpa_attention_forward",
+        lambda *a, **k: called.append(a[1].shape) or (None, None),
+    )
     cpu_attention_forward(_Module(), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None)
     assert called == [(1, 2, 5, 8)]
 

@@ -36,6 +36,7 @@ def experts(fmt, num_experts, hidden, inter, seed=0, group=32):
 
 def reference(hidden, ids, weights, gate_up, down, rounded=False):
     """float64; `rounded`: both projections' inputs rounded per 32 columns (int8 / int4 layers)."""
+
     def inputs(x):
         return quantize_activations(x.float()).double() if rounded else x.double()
 
@@ -61,7 +62,8 @@ def routing(tokens, num_experts, top_k, seed=1):
 
 
 GEMM_ROUTES = {  # 70 tokens x top-4 of 8 experts: every expert over the threshold of the GEMM routes
-    "micro_kernels": cpu_kernel.MICRO_KERNELS, "fp32_panels": cpu_kernel.GemmRoute(32, False),
+    "micro_kernels": cpu_kernel.MICRO_KERNELS,
+    "fp32_panels": cpu_kernel.GemmRoute(32, False),
     "bf16_gemm": cpu_kernel.GemmRoute(32, True),
 }
 
@@ -191,8 +193,14 @@ def test_torch_fallback_agrees_with_kernel_on_quantised_weights():
     ids, weights = routing(5, 8, 3)
     gate_up, down, gus, dns = operands
     fallback = torch.zeros(5, 64)
-    accumulate_experts_(fallback, hidden, ids, weights, QuantizedWeight.from_kernel_operands(gate_up, gus),
-                        QuantizedWeight.from_kernel_operands(down, dns))
+    accumulate_experts_(
+        fallback,
+        hidden,
+        ids,
+        weights,
+        QuantizedWeight.from_kernel_operands(gate_up, gus),
+        QuantizedWeight.from_kernel_operands(down, dns),
+    )
     torch.testing.assert_close(run(operands, hidden, ids, weights), fallback, rtol=1e-5, atol=1e-6)
 
 
@@ -251,8 +259,9 @@ def test_quantised_patch_with_unfit_group_is_a_clear_error_and_leaves_the_model_
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-@pytest.mark.parametrize("field, value", [("cpu_weight_dtype", "int3"), ("cpu_weight_group_size", 48),
-                                          ("cpu_weight_group_size", 0)])
+@pytest.mark.parametrize(
+    "field, value", [("cpu_weight_dtype", "int3"), ("cpu_weight_group_size", 48), ("cpu_weight_group_size", 0)]
+)
 def test_config_rejects_unknown_cpu_formats(field, value):
     with pytest.raises(ValueError, match=field):
         thm.HybridMoEConfig(**{field: value})

@@ -35,8 +35,9 @@ def test_cuda_prefill_streams_through_ring(arch):
     """The staging ring on a real copy stream: prefill streams experts while the CPU computes the rest at the same
     time, and the logits stay the unpatched model's."""
     ref = tiny_model(arch).cuda()
-    model = thm.patch_model(tiny_model(arch), expert_budget=0.25, device="cuda", hardware="dali",
-                            expert_shape="deepseek-v2-lite")
+    model = thm.patch_model(
+        tiny_model(arch), expert_budget=0.25, device="cuda", hardware="dali", expert_shape="deepseek-v2-lite"
+    )
     x = torch.randint(3, 96, (3, 64), device="cuda")
     with torch.no_grad():
         want = ref(x).logits.double()

@@ -25,7 +25,7 @@ def _spy(model: torch.nn.Module) -> tuple[object, list[dict]]:
     runner = model.get_compiled_call.__self__
     calls: list[dict] = []
 
-    def recording(compile_config: object):  # noqa: ANN202
+    def recording(compile_config: object):
         runner.get_compiled_call(compile_config)
 
         def step(**kwargs: object) -> object:
@@ -46,6 +46,7 @@ def _generate(model: torch.nn.Module, x: torch.Tensor, steps: int) -> tuple[torc
 def _routed(model: torch.nn.Module, x: torch.Tensor, steps: int) -> list[tuple]:
     """Each decode step's expert ids in every MoE layer of the reference."""
     seen: dict[int, list[tuple]] = {}
+
     def hook(i: int) -> Callable:
         return lambda module, args: seen.setdefault(i, []).append(tuple(args[1].flatten().tolist()))
 
@@ -90,8 +91,15 @@ def test_graph_on_equals_graph_off_with_quantised_cpu_weights(fmt):
     x = torch.randint(3, 96, (2, 5), device="cuda")
     results = []
     for graph in (True, False):
-        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, device="cuda", cuda_graph=graph,
-                                cpu_weight_dtype=fmt, cpu_weight_group_size=32, fills_per_step=2)
+        model = thm.patch_model(
+            copy.deepcopy(ref),
+            expert_budget=0.25,
+            device="cuda",
+            cuda_graph=graph,
+            cpu_weight_dtype=fmt,
+            cpu_weight_group_size=32,
+            fills_per_step=2,
+        )
         with torch.no_grad():
             results.append(_generate(model, x, 16))
     (tokens_on, logits_on), (tokens_off, logits_off) = results
@@ -137,8 +145,10 @@ def test_graph_replay_with_fetching_schedulers_matches_reference(scheduler):
     assert on_gpu + cpu == hits + misses and cpu < misses  # some missed experts were fetched and ran on the GPU
 
 
-@pytest.mark.parametrize("budget, mode", [(0.25, dict(mode="expert_deferral", deferred_experts=2)),
-                                          (0.0, dict(mode="daop_precalc", precalc_from_layer=1))])
+@pytest.mark.parametrize(
+    "budget, mode",
+    [(0.25, dict(mode="expert_deferral", deferred_experts=2)), (0.0, dict(mode="daop_precalc", precalc_from_layer=1))],
+)
 def test_approximate_modes_in_the_graph_equal_uncaptured_and_overlap_on_their_own_buffers(budget, mode):
     """Expert Deferral and DAOP's pre-calculation start CPU work in one block and finish it in the next. DAOP's
     routing depends on what the slots hold, which graph and eager caches fill differently, so it is compared
@@ -186,7 +196,9 @@ def _captured_model() -> tuple[torch.nn.Module, object, dict]:
 def _rewinder(kwargs: dict) -> Callable[[], None]:
     """Puts the cache length back to where the last decode step of a generate() started (so positions stay in
     range however often that step is replayed); its targets are computed here, outside any profiled region."""
-    pairs = [(layer.cumulative_length, layer.cumulative_length.clone() - 1) for layer in kwargs["past_key_values"].layers]
+    pairs = [
+        (layer.cumulative_length, layer.cumulative_length.clone() - 1) for layer in kwargs["past_key_values"].layers
+    ]
 
     def rewind() -> None:
         for length, start in pairs:
@@ -242,8 +254,12 @@ def test_profiler_shows_one_graph_launch_per_token_and_no_kernel_launches():
     rewind = _rewinder(kwargs)
     _replay_at_fixed_position(runner, kwargs, 3, rewind)
     torch.cuda.synchronize()
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with (
+        torch.no_grad(),
+        torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof,
+    ):
         _replay_at_fixed_position(runner, kwargs, 5, rewind)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]

@@ -4,12 +4,13 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.compile_passes import insert_daop_precalc, insert_prefetch, rewrite_experts_regions
 from torch_hybrid_moe.compile_passes.daop_precalc import (
-    DaopPrecalcPatternError, degrade, precalc_stats,
+    DaopPrecalcPatternError,
+    degrade,
+    precalc_stats,
 )
 from torch_hybrid_moe.compile_passes.graph_utils import DISPATCH, DISPATCH_BEGIN, DISPATCH_END, calls
 from torch_hybrid_moe.config import HybridMoEConfig
@@ -83,10 +84,12 @@ def daop_reference(model, start, residency):
             w = hand_weights(cfg, scores, ids)
             on_gpu = torch.tensor([[e in residency[idx] for e in row] for row in ids.tolist()])
             flat = x_j.reshape(-1, x_j.shape[-1])
-            out = hand_experts(block.experts, x_i, ids, w * ~on_gpu) + hand_experts(block.experts, flat, ids,
-                                                                                      w * on_gpu)
+            out = hand_experts(block.experts, x_i, ids, w * ~on_gpu) + hand_experts(
+                block.experts, flat, ids, w * on_gpu
+            )
             shared = block.shared_experts(x_j) if hasattr(block, "shared_experts") else 0
             return out.view_as(x_j) + shared
+
         return forward
 
     for idx in moe:
@@ -99,8 +102,10 @@ def daop_reference(model, start, residency):
 
 
 def residency(model):
-    return {idx: {e for e, slot in enumerate(layer.store.expert_slot) if slot >= 0}
-            for idx, layer in model_layers(model).items()}
+    return {
+        idx: {e for e, slot in enumerate(layer.store.expert_slot) if slot >= 0}
+        for idx, layer in model_layers(model).items()
+    }
 
 
 def capture(model, x, count=None):
@@ -150,7 +155,14 @@ def test_inductor_keeps_the_early_pairs_around_the_previous_and_own_dispatch(dee
     # Inductor puts the prediction and the counters, which only feed those, is its choice)
     order = inductor_op_order(model, inputs(2, 1))
     assert [n for n in order if "precalc" not in n] == [
-        "prefetch", "dispatch", "prefetch", "dispatch", "dispatch_begin", "dispatch", "dispatch_end"]
+        "prefetch",
+        "dispatch",
+        "prefetch",
+        "dispatch",
+        "dispatch_begin",
+        "dispatch",
+        "dispatch_end",
+    ]
     assert order.index("precalc_routing") < order.index("dispatch_begin")
 
 
@@ -166,7 +178,7 @@ def test_replay_safe_path_matches_hand_reference(deepseek_tiny):
         layer.graph_mode = True
         path = layer.graph_path()
         # move the device tables away from the store's map: 8 other experts in the 8 slots
-        newcomers = [e for e, s in enumerate(layer.store.expert_slot) if s < 0][:layer.store.num_slots]
+        newcomers = [e for e, s in enumerate(layer.store.expert_slot) if s < 0][: layer.store.num_slots]
         path._fill(torch.tensor(newcomers), torch.arange(len(newcomers)))
         resident[idx] = {e for e, s in enumerate(path.expert_slot.tolist()) if s >= 0}
         assert resident[idx] == set(newcomers) != {e for e, s in enumerate(layer.store.expert_slot) if s >= 0}
@@ -292,8 +304,11 @@ def test_config_validation_refuses_before_any_change(capsys):
         (dict(mode="daop_precalc", precalc_from_layer=1.5), TypeError, "precalc_from_layer must be an int"),
         (dict(mode="daop_precalc", precalc_from_layer=True), TypeError, "precalc_from_layer must be an int"),
         (dict(precalc_from_layer=2), ValueError, "needs mode='daop_precalc'"),
-        (dict(mode="expert_deferral", deferred_experts=1, precalc_from_layer=2), ValueError,
-         "needs mode='daop_precalc'"),
+        (
+            dict(mode="expert_deferral", deferred_experts=1, precalc_from_layer=2),
+            ValueError,
+            "needs mode='daop_precalc'",
+        ),
         (dict(mode="daop_precalc", deferred_experts=1), ValueError, "needs mode='expert_deferral'"),
         (dict(mode="daop_precalc", prefetcher="gate"), ValueError, "use prefetcher='none'"),
     ]:

@@ -23,7 +23,7 @@ def test_dense_matvec_against_float64(dtype, isa, n, k, tokens):
     if isinstance(dtype, str) and k % 64:
         pytest.skip("quantised weights need whole groups")
     g = torch.Generator().manual_seed(n * k + tokens)
-    w = (torch.randn(n, k, generator=g) * 0.1)
+    w = torch.randn(n, k, generator=g) * 0.1
     x = torch.randn(tokens, k, generator=g)
     if isinstance(dtype, str):
         q = quantize(w.unsqueeze(0), BITS[dtype], 32 if tokens % 2 else 64)
@@ -34,7 +34,7 @@ def test_dense_matvec_against_float64(dtype, isa, n, k, tokens):
         got = cpu_kernel.dense_matvec(x, w, isa=isa)
         want = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (tokens, n)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
 @pytest.mark.parametrize("tokens, limit", [(1, 4), (4, 4), (9, 4), (2, 0)])
@@ -69,8 +69,10 @@ def test_backend_routes_bf16_linears_and_keeps_the_output(limit, monkeypatch):
     model = copy.deepcopy(tiny_model("qwen3_moe")).to(torch.bfloat16)
     seen = []
     original = dense_pass.route_dense_linears
-    monkeypatch.setattr("torch_hybrid_moe.compile_passes.backend.route_dense_linears",
-                        lambda gm, inputs: seen.append(original(gm, inputs)) or seen[-1])
+    monkeypatch.setattr(
+        "torch_hybrid_moe.compile_passes.backend.route_dense_linears",
+        lambda gm, inputs: seen.append(original(gm, inputs)) or seen[-1],
+    )
     x = torch.randint(3, 96, (1, 3))
     with torch.no_grad():
         want = model(x).logits.double()
@@ -172,8 +174,9 @@ def test_patched_bf16_model_routes_its_linears_and_saves_unchanged(tmp_path):
             x = torch.randn(rows, layer.in_features).to(torch.bfloat16)
             with torch.no_grad():
                 got = layer(x).double()
-            want = torch.nn.functional.linear(x.double(), layer.weight.double(),
-                                              None if layer.bias is None else layer.bias.double())
+            want = torch.nn.functional.linear(
+                x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double()
+            )
             torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-2)  # bf16 products, rounded once or per GEMM
     with torch.no_grad():
         assert model(torch.randint(3, 500, (1, 80))).logits.isfinite().all()

@@ -19,8 +19,10 @@ NAMES = ["deepseek-tiny", "mixtral-tiny"]
 @pytest.fixture(scope="module")
 def loaded():
     return {
-        name: (AutoModelForCausalLM.from_pretrained(embedded_models()[name]).eval(),
-               AutoTokenizer.from_pretrained(embedded_models()[name]))
+        name: (
+            AutoModelForCausalLM.from_pretrained(embedded_models()[name]).eval(),
+            AutoTokenizer.from_pretrained(embedded_models()[name]),
+        )
         for name in NAMES
     }
 

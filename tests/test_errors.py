@@ -26,10 +26,21 @@ def assert_untouched(model, before):
 
 
 def test_unsupported_model_type_lists_supported():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
-    with pytest.raises(ValueError, match=r"unsupported model type 'llama'; supported: deepseek_v2, deepseek_v3, "
-                                         r"mixtral, qwen2_moe, qwen3_moe"):
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported model type 'llama'; supported: deepseek_v2, deepseek_v3, "
+        r"mixtral, qwen2_moe, qwen3_moe",
+    ):
         thm.patch_model(model)
 
 
@@ -68,12 +79,15 @@ def test_unknown_policy_and_field():
     assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (dict(prefetch_size=2), "needs a prefetcher"),  # the default prefetcher, 'none', would ignore it
-    (dict(prefetcher="gate", prefetch_size=-1), "non-negative int"),
-    (dict(prefetcher="gate", prefetch_size=True), "non-negative int"),
-    (dict(prefetcher="gate", prefetch_size=7), r"prefetch size must be in \[1, 6\]"),  # tiny mixtral: 6 experts
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(prefetch_size=2), "needs a prefetcher"),  # the default prefetcher, 'none', would ignore it
+        (dict(prefetcher="gate", prefetch_size=-1), "non-negative int"),
+        (dict(prefetcher="gate", prefetch_size=True), "non-negative int"),
+        (dict(prefetcher="gate", prefetch_size=7), r"prefetch size must be in \[1, 6\]"),  # tiny mixtral: 6 experts
+    ],
+)
 def test_bad_prefetch_size(overrides, match):
     model = tiny_model("mixtral")
     before = snapshot(model)
@@ -162,9 +176,18 @@ def test_save_pretrained_refuses_when_the_host_copy_lost_the_weights(tmp_path):
     assert not list(tmp_path.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("budget, slots", [
-    (np.float32(0.5), 3), (torch.tensor(0.5), 3), (np.float64(1 / 6), 1), (1, 6), (0, 0), ("1TiB", 6), ("1 TB", 6),
-])
+@pytest.mark.parametrize(
+    "budget, slots",
+    [
+        (np.float32(0.5), 3),
+        (torch.tensor(0.5), 3),
+        (np.float64(1 / 6), 1),
+        (1, 6),
+        (0, 0),
+        ("1TiB", 6),
+        ("1 TB", 6),
+    ],
+)
 def test_any_real_fraction_and_every_size_unit(budget, slots):
     model = thm.patch_model(tiny_model("mixtral"), expert_budget=budget)  # 6 experts per layer
     assert {layer.store.num_slots for layer in thm.runtime.model_layers(model).values()} == {slots}

@@ -56,12 +56,14 @@ def deferral_reference(model, deferred):
             if n:
                 pending[nxt] = hand_experts(module, hidden, ids[:, keep:], weights[:, keep:])
             return hand_experts(module, hidden, ids[:, :keep], weights[:, :keep]).to(hidden.dtype)
+
         return forward
 
     def layer_hook(idx):
         def hook(module, args, output):
             if idx in pending:
                 return output + pending.pop(idx).view_as(output)
+
         return hook
 
     for idx in moe:
@@ -113,7 +115,9 @@ def test_replay_safe_path_defers_on_its_own_task_buffers(reference_models):
             x = inputs(2, 5, seed)
             assert rel_err(compiled(x).logits, ref(x).logits) < 1e-5
     tasks = {key[-1]: buf.task for key, buf in layers[0].graph_path()._buffers.items()}
-    assert set(tasks) == {Part.LEADING, Part.BEHIND} and all(t.submits == t.syncs == t.runs == 3 for t in tasks.values())
+    assert set(tasks) == {Part.LEADING, Part.BEHIND} and all(
+        t.submits == t.syncs == t.runs == 3 for t in tasks.values()
+    )
     assert {key[-1] for key in layers[1].graph_path()._buffers} == {Part.PLAIN}  # the last layer defers nothing
     assert [s.steps for s in thm.stats(model).values()] == [3, 3]  # the deferred half counts no step
 
@@ -143,8 +147,9 @@ def test_stock_model_defers_through_backend_options(reference_models):
     base = reference_models["deepseek_v3"]
     ref, _ = deferral_reference(base, 1)
     stock = copy.deepcopy(base)  # unpatched: pass 1 rewrites its grouped_mm regions, then the deferral pass runs
-    compiled = torch.compile(stock, backend="hybrid_moe", fullgraph=True,
-                             options={"mode": "expert_deferral", "deferred_experts": 1})
+    compiled = torch.compile(
+        stock, backend="hybrid_moe", fullgraph=True, options={"mode": "expert_deferral", "deferred_experts": 1}
+    )
     x = inputs(2, 7)
     with torch.no_grad():
         assert rel_err(compiled(x).logits, ref(x).logits) < 1e-5
@@ -255,8 +260,10 @@ def test_perplexity_cost_on_embedded_model(capsys):
     line = [line for line in out.splitlines() if line.startswith("perplexity:")][0]
     exact, deferred = float(line.split()[2]), float(line.split()[4])
     with capsys.disabled():
-        print(f"\ndeepseek-tiny, 2048 held-out tokens: exact {exact:.4f}, deferral 2+2 {deferred:.4f} "
-              f"({deferred / exact - 1:+.2%})")
+        print(
+            f"\ndeepseek-tiny, 2048 held-out tokens: exact {exact:.4f}, deferral 2+2 {deferred:.4f} "
+            f"({deferred / exact - 1:+.2%})"
+        )
     assert math.isfinite(deferred) and exact < deferred < 1.1 * exact
     assert main(["eval-ppl", "--model", "deepseek-tiny", "--mode", "expert_deferral", "--deferred-experts", "4"]) == 2
     assert re.search(r"\[1, 3\] .* top_k = 4 experts, got 4", capsys.readouterr().err)

@@ -100,8 +100,9 @@ def test_a_budget_sweep_of_30_patched_models_in_one_process(reference_models):
     graphs_before, layers_before = counters["stats"]["unique_graphs"], len(registry._layers)
     live = []
     for i in range(30):
-        model = patched_copy(ref, expert_budget=budgets[i % len(budgets)],
-                             cpu_weight_dtype=["model", "bfloat16"][i % 2])
+        model = patched_copy(
+            ref, expert_budget=budgets[i % len(budgets)], cpu_weight_dtype=["model", "bfloat16"][i % 2]
+        )
         got = model.generate(x, max_new_tokens=4, do_sample=False)
         if i % 2 == 0:  # fp32 experts are exact; bf16 host copies round the experts
             assert torch.equal(got, want), i

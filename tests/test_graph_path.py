@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
 from torch_hybrid_moe.ops.row_copy import copy_rows_
-from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo, Registry
 from torch_hybrid_moe.policies.device_caching import admissions
 from torch_hybrid_moe.policies.prefetching import Router
@@ -45,8 +45,14 @@ def test_cpu_task_runs_the_kernel_on_its_buffers_each_submission():
         hidden.copy_(torch.randn(5, 32))  # the task reads the buffers as they are when it runs
         task.submit()
         task.wait()
-        want = accumulate_experts_(torch.zeros(5, 32, dtype=torch.float64), hidden.double(), ids, weights.double(),
-                                   gate_up.double(), down.double())
+        want = accumulate_experts_(
+            torch.zeros(5, 32, dtype=torch.float64),
+            hidden.double(),
+            ids,
+            weights.double(),
+            gate_up.double(),
+            down.double(),
+        )
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
         assert task.submits == task.syncs == task.runs == round_ + 1
 
@@ -55,8 +61,9 @@ def test_cpu_task_runs_the_kernel_on_its_buffers_each_submission():
 def test_cpu_task_error_reaches_python_and_wait_without_submit_returns():
     gate_up, down = _experts()
     ids = torch.full((2, 2), 9)  # expert 9 of 6: the kernel refuses it on the worker thread
-    task = cpu_kernel.extension().CpuTask(torch.randn(2, 32), ids, torch.rand(2, 2), gate_up, None, down, None,
-                                          torch.zeros(2, 32), 1)
+    task = cpu_kernel.extension().CpuTask(
+        torch.randn(2, 32), ids, torch.rand(2, 2), gate_up, None, down, None, torch.zeros(2, 32), 1
+    )
     task.wait()  # nothing submitted: must not block
     task.submit()
     task.wait()
@@ -70,8 +77,9 @@ def test_cpu_task_thread_count_stays_on_its_worker():
     the main thread keeps running prefill and the model's own ops with them."""
     gate_up, down = _experts()
     before = torch.get_num_threads()
-    task = cpu_kernel.extension().CpuTask(torch.randn(2, 32), *_routing(2, 2, 6), gate_up, None, down, None,
-                                          torch.zeros(2, 32), before + 1)
+    task = cpu_kernel.extension().CpuTask(
+        torch.randn(2, 32), *_routing(2, 2, 6), gate_up, None, down, None, torch.zeros(2, 32), before + 1
+    )
     task.submit()
     task.wait()
     assert task.runs == 1 and torch.get_num_threads() == before
@@ -81,16 +89,34 @@ def test_cpu_task_thread_count_stays_on_its_worker():
 def test_cpu_task_rejects_bad_buffers():
     gate_up, down = _experts()
     with pytest.raises(RuntimeError, match="int64 ids"):
-        cpu_kernel.extension().CpuTask(torch.randn(2, 32), torch.zeros(2, 2, dtype=torch.int32), torch.rand(2, 2),
-                                       gate_up, None, down, None, torch.zeros(2, 32), 1)
+        cpu_kernel.extension().CpuTask(
+            torch.randn(2, 32),
+            torch.zeros(2, 2, dtype=torch.int32),
+            torch.rand(2, 2),
+            gate_up,
+            None,
+            down,
+            None,
+            torch.zeros(2, 32),
+            1,
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA driver exists")
 @needs_kernel
 def test_host_function_launch_without_a_driver_is_a_clear_error():
     gate_up, down = _experts()
-    task = cpu_kernel.extension().CpuTask(torch.randn(1, 32), torch.zeros(1, 2, dtype=torch.int64), torch.rand(1, 2),
-                                          gate_up, None, down, None, torch.zeros(1, 32), 1)
+    task = cpu_kernel.extension().CpuTask(
+        torch.randn(1, 32),
+        torch.zeros(1, 2, dtype=torch.int64),
+        torch.rand(1, 2),
+        gate_up,
+        None,
+        down,
+        None,
+        torch.zeros(1, 32),
+        1,
+    )
     with pytest.raises(RuntimeError, match="libcuda|cuLaunchHostFunc"):
         task.launch_submit(0)
 
@@ -100,8 +126,14 @@ def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots):
     gate_up, down = _experts(e=slots)
     hidden = torch.randn(tokens, 32)
     ids, weights = _routing(tokens, k, slots, drop=0.4)
-    want = accumulate_experts_(torch.zeros(tokens, 32, dtype=torch.float64), hidden.double(), ids, weights.double(),
-                               gate_up.double(), down.double())
+    want = accumulate_experts_(
+        torch.zeros(tokens, 32, dtype=torch.float64),
+        hidden.double(),
+        ids,
+        weights.double(),
+        gate_up.double(),
+        down.double(),
+    )
     got = slot_experts_(torch.zeros(tokens, 32), hidden, ids, weights, gate_up, down)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
@@ -135,8 +167,9 @@ def test_tensor_form_ranks_like_the_python_policy(name):
         else:
             changes = policy.observe(counts, scores)
             python_values = [policy.value(e) for e in range(8)]
-        torch.testing.assert_close(ranking.values.double(), torch.tensor(python_values, dtype=torch.float64),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            ranking.values.double(), torch.tensor(python_values, dtype=torch.float64), rtol=1e-6, atol=1e-6
+        )
         if name == "dali_window":
             assert bool(may) == changes
 
@@ -158,8 +191,9 @@ def test_tensor_form_schedulers_place_like_the_python_ones(name):
             for e in rng.sample(range(experts), min(slots, experts)):
                 resident[e] = rng.random() < 0.8
             want = python.place(counts, resident)
-            got = SCHEDULERS.tensor_form(name)(python).place(torch.tensor(counts, dtype=torch.float32), torch.tensor(resident),
-                                                 slots, sum(counts))
+            got = SCHEDULERS.tensor_form(name)(python).place(
+                torch.tensor(counts, dtype=torch.float32), torch.tensor(resident), slots, sum(counts)
+            )
             assert {e for e, on in enumerate(got.tolist()) if on} == set(want.accelerator), (counts, resident, slots)
             tried.add((bool(want.fetch), bool(want.cpu), any(resident[e] for e in want.cpu)))
     if name in ("on_demand", "fiddler", "dali_greedy", "hybrimoe"):
@@ -174,7 +208,7 @@ def test_tensor_form_of_an_offline_policy_is_refused():
             CACHE_POLICIES.tensor_form(name)
 
 
-def _best_swaps(values, active, expert_slot, slot_expert, fills):  # noqa: ANN001, ANN202
+def _best_swaps(values, active, expert_slot, slot_expert, fills):
     """Brute force: the admission set maximising the total value held after at most `fills` swaps, where each
     newcomer must be worth more than the occupant it replaces (free slots are worth -inf)."""
     missing = [e for e in range(len(values)) if active[e] and expert_slot[e] < 0]
@@ -203,8 +237,14 @@ def test_admissions_equal_brute_force_best_swaps():
                 expert_slot[e] = s
         values = [float(rng.randint(0, 9)) + rng.random() for _ in range(experts)]
         active = [rng.random() < 0.5 for _ in range(experts)]
-        expert, slot = admissions(torch.tensor(values), torch.tensor(True), torch.tensor(active),
-                                  torch.tensor(expert_slot), torch.tensor(slot_expert), fills)
+        expert, slot = admissions(
+            torch.tensor(values),
+            torch.tensor(True),
+            torch.tensor(active),
+            torch.tensor(expert_slot),
+            torch.tensor(slot_expert),
+            fills,
+        )
         chosen = [(int(e), int(s)) for e, s in zip(expert, slot) if e >= 0]
         held = [values[e] if e >= 0 else float("-inf") for e in slot_expert]
         assert all(active[e] and expert_slot[e] < 0 and values[e] > held[s] for e, s in chosen)
@@ -232,9 +272,11 @@ def test_replay_safe_path_matches_reference_model(reference_models, arch, budget
     stats = thm.stats(model)
     for layer in layers:
         assert sorted(e for e in layer.store.slot_experts if e >= 0) == sorted(
-            e for e, s in enumerate(layer.store.expert_slot) if s >= 0)
+            e for e, s in enumerate(layer.store.expert_slot) if s >= 0
+        )
         assert [layer.store.slot_experts[s] for s in layer.store.expert_slot if s >= 0] == [
-            e for e, s in enumerate(layer.store.expert_slot) if s >= 0]
+            e for e, s in enumerate(layer.store.expert_slot) if s >= 0
+        ]
     assert all(s.steps == 3 and s.hits + s.misses > 0 for s in stats.values())
     if budget == 0.0:
         assert all(s.hits == 0 for s in stats.values())
@@ -248,8 +290,15 @@ def test_replay_safe_prefetch_makes_the_python_prefetchers_choice(prefetch_size,
     """The gate prefetch as tensors: the experts GatePrefetch.select names (as many as prefetch_size asks)
     become resident, each displacing the least valuable unwanted slot by the cache ranking, and the slot
     weights are the masters'."""
-    model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
-                            prefetcher="gate", prefetch_size=prefetch_size, cache_policy="lfu", fills_per_step=1)
+    model = thm.patch_model(
+        load_model("deepseek-tiny", dtype=torch.float32)[0],
+        expert_budget=0.25,
+        device="cpu",
+        prefetcher="gate",
+        prefetch_size=prefetch_size,
+        cache_policy="lfu",
+        fills_per_step=1,
+    )
     layer = list(model_layers(model).values())[1]
     layer.graph_mode = True
     path = layer.graph_path()
@@ -320,8 +369,15 @@ def test_replay_safe_step_places_and_fetches_as_the_python_scheduler(name):
     """Layer steps of 1 to 64 tokens on the replay-safe path: the Python scheduler's plan from the same slot map
     says which experts ran where and which were fetched (no cache fills: fills_per_step=0); fetched slots hold
     the masters' weights; the sum is the float64 reference."""
-    model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
-                            scheduler=name, hardware="rtx5090", expert_shape="deepseek-v2-lite", fills_per_step=0)
+    model = thm.patch_model(
+        load_model("deepseek-tiny", dtype=torch.float32)[0],
+        expert_budget=0.25,
+        device="cpu",
+        scheduler=name,
+        hardware="rtx5090",
+        expert_shape="deepseek-v2-lite",
+        fills_per_step=0,
+    )
     layer = list(model_layers(model).values())[1]
     layer.graph_mode = True
     path, store, stats = layer.graph_path(), layer.store, layer.stats
@@ -344,8 +400,14 @@ def test_replay_safe_step_places_and_fetches_as_the_python_scheduler(name):
             s = store.expert_slot[e]
             assert s >= 0 and torch.equal(store.slot_gate_up[s], store.host_gate_up[e])
             assert torch.equal(store.slot_down[s], store.host_down[e])
-        want = accumulate_experts_(torch.zeros(hidden.shape, dtype=torch.float64), hidden.double(), ids,
-                                   weights.double(), store.host_gate_up.double(), store.host_down.double())
+        want = accumulate_experts_(
+            torch.zeros(hidden.shape, dtype=torch.float64),
+            hidden.double(),
+            ids,
+            weights.double(),
+            store.host_gate_up.double(),
+            store.host_down.double(),
+        )
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
         fetched += len(plan.fetch)
     assert (fetched > 0) == (name != "all_cpu")
@@ -359,8 +421,14 @@ def test_replay_safe_step_places_and_fetches_as_the_python_scheduler(name):
 def test_replay_safe_schedulers_match_reference_model(name):
     """Where experts run never changes results: compiled steps on the replay-safe path against transformers."""
     ref = load_model("deepseek-tiny", dtype=torch.float32)[0]
-    model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.25, device="cpu", scheduler=name, hardware="rtx5090",
-                            expert_shape="deepseek-v2-lite")
+    model = thm.patch_model(
+        copy.deepcopy(ref),
+        expert_budget=0.25,
+        device="cpu",
+        scheduler=name,
+        hardware="rtx5090",
+        expert_shape="deepseek-v2-lite",
+    )
     _compiled_steps_match_reference(ref, model, (2, 24))
     stats = thm.stats(model).values()
     assert all(s.steps == 3 for s in stats)
@@ -371,8 +439,23 @@ def test_replay_safe_schedulers_match_reference_model(name):
 # graph capture refuses, or which would freeze a routing-dependent value into the graph.
 # (`int(t)`, `bool(t)`, `.item()` all arrive as _local_scalar_dense.) On CPU the spy cannot tell a copy to the
 # host (`.tolist()`, `.cpu()`) from any other copy, nor see syncs inside C++ kernels; the step has neither.
-SYNCING = {"nonzero", "_local_scalar_dense", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
-           "unique_dim", "repeat_interleave", "bincount", "histc", "equal", "allclose", "masked_scatter", "argwhere"}
+SYNCING = {
+    "nonzero",
+    "_local_scalar_dense",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "repeat_interleave",
+    "bincount",
+    "histc",
+    "equal",
+    "allclose",
+    "masked_scatter",
+    "argwhere",
+}
 
 
 class _SyncSpy(torch.utils._python_dispatch.TorchDispatchMode):
@@ -382,7 +465,7 @@ class _SyncSpy(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.ops: set[str] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.add(func.overloadpacket.__name__)
         # indexing with a bool mask runs nonzero inside the kernel on CUDA, out of the dispatcher's sight
         if func.overloadpacket.__name__ in ("index", "index_put", "index_put_"):
@@ -393,23 +476,39 @@ class _SyncSpy(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @needs_kernel
-@pytest.mark.parametrize("scheduler, cache_policy, prefetcher, cpu_weights", [
-    ("cached_on_accelerator", "lru", "gate", "model"), ("on_demand", "mrs", "none", "int4"),
-    ("fiddler", "lfu", "none", "model"), ("dali_greedy", "dali_window", "none", "int8"),
-    ("hybrimoe", "lru", "none", "model"), ("all_cpu", "lfu", "none", "model"),
-])
-def test_replay_safe_step_runs_no_op_that_waits_for_the_device(scheduler, cache_policy, prefetcher, cpu_weights,
-                                                                 monkeypatch):
+@pytest.mark.parametrize(
+    "scheduler, cache_policy, prefetcher, cpu_weights",
+    [
+        ("cached_on_accelerator", "lru", "gate", "model"),
+        ("on_demand", "mrs", "none", "int4"),
+        ("fiddler", "lfu", "none", "model"),
+        ("dali_greedy", "dali_window", "none", "int8"),
+        ("hybrimoe", "lru", "none", "model"),
+        ("all_cpu", "lfu", "none", "model"),
+    ],
+)
+def test_replay_safe_step_runs_no_op_that_waits_for_the_device(
+    scheduler, cache_policy, prefetcher, cpu_weights, monkeypatch
+):
     """Every aten op a layer step issues on the replay-safe path, in each part a compiled mode uses (plain; an
     AHEAD half then its plain dispatch; LEADING then BEHIND), with the prefetch and the cache's admissions:
     none may read a device value on the host. The slot copies are exempt: their CPU stand-in indexes by mask,
     the CUDA kernel does not (tests/test_triton_kernels.py)."""
     from torch_hybrid_moe.runtime import graph_path
 
-    model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25, device="cpu",
-                            scheduler=scheduler, cache_policy=cache_policy, prefetcher=prefetcher, hardware="rtx5090",
-                            expert_shape="deepseek-v2-lite", fills_per_step=2, cpu_weight_dtype=cpu_weights,
-                            cpu_weight_group_size=32)
+    model = thm.patch_model(
+        load_model("deepseek-tiny", dtype=torch.float32)[0],
+        expert_budget=0.25,
+        device="cpu",
+        scheduler=scheduler,
+        cache_policy=cache_policy,
+        prefetcher=prefetcher,
+        hardware="rtx5090",
+        expert_shape="deepseek-v2-lite",
+        fills_per_step=2,
+        cpu_weight_dtype=cpu_weights,
+        cpu_weight_group_size=32,
+    )
     layer = list(model_layers(model).values())[1]
     layer.graph_mode = True
     path = layer.graph_path()
@@ -445,8 +544,13 @@ def test_leading_dispatch_leaves_its_slot_fills_to_its_behind_half():
     reads the slots first and then queues the fills, which end where a plain dispatch's would."""
     outcomes = []
     for first in (Part.PLAIN, Part.LEADING):
-        model = thm.patch_model(load_model("deepseek-tiny", dtype=torch.float32)[0], expert_budget=0.25,
-                                device="cpu", fills_per_step=2, cache_policy="lfu")
+        model = thm.patch_model(
+            load_model("deepseek-tiny", dtype=torch.float32)[0],
+            expert_budget=0.25,
+            device="cpu",
+            fills_per_step=2,
+            cache_policy="lfu",
+        )
         layer = list(model_layers(model).values())[1]
         layer.graph_mode = True
         path = layer.graph_path()
@@ -471,8 +575,15 @@ def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
     ref = load_model("deepseek-tiny", dtype=torch.float32)[0]  # experts 32 wide
     results = []
     for graph in (True, False):
-        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.5, device="cpu", cpu_weight_dtype=fmt, cpu_weight_group_size=32,
-                                fills_per_step=2, cache_policy="lfu")
+        model = thm.patch_model(
+            copy.deepcopy(ref),
+            expert_budget=0.5,
+            device="cpu",
+            cpu_weight_dtype=fmt,
+            cpu_weight_group_size=32,
+            fills_per_step=2,
+            cache_policy="lfu",
+        )
         for layer in model_layers(model).values():
             layer.graph_mode = graph
         torch.manual_seed(3)
@@ -494,7 +605,7 @@ def test_decode_graph_signature_covers_every_decode_call_of_generate(arch):
     runner = DecodeGraphs(model)
     signatures = []
 
-    def record(compile_config: object):  # noqa: ANN202
+    def record(compile_config: object):
         def step(**kwargs: object) -> object:
             signatures.append(runner._signature(kwargs))
             return model(**kwargs)
@@ -521,9 +632,11 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
     from torch_hybrid_moe.runtime.costs import policy_context
 
     router = Router(torch.randn(8, 2), 2)
-    configs = (thm.HybridMoEConfig(scheduler="queue_aware", hardware="dali"),
-               thm.HybridMoEConfig(scheduler="optimal", hardware="dali"),
-               thm.HybridMoEConfig(prefetcher="impact", hardware="dali"))
+    configs = (
+        thm.HybridMoEConfig(scheduler="queue_aware", hardware="dali"),
+        thm.HybridMoEConfig(scheduler="optimal", hardware="dali"),
+        thm.HybridMoEConfig(prefetcher="impact", hardware="dali"),
+    )
     for config in configs:
         context = policy_context(config, LayerInfo(0, 8, 2, 24), hidden=2, inter=2, router=router)
         with pytest.raises(ValueError, match="CUDA graph"):

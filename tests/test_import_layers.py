@@ -71,7 +71,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         state[node] = 2
@@ -94,8 +94,13 @@ def test_layers_import_downwards():
     graph = _graph()
     unplaced = {m.split(".")[1] for m in graph if m != PACKAGE} - set(rank)
     assert not unplaced, f"place {sorted(unplaced)} in LAYERS"
-    upward = [f"{m} -> {t}" for m, targets in graph.items() if m != PACKAGE for t in targets
-              if rank[t.split(".")[1]] > rank[m.split(".")[1]]]
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m != PACKAGE
+        for t in targets
+        if rank[t.split(".")[1]] > rank[m.split(".")[1]]
+    ]
     assert not upward, "imports against the layers: " + "; ".join(sorted(upward))
 
 
@@ -104,8 +109,14 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
     source = tmp_path / "x.py"
-    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..config import C\n"
-                      "def f():\n    from ..runtime.registry import get_layer\n")
-    modules = {f"{PACKAGE}.ops.x": source, f"{PACKAGE}.config": ROOT, f"{PACKAGE}.runtime": ROOT,
-               f"{PACKAGE}.runtime.registry": ROOT}
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..config import C\n"
+        "def f():\n    from ..runtime.registry import get_layer\n"
+    )
+    modules = {
+        f"{PACKAGE}.ops.x": source,
+        f"{PACKAGE}.config": ROOT,
+        f"{PACKAGE}.runtime": ROOT,
+        f"{PACKAGE}.runtime.registry": ROOT,
+    }
     assert _imports(f"{PACKAGE}.ops.x", source, modules) == {f"{PACKAGE}.runtime", f"{PACKAGE}.runtime.registry"}

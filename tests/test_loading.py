@@ -41,10 +41,21 @@ def _qwen3(hidden: int, experts: int, inter: int, layers: int) -> torch.nn.Modul
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=512, hidden_size=hidden, intermediate_size=2 * inter, moe_intermediate_size=inter,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-        num_experts=experts, num_experts_per_tok=4, decoder_sparse_step=1))
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=512,
+            hidden_size=hidden,
+            intermediate_size=2 * inter,
+            moe_intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            num_experts=experts,
+            num_experts_per_tok=4,
+            decoder_sparse_step=1,
+        )
+    )
 
 
 @pytest.mark.slow
@@ -82,15 +93,18 @@ def _break(path, edit):
     save_file(weights, path / "model.safetensors")
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing_expert", "lacks 1 expert tensors of model.layers.1.mlp.experts"),
-    ("missing_dense", "lacks 1 of the model's weights \\(first: model.norm.weight\\)"),
-    ("wrong_shape", "config.json and the weights disagree"),
-    ("no_weights", "has no \\*.safetensors files"),
-    ("truncated", "the file is truncated"),
-    ("unsupported", "model type 'llama' is not supported"),
-    ("offline_hub", "cannot fetch 'nobody/no-such-model' from the hub"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing_expert", "lacks 1 expert tensors of model.layers.1.mlp.experts"),
+        ("missing_dense", "lacks 1 of the model's weights \\(first: model.norm.weight\\)"),
+        ("wrong_shape", "config.json and the weights disagree"),
+        ("no_weights", "has no \\*.safetensors files"),
+        ("truncated", "the file is truncated"),
+        ("unsupported", "model type 'llama' is not supported"),
+        ("offline_hub", "cannot fetch 'nobody/no-such-model' from the hub"),
+    ],
+)
 def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
     tiny_model("deepseek_v2").save_pretrained(tmp_path)
     name = str(tmp_path)
@@ -148,8 +162,8 @@ def test_peak_host_memory_stays_near_the_final_footprint(fmt, tmp_path):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak (VmHWM) to now: importing torch has its own, higher one
         before = status("VmRSS")
-        model = thm.from_pretrained({str(tmp_path / "big")!r}, expert_budget=0.0, device="cpu", cpu_weight_dtype={fmt!r},
-                                    cpu_weight_group_size=64)
+        model = thm.from_pretrained({str(tmp_path / "big")!r}, expert_budget=0.0, device="cpu",
+                                    cpu_weight_dtype={fmt!r}, cpu_weight_group_size=64)
         peak = status("VmHWM")
         store = sum(t.nbytes for layer in thm.runtime.model_layers(model).values()
                     for w in (layer.store.host_gate_up, layer.store.host_down)
@@ -192,7 +206,9 @@ def test_dense_weights_quantised_on_load_equal_patching_the_loaded_model(fmt, tm
 def test_a_quantised_linear_whose_shape_disagrees_fails_in_one_line(tmp_path):
     _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)
     _break(tmp_path, lambda w: w.update({"lm_head.weight": w["lm_head.weight"][:-1].clone()}))
-    with pytest.raises(InputError, match="lm_head.weight is \\[511, 64\\].*config.json and the weights disagree") as err:
+    with pytest.raises(
+        InputError, match="lm_head.weight is \\[511, 64\\].*config.json and the weights disagree"
+    ) as err:
         thm.from_pretrained(tmp_path, device="cpu", dense_weight_dtype="int8", cpu_weight_group_size=32)
     assert "\n" not in str(err.value)
 
@@ -212,10 +228,21 @@ def test_the_embedding_table_stays_in_the_file(tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=65536, hidden_size=256, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
-        tie_word_embeddings=False)).save_pretrained(tmp_path)
+    Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=65536,
+            hidden_size=256,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        )
+    ).save_pretrained(tmp_path)
     script = textwrap.dedent(f"""
         import torch, torch_hybrid_moe as thm
         model = thm.from_pretrained({str(tmp_path)!r}, expert_budget=0.0, device="cpu", dense_weight_dtype="int8",

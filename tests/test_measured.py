@@ -23,6 +23,7 @@ def _counting(calls: list, **codec):
     def measure(shape: tuple[int, int], bits: int) -> int:
         calls.append((shape, bits))
         return shape[0] + bits
+
     return measure
 
 
@@ -46,7 +47,7 @@ def test_a_corrupted_routes_file_is_measured_again(content, tmp_path, monkeypatc
     _counting(calls, decode=measured.count)((8, 4), 8)
     path = measured.routes_file()
     if content == "bad value":  # a hand-edited entry: a negative token count must not choose a route
-        content = json.dumps({k: -5 for k in json.loads(path.read_text())})
+        content = json.dumps(dict.fromkeys(json.loads(path.read_text()), -5))
     path.write_text(content)
     with pytest.warns(UserWarning, match="unusable") if content.startswith("{not") else contextlib.nullcontext():
         assert _counting(calls, decode=measured.count)((8, 4), 8) == 16

@@ -58,7 +58,9 @@ def test_dispatch_matches_float64(name, budget, tokens):
     for step in range(3):  # later steps run with slots the LRU policy refilled
         hidden, ids, weights = routing(name, tokens + step, 2)
         out = torch.ops.hybrid_moe.dispatch(hidden, ids, weights, layer.handle)
-        torch.testing.assert_close(out.double(), reference_moe(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            out.double(), reference_moe(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6
+        )
     s = layer.stats
     assert s.accelerator_experts + s.cpu_experts == s.hits + s.misses
     if budget == 0.0:
@@ -126,7 +128,7 @@ def test_dispatch_in_two_halves_matches_float64(graph):
         pytest.skip("the replay-safe path needs the C++ CPU kernel, which could not be built here")
     layer, gate_up, down = make_layer(0.5)
     layer.graph_mode = graph
-    for step in range(3):
+    for _ in range(3):
         (h1, ids1, w1), (h0, ids0, w0) = routing("random", 6, 2), routing("expert_unused", 6, 2)
         partial, _ = torch.ops.hybrid_moe.dispatch_begin(h1, ids1, w1, layer.handle, 1, h1)
         assert partial.dtype == torch.float32

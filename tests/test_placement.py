@@ -13,7 +13,7 @@ from .conftest import patched_copy
 def simulate_lru(routings, num_experts, num_slots):
     """Brute-force LRU over whole steps: slots start with experts 0..S-1; misses enter, hottest first."""
     slots = list(range(num_slots))
-    last = {e: -1 for e in range(num_experts)}
+    last = dict.fromkeys(range(num_experts), -1)
     hits = misses = loads = 0
     for clock, ids in enumerate(routings, start=1):
         counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
@@ -73,8 +73,11 @@ def test_reset_stats(reference_models):
 def test_patching_on_cpu_keeps_one_copy_of_experts(reference_models):
     """The host master is the original storage: patching adds only the slots, never a second full copy."""
     ref = copy.deepcopy(reference_models["deepseek_v2"])
-    original = {idx: blk.mlp.experts.gate_up_proj.data_ptr() for idx, blk in enumerate(ref.model.layers)
-                if hasattr(blk.mlp, "experts")}
+    original = {
+        idx: blk.mlp.experts.gate_up_proj.data_ptr()
+        for idx, blk in enumerate(ref.model.layers)
+        if hasattr(blk.mlp, "experts")
+    }
     thm.patch_model(ref, expert_budget=0.25)
     for idx, layer in model_layers(ref).items():
         assert layer.store.host_gate_up.data_ptr() == original[idx]

@@ -41,8 +41,16 @@ def test_fit_gives_back_the_hardware_that_produced_the_times(preset):
         assert got.t_gpu(n) == pytest.approx(want.t_gpu(n), rel=1e-6)
     assert got.t_transfer() == pytest.approx(want.t_transfer(), rel=1e-6)
     h, ref = p.hardware, HARDWARE[preset]
-    for name in ("cpu_bandwidth_gb_s", "cpu_tflops", "cpu_overhead_us", "gpu_bandwidth_gb_s", "gpu_tflops",
-                 "gpu_overhead_us", "pcie_gb_s", "pcie_latency_us"):
+    for name in (
+        "cpu_bandwidth_gb_s",
+        "cpu_tflops",
+        "cpu_overhead_us",
+        "gpu_bandwidth_gb_s",
+        "gpu_tflops",
+        "gpu_overhead_us",
+        "pcie_gb_s",
+        "pcie_latency_us",
+    ):
         assert getattr(h, name) == pytest.approx(getattr(ref, name), rel=1e-5), name
     assert h.name == "local" and "measured" in h.description
 
@@ -63,8 +71,9 @@ def test_real_profile_fits_its_measurements_and_is_cached(tmp_path, monkeypatch)
     monkeypatch.setattr(profiling, "FIT_TOLERANCE", 0.35)
     monkeypatch.setattr(profiling.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     try:
-        p = profiling.profile_hardware(SMALL, tokens=(1, 4, 16, 64), preset="dali", directory=tmp_path,
-                                       pool_bytes=8 << 20, progress=False)
+        p = profiling.profile_hardware(
+            SMALL, tokens=(1, 4, 16, 64), preset="dali", directory=tmp_path, pool_bytes=8 << 20, progress=False
+        )
         assert not p.cached and p.path.parent == tmp_path and p.measured.key["threads"] == 1
         assert all(t > 0 for t in p.measured.cpu_s.values()) and p.measured.gpu_s is None
         errors = p.fit_errors()["cpu"]
@@ -74,8 +83,11 @@ def test_real_profile_fits_its_measurements_and_is_cached(tmp_path, monkeypatch)
         assert [costs.t_cpu(n) for n in (1, 4, 16, 64)] == pytest.approx([p.cpu_fit(n) for n in (1, 4, 16, 64)])
         # No CUDA device: GPU side and link are the named preset's, and the profile says so.
         h, dali = p.hardware, HARDWARE["dali"]
-        assert (h.gpu_bandwidth_gb_s, h.gpu_tflops, h.pcie_gb_s) == (dali.gpu_bandwidth_gb_s, dali.gpu_tflops,
-                                                                    dali.pcie_gb_s)
+        assert (h.gpu_bandwidth_gb_s, h.gpu_tflops, h.pcie_gb_s) == (
+            dali.gpu_bandwidth_gb_s,
+            dali.gpu_tflops,
+            dali.pcie_gb_s,
+        )
         assert "preset dali" in h.description
 
         def must_not_measure(*args, **kwargs):
@@ -110,8 +122,10 @@ def test_refresh_and_a_new_key_measure_again(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_importing_the_package_leaves_matplotlib_alone():
-    code = ("import sys, torch_hybrid_moe, torch_hybrid_moe.cli, torch_hybrid_moe.profiling, "
-            "torch_hybrid_moe.simulator.plots; print('matplotlib' in sys.modules)")
+    code = (
+        "import sys, torch_hybrid_moe, torch_hybrid_moe.cli, torch_hybrid_moe.profiling, "
+        "torch_hybrid_moe.simulator.plots; print('matplotlib' in sys.modules)"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "False"
 
@@ -129,8 +143,13 @@ def test_timeline_draws_one_bar_per_event_of_the_window(mixtral_trace, tmp_path)
     from torch_hybrid_moe.simulator import plots
 
     events = []
-    simulate(mixtral_trace, STACKS["lru-cache"], CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"]),
-             cache_ratio=0.25, events=events)
+    simulate(
+        mixtral_trace,
+        STACKS["lru-cache"],
+        CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"]),
+        cache_ratio=0.25,
+        events=events,
+    )
     shown = plots.window(events, 1, 3)
     assert shown and {e.step for e in shown} == {1, 2, 3} and {e.lane for e in shown} == {"cpu", "gpu", "pcie"}
     ax = Figure().add_subplot()
@@ -171,8 +190,18 @@ def test_simulate_cli_json_reports_prefetch_accuracy(capsys):
     assert list(records) == [*STACKS, "ours", "oracle"]
     prefetching = {name for name, s in STACKS.items() if s.prefetcher != "none"} | {"ours", "oracle"}
     for r in records.values():
-        assert {"stack", "hardware", "batch", "cache_ratio", "decode_tok_s", "prefill_tok_s", "hit_rate",
-                "prefetch_accuracy", "moe_time_s", "planning_us"} <= r.keys() and r["batch"] == 8
+        assert {
+            "stack",
+            "hardware",
+            "batch",
+            "cache_ratio",
+            "decode_tok_s",
+            "prefill_tok_s",
+            "hit_rate",
+            "prefetch_accuracy",
+            "moe_time_s",
+            "planning_us",
+        } <= r.keys() and r["batch"] == 8
         assert (r["prefetch_accuracy"] is None) == (r["stack"] not in prefetching)
     assert 0 < records["dali"]["prefetch_accuracy"] <= 1 and records["oracle"]["prefetch_accuracy"] == 1
 
@@ -183,15 +212,34 @@ def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, 
     assert main(["profile", "--expert-shape", "qwen3-30b-a3b", "--gpu-preset", "rtx5090"]) == 0
     out = capsys.readouterr().out
     assert "CPU measured" in out and "CPU fitted" in out and "GPU and link from preset rtx5090" in out
-    table = out[out.index("hardware "):].splitlines()
+    table = out[out.index("hardware ") :].splitlines()
     assert [line.split()[0] for line in table[1 : 2 + len(HARDWARE)]] == ["local", *HARDWARE]
     local, dali = table[1].split(), table[1 + list(HARDWARE).index("dali") + 1].split()
     assert local[1:4] == dali[1:4]  # the CPU measured to be exactly dali's CPU is fitted back to its figures
 
     trace, calibration = (str(TRACES / f"mixtral-tiny-heldout-at{at}.safetensors") for at in (0, 512))
-    assert main(["simulate", "--trace", trace, "--calibration", calibration, "--hardware", "local",
-                 "--expert-shape", "qwen3-30b-a3b", "--gpu-preset", "rtx5090", "--batch", "8",
-                 "--ours", "2,1,0,0"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                trace,
+                "--calibration",
+                calibration,
+                "--hardware",
+                "local",
+                "--expert-shape",
+                "qwen3-30b-a3b",
+                "--gpu-preset",
+                "rtx5090",
+                "--batch",
+                "8",
+                "--ours",
+                "2,1,0,0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "hardware local: measured on this machine" in out and f"calibrated on {calibration}" in out
     rows = {line.split()[0]: line for line in out.splitlines()[4:]}
@@ -206,8 +254,23 @@ def test_simulate_cli_plot_dir_writes_every_figure(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(plots, "DEFAULT_RATIOS", ())  # the sweep is the run's own ratio only: nothing re-run
     trace = TRACES / "mixtral-tiny-heldout-at0.safetensors"
-    assert main(["simulate", "--trace", str(trace), "--batch", "8", "--plot-dir", str(tmp_path), "--ours", "4,1,0,0",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(trace),
+                "--batch",
+                "8",
+                "--plot-dir",
+                str(tmp_path),
+                "--ours",
+                "4,1,0,0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     names = [*STACKS, "ours", "oracle"]
     assert len(json.loads(captured.out)) == len(names)  # the figures' paths go to stderr with --json

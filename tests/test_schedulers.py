@@ -109,8 +109,9 @@ def test_window_decay_keeps_part_of_the_past():
 
 
 def test_tuner_keeps_the_fastest_candidate_and_never_prefetches_without_gate_inputs():
-    trace = synthetic_trace(skew=1.2, locality=0.5, num_experts=16, top_k=2, num_layers=2, sequences=2,
-                            prompt_tokens=8, new_tokens=24)
+    trace = synthetic_trace(
+        skew=1.2, locality=0.5, num_experts=16, top_k=2, num_layers=2, sequences=2, prompt_tokens=8, new_tokens=24
+    )
     calibration = Calibration.from_trace(trace)
     windows = ((2, 1, 0.0), (8, 2, 0.5))
     best, tried = tune(trace, COSTS, 1, 0.25, calibration, windows=windows, prefetch_sizes=(1,))

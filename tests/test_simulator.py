@@ -1,7 +1,6 @@
 """Schedulers against brute force, the simulator against closed-form timings, and against the live runtime."""
 
 import itertools
-import json
 import random
 from pathlib import Path
 
@@ -9,7 +8,6 @@ import pytest
 import torch
 
 import torch_hybrid_moe.embedded
-from torch_hybrid_moe.cli import main
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
 from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
@@ -63,7 +61,9 @@ def test_optimal_scheduler_matches_brute_force_and_others_never_beat_it(seed):
 def test_fiddler_fetches_exactly_when_cpu_is_slower_than_copy_plus_gpu():
     info = LayerInfo(0, 4, 2, COSTS.expert.nbytes)
     heavy = next(n for n in range(1, 10_000) if COSTS.t_cpu(n) > COSTS.t_transfer() + COSTS.t_gpu(n))
-    plan = SCHEDULERS.create("fiddler", info=info, costs=COSTS).place([heavy, heavy - 1, 0, 1], [False, False, True, True])
+    plan = SCHEDULERS.create("fiddler", info=info, costs=COSTS).place(
+        [heavy, heavy - 1, 0, 1], [False, False, True, True]
+    )
     assert plan.fetch == [0] and plan.cpu == [1] and sorted(plan.accelerator) == [0, 3]
 
 
@@ -96,10 +96,23 @@ def tiny_trace(steps):
             pos.append(len(pos))
     n = len(ids)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    layer = LayerTrace(torch.tensor(ids, dtype=torch.int16), torch.zeros(n, 2, dtype=torch.int16),
-                       torch.zeros(n, 2, dtype=torch.float16), i32([]), torch.zeros(0, 8, dtype=torch.float16))
-    meta = {"version": 1, "model": "tiny", "num_experts": 4, "top_k": 1, "hidden_size": 8, "layers": [0],
-            "score_fn": "softmax", "hidden_every": 4}
+    layer = LayerTrace(
+        torch.tensor(ids, dtype=torch.int16),
+        torch.zeros(n, 2, dtype=torch.int16),
+        torch.zeros(n, 2, dtype=torch.float16),
+        i32([]),
+        torch.zeros(0, 8, dtype=torch.float16),
+    )
+    meta = {
+        "version": 1,
+        "model": "tiny",
+        "num_experts": 4,
+        "top_k": 1,
+        "hidden_size": 8,
+        "layers": [0],
+        "score_fn": "softmax",
+        "hidden_every": 4,
+    }
     return Trace(meta, i32([0] * n), i32(seq), i32(step), i32(pos), {0: layer})
 
 
@@ -136,8 +149,16 @@ def two_layer_trace(decode_steps: int) -> Trace:
     score_ids = torch.tensor([[0, 1, 2, 3]] * n, dtype=torch.int16)
     scores = torch.tensor([[0.6, 0.3, 0.06, 0.04]] * n, dtype=torch.float16)
     layer = LayerTrace(ids, score_ids, scores, i32([]), torch.zeros(0, 8, dtype=torch.float16))
-    meta = {"version": 1, "model": "tiny", "num_experts": 4, "top_k": 2, "hidden_size": 8, "layers": [0, 1],
-            "score_fn": "softmax", "hidden_every": 4}
+    meta = {
+        "version": 1,
+        "model": "tiny",
+        "num_experts": 4,
+        "top_k": 2,
+        "hidden_size": 8,
+        "layers": [0, 1],
+        "score_fn": "softmax",
+        "hidden_every": 4,
+    }
     return Trace(meta, i32([0] * n), i32([0] * n), i32(list(range(n))), i32(list(range(n))), {0: layer, 1: layer})
 
 
@@ -161,9 +182,10 @@ def test_expert_deferral_overlaps_the_next_block_in_closed_form(dense):
         simulate(two_layer_trace(1), Stack("bad", "all_cpu", "lru", False, "", deferred=2), costs)
 
 
-@pytest.mark.parametrize(("scheduler", "cache_policy"), [("cached_on_accelerator", "lru"),
-                                                        ("cached_on_accelerator", "lfu"), ("dali_greedy", "lru"),
-                                                        ("fiddler", "lfu")])
+@pytest.mark.parametrize(
+    ("scheduler", "cache_policy"),
+    [("cached_on_accelerator", "lru"), ("cached_on_accelerator", "lfu"), ("dali_greedy", "lru"), ("fiddler", "lfu")],
+)
 def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
     """The same routing through a live layer and the simulator: the same hits, misses and copies (cost-aware
     schedulers live get the simulator's cost model through `hardware=` and `expert_shape=`)."""
@@ -177,8 +199,15 @@ def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(num_experts, 8, 4, generator=g), torch.randn(num_experts, 4, 4, generator=g)
     # the simulator does not model the prefill staging ring: the live layer runs without it
-    config = HybridMoEConfig(expert_budget=0.25, device="cpu", scheduler=scheduler, cache_policy=cache_policy,
-                             hardware="dali", expert_shape="deepseek-v2-lite", staging_slots=0)
+    config = HybridMoEConfig(
+        expert_budget=0.25,
+        device="cpu",
+        scheduler=scheduler,
+        cache_policy=cache_policy,
+        hardware="dali",
+        expert_shape="deepseek-v2-lite",
+        staging_slots=0,
+    )
     store = ExpertStore(gate_up, down, config.slots_per_layer(num_experts, 1, 1), torch.device("cpu"), torch.float32)
     live = HybridMoELayer("live", layer_idx, store, config)
     topk = trace.layers[layer_idx].topk_ids.long()
@@ -205,13 +234,24 @@ def test_live_prefetch_and_simulator_agree(prefetcher):
     num_experts = trace.meta["num_experts"]
     sim = simulate(trace, Stack("t", "cached_on_accelerator", "lru", True, "", prefetcher), COSTS, 1, 0.25)
 
-    config = HybridMoEConfig(expert_budget=0.25, device="cpu", prefetcher=prefetcher, hardware="dali",
-                             expert_shape="deepseek-v2-lite", staging_slots=0)  # no ring: the simulator has none
+    config = HybridMoEConfig(
+        expert_budget=0.25,
+        device="cpu",
+        prefetcher=prefetcher,
+        hardware="dali",
+        expert_shape="deepseek-v2-lite",
+        staging_slots=0,
+    )  # no ring: the simulator has none
     g = torch.Generator().manual_seed(0)
     layers = {}
     for idx in (first, second):
-        store = ExpertStore(torch.randn(num_experts, 8, 4, generator=g), torch.randn(num_experts, 4, 4, generator=g),
-                            config.slots_per_layer(num_experts, 1, 1), torch.device("cpu"), torch.float32)
+        store = ExpertStore(
+            torch.randn(num_experts, 8, 4, generator=g),
+            torch.randn(num_experts, 4, 4, generator=g),
+            config.slots_per_layer(num_experts, 1, 1),
+            torch.device("cpu"),
+            torch.float32,
+        )
         layers[idx] = HybridMoELayer(f"l{idx}", idx, store, config, routers[idx])
     rows = trace.layers[first].hidden_rows.long()
     assert torch.equal(rows, torch.arange(trace.tokens.numel()))  # every row kept its gate input
@@ -251,10 +291,17 @@ def test_cost_aware_scheduler_needs_a_cost_model_live_and_leaves_the_model_alone
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("scheduler", "prefetcher"), [
-    ("fiddler", "none"), ("dali_greedy", "none"), ("optimal", "none"), ("hybrimoe", "none"),
-    ("queue_aware", "impact"), ("cached_on_accelerator", "gate"),
-])
+@pytest.mark.parametrize(
+    ("scheduler", "prefetcher"),
+    [
+        ("fiddler", "none"),
+        ("dali_greedy", "none"),
+        ("optimal", "none"),
+        ("hybrimoe", "none"),
+        ("queue_aware", "impact"),
+        ("cached_on_accelerator", "gate"),
+    ],
+)
 def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler, prefetcher):
     """Placement never changes the result: each cost-aware scheduler and live prefetcher, on the DALI preset,
     gives the unpatched model's logits and greedy tokens while moving experts as it decides."""
@@ -264,14 +311,21 @@ def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler, prefetcher):
     from torch_hybrid_moe.tiny_models import tiny_model
 
     ref = tiny_model("mixtral")
-    model = patch_model(copy.deepcopy(ref), scheduler=scheduler, prefetcher=prefetcher, hardware="dali",
-                        expert_budget=0.25, device="cpu")
+    model = patch_model(
+        copy.deepcopy(ref),
+        scheduler=scheduler,
+        prefetcher=prefetcher,
+        hardware="dali",
+        expert_budget=0.25,
+        device="cpu",
+    )
     x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = ref(x).logits.double(), model(x).logits.double()
         assert ((got - want).abs().max() / want.abs().max()) < 1e-5
-        assert torch.equal(model.generate(x, max_new_tokens=6, do_sample=False),
-                           ref.generate(x, max_new_tokens=6, do_sample=False))
+        assert torch.equal(
+            model.generate(x, max_new_tokens=6, do_sample=False), ref.generate(x, max_new_tokens=6, do_sample=False)
+        )
     layers = stats(model).values()
     assert sum(s.accelerator_experts for s in layers) > 0 and sum(s.cpu_experts for s in layers) > 0
     assert (sum(s.prefetched_experts for s in layers) > 0) == (prefetcher != "none")

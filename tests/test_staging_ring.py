@@ -35,8 +35,11 @@ def test_plan_is_the_best_subset(costs):
             streamed = plan_streaming(counts, cpu, accelerator, costs)
             assert set(streamed) <= set(cpu)
             got = streaming_makespan(counts, streamed, sorted(set(cpu) - set(streamed)), accelerator, costs)
-            best = min(streaming_makespan(counts, s, sorted(set(cpu) - set(s)), accelerator, costs)
-                       for k in range(len(cpu) + 1) for s in itertools.combinations(cpu, k))
+            best = min(
+                streaming_makespan(counts, s, sorted(set(cpu) - set(s)), accelerator, costs)
+                for k in range(len(cpu) + 1)
+                for s in itertools.combinations(cpu, k)
+            )
             assert got == pytest.approx(best, rel=1e-9)
 
 
@@ -49,8 +52,10 @@ def test_lone_token_streams_nothing(costs):
 
 def _experts(num_experts=6, hidden=64, inter=32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5,
-            torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5)
+    return (
+        torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5,
+        torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5,
+    )
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -74,8 +79,15 @@ def test_ring_computes_streamed_pairs(depth, bits):
     moved = StagingRing(store, depth).run(got, hidden, ids, weights, streamed)
     assert moved == len(streamed) * store.expert_bytes
     only = torch.where(torch.isin(ids, torch.tensor(streamed)), ids, -1)
-    want = accumulate_experts_(torch.zeros(40, 64, dtype=torch.float64), hidden.double(), only, weights.double(),
-                               gate_up.double(), down.double(), rounded=bits is not None)
+    want = accumulate_experts_(
+        torch.zeros(40, 64, dtype=torch.float64),
+        hidden.double(),
+        only,
+        weights.double(),
+        gate_up.double(),
+        down.double(),
+        rounded=bits is not None,
+    )
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
 
 
@@ -104,8 +116,13 @@ def test_patched_model_streams_prefill_exactly(reference_models, arch):
 
 def test_staging_slots_off_and_bad(reference_models):
     """0 buffers: nothing streams whatever the cost model; a negative count is refused."""
-    model = thm.patch_model(copy.deepcopy(reference_models["mixtral"]), expert_budget=0.25, hardware="dali",
-                            expert_shape="deepseek-v2-lite", staging_slots=0)
+    model = thm.patch_model(
+        copy.deepcopy(reference_models["mixtral"]),
+        expert_budget=0.25,
+        hardware="dali",
+        expert_shape="deepseek-v2-lite",
+        staging_slots=0,
+    )
     with torch.no_grad():
         model(inputs(3, 64))
     assert all(s.streamed_experts == 0 for s in thm.stats(model).values())

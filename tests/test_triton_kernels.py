@@ -12,7 +12,7 @@ from torch_hybrid_moe.ops import placement_walks, row_copy
 triton = pytest.importorskip("triton", reason="Triton is not installed here")
 
 
-def _interpreted(build, monkeypatch):  # noqa: ANN001, ANN202
+def _interpreted(build, monkeypatch):
     """The kernels `build` makes, decorated anew under TRITON_INTERPRET=1 (the cached ones stay as they are)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernels = build.__wrapped__()
@@ -27,25 +27,78 @@ def test_kernels_compile_for_an_h100():
     dali, hybrimoe = placement_walks._kernels()
     f64, i8, i64 = "*fp64", "*i8", "*i64"
     cases = (
-        (row_copy._kernel(), {"dst": "*i32", "src": "*i32", "dst_idx": i64, "src_idx": i64, "row_words": "i32",
-                              "BLOCK": "constexpr"}, {"BLOCK": row_copy._BLOCK}),
-        (dali, {"n_ptr": "*fp32", "res_ptr": i8, "cpu_ptr": f64, "gpu_ptr": f64, "room_ptr": i64, "take_ptr": i8,
-                "steps": "constexpr"}, {"steps": 6}),
-        (hybrimoe, {"res_ptr": i8, "cpu_ptr": f64, "gpu_ptr": f64, "room_ptr": i64, "active_ptr": i64,
-                    "transfer_ptr": f64, "take_ptr": i8, "steps": "constexpr", "size": "i32"}, {"steps": 6}),
+        (
+            row_copy._kernel(),
+            {"dst": "*i32", "src": "*i32", "dst_idx": i64, "src_idx": i64, "row_words": "i32", "BLOCK": "constexpr"},
+            {"BLOCK": row_copy._BLOCK},
+        ),
+        (
+            dali,
+            {
+                "n_ptr": "*fp32",
+                "res_ptr": i8,
+                "cpu_ptr": f64,
+                "gpu_ptr": f64,
+                "room_ptr": i64,
+                "take_ptr": i8,
+                "steps": "constexpr",
+            },
+            {"steps": 6},
+        ),
+        (
+            hybrimoe,
+            {
+                "res_ptr": i8,
+                "cpu_ptr": f64,
+                "gpu_ptr": f64,
+                "room_ptr": i64,
+                "active_ptr": i64,
+                "transfer_ptr": f64,
+                "take_ptr": i8,
+                "steps": "constexpr",
+                "size": "i32",
+            },
+            {"steps": 6},
+        ),
     )
     for bits, data in ((0, "*bf16"), (8, "*i8"), (4, "*u8")):
-        cases += ((row_copy._converting_kernel(), {"dst": "*fp32", "data": data, "scale": "*fp32", "dst_idx": i64,
-                   "src_idx": i64, "elements": "i32", "group": "i32", "BITS": "constexpr", "BLOCK": "constexpr"},
-                   {"BITS": bits, "BLOCK": row_copy._BLOCK}),)
+        cases += (
+            (
+                row_copy._converting_kernel(),
+                {
+                    "dst": "*fp32",
+                    "data": data,
+                    "scale": "*fp32",
+                    "dst_idx": i64,
+                    "src_idx": i64,
+                    "elements": "i32",
+                    "group": "i32",
+                    "BITS": "constexpr",
+                    "BLOCK": "constexpr",
+                },
+                {"BITS": bits, "BLOCK": row_copy._BLOCK},
+            ),
+        )
     for fn, signature, constexprs in cases:
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"]
     # bf16 slots (the usual case) round like torch's .to(): to nearest even (the interpreter truncates instead)
-    source = triton.compiler.ASTSource(fn=row_copy._converting_kernel(), signature={
-        "dst": "*bf16", "data": "*i8", "scale": "*fp32", "dst_idx": i64, "src_idx": i64, "elements": "i32",
-        "group": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}, constexprs={"BITS": 8, "BLOCK": row_copy._BLOCK})
+    source = triton.compiler.ASTSource(
+        fn=row_copy._converting_kernel(),
+        signature={
+            "dst": "*bf16",
+            "data": "*i8",
+            "scale": "*fp32",
+            "dst_idx": i64,
+            "src_idx": i64,
+            "elements": "i32",
+            "group": "i32",
+            "BITS": "constexpr",
+            "BLOCK": "constexpr",
+        },
+        constexprs={"BITS": 8, "BLOCK": row_copy._BLOCK},
+    )
     assert "cvt.rn.bf16.f32" in triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
@@ -61,10 +114,16 @@ def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
         room, active, steps = torch.tensor(rng.randint(0, 4)), torch.tensor(rng.randint(0, size)), rng.randint(0, size)
         transfer = rng.random()
         for kernel, args, want in (
-            (dali, (n, resident.to(torch.int8), cpu, gpu, room),
-             placement_walks.dali_walk(n, resident, cpu, gpu, room, steps)),
-            (hybrimoe, (resident.to(torch.int8), cpu, gpu, room, active, torch.tensor(transfer, dtype=torch.float64)),
-             placement_walks.hybrimoe_walk(resident, cpu, gpu, room, active, transfer, steps)),
+            (
+                dali,
+                (n, resident.to(torch.int8), cpu, gpu, room),
+                placement_walks.dali_walk(n, resident, cpu, gpu, room, steps),
+            ),
+            (
+                hybrimoe,
+                (resident.to(torch.int8), cpu, gpu, room, active, torch.tensor(transfer, dtype=torch.float64)),
+                placement_walks.hybrimoe_walk(resident, cpu, gpu, room, active, transfer, steps),
+            ),
         ):
             take = torch.zeros(size, dtype=torch.int8)
             kernel[(1,)](*args, take, steps, *((size,) if kernel is hybrimoe else ()))

@@ -55,16 +55,20 @@ def _prompt_ids(tokenizer: object | None, prompt: str, vocab_size: int) -> torch
 
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
-CPU_BUDGET_NOTE = ("without CUDA the CPU stands in for the accelerator and its slots are copies in the same RAM: "
-                   "more memory, no speed-up (pass --expert-budget 0, the default here)")
+CPU_BUDGET_NOTE = (
+    "without CUDA the CPU stands in for the accelerator and its slots are copies in the same RAM: "
+    "more memory, no speed-up (pass --expert-budget 0, the default here)"
+)
 
 
 def _config(args: argparse.Namespace) -> thm.HybridMoEConfig:
     """The command line's config. The expert budget defaults to 0.25 with CUDA and 0 without, where slots only
     duplicate host memory; a budget given there is kept, with a note saying why it does not help."""
     config = thm.HybridMoEConfig(
-        expert_budget=0.0 if args.expert_budget is None else args.expert_budget, device=args.device,
-        cpu_weight_dtype=args.cpu_weight_dtype, cpu_weight_group_size=args.cpu_weight_group_size,
+        expert_budget=0.0 if args.expert_budget is None else args.expert_budget,
+        device=args.device,
+        cpu_weight_dtype=args.cpu_weight_dtype,
+        cpu_weight_group_size=args.cpu_weight_group_size,
         dense_weight_dtype=args.dense_weight_dtype,
     )
     on_cpu = config.resolve_device().type == "cpu"
@@ -92,8 +96,11 @@ def _kernel_ready() -> None:
     """Load the C++ CPU kernel now, saying so: its first load on a machine builds it (cached afterwards)."""
     from torch_hybrid_moe.ops import cpu_kernel
 
-    _timed("C++ CPU kernel (built on its first use per machine and torch version, a minute or two; "
-           "`hybrid-moe build` does it ahead)", cpu_kernel.extension)
+    _timed(
+        "C++ CPU kernel (built on its first use per machine and torch version, a minute or two; "
+        "`hybrid-moe build` does it ahead)",
+        cpu_kernel.extension,
+    )
 
 
 def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[torch.nn.Module, object]:
@@ -112,7 +119,9 @@ def generate(args: argparse.Namespace) -> int:
     else:  # the experts stream from the checkpoint into the store: no second resident copy
         tokenizer = load_tokenizer(args.model)
         converting = f", converting experts to {config.cpu_weight_dtype}" if config.cpu_weight_dtype != "model" else ""
-        model = _timed(f"loading {args.model}{converting}", lambda: thm.from_pretrained(args.model, config, dtype=dtype))
+        model = _timed(
+            f"loading {args.model}{converting}", lambda: thm.from_pretrained(args.model, config, dtype=dtype)
+        )
     device = next(model.parameters()).device
     ids = _prompt_ids(tokenizer, args.prompt, model.config.vocab_size)
     if args.prompt_tokens:  # the prompt's tokens repeated to this length: a prefill figure that means something
@@ -135,8 +144,10 @@ def generate(args: argparse.Namespace) -> int:
     print(f"model {args.model}  budget {config.expert_budget}  device {device}  dtype {model.dtype}")
     print(f"output: {text}")
     print(f"warm-up with decode compile: {compile_s:.1f} s")
-    print(f"prefill: {ids.shape[1] / prefill_s:8.1f} tok/s ({ids.shape[1]}-token prompt; --prompt-tokens N for "
-          f"another length)   decode: {(len(times) - 2) / max(decode_s, 1e-9):8.1f} tok/s")
+    print(
+        f"prefill: {ids.shape[1] / prefill_s:8.1f} tok/s ({ids.shape[1]}-token prompt; --prompt-tokens N for "
+        f"another length)   decode: {(len(times) - 2) / max(decode_s, 1e-9):8.1f} tok/s"
+    )
     print(format_stats(thm.stats(model)))
     return 0
 
@@ -147,9 +158,12 @@ def build(args: argparse.Namespace) -> int:
 
     _kernel_ready()
     if cpu_kernel.extension() is None:
-        raise InputError("the C++ CPU kernel cannot be built here (see the warning above); the CPU experts will "
-                         "use the slower per-expert torch loop")
-    print(f"C++ CPU kernel ready: {cpu_kernel.extension().__file__} (ISA level {kernel_build.ISA_NAMES[cpu_kernel.best_isa()]})")
+        raise InputError(
+            "the C++ CPU kernel cannot be built here (see the warning above); the CPU experts will "
+            "use the slower per-expert torch loop"
+        )
+    isa = kernel_build.ISA_NAMES[cpu_kernel.best_isa()]
+    print(f"C++ CPU kernel ready: {cpu_kernel.extension().__file__} (ISA level {isa})")
     return 0
 
 
@@ -203,9 +217,11 @@ def eval_ppl(args: argparse.Namespace) -> int:
     print(f"perplexity: unpatched {reference:.4f}   patched {patched:.4f}   ratio {patched / reference:.6f}")
     if args.mode == "daop_precalc":
         pairs = max(1, sum(c.pairs for c in counts))
-        print(f"routed pairs of approximated layers: {sum(c.predicted_changed for c in counts) / pairs:.2%} changed by "
-              f"prediction, {sum(c.degraded for c in counts) / pairs:.2%} by degradation, "
-              f"{sum(c.early for c in counts) / pairs:.2%} computed on the earlier hidden state")
+        print(
+            f"routed pairs of approximated layers: {sum(c.predicted_changed for c in counts) / pairs:.2%} changed by "
+            f"prediction, {sum(c.degraded for c in counts) / pairs:.2%} by degradation, "
+            f"{sum(c.early for c in counts) / pairs:.2%} computed on the earlier hidden state"
+        )
     return 0
 
 
@@ -217,10 +233,14 @@ def trace(args: argparse.Namespace) -> int:
     text = heldout_text()
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
     if ids.numel() < args.prompts * (args.offset + args.prompt_tokens):
-        raise InputError(f"the held-out text has {ids.numel()} tokens: too few for --prompts {args.prompts} x "
-                         f"(--offset {args.offset} + --prompt-tokens {args.prompt_tokens})")
+        raise InputError(
+            f"the held-out text has {ids.numel()} tokens: too few for --prompts {args.prompts} x "
+            f"(--offset {args.offset} + --prompt-tokens {args.prompt_tokens})"
+        )
     stride = ids.numel() // args.prompts
-    prompts = [ids[i * stride + args.offset : i * stride + args.offset + args.prompt_tokens] for i in range(args.prompts)]
+    prompts = [
+        ids[i * stride + args.offset : i * stride + args.offset + args.prompt_tokens] for i in range(args.prompts)
+    ]
     result = record_trace(model, prompts, args.max_new_tokens, args.model, args.hidden_every)
     result.save(args.out)
     print(f"wrote {args.out}: {result.tokens.numel()} token rows x {len(result.layers)} MoE layers")
@@ -233,8 +253,10 @@ def convert_trace(args: argparse.Namespace) -> int:
 
     result = trace_from_jsonl(args.jsonl, args.num_experts, args.model_name)
     result.save(args.out)
-    print(f"wrote {args.out}: {result.tokens.numel()} token rows x {len(result.layers)} MoE layers, top-"
-          f"{result.meta['top_k']} of {args.num_experts} experts")
+    print(
+        f"wrote {args.out}: {result.tokens.numel()} token rows x {len(result.layers)} MoE layers, top-"
+        f"{result.meta['top_k']} of {args.num_experts} experts"
+    )
     return 0
 
 
@@ -242,8 +264,9 @@ def _local_profile(args: argparse.Namespace) -> object:
     """This machine's measured cost profile (profiling.py): from the disk cache, else measured now."""
     from torch_hybrid_moe.profiling import profile_hardware
 
-    return profile_hardware(EXPERT_SHAPES[args.expert_shape], preset=args.gpu_preset,
-                            refresh=getattr(args, "refresh", False))
+    return profile_hardware(
+        EXPERT_SHAPES[args.expert_shape], preset=args.gpu_preset, refresh=getattr(args, "refresh", False)
+    )
 
 
 def _ours_spec(text: str) -> tuple[int, int, float, int]:
@@ -285,31 +308,45 @@ def simulate(args: argparse.Namespace) -> int:
         if args.plot_dir:
             events[stack.name] = []
         try:
-            results.append(replay(trace, stack, costs, args.batch, args.cache_ratio, calibration,
-                                  events.get(stack.name)))
+            results.append(
+                replay(trace, stack, costs, args.batch, args.cache_ratio, calibration, events.get(stack.name))
+            )
             ran.append(stack)
         except MissingRouter:  # raised before the stack ran anything: nothing of the others is lost
-            skipped[stack.name] = (f"skipped: its prefetcher {stack.prefetcher!r} replays the model's router on "
-                                   "gate inputs, which this trace lacks")
+            skipped[stack.name] = (
+                f"skipped: its prefetcher {stack.prefetcher!r} replays the model's router on "
+                "gate inputs, which this trace lacks"
+            )
             events.pop(stack.name, None)
     plots = _simulation_plots(args, trace, costs, calibration, ran, events, results) if args.plot_dir else []
     if args.json:
-        print(json.dumps([asdict(r) for r in results] + [{"stack": k, "skipped": v} for k, v in skipped.items()],
-                         indent=1))
+        print(
+            json.dumps(
+                [asdict(r) for r in results] + [{"stack": k, "skipped": v} for k, v in skipped.items()], indent=1
+            )
+        )
         for path in plots:
             print(f"wrote {path}", file=sys.stderr)
         return 0
     print(f"trace {args.trace} ({trace.meta['model']}), hardware {args.hardware}: {costs.hardware.description}")
-    print(f"experts sized as {args.expert_shape}; batch {args.batch}; cache ratio {args.cache_ratio}"
-          f"{f'; calibrated on {args.calibration}' if args.calibration else ''}")
-    tuned_on = "given by --ours" if args.ours else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
+    print(
+        f"experts sized as {args.expert_shape}; batch {args.batch}; cache ratio {args.cache_ratio}"
+        f"{f'; calibrated on {args.calibration}' if args.calibration else ''}"
+    )
+    tuned_on = (
+        "given by --ours" if args.ours else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
+    )
     print(f"ours: {mine.description} ({tuned_on}); oracle: {ceiling.description}")
-    print(f"{'stack':<15} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'prefetch acc':>12} "
-          f"{'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}")
+    print(
+        f"{'stack':<15} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'prefetch acc':>12} "
+        f"{'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}"
+    )
     for r in results:
         acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.1%}"
-        print(f"{r.stack:<15} {r.decode_tok_s:>12.1f} {r.prefill_tok_s:>13.1f} {r.hit_rate:>8.1%} {acc:>12} "
-              f"{r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}")
+        print(
+            f"{r.stack:<15} {r.decode_tok_s:>12.1f} {r.prefill_tok_s:>13.1f} {r.hit_rate:>8.1%} {acc:>12} "
+            f"{r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}"
+        )
     for name, why in skipped.items():
         print(f"{name:<15} {why}")
     for path in plots:
@@ -317,18 +354,29 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulation_plots(args: argparse.Namespace, trace: object, costs: object, calibration: object, stacks: list,
-                      events: dict[str, list], results: list) -> list[Path]:
+def _simulation_plots(
+    args: argparse.Namespace,
+    trace: object,
+    costs: object,
+    calibration: object,
+    stacks: list,
+    events: dict[str, list],
+    results: list,
+) -> list[Path]:
     """Each stack's timeline of decode steps 1-3, and hit rate and decode speed against the cache ratio."""
     from torch_hybrid_moe.simulator import plots
 
     where = f"{Path(args.trace).stem}, {costs.hardware.name}, batch {args.batch}"
-    paths = [plots.plot_timeline(events[name], args.plot_dir / f"timeline-{name}.png",
-                                 title=f"{name}: steps 1-3 at cache ratio {args.cache_ratio} ({where})")
-             for name in events]
+    paths = [
+        plots.plot_timeline(
+            events[name],
+            args.plot_dir / f"timeline-{name}.png",
+            title=f"{name}: steps 1-3 at cache ratio {args.cache_ratio} ({where})",
+        )
+        for name in events
+    ]
     ratios = sorted({*plots.DEFAULT_RATIOS, args.cache_ratio})
-    sweep = plots.sweep_cache_ratio(trace, stacks, costs, ratios, args.batch, calibration, progress=True,
-                                    done=results)
+    sweep = plots.sweep_cache_ratio(trace, stacks, costs, ratios, args.batch, calibration, progress=True, done=results)
     paths.append(plots.plot_hit_rate(sweep, args.plot_dir / "hit-rate-vs-cache-ratio.png", title=where))
     paths.append(plots.plot_decode_speed(sweep, args.plot_dir / "decode-vs-cache-ratio.png", title=where))
     return paths
@@ -359,15 +407,21 @@ def profile(args: argparse.Namespace) -> int:
     if m.transfer_s is not None:
         print(f"{'PCIe copy measured':<22}{m.transfer_s * 1e3:>10.3f}   fitted {fitted.t_transfer() * 1e3:.3f}")
     print()
-    print(f"{'hardware':<14} {'CPU GB/s':>9} {'CPU TFLOPS':>10} {'CPU us':>7} {'GPU GB/s':>9} {'GPU TFLOPS':>10} "
-          f"{'PCIe GB/s':>9} {'t_cpu(1) ms':>11} {'t_cpu(64) ms':>12} {'t_gpu(1) ms':>11} {'copy ms':>8}")
+    print(
+        f"{'hardware':<14} {'CPU GB/s':>9} {'CPU TFLOPS':>10} {'CPU us':>7} {'GPU GB/s':>9} {'GPU TFLOPS':>10} "
+        f"{'PCIe GB/s':>9} {'t_cpu(1) ms':>11} {'t_cpu(64) ms':>12} {'t_gpu(1) ms':>11} {'copy ms':>8}"
+    )
     for h in (p.hardware, *HARDWARE.values()):
         c = CostModel(h, shape)
-        print(f"{h.name:<14} {h.cpu_bandwidth_gb_s:>9.1f} {h.cpu_tflops:>10.2f} {h.cpu_overhead_us:>7.1f} "
-              f"{h.gpu_bandwidth_gb_s:>9.1f} {h.gpu_tflops:>10.1f} {h.pcie_gb_s:>9.1f} {c.t_cpu(1) * 1e3:>11.3f} "
-              f"{c.t_cpu(64) * 1e3:>12.3f} {c.t_gpu(1) * 1e3:>11.3f} {c.t_transfer() * 1e3:>8.3f}")
-    print("(peak figures: the cost model applies its efficiency factors; local ones are fitted so that it gives "
-          "back the measured times)")
+        print(
+            f"{h.name:<14} {h.cpu_bandwidth_gb_s:>9.1f} {h.cpu_tflops:>10.2f} {h.cpu_overhead_us:>7.1f} "
+            f"{h.gpu_bandwidth_gb_s:>9.1f} {h.gpu_tflops:>10.1f} {h.pcie_gb_s:>9.1f} {c.t_cpu(1) * 1e3:>11.3f} "
+            f"{c.t_cpu(64) * 1e3:>12.3f} {c.t_gpu(1) * 1e3:>11.3f} {c.t_transfer() * 1e3:>8.3f}"
+        )
+    print(
+        "(peak figures: the cost model applies its efficiency factors; local ones are fitted so that it gives "
+        "back the measured times)"
+    )
     return 0
 
 
@@ -384,6 +438,7 @@ def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
 
 def _bounded(kind: type, low: float, high: float = math.inf) -> Callable[[str], float]:
     """An argparse type: a `kind` number in [low, high], else a one-line usage error."""
+
     def parse(text: str) -> float:
         try:
             value = kind(text)
@@ -449,73 +504,138 @@ def main(argv: Sequence[str] | None = None) -> int:
     e = sub.add_parser("eval-ppl", help="held-out perplexity, unpatched vs patched in a mode")
     t = sub.add_parser("trace", help="record per-token expert routing on held-out prompts to a trace file")
     s = sub.add_parser("simulate", help="replay a routing trace through every policy stack on a hardware model")
-    c = sub.add_parser("convert-trace", help="routing recorded elsewhere (per-token top-k ids and weights as JSONL) "
-                                             "into a trace file for simulate")
+    c = sub.add_parser(
+        "convert-trace",
+        help="routing recorded elsewhere (per-token top-k ids and weights as JSONL) into a trace file for simulate",
+    )
     pr = sub.add_parser("profile", help="measure this machine's per-expert CPU / GPU / PCIe times, next to the presets")
     sub.add_parser("build", help="build the C++ CPU kernel now (otherwise the first run does, for a minute or two)")
     for p in (g, e, t):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     for p in (g, e):
-        p.add_argument("--expert-budget", type=_bounded(float, 0.0, 1.0), default=None,
-                       help="fraction of each MoE layer's experts held in accelerator slots (default: 0.25 with "
-                            "CUDA, 0 without)")
+        p.add_argument(
+            "--expert-budget",
+            type=_bounded(float, 0.0, 1.0),
+            default=None,
+            help="fraction of each MoE layer's experts held in accelerator slots (default: 0.25 with CUDA, 0 without)",
+        )
         p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-        p.add_argument("--dtype", default="auto", choices=sorted(_DTYPES),
-                       help="compute dtype; auto: the checkpoint's own (float32 for tiny:ARCH)")
+        p.add_argument(
+            "--dtype",
+            default="auto",
+            choices=sorted(_DTYPES),
+            help="compute dtype; auto: the checkpoint's own (float32 for tiny:ARCH)",
+        )
     for p in (g, e):
-        p.add_argument("--cpu-weight-dtype", default="model", choices=CPU_WEIGHT_DTYPES,
-                       help="format of the experts' host copy; int8 / int4 are approximate")
+        p.add_argument(
+            "--cpu-weight-dtype",
+            default="model",
+            choices=CPU_WEIGHT_DTYPES,
+            help="format of the experts' host copy; int8 / int4 are approximate",
+        )
         p.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
-        p.add_argument("--dense-weight-dtype", default="model", choices=DENSE_WEIGHT_DTYPES,
-                       help="format of the CPU's dense linears (attention, LM head); int8 / int4 are approximate")
+        p.add_argument(
+            "--dense-weight-dtype",
+            default="model",
+            choices=DENSE_WEIGHT_DTYPES,
+            help="format of the CPU's dense linears (attention, LM head); int8 / int4 are approximate",
+        )
     g.add_argument("--prompt", type=_non_empty, default="def fibonacci(n):")
-    g.add_argument("--max-new-tokens", type=_bounded(int, 2), default=32,
-                   help="at least 2 (one prefill token, one decode token)")
-    g.add_argument("--prompt-tokens", type=_bounded(int, 1),
-                   help="repeat the prompt's tokens to this length, for a prefill figure (default: the prompt as is)")
-    e.add_argument("--mode", default="exact", choices=["exact", "expert_deferral", "daop_precalc"],
-                   help="exact, or an approximate mode: expert_deferral (KTransformers' Expert Deferral, compiled), "
-                        "daop_precalc (DAOP's predictive CPU pre-calculation, compiled decode steps)")
-    e.add_argument("--deferred-experts", type=int, default=None,
-                   help="with --mode expert_deferral: experts deferred per token (default: top-k - 2, at least 1)")
-    e.add_argument("--precalc-from-layer", type=int, default=None,
-                   help=f"with --mode daop_precalc: first decoder block approximated (default {PRECALC_FROM_LAYER})")
+    g.add_argument(
+        "--max-new-tokens", type=_bounded(int, 2), default=32, help="at least 2 (one prefill token, one decode token)"
+    )
+    g.add_argument(
+        "--prompt-tokens",
+        type=_bounded(int, 1),
+        help="repeat the prompt's tokens to this length, for a prefill figure (default: the prompt as is)",
+    )
+    e.add_argument(
+        "--mode",
+        default="exact",
+        choices=["exact", "expert_deferral", "daop_precalc"],
+        help="exact, or an approximate mode: expert_deferral (KTransformers' Expert Deferral, compiled), "
+        "daop_precalc (DAOP's predictive CPU pre-calculation, compiled decode steps)",
+    )
+    e.add_argument(
+        "--deferred-experts",
+        type=int,
+        default=None,
+        help="with --mode expert_deferral: experts deferred per token (default: top-k - 2, at least 1)",
+    )
+    e.add_argument(
+        "--precalc-from-layer",
+        type=int,
+        default=None,
+        help=f"with --mode daop_precalc: first decoder block approximated (default {PRECALC_FROM_LAYER})",
+    )
     e.add_argument("--max-tokens", type=_bounded(int, 1), default=16384)
     s.add_argument("--trace", type=Path, required=True)
-    s.add_argument("--hardware", default="dali", choices=[*sorted(HARDWARE), "local"],
-                   help="a preset, or local: this machine, measured (cached) by a short warm-up profile")
+    s.add_argument(
+        "--hardware",
+        default="dali",
+        choices=[*sorted(HARDWARE), "local"],
+        help="a preset, or local: this machine, measured (cached) by a short warm-up profile",
+    )
     for p in (s, pr):
-        p.add_argument("--expert-shape", default="deepseek-v2-lite", choices=sorted(EXPERT_SHAPES),
-                       help="expert size the costs assume (the trace gives only the routing)")
-        p.add_argument("--gpu-preset", default="rtx4090", choices=sorted(HARDWARE),
-                       help="with local hardware and no CUDA device: the preset the GPU and link figures come from")
+        p.add_argument(
+            "--expert-shape",
+            default="deepseek-v2-lite",
+            choices=sorted(EXPERT_SHAPES),
+            help="expert size the costs assume (the trace gives only the routing)",
+        )
+        p.add_argument(
+            "--gpu-preset",
+            default="rtx4090",
+            choices=sorted(HARDWARE),
+            help="with local hardware and no CUDA device: the preset the GPU and link figures come from",
+        )
     s.add_argument("--batch", type=_bounded(int, 1), default=1)
     s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)
     s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")
-    s.add_argument("--plot-dir", type=_writable_dir,
-                   help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)")
-    s.add_argument("--ours", type=_ours_spec, metavar="W,U,DECAY,PREFETCH",
-                   help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
-                        "them on the calibration trace, e.g. 4,1,0.5,0")
+    s.add_argument(
+        "--plot-dir", type=_writable_dir, help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)"
+    )
+    s.add_argument(
+        "--ours",
+        type=_ours_spec,
+        metavar="W,U,DECAY,PREFETCH",
+        help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
+        "them on the calibration trace, e.g. 4,1,0.5,0",
+    )
     s.add_argument("--json", action="store_true")
-    c.add_argument("--jsonl", type=Path, required=True,
-                   help='one object per token row: {"sequence": 0, "step": 0, "ids": {"1": [3, 7]}, '
-                        '"weights": {"1": [0.6, 0.4]}} (layer index -> top-k)')
+    c.add_argument(
+        "--jsonl",
+        type=Path,
+        required=True,
+        help='one object per token row: {"sequence": 0, "step": 0, "ids": {"1": [3, 7]}, '
+        '"weights": {"1": [0.6, 0.4]}} (layer index -> top-k)',
+    )
     c.add_argument("--num-experts", type=_bounded(int, 1, 2**15), required=True)
     c.add_argument("--model-name", default="external", help="recorded in the trace's metadata")
     c.add_argument("--out", type=_writable, required=True)
-    pr.add_argument("--refresh", action="store_true",
-                    help="measure again even if a cached profile exists; forget the kernels' measured routes too")
+    pr.add_argument(
+        "--refresh",
+        action="store_true",
+        help="measure again even if a cached profile exists; forget the kernels' measured routes too",
+    )
     t.add_argument("--out", type=_writable, required=True)
     t.add_argument("--prompts", type=_bounded(int, 1), default=16)
     t.add_argument("--prompt-tokens", type=_bounded(int, 1), default=64)
-    t.add_argument("--offset", type=_bounded(int, 0), default=0,
-                   help="token offset of each prompt in its held-out slice")
+    t.add_argument(
+        "--offset", type=_bounded(int, 0), default=0, help="token offset of each prompt in its held-out slice"
+    )
     t.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64)
     t.add_argument("--hidden-every", type=_bounded(int, 1), default=1)
     args = parser.parse_args(argv)
-    commands = {"generate": generate, "eval-ppl": eval_ppl, "trace": trace, "simulate": simulate, "profile": profile,
-                "convert-trace": convert_trace, "build": build}
+    commands = {
+        "generate": generate,
+        "eval-ppl": eval_ppl,
+        "trace": trace,
+        "simulate": simulate,
+        "profile": profile,
+        "convert-trace": convert_trace,
+        "build": build,
+    }
     try:
         return commands[args.command](args)
     except InputError as err:

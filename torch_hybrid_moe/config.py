@@ -17,8 +17,17 @@ CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
 DENSE_WEIGHT_DTYPES = ("model", "int8", "int4")
 MODES = ("exact", "expert_deferral", "daop_precalc")
 PRECALC_FROM_LAYER = 5  # the paper predicts block i + 1 from block i for i >= 4: block 5 is the first approximated
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -101,16 +110,22 @@ class HybridMoEConfig:
             raise ValueError(
                 f"dense_weight_dtype must be one of {DENSE_WEIGHT_DTYPES}, got {self.dense_weight_dtype!r}"
             )
-        if isinstance(self.cpu_weight_group_size, bool) or not isinstance(self.cpu_weight_group_size, int) or (
-            self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32
+        if (
+            isinstance(self.cpu_weight_group_size, bool)
+            or not isinstance(self.cpu_weight_group_size, int)
+            or (self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32)
         ):
-            raise ValueError(f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}")
+            raise ValueError(
+                f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}"
+            )
         for name in ("staging_slots", "fills_per_step", "prefetch_size", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if self.prefetch_size and self.prefetcher == "none":
-            raise ValueError(f"prefetch_size={self.prefetch_size} needs a prefetcher (prefetcher='none' copies nothing)")
+            raise ValueError(
+                f"prefetch_size={self.prefetch_size} needs a prefetcher (prefetcher='none' copies nothing)"
+            )
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         if self.device not in ("auto", "cuda", "cpu"):
@@ -145,9 +160,11 @@ class HybridMoEConfig:
                 f"precalc_from_layer={start} needs mode='daop_precalc' (mode {self.mode!r} predicts nothing)"
             )
         if self.mode == "daop_precalc" and self.prefetcher != "none":
-            raise ValueError(f"mode='daop_precalc' predicts each layer's routing itself and decides from the slot map "
-                             f"at that moment; prefetcher {self.prefetcher!r} would change the slots around it "
-                             "(use prefetcher='none')")
+            raise ValueError(
+                f"mode='daop_precalc' predicts each layer's routing itself and decides from the slot map "
+                f"at that moment; prefetcher {self.prefetcher!r} would change the slots around it "
+                "(use prefetcher='none')"
+            )
 
     def compiled_fields(self) -> tuple:
         """The fields the compile passes read (expert_deferral.py, daop_precalc.py): a graph compiled for one
@@ -177,8 +194,10 @@ class HybridMoEConfig:
         if isinstance(b, str):
             m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", b)
             if not m or m.group(2).lower() not in _BYTE_UNITS:
-                raise ValueError(f"expert_budget {b!r} is not a size with a unit such as '512MiB', '6GB' or '1TiB' "
-                                 "(a fraction is a number, not a string: expert_budget=0.5)")
+                raise ValueError(
+                    f"expert_budget {b!r} is not a size with a unit such as '512MiB', '6GB' or '1TiB' "
+                    "(a fraction is a number, not a string: expert_budget=0.5)"
+                )
             return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
         if not 0.0 <= b <= 1.0:  # a float by now (__post_init__); NaN fails too
             hint = " (a byte budget is a size with a unit, such as '6GiB')" if b > 1 else ""

@@ -37,14 +37,42 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     h.name: h
     for h in (
-        Hardware("dali", "RTX 3090 + PCIe 4.0 x16 + 16 cores of an EPYC 7532 (8ch DDR4-3200), as in DALI",
-                 204.8, 1.2, 936.0, 71.0, 32.0),
-        Hardware("hybrimoe", "RTX A6000 + PCIe 4.0 x16 + 10-core Xeon (6ch DDR4-2933), as in HybriMoE",
-                 140.8, 1.4, 768.0, 154.8, 32.0),
-        Hardware("ktransformers", "RTX 4080 + PCIe 4.0 x16 + Xeon Platinum 8452Y (36 cores, AMX, 8ch DDR5-4800), "
-                 "as in KTransformers", 307.2, 20.0, 716.8, 97.5, 32.0),
-        Hardware("moe-infinity", "RTX A5000 + PCIe 4.0 x16 + 16-core Xeon (6ch DDR4-2933), as in MoE-Infinity",
-                 140.8, 1.5, 768.0, 111.1, 32.0),
+        Hardware(
+            "dali",
+            "RTX 3090 + PCIe 4.0 x16 + 16 cores of an EPYC 7532 (8ch DDR4-3200), as in DALI",
+            204.8,
+            1.2,
+            936.0,
+            71.0,
+            32.0,
+        ),
+        Hardware(
+            "hybrimoe",
+            "RTX A6000 + PCIe 4.0 x16 + 10-core Xeon (6ch DDR4-2933), as in HybriMoE",
+            140.8,
+            1.4,
+            768.0,
+            154.8,
+            32.0,
+        ),
+        Hardware(
+            "ktransformers",
+            "RTX 4080 + PCIe 4.0 x16 + Xeon Platinum 8452Y (36 cores, AMX, 8ch DDR5-4800), as in KTransformers",
+            307.2,
+            20.0,
+            716.8,
+            97.5,
+            32.0,
+        ),
+        Hardware(
+            "moe-infinity",
+            "RTX A5000 + PCIe 4.0 x16 + 16-core Xeon (6ch DDR4-2933), as in MoE-Infinity",
+            140.8,
+            1.5,
+            768.0,
+            111.1,
+            32.0,
+        ),
         Hardware("rtx4090", "RTX 4090 + PCIe 4.0 x16 + Ryzen 9 7950X (2ch DDR5-6000)", 96.0, 4.4, 1008.0, 165.2, 32.0),
         Hardware("rtx5090", "RTX 5090 + PCIe 5.0 x16 + Ryzen 9 9950X (2ch DDR5-6000)", 96.0, 4.4, 1792.0, 209.5, 64.0),
     )

@@ -35,17 +35,32 @@ from .ops.host_memory import advise_huge_pages
 from .ops.quantize import QUANTIZE_ROWS, QuantizedWeight, empty_cpu_format, set_expert
 from .runtime.expert_store import HostWeight
 
-_PER_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
-                         r"\.weight")
+_PER_EXPERT = re.compile(
+    r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.weight"
+)
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
-def from_pretrained(name_or_path: str | Path, config: HybridMoEConfig | None = None,
-                    dtype: torch.dtype | str = "auto", **overrides: object) -> torch.nn.Module:
+def from_pretrained(
+    name_or_path: str | Path,
+    config: HybridMoEConfig | None = None,
+    dtype: torch.dtype | str = "auto",
+    **overrides: object,
+) -> torch.nn.Module:
     """A patched model from a local checkpoint directory or hub id, experts streamed into the store.
 
     Equivalent to `AutoModelForCausalLM.from_pretrained(path, dtype=dtype)` + `patch_model(model, config)` in its
@@ -57,8 +72,10 @@ def from_pretrained(name_or_path: str | Path, config: HybridMoEConfig | None = N
     directory = _local_directory(str(name_or_path))
     model_config = AutoConfig.from_pretrained(directory)
     if model_config.model_type not in ARCHITECTURES:
-        raise InputError(f"{name_or_path}: model type {model_config.model_type!r} is not supported; supported: "
-                         f"{', '.join(sorted(ARCHITECTURES))}")
+        raise InputError(
+            f"{name_or_path}: model type {model_config.model_type!r} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
     if dtype == "auto":
         dtype = getattr(model_config, "dtype", None) or torch.float32
     checkpoint = Checkpoint(directory, model_config.model_type)
@@ -68,23 +85,35 @@ def from_pretrained(name_or_path: str | Path, config: HybridMoEConfig | None = N
     model.tie_weights()  # tied weights (tie_word_embeddings) become one tensor, loaded under either name
     for tensor in (*model.parameters(), *model.buffers()):  # untouched yet: ask for huge pages before loading
         advise_huge_pages(tensor)
-    experts = {module: name for name, module in model.named_modules() if name.endswith(".experts")
-               and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)}
+    experts = {
+        module: name
+        for name, module in model.named_modules()
+        if name.endswith(".experts") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+    }
     layout = {name: checkpoint.expert_layout(name, module) for module, name in experts.items()}
     quantised = _quantised_linears(model, config, checkpoint)
     mapped = _mapped_embedding(model, checkpoint)
-    checkpoint.load_dense(model, skip={f"{name}.{p}" for name in layout for p in ("gate_up_proj", "down_proj")}
-                          | set(quantised.values()) | mapped)
+    checkpoint.load_dense(
+        model,
+        skip={f"{name}.{p}" for name in layout for p in ("gate_up_proj", "down_proj")}
+        | set(quantised.values())
+        | mapped,
+    )
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
     model.eval()
     fmt, group = config.cpu_weight_dtype, config.cpu_weight_group_size
     return patch_with_spec(
-        model, ARCHITECTURES[model_config.model_type], config,
+        model,
+        ARCHITECTURES[model_config.model_type],
+        config,
         read_experts=lambda module: checkpoint.read_experts(module, layout[experts[module]], fmt, group),
-        read_linear=lambda linear: checkpoint.read_quantized(quantised[linear], linear.weight.dtype,
-                                                             config.dense_weight_dtype, group)
-        if linear in quantised else None)
+        read_linear=lambda linear: (
+            checkpoint.read_quantized(quantised[linear], linear.weight.dtype, config.dense_weight_dtype, group)
+            if linear in quantised
+            else None
+        ),
+    )
 
 
 def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -96,20 +125,25 @@ def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in state.items() if len(names[id(tensor)]) == 1}
 
 
-def _quantised_linears(model: torch.nn.Module, config: HybridMoEConfig, checkpoint: Checkpoint
-                       ) -> dict[torch.nn.Module, str]:
+def _quantised_linears(
+    model: torch.nn.Module, config: HybridMoEConfig, checkpoint: Checkpoint
+) -> dict[torch.nn.Module, str]:
     """{linear: its weight's name} for the linears `dense_weight_dtype` quantises whose weight is their own: they are
     read and quantised a block of rows at a time when patching asks (never held in the model's dtype)."""
     if config.dense_weight_dtype == "model":
         return {}
     untied, names = _untied(model), {module: name for name, module in model.named_modules()}
-    linears = {linear: f"{names[linear]}.weight" for _, _, linear in dense_linears(model, config, config.resolve_device())}
+    linears = {
+        linear: f"{names[linear]}.weight" for _, _, linear in dense_linears(model, config, config.resolve_device())
+    }
     chosen = {linear: name for linear, name in linears.items() if name in untied and name in checkpoint.source}
     for linear, name in chosen.items():  # checked now: nothing else reads these before patching quantises them
         key, shard = checkpoint.source[name]
         if shard.shape(key) != tuple(linear.weight.shape):
-            raise InputError(f"checkpoint tensor {key} is {list(shard.shape(key))}, the model's config wants "
-                             f"{list(linear.weight.shape)}; config.json and the weights disagree")
+            raise InputError(
+                f"checkpoint tensor {key} is {list(shard.shape(key))}, the model's config wants "
+                f"{list(linear.weight.shape)}; config.json and the weights disagree"
+            )
     return chosen
 
 
@@ -142,10 +176,12 @@ def _local_directory(name: str) -> Path:
 
     try:
         return Path(snapshot_download(name, allow_patterns=_HUB_FILES))
-    except Exception as err:  # noqa: BLE001 - offline, unknown repository, no network: one line for each
+    except Exception as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise InputError(f"cannot fetch {name!r} from the hub ({type(err).__name__}: {first}); pass a local "
-                         "checkpoint directory, or unset HF_HUB_OFFLINE where the hub is reachable") from None
+        raise InputError(
+            f"cannot fetch {name!r} from the hub ({type(err).__name__}: {first}); pass a local "
+            "checkpoint directory, or unset HF_HUB_OFFLINE where the hub is reachable"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -172,10 +208,16 @@ class Checkpoint:
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
             if not files:
-                raise InputError(f"{directory} has no *.safetensors files; convert the checkpoint with "
-                                 "transformers' save_pretrained (safe_serialization) first")
-        renamings = [(s, t) for rule in get_checkpoint_conversion_mapping(model_type) or []
-                     if isinstance(rule, WeightRenaming) for s, t in zip(rule.source_patterns, rule.target_patterns)]
+                raise InputError(
+                    f"{directory} has no *.safetensors files; convert the checkpoint with "
+                    "transformers' save_pretrained (safe_serialization) first"
+                )
+        renamings = [
+            (s, t)
+            for rule in get_checkpoint_conversion_mapping(model_type) or []
+            if isinstance(rule, WeightRenaming)
+            for s, t in zip(rule.source_patterns, rule.target_patterns)
+        ]
         self.directory = directory
         self.source: dict[str, tuple[str, Shard]] = {}  # model-side name -> (checkpoint key, shard)
         # per-expert tensors by layer prefix: {prefix: [(expert, role, source)]}, indexed once for all layers
@@ -205,20 +247,27 @@ class Checkpoint:
                     roles[role][expert] = source
             missing = [f"{name}.{e}.{role}" for role, found in roles.items() for e, s in enumerate(found) if s is None]
             if missing:
-                raise InputError(f"checkpoint {self.directory} lacks {len(missing)} expert tensors of {name} (first: "
-                                 f"{missing[0]}); is it a complete {experts.__class__.__name__} checkpoint?")
-            layout = {"gate_up_proj": [s for e in range(num_experts) for s in (roles["gate"][e], roles["up"][e])],
-                      "down_proj": roles["down"]}
+                raise InputError(
+                    f"checkpoint {self.directory} lacks {len(missing)} expert tensors of {name} (first: "
+                    f"{missing[0]}); is it a complete {experts.__class__.__name__} checkpoint?"
+                )
+            layout = {
+                "gate_up_proj": [s for e in range(num_experts) for s in (roles["gate"][e], roles["up"][e])],
+                "down_proj": roles["down"],
+            }
             want = {"gate_up_proj": (two_inter // 2, hidden), "down_proj": (hidden, two_inter // 2)}
         for proj, sources in layout.items():
             for key, shard in sources:
                 if shard.shape(key) != tuple(want[proj]):
-                    raise InputError(f"checkpoint tensor {key} is {list(shard.shape(key))}, the model's config wants "
-                                     f"{list(want[proj])}; config.json and the weights disagree")
+                    raise InputError(
+                        f"checkpoint tensor {key} is {list(shard.shape(key))}, the model's config wants "
+                        f"{list(want[proj])}; config.json and the weights disagree"
+                    )
         return ExpertSources(is_fused, layout)
 
-    def read_experts(self, experts: torch.nn.Module, layout: ExpertSources, fmt: str,
-                     group_size: int) -> tuple[HostWeight, HostWeight]:
+    def read_experts(
+        self, experts: torch.nn.Module, layout: ExpertSources, fmt: str, group_size: int
+    ) -> tuple[HostWeight, HostWeight]:
         """The layer's experts in host format `fmt`, read expert by expert. In the model's dtype they are read
         into the module's own uninitialised tensors, which the store then keeps; otherwise converted as read."""
         out = []
@@ -234,7 +283,7 @@ class Checkpoint:
                     shard.read(key, weight, index=e)
                 else:
                     rows = weight.shape[0] // per_expert
-                    for part, (key, shard) in enumerate(sources[e * per_expert:][:per_expert]):
+                    for part, (key, shard) in enumerate(sources[e * per_expert :][:per_expert]):
                         shard.read(key, weight[part * rows : (part + 1) * rows])
                 if buffer is not None:
                     set_expert(dst, e, buffer)
@@ -264,8 +313,10 @@ class Checkpoint:
         loaded = {id(wanted[name]) for name in found}
         missing = [names[0] for ident, names in by_tensor.items() if ident not in loaded]
         if missing:
-            raise InputError(f"checkpoint {self.directory} lacks {len(missing)} of the model's weights (first: "
-                             f"{missing[0]}); config.json and the weights disagree")
+            raise InputError(
+                f"checkpoint {self.directory} lacks {len(missing)} of the model's weights (first: "
+                f"{missing[0]}); config.json and the weights disagree"
+            )
         with torch.no_grad():
             for name in tqdm(found, desc="loading dense weights", unit="tensor", leave=False):
                 key, shard = self.source[name]
@@ -290,8 +341,10 @@ class Shard:
             self.tensors[key] = (_SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"][0])
         end = self.start + max((entry["data_offsets"][1] for entry in header.values()), default=0)
         if path.stat().st_size < end:
-            raise InputError(f"{path} is {path.stat().st_size} bytes, its header describes {end}: the file is "
-                             "truncated; download it again")
+            raise InputError(
+                f"{path} is {path.stat().st_size} bytes, its header describes {end}: the file is "
+                "truncated; download it again"
+            )
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.tensors[key][1]
@@ -308,8 +361,10 @@ class Shard:
             shape = (rows[1] - rows[0], *shape[1:])
         target = into if into.dtype == dtype and into.is_contiguous() else torch.empty(shape, dtype=dtype)
         if tuple(target.shape) != tuple(shape):
-            raise InputError(f"{self.path}: tensor {key} is {list(shape)}, the model wants {list(into.shape)}; "
-                             "config.json and the weights disagree")
+            raise InputError(
+                f"{self.path}: tensor {key} is {list(shape)}, the model wants {list(into.shape)}; "
+                "config.json and the weights disagree"
+            )
         with open(self.path, "rb") as f:
             f.seek(self.start + offset)
             if f.readinto(target.view(-1).view(torch.uint8).numpy()) != target.nbytes:

@@ -119,8 +119,15 @@ class Measurements:
     def from_json(cls, data: dict) -> Measurements:
         """Parse a cached measurement; ValueError unless every time is a positive, finite, plausible duration."""
         ints = lambda d: None if d is None else {int(k): _duration(v) for k, v in d.items()}  # noqa: E731
-        m = cls(data["key"], ints(data["cpu_s"]), ints(data["gpu_s"]), data["transfer_s"],
-                data["small_transfer_s"], data["seconds"], data.get("load"))
+        m = cls(
+            data["key"],
+            ints(data["cpu_s"]),
+            ints(data["gpu_s"]),
+            data["transfer_s"],
+            data["small_transfer_s"],
+            data["seconds"],
+            data.get("load"),
+        )
         if not m.cpu_s or (m.gpu_s is not None and set(m.gpu_s) != set(m.cpu_s)):
             raise ValueError("no CPU times, or GPU times at other token counts")
         if (m.gpu_s is None) != (m.transfer_s is None) or (m.transfer_s is None) != (m.small_transfer_s is None):
@@ -177,8 +184,10 @@ class HardwareProfile:
         where = f"CPU {m.key['cpu']} ({m.key['threads']} threads, kernel {m.key['kernel']})"
         if self.gpu_fit is not None:
             gpu = self.gpu_fit
-            latency = max(0.0, m.small_transfer_s - SMALL_COPY * (m.transfer_s - m.small_transfer_s)
-                          / max(e.nbytes - SMALL_COPY, 1))
+            latency = max(
+                0.0,
+                m.small_transfer_s - SMALL_COPY * (m.transfer_s - m.small_transfer_s) / max(e.nbytes - SMALL_COPY, 1),
+            )
             rate = e.nbytes / max(m.transfer_s - latency, 1e-12)  # bytes per second
             fields |= dict(
                 gpu_bandwidth_gb_s=e.nbytes / gpu.read_s / 1e9 / BANDWIDTH_EFFICIENCY,
@@ -190,8 +199,13 @@ class HardwareProfile:
             where += f" + GPU {m.key['device']}, measured"
         else:
             p = HARDWARE[self.preset]
-            fields |= dict(gpu_bandwidth_gb_s=p.gpu_bandwidth_gb_s, gpu_tflops=p.gpu_tflops,
-                           gpu_overhead_us=p.gpu_overhead_us, pcie_gb_s=p.pcie_gb_s, pcie_latency_us=p.pcie_latency_us)
+            fields |= dict(
+                gpu_bandwidth_gb_s=p.gpu_bandwidth_gb_s,
+                gpu_tflops=p.gpu_tflops,
+                gpu_overhead_us=p.gpu_overhead_us,
+                pcie_gb_s=p.pcie_gb_s,
+                pcie_latency_us=p.pcie_latency_us,
+            )
             where += f"; no CUDA device: GPU and link from preset {self.preset}"
         return Hardware("local", f"measured on this machine: {where}", **fields)
 
@@ -213,8 +227,12 @@ def profile_key(expert: ExpertShape, tokens: Sequence[int]) -> dict:
 
     isa = cpu_kernel.best_isa()
     return {
-        "format": FORMAT, "cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "kernel": kernel_build.ISA_NAMES.get(isa, "torch loop"), "expert": asdict(expert),
+        "format": FORMAT,
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "kernel": kernel_build.ISA_NAMES.get(isa, "torch loop"),
+        "expert": asdict(expert),
         "tokens": sorted(int(n) for n in tokens),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
     }
@@ -227,23 +245,37 @@ def _expert_pool(expert: ExpertShape, pool_bytes: int, device: str = "cpu") -> t
     h, i = expert.hidden, expert.inter
     one_gu = (torch.randn(1, 2 * i, h, generator=g) * h**-0.5).to(torch.bfloat16)
     one_dn = (torch.randn(1, h, i, generator=g) * i**-0.5).to(torch.bfloat16)
-    return (one_gu.to(device).expand(count, -1, -1).contiguous(),  # every page written: no first-touch faults
-            one_dn.to(device).expand(count, -1, -1).contiguous())
+    return (
+        one_gu.to(device).expand(count, -1, -1).contiguous(),  # every page written: no first-touch faults
+        one_dn.to(device).expand(count, -1, -1).contiguous(),
+    )
 
 
-def measure_cpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int,
-                bar: tqdm | None = None, budget_s: float = 3.0) -> dict[int, float]:
+def measure_cpu(
+    expert: ExpertShape,
+    tokens: Sequence[int],
+    repeats: int,
+    pool_bytes: int,
+    bar: tqdm | None = None,
+    budget_s: float = 3.0,
+) -> dict[int, float]:
     """Median seconds of one CPU expert call (`cpu_experts_into`, as the dispatch runs it) computing one expert
-    for n tokens, each n in `tokens`. Consecutive calls use different experts of the pool, so weights are read from memory; the token
-    counts take turns (one round = one call of each), so a burst of load from elsewhere skews all alike.
-    After one warm-up round, `repeats` rounds, or at least 3 once `budget_s` has passed."""
+    for n tokens, each n in `tokens`. Consecutive calls use different experts of the pool, so weights are read from
+    memory; the token counts take turns (one round = one call of each), so a burst of load from elsewhere skews all
+    alike. After one warm-up round, `repeats` rounds, or at least 3 once `budget_s` has passed."""
     from .ops.library import cpu_experts_into
 
     gate_up, down = _expert_pool(expert, pool_bytes)
     count = gate_up.shape[0]
     g = torch.Generator().manual_seed(0)
-    cases = {int(n): (torch.randn(n, expert.hidden, generator=g).to(torch.bfloat16), torch.ones(n, 1),
-                      torch.zeros(n, expert.hidden)) for n in tokens}
+    cases = {
+        int(n): (
+            torch.randn(n, expert.hidden, generator=g).to(torch.bfloat16),
+            torch.ones(n, 1),
+            torch.zeros(n, expert.hidden),
+        )
+        for n in tokens
+    }
     ids = {n: [torch.full((n, 1), e, dtype=torch.long) for e in range(count)] for n in cases}
     times: dict[int, list[float]] = {n: [] for n in cases}
     call = 0
@@ -264,14 +296,13 @@ def measure_cpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_b
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
-def measure_gpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int,
-                bar: tqdm | None = None) -> tuple[dict[int, float], float, float]:
+def measure_gpu(
+    expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int, bar: tqdm | None = None
+) -> tuple[dict[int, float], float, float]:
     """On CUDA device 0: median seconds of one expert for n tokens with the runtime's GPU expert math, and of
     copying one expert's bytes and SMALL_COPY bytes from pinned host memory (CUDA events)."""
     from .ops.expert_math import accumulate_experts_
 
-    gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
-    count = gate_up.shape[0]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def timed(fn: Callable[[int], None]) -> float:
@@ -286,16 +317,20 @@ def measure_gpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_b
             times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
 
-    gpu: dict[int, float] = {}
-    for n in tokens:
+    def experts(n: int) -> float:  # the pool is freed on return, before the copies are timed
+        gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
+        count = gate_up.shape[0]
         hidden = torch.randn(n, expert.hidden, device="cuda", dtype=torch.bfloat16)
         ids = [torch.full((n, 1), e, dtype=torch.long, device="cuda") for e in range(count)]
         weights = torch.ones(n, 1, device="cuda")
         acc = torch.zeros(n, expert.hidden, device="cuda")
-        gpu[int(n)] = timed(lambda i: accumulate_experts_(acc, hidden, ids[i % count], weights, gate_up, down))
+        return timed(lambda i: accumulate_experts_(acc, hidden, ids[i % count], weights, gate_up, down))
+
+    gpu: dict[int, float] = {}
+    for n in tokens:
+        gpu[int(n)] = experts(n)
         if bar is not None:
             bar.update(1)
-    del gate_up, down
     copies = []
     for nbytes in (expert.nbytes, SMALL_COPY):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
@@ -306,15 +341,25 @@ def measure_gpu(expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_b
     return gpu, copies[0], copies[1]
 
 
-def measure(expert: ExpertShape, tokens: Sequence[int] = DEFAULT_TOKENS, repeats: int = 7,
-            pool_bytes: int = POOL_BYTES, progress: bool = True) -> Measurements:
+def measure(
+    expert: ExpertShape,
+    tokens: Sequence[int] = DEFAULT_TOKENS,
+    repeats: int = 7,
+    pool_bytes: int = POOL_BYTES,
+    progress: bool = True,
+) -> Measurements:
     """Measure this machine now (no cache): the CPU kernel, and where CUDA exists the GPU and the link."""
     tokens = sorted(int(n) for n in tokens)
     cuda = torch.cuda.is_available()
     began = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    with tqdm(total=repeats + (len(tokens) + 2) * cuda, desc=f"profiling {expert.name}", unit="run",
-              leave=False, disable=not progress) as bar:
+    with tqdm(
+        total=repeats + (len(tokens) + 2) * cuda,
+        desc=f"profiling {expert.name}",
+        unit="run",
+        leave=False,
+        disable=not progress,
+    ) as bar:
         m = Measurements(profile_key(expert, tokens), measure_cpu(expert, tokens, repeats, pool_bytes, bar))
         if cuda:
             m.gpu_s, m.transfer_s, m.small_transfer_s = measure_gpu(expert, tokens, repeats, pool_bytes, bar)
@@ -322,9 +367,17 @@ def measure(expert: ExpertShape, tokens: Sequence[int] = DEFAULT_TOKENS, repeats
     return m
 
 
-def profile_hardware(expert: ExpertShape, *, tokens: Sequence[int] = DEFAULT_TOKENS, preset: str = DEFAULT_PRESET,
-                     refresh: bool = False, directory: str | Path | None = None, repeats: int = 7,
-                     pool_bytes: int = POOL_BYTES, progress: bool = True) -> HardwareProfile:
+def profile_hardware(
+    expert: ExpertShape,
+    *,
+    tokens: Sequence[int] = DEFAULT_TOKENS,
+    preset: str = DEFAULT_PRESET,
+    refresh: bool = False,
+    directory: str | Path | None = None,
+    repeats: int = 7,
+    pool_bytes: int = POOL_BYTES,
+    progress: bool = True,
+) -> HardwareProfile:
     """This machine's cost profile for experts of `expert` size, from the disk cache when it has one for this
     machine (unless `refresh`), else measured now (a few seconds) and cached. `preset`: the `HARDWARE` entry
     the GPU side and link come from where no CUDA device exists. `directory`: the cache (default `cache_dir()`)."""
@@ -338,16 +391,20 @@ def profile_hardware(expert: ExpertShape, *, tokens: Sequence[int] = DEFAULT_TOK
             m = Measurements.from_json(json.loads(path.read_text()))
             if m.key == key:
                 return HardwareProfile(expert, m, preset, cached=True, path=path)
-            warnings.warn(f"cached profile {path} was measured for another machine or setting: measuring again",
-                          stacklevel=2)
+            warnings.warn(
+                f"cached profile {path} was measured for another machine or setting: measuring again", stacklevel=2
+            )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             warnings.warn(f"cached profile {path} is unusable ({err}): measuring again", stacklevel=2)
     m = measure(expert, tokens, repeats, pool_bytes, progress)
     result = HardwareProfile(expert, m, preset, cached=False, path=path)
     doubt = _doubtful(result)
     if doubt:
-        warnings.warn(f"profile not cached: {doubt}; it is used for this run only (measure again on a quiet machine "
-                      "with `hybrid-moe profile --refresh`)", stacklevel=2)
+        warnings.warn(
+            f"profile not cached: {doubt}; it is used for this run only (measure again on a quiet machine "
+            "with `hybrid-moe profile --refresh`)",
+            stacklevel=2,
+        )
         result.path = None
         return result
     try:

@@ -18,33 +18,77 @@ from transformers import (
 )
 
 _COMMON = dict(
-    vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    vocab_size=96,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
-_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, head_dim=8)
+_MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=None,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    head_dim=8,
+)
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
     """A 3-layer config; the layer types each architecture knows (dense, sparse) all appear."""
     if model_type == "mixtral":
-        return MixtralConfig(**_COMMON, intermediate_size=48, num_hidden_layers=3, num_local_experts=6,
-                             num_experts_per_tok=2)
+        return MixtralConfig(
+            **_COMMON, intermediate_size=48, num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=2
+        )
     if model_type in ("qwen2_moe", "qwen3_moe"):
         cls = Qwen2MoeConfig if model_type == "qwen2_moe" else Qwen3MoeConfig
         extra = {"shared_expert_intermediate_size": 40} if model_type == "qwen2_moe" else {"head_dim": 8}
-        return cls(**_COMMON, **extra, intermediate_size=64, moe_intermediate_size=24, num_hidden_layers=3,
-                   num_experts=8, num_experts_per_tok=3, norm_topk_prob=model_type == "qwen3_moe",
-                   mlp_only_layers=[1], decoder_sparse_step=1)
+        return cls(
+            **_COMMON,
+            **extra,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=model_type == "qwen3_moe",
+            mlp_only_layers=[1],
+            decoder_sparse_step=1,
+        )
     if model_type == "deepseek_v2":
-        return DeepseekV2Config(**{**_COMMON, **_MLA}, intermediate_size=64, moe_intermediate_size=16,
-                                num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-                                first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
-                                topk_group=2, routed_scaling_factor=1.5)
+        return DeepseekV2Config(
+            **{**_COMMON, **_MLA},
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+        )
     if model_type == "deepseek_v3":
-        return DeepseekV3Config(**{**_COMMON, **_MLA}, intermediate_size=64, moe_intermediate_size=16,
-                                num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-                                first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                                norm_topk_prob=True)
+        return DeepseekV3Config(
+            **{**_COMMON, **_MLA},
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
     raise ValueError(f"no tiny config for {model_type!r}")
 
 

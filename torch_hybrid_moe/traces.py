@@ -63,8 +63,13 @@ class Trace:
         layers = {}
         for idx, t in self.layers.items():
             keep = rows[t.hidden_rows.long()]
-            layers[idx] = LayerTrace(t.topk_ids[rows], t.score_ids[rows], t.scores[rows],
-                                     index[t.hidden_rows.long()][keep].to(t.hidden_rows.dtype), t.hidden[keep])
+            layers[idx] = LayerTrace(
+                t.topk_ids[rows],
+                t.score_ids[rows],
+                t.scores[rows],
+                index[t.hidden_rows.long()][keep].to(t.hidden_rows.dtype),
+                t.hidden[keep],
+            )
         return Trace(self.meta, self.tokens[rows], self.sequence[rows], self.step[rows], self.position[rows], layers)
 
     @classmethod
@@ -110,8 +115,9 @@ class Trace:
         for name in ("tokens", "sequence", "step", "position"):
             t = getattr(self, name)
             if t.dim() != 1 or t.shape[0] != n or t.is_floating_point():
-                raise InputError(f"{where}: {name} must be an integer tensor [N] like tokens, got {t.dtype} "
-                                 f"{tuple(t.shape)}")
+                raise InputError(
+                    f"{where}: {name} must be an integer tensor [N] like tokens, got {t.dtype} {tuple(t.shape)}"
+                )
             if n and int(t.min()) < 0:
                 raise InputError(f"{where}: {name} holds negative values")
         e, k, h = meta["num_experts"], meta["top_k"], meta["hidden_size"]
@@ -123,8 +129,11 @@ class Trace:
             if n and (float(layer.scores.min()) < 0 or float(layer.scores.max()) > 1):
                 raise InputError(f"{where}: {field_}.scores must be router probabilities in [0, 1]")
             rows = layer.hidden_rows
-            if rows.dim() != 1 or rows.is_floating_point() or (rows.numel() and not 0 <= int(rows.min())
-                                                                  <= int(rows.max()) < n):
+            if (
+                rows.dim() != 1
+                or rows.is_floating_point()
+                or (rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < n)
+            ):
                 raise InputError(f"{where}: {field_}.hidden_rows must be row indices in [0, {n}) [M]")
             _check_values(where, f"{field_}.hidden", layer.hidden, (rows.shape[0], h) if rows.numel() else None)
 
@@ -156,8 +165,10 @@ def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external"
             raise InputError(f"{path}: row {number}: layers {sorted(row['ids'])} differ from the first row's {layers}")
         for layer in layers:
             if len(row["ids"][layer]) != k or len(row["weights"][layer]) != k:
-                raise InputError(f"{path}: row {number}: layer {layer} lists {len(row['ids'][layer])} ids and "
-                                 f"{len(row['weights'][layer])} weights, the first row {k}")
+                raise InputError(
+                    f"{path}: row {number}: layer {layer} lists {len(row['ids'][layer])} ids and "
+                    f"{len(row['weights'][layer])} weights, the first row {k}"
+                )
             ids[layer].append(row["ids"][layer])
             weights[layer].append(row["weights"][layer])
     listed = min(2 * k, num_experts)
@@ -171,17 +182,36 @@ def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external"
         rest = torch.sort(others.to(torch.int8), dim=1, descending=True, stable=True).indices[:, : listed - k]
         score_ids = torch.cat([top, rest], 1)
         scores = torch.cat([torch.tensor(weights[layer], dtype=torch.float32), torch.zeros(len(top), listed - k)], 1)
-        trace_layers[int(layer)] = LayerTrace(top.to(torch.int16), score_ids.to(torch.int16), scores.half(),
-                                              torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.float16))
+        trace_layers[int(layer)] = LayerTrace(
+            top.to(torch.int16),
+            score_ids.to(torch.int16),
+            scores.half(),
+            torch.zeros(0, dtype=torch.int32),
+            torch.zeros(0, 1, dtype=torch.float16),
+        )
     sequence = torch.tensor([r["sequence"] for r in rows], dtype=torch.int32)
     position = torch.zeros_like(sequence)
     for seq in sequence.unique():
         mask = sequence == seq
         position[mask] = torch.arange(int(mask.sum()), dtype=torch.int32)
-    meta = {"version": FORMAT_VERSION, "model": model, "num_experts": num_experts, "top_k": k, "hidden_size": 1,
-            "layers": [int(layer) for layer in layers], "score_fn": "softmax", "hidden_every": 0}
-    trace = Trace(meta, torch.tensor([r.get("token", 0) for r in rows], dtype=torch.int32), sequence,
-                  torch.tensor([r["step"] for r in rows], dtype=torch.int32), position, trace_layers)
+    meta = {
+        "version": FORMAT_VERSION,
+        "model": model,
+        "num_experts": num_experts,
+        "top_k": k,
+        "hidden_size": 1,
+        "layers": [int(layer) for layer in layers],
+        "score_fn": "softmax",
+        "hidden_every": 0,
+    }
+    trace = Trace(
+        meta,
+        torch.tensor([r.get("token", 0) for r in rows], dtype=torch.int32),
+        sequence,
+        torch.tensor([r["step"] for r in rows], dtype=torch.int32),
+        position,
+        trace_layers,
+    )
     _check_meta(path, meta)
     trace.check(path)
     return trace
@@ -203,8 +233,12 @@ def _jsonl_row(path: Path, number: int, line: str) -> dict:
             raise InputError(f"{path}: line {number}: {name!r} must map MoE layer indices to lists")
         for layer, values in row[name].items():
             kind = int if name == "ids" else (int, float)
-            if not str(layer).isdigit() or not isinstance(values, list) or not values or any(
-                    isinstance(v, bool) or not isinstance(v, kind) for v in values):
+            if (
+                not str(layer).isdigit()
+                or not isinstance(values, list)
+                or not values
+                or any(isinstance(v, bool) or not isinstance(v, kind) for v in values)
+            ):
                 raise InputError(f"{path}: line {number}: {name}[{layer!r}] must be a list of numbers")
     return row
 
@@ -255,17 +289,28 @@ def record_trace(
             h.remove()
     trace = Trace(
         meta={
-            "version": FORMAT_VERSION, "model": model_name, "num_experts": layers[moe[0]].mlp.experts.num_experts,
-            "top_k": top_k, "hidden_size": cfg.hidden_size, "layers": moe, "score_fn": spec.score_fn,
+            "version": FORMAT_VERSION,
+            "model": model_name,
+            "num_experts": layers[moe[0]].mlp.experts.num_experts,
+            "top_k": top_k,
+            "hidden_size": cfg.hidden_size,
+            "layers": moe,
+            "score_fn": spec.score_fn,
             "hidden_every": hidden_every,
         },
-        tokens=_int32_cat(tokens), sequence=_int32_cat(sequence), step=_int32_cat(step), position=_int32_cat(position),
+        tokens=_int32_cat(tokens),
+        sequence=_int32_cat(sequence),
+        step=_int32_cat(step),
+        position=_int32_cat(position),
     )
     for idx in moe:
         topk, score_ids, scores, hidden = (torch.cat(parts) for parts in zip(*rows[idx]))
         keep = torch.arange(0, hidden.shape[0], hidden_every)
         trace.layers[idx] = LayerTrace(
-            topk.to(torch.int16), score_ids.to(torch.int16), scores.to(torch.float16), keep.to(torch.int32),
+            topk.to(torch.int16),
+            score_ids.to(torch.int16),
+            scores.to(torch.float16),
+            keep.to(torch.int32),
             hidden[keep].to(torch.float16),
         )
     if any(layer.topk_ids.shape[0] != trace.tokens.numel() for layer in trace.layers.values()):
@@ -287,9 +332,15 @@ def _check_meta(path: Path, meta: dict) -> None:
     bounded_int("hidden_size", 1, 2**20)
     bounded_int("hidden_every", 0, 2**31)  # 0: no gate inputs recorded
     layers = meta.get("layers")
-    if not isinstance(layers, list) or not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
-                                                         for i in layers) or len(set(layers)) != len(layers):
-        raise InputError(f"{path}: metadata 'layers' must be a non-empty list of distinct decoder indices, got {layers!r}")
+    if (
+        not isinstance(layers, list)
+        or not layers
+        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+        or len(set(layers)) != len(layers)
+    ):
+        raise InputError(
+            f"{path}: metadata 'layers' must be a non-empty list of distinct decoder indices, got {layers!r}"
+        )
     if meta.get("score_fn") not in ("softmax", "sigmoid"):
         raise InputError(f"{path}: metadata 'score_fn' must be 'softmax' or 'sigmoid', got {meta.get('score_fn')!r}")
     if not isinstance(meta.get("model"), str):

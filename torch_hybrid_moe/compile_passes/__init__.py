@@ -19,6 +19,10 @@ def _register_backend() -> None:
 _register_backend()
 
 __all__ = [
-    "find_experts_regions", "hybrid_moe_backend", "insert_daop_precalc", "insert_expert_deferral", "insert_prefetch",
+    "find_experts_regions",
+    "hybrid_moe_backend",
+    "insert_daop_precalc",
+    "insert_expert_deferral",
+    "insert_prefetch",
     "rewrite_experts_regions",
 ]

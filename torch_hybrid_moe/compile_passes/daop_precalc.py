@@ -22,9 +22,9 @@ whose decoder-block index is >= `precalc_from_layer` and whose previous MoE laye
    may move them, which changes nothing: no prefetcher may run with this mode, and a second half neither
    admits into slots nor counts, see `runtime.graph_path.Part.AHEAD`), `dispatch_begin` of layer j on x_i right
    after it, and `dispatch_end` at layer j, where its output is added to layer j's own `dispatch` of the
-   resident pairs on x_j (data dependencies pin those two: `graph_utils.begin_after`). Inside a captured decode step the CPU worker computes
-   them while layer i's block finishes and layer j's attention runs (the same two-halves mechanism as
-   Expert Deferral, on the layer's second set of pinned task buffers).
+   resident pairs on x_j (data dependencies pin those two: `graph_utils.begin_after`). Inside a captured decode
+   step the CPU worker computes them while layer i's block finishes and layer j's attention runs (the same
+   two-halves mechanism as Expert Deferral, on the layer's second set of pinned task buffers).
 
 Prefill stays exact, as in the paper. Dynamo specialises sizes 0 and 1, so a graph whose block input has a
 static sequence length of 1 is a decode step; any other graph (a static length > 1, or a symbolic one,
@@ -71,8 +71,12 @@ class PrecalcStats:
 
 def precalc_stats(layers: dict[int, HybridMoELayer]) -> dict[int, PrecalcStats]:
     """Counters of the given layers (e.g. `runtime.model_layers(model)`), keyed as given; zero if never run."""
-    return {idx: PrecalcStats() if layer.mode_counters is None
-            else PrecalcStats(*(int(v) for v in layer.mode_counters.tolist())) for idx, layer in layers.items()}
+    return {
+        idx: PrecalcStats()
+        if layer.mode_counters is None
+        else PrecalcStats(*(int(v) for v in layer.mode_counters.tolist()))
+        for idx, layer in layers.items()
+    }
 
 
 def degrade(
@@ -127,20 +131,35 @@ def precalc_routing(
 
 
 @precalc_routing.register_fake
-def _(ids, weights, logits, layer):  # noqa: ANN001, ANN202
+def _(ids, weights, logits, layer):
     shape, device = ids.shape, ids.device
-    return (torch.empty(shape, dtype=ids.dtype, device=device), torch.empty(shape, dtype=ids.dtype, device=device),
-            torch.empty(shape, dtype=weights.dtype, device=device), torch.empty(shape, dtype=torch.bool, device=device))
+    return (
+        torch.empty(shape, dtype=ids.dtype, device=device),
+        torch.empty(shape, dtype=ids.dtype, device=device),
+        torch.empty(shape, dtype=weights.dtype, device=device),
+        torch.empty(shape, dtype=torch.bool, device=device),
+    )
 
 
-@torch.library.custom_op("hybrid_moe::precalc_account", mutates_args=(), tags=TAGS,
-                         schema="(Tensor exact_ids, Tensor ids, Tensor swapped, Tensor early_ids, int layer) -> ()")
-def precalc_account(exact_ids: torch.Tensor, ids: torch.Tensor, swapped: torch.Tensor, early_ids: torch.Tensor,
-                    layer: int) -> None:
+@torch.library.custom_op(
+    "hybrid_moe::precalc_account",
+    mutates_args=(),
+    tags=TAGS,
+    schema="(Tensor exact_ids, Tensor ids, Tensor swapped, Tensor early_ids, int layer) -> ()",
+)
+def precalc_account(
+    exact_ids: torch.Tensor, ids: torch.Tensor, swapped: torch.Tensor, early_ids: torch.Tensor, layer: int
+) -> None:
     """Add one step to `layer`'s PrecalcStats, on the device: predicted `ids` against the exact routing of x_j."""
     kept = (ids.long()[:, :, None] == exact_ids.long()[:, None, :]).any(2)
-    step = torch.stack((torch.full((), float(ids.numel()), dtype=torch.float64, device=ids.device),
-                        (~kept).sum().double(), swapped.sum().double(), (early_ids >= 0).sum().double()))
+    step = torch.stack(
+        (
+            torch.full((), float(ids.numel()), dtype=torch.float64, device=ids.device),
+            (~kept).sum().double(),
+            swapped.sum().double(),
+            (early_ids >= 0).sum().double(),
+        )
+    )
     hybrid = get_layer(layer)
     if hybrid.mode_counters is None or hybrid.mode_counters.device != step.device:
         hybrid.mode_counters = torch.zeros(4, dtype=torch.float64, device=step.device)
@@ -148,7 +167,7 @@ def precalc_account(exact_ids: torch.Tensor, ids: torch.Tensor, swapped: torch.T
 
 
 @precalc_account.register_fake
-def _(exact_ids, ids, swapped, early_ids, layer):  # noqa: ANN001, ANN202
+def _(exact_ids, ids, swapped, early_ids, layer):
     return None
 
 
@@ -180,8 +199,11 @@ def _block_input(dispatch: fx.Node, graph: fx.Graph) -> fx.Node:
     inside = [n for n in graph.nodes if any(path == block for path, _ in module_paths(n))]
     members = set(inside)
     inputs = {
-        a for n in inside for a in n.all_input_nodes
-        if a not in members and a.op not in ("placeholder", "get_attr")
+        a
+        for n in inside
+        for a in n.all_input_nodes
+        if a not in members
+        and a.op not in ("placeholder", "get_attr")
         and isinstance(a.meta.get("example_value"), torch.Tensor)
     }
     if len(inputs) != 1:
@@ -240,16 +262,22 @@ def _hoistable(graph: fx.Graph, routing: list[fx.Node], x_j: fx.Node, prev: fx.N
         if a in members or a is x_j or a in found or order[a] < order[prev]:
             continue
         if a is prev or a.op not in ("get_attr", "call_function", "call_method") or _mutates(a):
-            raise _fail(f"the routing of {name} reads {a.name}, computed after the previous MoE layer's dispatch "
-                        "from its output or in place, so it cannot run one block early")
+            raise _fail(
+                f"the routing of {name} reads {a.name}, computed after the previous MoE layer's dispatch "
+                "from its output or in place, so it cannot run one block early"
+            )
         found.add(a)
         todo.extend(a.all_input_nodes)
     moved = members | found
     for a in {a for n in moved for a in n.all_input_nodes} - moved - {x_j}:
-        changed = [u.name for u in a.users if u not in moved and _mutates(u) and u.args[0] is a and order[u] > order[prev]]
+        changed = [
+            u.name for u in a.users if u not in moved and _mutates(u) and u.args[0] is a and order[u] > order[prev]
+        ]
         if changed:
-            raise _fail(f"the routing of {name} reads {a.name}, which {changed} change in place after the previous "
-                        "MoE layer's dispatch, so it cannot run one block early")
+            raise _fail(
+                f"the routing of {name} reads {a.name}, which {changed} change in place after the previous "
+                "MoE layer's dispatch, so it cannot run one block early"
+            )
     return sorted(found, key=order.get)
 
 
@@ -313,8 +341,9 @@ def _rewrite(graph: fx.Graph, plan: _Plan) -> None:
         early_ids, late_ids, weights, swapped = (graph.call_function(operator.getitem, (routed, i)) for i in range(4))
     partial = begin_after(graph, plan.previous, (plan.hidden_i, early_ids, weights, handle, int(Part.AHEAD)))
     with graph.inserting_before(node):
-        account = graph.call_function(torch.ops.hybrid_moe.precalc_account.default,
-                                      (exact_ids, predicted, swapped, early_ids, handle))
+        account = graph.call_function(
+            torch.ops.hybrid_moe.precalc_account.default, (exact_ids, predicted, swapped, early_ids, handle)
+        )
     node.args = (hidden, late_ids, weights, handle)
     with graph.inserting_after(node):
         early = graph.call_function(DISPATCH_END.default, (partial, plan.hidden_i, handle, int(Part.AHEAD), node))

@@ -17,8 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..config import HybridMoEConfig
-from ..runtime.stock import StockSites
 from ..runtime import get_layer
+from ..runtime.stock import StockSites
 from .graph_utils import DISPATCH, calls
 
 log = logging.getLogger(__name__)

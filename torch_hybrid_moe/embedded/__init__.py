@@ -17,7 +17,9 @@ DEFAULT_MODEL = "deepseek-tiny"
 
 def embedded_models() -> dict[str, Path]:
     """Name -> directory of every shipped model (each loads with from_pretrained, offline)."""
-    return {p.name: p for p in sorted(MODELS_DIR.iterdir()) if (p / "config.json").exists()} if MODELS_DIR.exists() else {}
+    return (
+        {p.name: p for p in sorted(MODELS_DIR.iterdir()) if (p / "config.json").exists()} if MODELS_DIR.exists() else {}
+    )
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -38,8 +40,10 @@ def resolve_model(name_or_path: str) -> str:
         raise InputError(f"--model {name_or_path} is a file; pass the checkpoint's directory")
     if _HUB_ID.fullmatch(name_or_path) and not name_or_path.startswith((".", "~")):
         return name_or_path
-    raise InputError(f"no model {name_or_path!r}: not an embedded model ({', '.join(embedded)}), an existing "
-                     "directory or a hub id (owner/name)")
+    raise InputError(
+        f"no model {name_or_path!r}: not an embedded model ({', '.join(embedded)}), an existing "
+        "directory or a hub id (owner/name)"
+    )
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object | None]:

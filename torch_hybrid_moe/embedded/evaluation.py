@@ -35,15 +35,30 @@ def decode_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ,
 
     def logits(inputs: torch.Tensor) -> torch.Tensor:
         cache.reset()
-        return torch.cat([model(input_ids=inputs[:, t : t + 1], past_key_values=cache, use_cache=True,
-                                cache_position=torch.tensor([t], device=inputs.device)).logits
-                          for t in range(inputs.shape[1])], dim=1)
+        return torch.cat(
+            [
+                model(
+                    input_ids=inputs[:, t : t + 1],
+                    past_key_values=cache,
+                    use_cache=True,
+                    cache_position=torch.tensor([t], device=inputs.device),
+                ).logits
+                for t in range(inputs.shape[1])
+            ],
+            dim=1,
+        )
 
     return _perplexity(ids, seq, batch, model, logits, "decode perplexity")
 
 
-def _perplexity(ids: torch.Tensor, seq: int, batch: int, model: torch.nn.Module,
-                logits_of: Callable[[torch.Tensor], torch.Tensor], desc: str) -> float:
+def _perplexity(
+    ids: torch.Tensor,
+    seq: int,
+    batch: int,
+    model: torch.nn.Module,
+    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    desc: str,
+) -> float:
     w = windows(ids, seq)
     nll, count = 0.0, 0
     device = next(model.parameters()).device

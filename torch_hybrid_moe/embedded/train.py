@@ -22,8 +22,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
-from transformers import DeepseekV3Config, MixtralConfig, PretrainedConfig, PreTrainedTokenizerFast
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    MixtralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+)
 
 from .corpus import SEPARATOR, SHIPPED_HELDOUT, split_corpus
 from .evaluation import perplexity, record_routing, routing_report, unigram_perplexity
@@ -43,21 +48,52 @@ class Recipe:
 
 def deepseek_tiny(vocab: int) -> PretrainedConfig:
     return DeepseekV3Config(
-        vocab_size=vocab, hidden_size=128, intermediate_size=320, moe_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
-        qk_rope_head_dim=16, v_head_dim=32, head_dim=16, n_routed_experts=32, num_experts_per_tok=4,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.0,
-        norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=320,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        head_dim=16,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.0,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
 def mixtral_tiny(vocab: int) -> PretrainedConfig:
     return MixtralConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
-        tie_word_embeddings=True, output_router_logits=True, router_aux_loss_coef=0.02, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
@@ -72,7 +108,9 @@ def train_tokenizer(texts: list[str], vocab: int) -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[SEPARATOR], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab,
+        special_tokens=[SEPARATOR],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
@@ -140,7 +178,9 @@ def main() -> None:
     tokenizer = train_tokenizer(train_texts, VOCAB)
     train_ids = encode(tokenizer, train_texts)
     heldout_ids = encode(tokenizer, [SHIPPED_HELDOUT.read_text(encoding="utf-8")])
-    print(f"corpus: {len(train_texts)} training files, {train_ids.numel()} tokens; held out {heldout_ids.numel()} tokens")
+    print(
+        f"corpus: {len(train_texts)} training files, {train_ids.numel()} tokens; held out {heldout_ids.numel()} tokens"
+    )
     for name in args.only or sorted(RECIPES):
         start = time.time()
         model = train(RECIPES[name], train_ids, args.steps, args.batch, args.seed)
@@ -150,8 +190,12 @@ def main() -> None:
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
         report = {
-            "steps": args.steps, "batch": args.batch, "seq": SEQ, "seed": args.seed,
-            "train_tokens_seen": args.steps * args.batch * SEQ, "train_minutes": (time.time() - start) / 60,
+            "steps": args.steps,
+            "batch": args.batch,
+            "seq": SEQ,
+            "seed": args.seed,
+            "train_tokens_seen": args.steps * args.batch * SEQ,
+            "train_minutes": (time.time() - start) / 60,
             "parameters": sum(p.numel() for p in model.parameters()),
             "heldout_ppl": perplexity(model, heldout_ids),
             "unigram_ppl": unigram_perplexity(train_ids, heldout_ids, VOCAB),

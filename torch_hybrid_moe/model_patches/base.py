@@ -70,9 +70,12 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def patch_with_spec(
-    model: torch.nn.Module, spec: ArchSpec, config: HybridMoEConfig | None = None,
+    model: torch.nn.Module,
+    spec: ArchSpec,
+    config: HybridMoEConfig | None = None,
     read_experts: Callable[[torch.nn.Module], tuple[HostWeight, HostWeight]] | None = None,
-    read_linear: Callable[[torch.nn.Linear], QuantizedWeight | None] | None = None, **overrides: object
+    read_linear: Callable[[torch.nn.Linear], QuantizedWeight | None] | None = None,
+    **overrides: object,
 ) -> torch.nn.Module:
     """Validate everything first, then move experts into stores layer by layer; on error the model is untouched.
     `read_experts(experts)` (loading.py) gives a layer's experts in the host format instead of converting the
@@ -97,18 +100,33 @@ def patch_with_spec(
     _check_fits(device, slots * expert_bytes * len(moe_layers))
     capture = device.type == "cuda" and config.cuda_graph
     _, two_inter, hidden = first.gate_up_proj.shape
-    host_bytes = sum(expert_nbytes(empty_cpu_format((1, *w.shape[1:]), w.dtype, config.cpu_weight_dtype,
-                                              config.cpu_weight_group_size)) for w in (first.gate_up_proj, first.down_proj))
+    host_bytes = sum(
+        expert_nbytes(
+            empty_cpu_format((1, *w.shape[1:]), w.dtype, config.cpu_weight_dtype, config.cpu_weight_group_size)
+        )
+        for w in (first.gate_up_proj, first.down_proj)
+    )
     policies = {  # each layer's, built once, before anything changes (one that cannot run fails here)
-        idx: build_policies(config, policy_context(config, LayerInfo(idx, num_experts, slots, host_bytes), hidden,
-                                                   two_inter // 2, _router(block, spec, cfg)), capture)
+        idx: build_policies(
+            config,
+            policy_context(
+                config,
+                LayerInfo(idx, num_experts, slots, host_bytes),
+                hidden,
+                two_inter // 2,
+                _router(block, spec, cfg),
+            ),
+            capture,
+        )
         for idx, block in moe_layers
     }
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
     last = moe_layers[-1][0]
     if config.mode == "daop_precalc" and (config.precalc_from_layer > last or len(moe_layers) < 2):
-        raise ValueError(f"precalc_from_layer={config.precalc_from_layer} approximates nothing in this model: its last "
-                         f"MoE layer is decoder block {last} and a predicted layer needs an MoE layer before it")
+        raise ValueError(
+            f"precalc_from_layer={config.precalc_from_layer} approximates nothing in this model: its last "
+            f"MoE layer is decoder block {last} and a predicted layer needs an MoE layer before it"
+        )
     routing = RoutingRule(spec.score_fn, bool(spec.renormalises(cfg)))
     # Patched models a caller dropped linger in reference cycles (transformers keeps the compiled call on the
     # model): collect them now, so their layer handles, and with them their compiled graphs, are reused
@@ -118,15 +136,20 @@ def patch_with_spec(
     for idx, block in tqdm(moe_layers, desc="hybrid-moe: placing experts", unit="layer", leave=False):
         experts = block.experts
         dtype = experts.gate_up_proj.dtype
-        gate_up, down = read_experts(experts) if read_experts else (
-            to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size)
-            for w in (experts.gate_up_proj, experts.down_proj)
+        gate_up, down = (
+            read_experts(experts)
+            if read_experts
+            else (
+                to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size)
+                for w in (experts.gate_up_proj, experts.down_proj)
+            )
         )
         store = ExpertStore(gate_up, down, slots, device, slot_dtype=dtype)
         # Drop the module's own copy now, so peak host memory grows by at most one layer.
         del experts.gate_up_proj, experts.down_proj
-        experts._hybrid_moe_layer = HybridMoELayer(f"layers.{idx}.mlp.experts", idx, store, config,
-                                                   _router(block, spec, cfg), routing, policies[idx])
+        experts._hybrid_moe_layer = HybridMoELayer(
+            f"layers.{idx}.mlp.experts", idx, store, config, _router(block, spec, cfg), routing, policies[idx]
+        )
         experts._hybrid_moe_handle = experts._hybrid_moe_layer.handle
         experts.register_state_dict_post_hook(_experts_from_store)
         experts._hybrid_moe_next = None
@@ -137,8 +160,12 @@ def patch_with_spec(
         if config.dense_weight_dtype == "model":
             setattr(parent, name, RoutedLinear(linear))
             continue
-        quantized = QuantizedLinear(linear, config.dense_weight_dtype, config.cpu_weight_group_size,
-                                    read_linear(linear) if read_linear else None)
+        quantized = QuantizedLinear(
+            linear,
+            config.dense_weight_dtype,
+            config.cpu_weight_group_size,
+            read_linear(linear) if read_linear else None,
+        )
         quantized.register_state_dict_post_hook(_refuse_quantized_save)
         setattr(parent, name, quantized)
     if device.type == "cpu":
@@ -165,31 +192,42 @@ def _experts_from_store(module: torch.nn.Module, state: dict, prefix: str, metad
         state[prefix + name] = host
 
 
-def dense_linears(model: torch.nn.Module, config: HybridMoEConfig, device: torch.device
-                   ) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+def dense_linears(
+    model: torch.nn.Module, config: HybridMoEConfig, device: torch.device
+) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
     """(parent, attribute, module) of every linear patching replaces, checked before any change: each one that
     `dense_weight_dtype` int8 / int4 quantises; with "model", on the CPU, the bf16 / fp16 ones, which get this
     machine's measured routes (RoutedLinear). Accelerators keep theirs as loaded."""
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear]
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is torch.nn.Linear
+    ]
     if config.dense_weight_dtype == "model":
         routed = device.type == "cpu" and cpu_kernel.best_isa() >= 0
         return [entry for entry in found if routed and entry[2].weight.dtype in KERNEL_DTYPES]
     if device.type != "cpu":
-        raise ValueError(f"dense_weight_dtype={config.dense_weight_dtype!r} quantises the CPU's dense layers; on "
-                         f"{device} they run on the accelerator as loaded (use dense_weight_dtype='model')")
+        raise ValueError(
+            f"dense_weight_dtype={config.dense_weight_dtype!r} quantises the CPU's dense layers; on "
+            f"{device} they run on the accelerator as loaded (use dense_weight_dtype='model')"
+        )
     for _, name, linear in found:
         try:
             check_group_size(linear.in_features, config.cpu_weight_group_size)
         except ValueError as err:
-            raise ValueError(f"dense_weight_dtype={config.dense_weight_dtype!r}: linear {name!r} "
-                             f"({linear.in_features} inputs): {err}") from None
+            raise ValueError(
+                f"dense_weight_dtype={config.dense_weight_dtype!r}: linear {name!r} "
+                f"({linear.in_features} inputs): {err}"
+            ) from None
     return found
 
 
 def _refuse_quantized_save(module: torch.nn.Module, state: dict, prefix: str, metadata: object) -> None:
-    raise RuntimeError(f"{prefix.rstrip('.')}: dense_weight_dtype={module.fmt!r} quantised this linear, so its "
-                       "original weight is gone and saving would write altered weights; save the unpatched model")
+    raise RuntimeError(
+        f"{prefix.rstrip('.')}: dense_weight_dtype={module.fmt!r} quantised this linear, so its "
+        "original weight is gone and saving would write altered weights; save the unpatched model"
+    )
 
 
 def make_patch_function(spec: ArchSpec) -> Callable[..., torch.nn.Module]:
@@ -206,9 +244,14 @@ def make_patch_function(spec: ArchSpec) -> Callable[..., torch.nn.Module]:
 
 def _router(block: torch.nn.Module, spec: ArchSpec, cfg: object) -> Router:
     """The block's gate as prefetchers replay it on other hidden states (the same rule as the simulator's)."""
-    return Router(block.gate.weight.detach(), cfg.num_experts_per_tok, spec.score_fn,
-                  getattr(block.gate, "e_score_correction_bias", None), getattr(cfg, "n_group", None) or 1,
-                  getattr(cfg, "topk_group", None) or 1)
+    return Router(
+        block.gate.weight.detach(),
+        cfg.num_experts_per_tok,
+        spec.score_fn,
+        getattr(block.gate, "e_score_correction_bias", None),
+        getattr(cfg, "n_group", None) or 1,
+        getattr(cfg, "topk_group", None) or 1,
+    )
 
 
 def _find_moe_layers(model: torch.nn.Module, spec: ArchSpec, cfg: object) -> list[tuple[int, torch.nn.Module]]:
@@ -266,7 +309,8 @@ def _check_experts(idx: int, experts: torch.nn.Module, spec: ArchSpec, cfg: obje
 
 
 def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None:
-    """Quantised CPU weights need group sizes that fit both projections' column counts: check before changing anything."""
+    """Quantised CPU weights need group sizes that fit both projections' column counts: checked before anything
+    changes."""
     if config.cpu_weight_dtype in ("int8", "int4"):
         for name in ("gate_up_proj", "down_proj"):
             try:

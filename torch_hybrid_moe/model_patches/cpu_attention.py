@@ -20,14 +20,23 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 NAME = "hybrid_moe_cpu"
 
 
-def cpu_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                          is_causal: bool | None = None, **kwargs: object) -> tuple[torch.Tensor, None]:
+def cpu_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, Hq, Q, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] ->
     ([B, Q, Hq, Dv], None). One query on the CPU, outside training: eager math; otherwise SDPA."""
     if query.shape[2] != 1 or query.device.type != "cpu" or (module.training and dropout):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     scale = d**-0.5 if scaling is None else scaling

@@ -58,8 +58,17 @@ def moe_experts(
     if route is None:
         route = gemm_route(hidden, gate_up, gate_up_scale)
     extension().moe_experts(
-        hidden.contiguous(), ids.long().contiguous(), weights.float().contiguous(), gate_up, gate_up_scale,
-        down, down_scale, level, route.tokens, route.bf16, out,
+        hidden.contiguous(),
+        ids.long().contiguous(),
+        weights.float().contiguous(),
+        gate_up,
+        gate_up_scale,
+        down,
+        down_scale,
+        level,
+        route.tokens,
+        route.bf16,
+        out,
     )
 
 
@@ -71,13 +80,21 @@ def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
         return MICRO_KERNELS
     hidden_size = hidden.shape[1]
     group = 0 if gate_up_scale is None else hidden_size // gate_up_scale.shape[-1]
-    return _measure_route(hidden_size, gate_up.shape[1] // 2, gate_up.dtype, group, hidden.dtype,
-                          torch.get_num_threads())
+    return _measure_route(
+        hidden_size, gate_up.shape[1] // 2, gate_up.dtype, group, hidden.dtype, torch.get_num_threads()
+    )
 
 
 @measured(encode=lambda r: [r.tokens, r.bf16], decode=lambda v: GemmRoute(count(v[0]), flag(v[1])))
-def _measure_route(hidden_size: int, inter: int, stored: torch.dtype, group: int, activations: torch.dtype,
-                   threads: int, repeats: int = 3) -> GemmRoute:
+def _measure_route(
+    hidden_size: int,
+    inter: int,
+    stored: torch.dtype,
+    group: int,
+    activations: torch.dtype,
+    threads: int,
+    repeats: int = 3,
+) -> GemmRoute:
     inter = min(inter, ROUTE_INTER)
     g = torch.Generator().manual_seed(0)
     gate_up = torch.randn(2, 2 * inter, hidden_size, generator=g) * hidden_size**-0.5
@@ -96,9 +113,14 @@ def _measure_route(hidden_size: int, inter: int, stored: torch.dtype, group: int
         ids, weights = torch.tensor([[0, 1]]).expand(n, 2).contiguous(), torch.full((n, 2), 0.5)
         out = torch.zeros(n, hidden_size)
         seconds = interleaved_medians(
-            [lambda r=r, x=hidden, i=ids, w=weights, o=out: extension().moe_experts(
-                x, i, w, gu, gus, dn, dns, best_isa(), r.tokens, r.bf16, o) for r in (MICRO_KERNELS, *gemms)],
-            repeats)
+            [
+                lambda r=r, x=hidden, i=ids, w=weights, o=out: extension().moe_experts(
+                    x, i, w, gu, gus, dn, dns, best_isa(), r.tokens, r.bf16, o
+                )
+                for r in (MICRO_KERNELS, *gemms)
+            ],
+            repeats,
+        )
         fastest = min(range(len(gemms)), key=lambda i: seconds[i + 1])
         wins.append((n, gemms[fastest] if seconds[fastest + 1] < seconds[0] else None))
     if wins[-1][1] is None:
@@ -120,8 +142,9 @@ def interleaved_medians(runs: Sequence[Callable[[], object]], repeats: int) -> l
     return [statistics.median(t[1:]) for t in times]
 
 
-def dense_matvec(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                 isa: int | None = None) -> torch.Tensor:
+def dense_matvec(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, isa: int | None = None
+) -> torch.Tensor:
     """x [T, K] @ weight.T in fp32: a bf16 / fp16 / fp32 weight [N, K], or int8 [N, K] / packed int4 [N, K / 2]
     with fp32 group scales [N, K / group] (ops/quantize.py), streaming the weight once per few tokens."""
     level = _level(isa)

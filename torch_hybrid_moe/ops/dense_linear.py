@@ -29,10 +29,15 @@ QUANTIZED_ROWS = 4096
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("hybrid_moe::linear", mutates_args=(), device_types="cpu",
-                         schema="(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int max_tokens) -> Tensor")
-def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-           max_tokens: int) -> torch.Tensor:
+@torch.library.custom_op(
+    "hybrid_moe::linear",
+    mutates_args=(),
+    device_types="cpu",
+    schema="(Tensor x, Tensor weight, Tensor? scale, Tensor? bias, int max_tokens) -> Tensor",
+)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, max_tokens: int
+) -> torch.Tensor:
     """F.linear(x, weight, bias), through the micro-kernels when x has at most `max_tokens` rows. More rows go to
     torch's GEMM, in fp32 (weight converted per call, one rounding) where that was measured faster than its bf16 /
     fp16 GEMM on this machine (CPUs without native bf16 arithmetic: ~8x). With `scale`, `weight` is int8 / packed
@@ -56,14 +61,18 @@ def dequantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor |
     out = xq.new_empty((*x.shape[:-1], q.data.shape[0]))
     for start in range(0, out.shape[-1], QUANTIZE_ROWS):
         rows = slice(start, start + QUANTIZE_ROWS)
-        out[..., rows] = F.linear(xq, dequantize(q.data[rows], q.scale[rows], q.bits, q.group_size),
-                                  None if bias is None else bias[rows].float())
+        out[..., rows] = F.linear(
+            xq,
+            dequantize(q.data[rows], q.scale[rows], q.bits, q.group_size),
+            None if bias is None else bias[rows].float(),
+        )
     return out.to(x.dtype)
 
 
 @linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-      max_tokens: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, max_tokens: int
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -88,7 +97,8 @@ class RoutedLinear(torch.nn.Module):
         return torch.ops.hybrid_moe.linear(x, self.weight, None, self.bias, self.max_tokens)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, micro-kernels up to {self.max_tokens} rows"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, micro-kernels up to {self.max_tokens} rows"
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -99,7 +109,9 @@ class QuantizedLinear(torch.nn.Module):
     weight already quantised so (a loader's, read from the checkpoint a block of rows at a time), else quantised
     from `linear.weight`."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str, group_size: int, weight: QuantizedWeight | None = None) -> None:
+    def __init__(
+        self, linear: torch.nn.Linear, fmt: str, group_size: int, weight: QuantizedWeight | None = None
+    ) -> None:
         super().__init__()
         q = weight if weight is not None else quantize(linear.weight.detach().unsqueeze(0), BITS[fmt], group_size)
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
@@ -117,15 +129,21 @@ class QuantizedLinear(torch.nn.Module):
 
 def applies_to(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the op can stand in for F.linear(x, weight): CPU, a 2-D bf16 / fp16 weight, same dtype input."""
-    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in KERNEL_DTYPES
-            and x.dtype == weight.dtype and cpu_kernel.best_isa() >= 0)
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype in KERNEL_DTYPES
+        and x.dtype == weight.dtype
+        and cpu_kernel.best_isa() >= 0
+    )
 
 
 def kernel_token_limit(weight: torch.Tensor, repeats: int = 5) -> int:
     """The largest of TOKEN_COUNTS at which the micro-kernels beat torch's GEMM for this weight's shape and
     dtype on this machine, with every smaller count won too; 0 where they lose at one token."""
-    return _measure((min(weight.shape[0], MEASURED_ROWS), weight.shape[1]), weight.dtype, torch.get_num_threads(),
-                    repeats)
+    return _measure(
+        (min(weight.shape[0], MEASURED_ROWS), weight.shape[1]), weight.dtype, torch.get_num_threads(), repeats
+    )
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcast: bool) -> torch.Tensor:
@@ -138,8 +156,9 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, upcas
 def upcast_wins(weight: torch.Tensor, repeats: int = 3) -> bool:
     """Whether F.linear in fp32 (converting this bf16 / fp16 weight at each call) beats torch's GEMM in the weight's
     dtype at PREFILL_ROWS rows, for its shape on this machine (measured once per shape and dtype)."""
-    return _upcast_wins((min(weight.shape[0], MEASURED_ROWS), weight.shape[1]), weight.dtype,
-                        torch.get_num_threads(), repeats)
+    return _upcast_wins(
+        (min(weight.shape[0], MEASURED_ROWS), weight.shape[1]), weight.dtype, torch.get_num_threads(), repeats
+    )
 
 
 @measured(decode=flag)
@@ -147,7 +166,8 @@ def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repea
     weight = torch.empty(shape, dtype=dtype).normal_(0, 0.02)
     x = torch.randn(PREFILL_ROWS, shape[1], dtype=dtype)
     native_s, upcast_s = cpu_kernel.interleaved_medians(
-        (lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())), repeats)
+        (lambda: F.linear(x, weight), lambda: F.linear(x.float(), weight.float())), repeats
+    )
     return upcast_s < native_s
 
 
@@ -159,8 +179,13 @@ def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: i
     if cpu_kernel.best_isa() < 0:
         return 0
     columns = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
-    return _measure_quantized((min(qweight.shape[0], QUANTIZED_ROWS), columns), 8 if qweight.dtype == torch.int8 else 4,
-                              columns // scale.shape[1], torch.get_num_threads(), repeats)
+    return _measure_quantized(
+        (min(qweight.shape[0], QUANTIZED_ROWS), columns),
+        8 if qweight.dtype == torch.int8 else 4,
+        columns // scale.shape[1],
+        torch.get_num_threads(),
+        repeats,
+    )
 
 
 @measured(decode=count)
@@ -171,7 +196,8 @@ def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: i
     for tokens in QUANTIZED_COUNTS:
         x = torch.randn(tokens, shape[1], dtype=torch.bfloat16)
         kernel_s, dequantized_s = cpu_kernel.interleaved_medians(
-            [lambda x=x, n=n: torch.ops.hybrid_moe.linear(x, weight, scale, None, n) for n in (tokens, 0)], repeats)
+            [lambda x=x, n=n: torch.ops.hybrid_moe.linear(x, weight, scale, None, n) for n in (tokens, 0)], repeats
+        )
         if kernel_s >= dequantized_s:
             return limit
         limit = tokens
@@ -186,9 +212,12 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: 
         x = torch.randn(tokens, shape[1], dtype=dtype)
         # the op as the compiled graph calls it: its fixed cost (~0.17 ms) decides small linears
         torch_s, kernel_s = cpu_kernel.interleaved_medians(
-            (lambda x=x: F.linear(x, weight),
-             lambda x=x, n=tokens: torch.ops.hybrid_moe.linear(x, weight, None, None, n)),
-            repeats)
+            (
+                lambda x=x: F.linear(x, weight),
+                lambda x=x, n=tokens: torch.ops.hybrid_moe.linear(x, weight, None, None, n),
+            ),
+            repeats,
+        )
         if kernel_s >= torch_s:
             break
         limit = tokens

@@ -46,8 +46,15 @@ def accumulate_experts_(
     return out
 
 
-def expert_into_(out: torch.Tensor, hidden: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor,
-                 w_gate_up: torch.Tensor, w_down: torch.Tensor, rounded: bool) -> None:
+def expert_into_(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    rounded: bool,
+) -> None:
     """out[tokens] += weights * FFN(hidden[tokens]) for one expert's weights (`rounded`: as in
     `accumulate_experts_`); the one expert step of the per-expert loop and of the prefill staging ring."""
     x = hidden[tokens]

@@ -44,9 +44,12 @@ def extension() -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-    except Exception as err:  # noqa: BLE001 - any build failure means: use the torch loop
-        warnings.warn(f"torch_hybrid_moe: CPU expert kernel unavailable ({err}); using the per-expert torch loop",
-                      RuntimeWarning, stacklevel=2)
+    except Exception as err:
+        warnings.warn(
+            f"torch_hybrid_moe: CPU expert kernel unavailable ({err}); using the per-expert torch loop",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 

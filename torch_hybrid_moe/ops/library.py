@@ -24,8 +24,12 @@ def require(condition: bool, message: Callable[[], str]) -> None:
         raise RuntimeError(message())
 
 
-def check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   check: Callable[[bool, Callable[[], str]], None] = require) -> None:
+def check_routing(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    check: Callable[[bool, Callable[[], str]], None] = require,
+) -> None:
     """The ops' shape contract; fake implementations pass torch._check (their shapes may be symbolic)."""
     check(hidden.dim() == 2, lambda: f"hidden must be [T, H], got {tuple(hidden.shape)}")
     check(topk_ids.dim() == 2, lambda: f"topk_ids must be [T, K], got {tuple(topk_ids.shape)}")
@@ -61,12 +65,16 @@ def cpu_experts_into(
         if low < -1 or high >= num_experts:
             raise ValueError(f"topk_ids must lie in [-1, {num_experts}), got [{low}, {high}]")
     if out.shape != hidden.shape or out.dtype != torch.float32:
-        raise ValueError(f"out must be fp32 shaped like hidden {tuple(hidden.shape)}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be fp32 shaped like hidden {tuple(hidden.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
     if cpu_kernel.best_isa() >= 0:
         cpu_kernel.moe_experts(hidden, topk_ids, topk_weights, gate_up, down, out, gate_up_scale, down_scale)
         return
-    experts = [w if s is None else QuantizedWeight.from_kernel_operands(w, s)
-               for w, s in ((gate_up, gate_up_scale), (down, down_scale))]
+    experts = [
+        w if s is None else QuantizedWeight.from_kernel_operands(w, s)
+        for w, s in ((gate_up, gate_up_scale), (down, down_scale))
+    ]
     accumulate_experts_(out, hidden, topk_ids, topk_weights, *experts)
 
 
@@ -82,5 +90,5 @@ cpu_experts = torch.library.custom_op(
 
 
 @cpu_experts.register_fake
-def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, out) -> None:  # noqa: ANN001
+def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, out) -> None:
     check_routing(hidden, topk_ids, topk_weights, torch._check)

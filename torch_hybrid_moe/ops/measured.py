@@ -48,8 +48,13 @@ def cpu_model() -> str:
 def routes_file() -> Path:
     """This machine's file of measured routes (its name digests CPU model, torch version, the kernel's sources and
     the ISA it runs at: a changed kernel measures again)."""
-    key = {"format": FORMAT, "cpu": cpu_model(), "torch": torch.__version__, "kernel": source_digest(),
-           "isa": ISA_NAMES.get(best_isa(), "none")}
+    key = {
+        "format": FORMAT,
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "kernel": source_digest(),
+        "isa": ISA_NAMES.get(best_isa(), "none"),
+    }
     return cache_dir() / f"routes-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
 
 
@@ -64,8 +69,9 @@ def _read(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def measured(encode: Callable[[T], Any] = lambda v: v, decode: Callable[[Any], T] = lambda v: v
-             ) -> Callable[[Callable[..., T]], Callable[..., T]]:
+def measured(
+    encode: Callable[[T], Any] = lambda v: v, decode: Callable[[Any], T] = lambda v: v
+) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """A measuring function's results cached in this process and in this machine's routes file, per arguments.
     `encode` / `decode` turn a result into JSON and back; a stored value `decode` rejects is measured again."""
 
@@ -84,8 +90,11 @@ def measured(encode: Callable[[T], Any] = lambda v: v, decode: Callable[[Any], T
             value = fn(*args)
             cores = os.cpu_count() or 1
             if load is not None and load > cores:  # other work skewed the timing: for this process only
-                warnings.warn(f"route not cached: load average {load:.1f} above the {cores} cores while measuring; "
-                              "the next process measures it again", stacklevel=2)
+                warnings.warn(
+                    f"route not cached: load average {load:.1f} above the {cores} cores while measuring; "
+                    "the next process measures it again",
+                    stacklevel=2,
+                )
                 return value
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)

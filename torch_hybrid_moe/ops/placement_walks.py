@@ -19,8 +19,9 @@ import functools
 import torch
 
 
-def dali_walk(n: torch.Tensor, resident: torch.Tensor, cpu: torch.Tensor, gpu: torch.Tensor, room: torch.Tensor,
-              steps: int) -> torch.Tensor:
+def dali_walk(
+    n: torch.Tensor, resident: torch.Tensor, cpu: torch.Tensor, gpu: torch.Tensor, room: torch.Tensor, steps: int
+) -> torch.Tensor:
     """DALI's greedy: each of the first `steps` experts (an idle one, n == 0, is skipped) goes to the GPU when
     that side, with it, finishes no later than the CPU would with it, and a missing one only while room lasts."""
     if n.is_cuda:
@@ -38,16 +39,33 @@ def dali_walk(n: torch.Tensor, resident: torch.Tensor, cpu: torch.Tensor, gpu: t
     return take
 
 
-def hybrimoe_walk(resident: torch.Tensor, cpu: torch.Tensor, gpu: torch.Tensor, room: torch.Tensor,
-                  active: torch.Tensor, transfer: float, steps: int) -> torch.Tensor:
+def hybrimoe_walk(
+    resident: torch.Tensor,
+    cpu: torch.Tensor,
+    gpu: torch.Tensor,
+    room: torch.Tensor,
+    active: torch.Tensor,
+    transfer: float,
+    steps: int,
+) -> torch.Tensor:
     """HybriMoE's queue over its first `active` experts (0-d int64): the GPU takes from the head (a missing
     expert after its copy, `transfer` seconds, queued on an idle link; none without room), the CPU from the
     tail, whichever finishes its next expert earlier, for up to `steps` rounds (one expert each)."""
     if resident.is_cuda:
         take = torch.zeros(resident.shape, dtype=torch.int8, device=resident.device)
         transfer_t = torch.full((), transfer, dtype=torch.float64, device=resident.device)
-        _kernels()[1][(1,)](resident.to(torch.int8), cpu, gpu, room, active, transfer_t, take,
-                            min(steps, len(resident)), len(resident), num_warps=1)
+        _kernels()[1][(1,)](
+            resident.to(torch.int8),
+            cpu,
+            gpu,
+            room,
+            active,
+            transfer_t,
+            take,
+            min(steps, len(resident)),
+            len(resident),
+            num_warps=1,
+        )
         return take.bool()
     zero = torch.zeros(1, dtype=torch.float64)
     cpu_t, gpu_t, link = zero, zero, zero
@@ -73,7 +91,7 @@ def hybrimoe_walk(resident: torch.Tensor, cpu: torch.Tensor, gpu: torch.Tensor, 
 
 
 @functools.cache
-def _kernels():  # noqa: ANN202 - Triton JIT functions
+def _kernels():
     """Built on first CUDA use (Triton comes with CUDA builds of torch, not with the CPU wheel)."""
     import triton
     import triton.language as tl
@@ -95,8 +113,9 @@ def _kernels():  # noqa: ANN202 - Triton JIT functions
             tl.store(take_ptr + i, t.to(tl.int8))
 
     @triton.jit
-    def hybrimoe_kernel(res_ptr, cpu_ptr, gpu_ptr, room_ptr, active_ptr, transfer_ptr, take_ptr, steps: tl.constexpr,
-                        size):
+    def hybrimoe_kernel(
+        res_ptr, cpu_ptr, gpu_ptr, room_ptr, active_ptr, transfer_ptr, take_ptr, steps: tl.constexpr, size
+    ):
         room = tl.load(room_ptr)
         transfer = tl.load(transfer_ptr)
         tail = tl.load(active_ptr) - 1

@@ -66,8 +66,9 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedWeigh
     num_experts, rows, cols = weight.shape
     group = check_group_size(cols, group_size)
     qmax = 127 if bits == 8 else 7
-    data = host_memory.empty((num_experts, rows, cols if bits == 8 else cols // 2),
-                             torch.int8 if bits == 8 else torch.uint8)
+    data = host_memory.empty(
+        (num_experts, rows, cols if bits == 8 else cols // 2), torch.int8 if bits == 8 else torch.uint8
+    )
     scale = host_memory.empty((num_experts, rows, cols // group), torch.float32)
     for e in range(num_experts):
         for r0 in range(0, rows, QUANTIZE_ROWS):  # a dense weight (an LM head) is one expert: bound the fp32 temps
@@ -116,15 +117,18 @@ def to_cpu_format(weight: torch.Tensor, fmt: str, group_size: int) -> torch.Tens
     return quantize(weight, BITS[fmt], group_size)
 
 
-def empty_cpu_format(shape: tuple[int, int, int], dtype: torch.dtype, fmt: str,
-                     group_size: int) -> torch.Tensor | QuantizedWeight:
+def empty_cpu_format(
+    shape: tuple[int, int, int], dtype: torch.dtype, fmt: str, group_size: int
+) -> torch.Tensor | QuantizedWeight:
     """Uninitialised [E, N, K] expert weights of dtype `dtype` in a `cpu_weight_dtype` format, filled one expert at
     a time by `set_expert`: a loader converting as it reads never holds a whole layer in the source format."""
     experts, rows, cols = shape
     if fmt in ("model", "bfloat16"):
         return host_memory.empty(shape, dtype if fmt == "model" else torch.bfloat16)
     bits, group = BITS[fmt], check_group_size(cols, group_size)
-    data = host_memory.empty((experts, rows, cols if bits == 8 else cols // 2), torch.int8 if bits == 8 else torch.uint8)
+    data = host_memory.empty(
+        (experts, rows, cols if bits == 8 else cols // 2), torch.int8 if bits == 8 else torch.uint8
+    )
     return QuantizedWeight(data, host_memory.empty((experts, rows, cols // group), torch.float32), bits, group)
 
 

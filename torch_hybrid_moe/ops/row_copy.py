@@ -46,8 +46,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32) if flat.shape[1] % 4 == 0 else flat
 
 
-def copy_rows_(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | QuantizedWeight,
-               src_idx: torch.Tensor) -> None:
+def copy_rows_(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | QuantizedWeight, src_idx: torch.Tensor
+) -> None:
     """dst[dst_idx[i]] = src[src_idx[i]] where src_idx[i] >= 0, in dst's dtype; rows are dim 0 and must match in
     shape. A quantised `src` crosses as stored and is dequantised on the way, another dtype is converted on the
     way: one kernel either way, which reads nothing for a skipped row. No host synchronisation on CUDA."""
@@ -68,8 +69,13 @@ def copy_rows_(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | Qua
     launch(dst, dst_idx, src, src_idx)
 
 
-def launch(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | QuantizedWeight, src_idx: torch.Tensor,
-           kernels: tuple[object, object] | None = None) -> None:
+def launch(
+    dst: torch.Tensor,
+    dst_idx: torch.Tensor,
+    src: torch.Tensor | QuantizedWeight,
+    src_idx: torch.Tensor,
+    kernels: tuple[object, object] | None = None,
+) -> None:
     """The one Triton launch behind `copy_rows_`: the word copy where dtypes match, else the converting kernel.
     `kernels` (word copy, converting) stands in for the compiled pair: the tests pass interpreted ones."""
     copy_kernel, converting_kernel = kernels or (_kernel(), _converting_kernel())
@@ -81,12 +87,21 @@ def launch(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor | Quantiz
     data, scale = (src.data, src.scale) if quantised else (src, src)  # no scales for a plain cast: never read
     elements = dst[0].numel()
     grid = (src_idx.numel(), -(-elements // _BLOCK))
-    converting_kernel[grid](dst, data, scale, dst_idx, src_idx, elements, src.group_size if quantised else 1,
-                            BITS=src.bits if quantised else 0, BLOCK=_BLOCK)
+    converting_kernel[grid](
+        dst,
+        data,
+        scale,
+        dst_idx,
+        src_idx,
+        elements,
+        src.group_size if quantised else 1,
+        BITS=src.bits if quantised else 0,
+        BLOCK=_BLOCK,
+    )
 
 
 @functools.cache
-def _kernel():  # noqa: ANN202 - a Triton JIT function
+def _kernel():
     """Built on first CUDA use: Triton comes with CUDA builds of torch, not with the CPU wheel."""
     import triton
     import triton.language as tl
@@ -105,15 +120,16 @@ def _kernel():  # noqa: ANN202 - a Triton JIT function
 
 
 @functools.cache
-def _converting_kernel():  # noqa: ANN202 - a Triton JIT function
+def _converting_kernel():
     """`copy_rows_` into another dtype: BITS 0 casts; 8 and 4 dequantise int8 / packed int4 (quantize.py's layout:
     column 2j in the low nibble of byte j, q + 8) with one scale per `group` consecutive elements of a row."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def convert_rows_kernel(dst, data, scale, dst_idx, src_idx, elements, group, BITS: tl.constexpr,
-                            BLOCK: tl.constexpr):
+    def convert_rows_kernel(
+        dst, data, scale, dst_idx, src_idx, elements, group, BITS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         i = tl.program_id(0)
         s = tl.load(src_idx + i).to(tl.int64)
         d = tl.load(dst_idx + i).to(tl.int64)

@@ -40,8 +40,10 @@ class _Predictor:
 
     def __init__(self, info: LayerInfo, request: RequestActivations | None, capacity: int, name: str) -> None:
         if request is None:
-            raise ValueError(f"{name} matches the request in flight against past ones: pass "
-                             "request=RequestActivations(...) (the simulator does; the live runtime does not yet)")
+            raise ValueError(
+                f"{name} matches the request in flight against past ones: pass "
+                "request=RequestActivations(...) (the simulator does; the live runtime does not yet)"
+            )
         self.row = request.row[info.layer_idx]
         self.request, self.capacity = request, capacity
 
@@ -78,8 +80,9 @@ class ActivationMatrixPrefetch:
     """MoE-Infinity's prefetch: this layer's `size` most likely experts under the closest past request, matched
     on the layers before this one (asked while the previous layer runs)."""
 
-    def __init__(self, info: LayerInfo, request: RequestActivations | None = None, size: int = 2,
-                 capacity: int = 1000) -> None:
+    def __init__(
+        self, info: LayerInfo, request: RequestActivations | None = None, size: int = 2, capacity: int = 1000
+    ) -> None:
         self.predictor = _Predictor(info, request, capacity, "prefetcher 'eam'")
         if size < 1:
             raise ValueError(f"prefetch size must be at least 1, got {size}")

@@ -63,17 +63,23 @@ class RankedCache:
 
     def victim(self, slot_experts: Sequence[int], keep: set[int]) -> int:
         candidates = [s for s, e in enumerate(slot_experts) if e not in keep]
-        return min(candidates, key=lambda s: float("-inf") if slot_experts[s] < 0 else self.value(slot_experts[s]),
-                   default=-1)
+        return min(
+            candidates, key=lambda s: float("-inf") if slot_experts[s] < 0 else self.value(slot_experts[s]), default=-1
+        )
 
-    def paired(self, candidates: Sequence[int], resident: Sequence[bool], limit: int, threshold: float = 1.0) -> list[int]:
+    def paired(
+        self, candidates: Sequence[int], resident: Sequence[bool], limit: int, threshold: float = 1.0
+    ) -> list[int]:
         """Swaps pair by pair: the i-th most valuable missing candidate displaces the i-th least valuable resident
         expert (a free slot first) while it is worth more than `threshold` times as much; at most `limit`."""
         newcomers = sorted((e for e in candidates if not resident[e]), key=lambda e: (-self.value(e), e))
         held = sorted(self.value(e) for e in range(self.info.num_experts) if resident[e])
         out = [float("-inf")] * (self.info.num_slots - len(held)) + held  # what each would displace, cheapest first
-        return [e for e, displaced in zip(newcomers[:limit], out)
-                if displaced == float("-inf") or self.value(e) > threshold * displaced]
+        return [
+            e
+            for e, displaced in zip(newcomers[:limit], out)
+            if displaced == float("-inf") or self.value(e) > threshold * displaced
+        ]
 
 
 @CACHE_POLICIES.register("lfu")
@@ -125,8 +131,9 @@ class WorkloadWindow(RankedCache):
         super().__init__(info)
         u_size = max(1, info.num_experts // 8) if u_size is None else u_size
         if w_size < 1 or u_size < 1 or not 0 <= decay < 1:
-            raise ValueError(f"dali_window needs w_size >= 1, u_size >= 1 and 0 <= decay < 1; got {w_size}, {u_size}, "
-                             f"{decay}")
+            raise ValueError(
+                f"dali_window needs w_size >= 1, u_size >= 1 and 0 <= decay < 1; got {w_size}, {u_size}, {decay}"
+            )
         self.w_size, self.u_size, self.decay = w_size, u_size, decay
         self.window = [0] * info.num_experts  # tokens so far in the open window
         self.scores = [0] * info.num_experts  # the last closed window's: what replacement ranks by
@@ -179,8 +186,9 @@ class FutureWindow(WorkloadWindow):
     the next `w_size` steps (`future`, this layer's per-expert token counts of every step), so the same bursts
     of at most `u_size` copies bring in what will really be used. The cache half of the oracle stack."""
 
-    def __init__(self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None, w_size: int = 4,
-                 u_size: int | None = None) -> None:
+    def __init__(
+        self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None, w_size: int = 4, u_size: int | None = None
+    ) -> None:
         super().__init__(info, w_size, u_size)
         if future is None:
             raise ValueError("cache policy 'oracle_window' needs the future routing (future=...): simulator only")

@@ -94,9 +94,9 @@ class WindowRanking(DeviceRanking):
 CACHE_POLICIES.add_tensor_form("lru", lambda policy, num_experts, device: LRURanking(num_experts, device))
 CACHE_POLICIES.add_tensor_form("lfu", lambda policy, num_experts, device: LFURanking(num_experts, device))
 CACHE_POLICIES.add_tensor_form("mrs", lambda policy, num_experts, device: MRSRanking(num_experts, device, policy.alpha))
-CACHE_POLICIES.add_tensor_form("dali_window", lambda policy, num_experts, device: WindowRanking(
-    num_experts, device, policy.w_size, policy.u_size))
-
+CACHE_POLICIES.add_tensor_form(
+    "dali_window", lambda policy, num_experts, device: WindowRanking(num_experts, device, policy.w_size, policy.u_size)
+)
 
 
 def _pairs(candidates: torch.Tensor, held: torch.Tensor, fills: int) -> tuple[torch.Tensor, ...]:
@@ -108,8 +108,12 @@ def _pairs(candidates: torch.Tensor, held: torch.Tensor, fills: int) -> tuple[to
 
 
 def admissions(
-    values: torch.Tensor, may_change: torch.Tensor, eligible: torch.Tensor, expert_slot: torch.Tensor,
-    slot_expert: torch.Tensor, fills: int,
+    values: torch.Tensor,
+    may_change: torch.Tensor,
+    eligible: torch.Tensor,
+    expert_slot: torch.Tensor,
+    slot_expert: torch.Tensor,
+    fills: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `fills` (missed expert, slot) pairs: the i-th most valuable eligible non-resident expert takes the i-th
     least valuable slot (a free slot first) when it is worth more; -1 expert where no admission happens.
@@ -125,8 +129,12 @@ def admissions(
 
 
 def _swap_in(
-    candidates: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, expert_slot: torch.Tensor,
-    slot_expert: torch.Tensor, k: int,
+    candidates: torch.Tensor,
+    keep: torch.Tensor,
+    values: torch.Tensor,
+    expert_slot: torch.Tensor,
+    slot_expert: torch.Tensor,
+    k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best candidates (value > -inf, missing experts) each take the slot the cache ranking `values` gives up
     first (a free slot first), never a slot holding a `keep` expert; (expert, slot) pairs, -1 expert where
@@ -144,9 +152,14 @@ def _gate_on_device(prefetcher: GatePrefetch, device: torch.device) -> GatePrefe
     made by `prefetch_admissions`."""
     on_device = copy.copy(prefetcher)
     router = prefetcher.router
-    on_device.router = dataclasses.replace(router, **{
-        f: getattr(router, f).to(device, torch.float32) for f in ("weight", "bias") if getattr(router, f) is not None
-    })
+    on_device.router = dataclasses.replace(
+        router,
+        **{
+            f: getattr(router, f).to(device, torch.float32)
+            for f in ("weight", "bias")
+            if getattr(router, f) is not None
+        },
+    )
     return on_device
 
 
@@ -155,7 +168,11 @@ PREFETCHERS.add_tensor_form("gate", _gate_on_device)
 
 
 def prefetch_admissions(
-    priority: torch.Tensor, size: int, values: torch.Tensor, expert_slot: torch.Tensor, slot_expert: torch.Tensor,
+    priority: torch.Tensor,
+    size: int,
+    values: torch.Tensor,
+    expert_slot: torch.Tensor,
+    slot_expert: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate prefetch as tensors: the `size` experts of highest `priority` (> 0) are wanted and swapped in, in
     priority order, never displacing a wanted one. The same choice as the Python path's `select` followed by
@@ -167,7 +184,11 @@ def prefetch_admissions(
 
 
 def fetch_admissions(
-    fetch: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, expert_slot: torch.Tensor, slot_expert: torch.Tensor,
+    fetch: torch.Tensor,
+    keep: torch.Tensor,
+    values: torch.Tensor,
+    expert_slot: torch.Tensor,
+    slot_expert: torch.Tensor,
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A scheduler's on-demand fetches (the `fetch` mask, at most k) swapped in lowest id first, never displacing

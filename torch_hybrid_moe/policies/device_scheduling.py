@@ -9,7 +9,6 @@ the cost-aware ones evaluate the same `CostModel` terms in float64, in the same 
 
 from __future__ import annotations
 
-
 import torch
 
 from ..cost_model import CostModel, Terms
@@ -110,8 +109,15 @@ class HybriMoEForm(CostAwareForm):
         rank = torch.where(active, 1.0 + resident.double(), 0.0) * 2.0**32 + counts.double()
         order = torch.sort(rank, descending=True, stable=True).indices
         n, res = counts[order], resident[order]
-        take = hybrimoe_walk(res, _time(c.cpu, n), _time(c.gpu, n), _room(counts, resident, num_slots),
-                             active.sum(), c.t_transfer(), max_active)
+        take = hybrimoe_walk(
+            res,
+            _time(c.cpu, n),
+            _time(c.gpu, n),
+            _room(counts, resident, num_slots),
+            active.sum(),
+            c.t_transfer(),
+            max_active,
+        )
         return torch.zeros_like(take).scatter_(0, order, take)
 
 

@@ -49,8 +49,10 @@ class Router:
         if self.score_fn not in ("softmax", "sigmoid"):
             raise ValueError(f"router score_fn must be 'softmax' or 'sigmoid', not {self.score_fn!r}")
         if self.weight.dim() != 2 or not 0 < self.top_k <= self.weight.shape[0]:
-            raise ValueError(f"router weight must be [experts, hidden] with top_k <= experts; got "
-                             f"{tuple(self.weight.shape)}, top_k {self.top_k}")
+            raise ValueError(
+                f"router weight must be [experts, hidden] with top_k <= experts; got "
+                f"{tuple(self.weight.shape)}, top_k {self.top_k}"
+            )
         if self.weight.shape[0] % self.n_group:
             raise ValueError(f"{self.weight.shape[0]} experts do not split into {self.n_group} groups")
 
@@ -78,8 +80,10 @@ class MissingRouter(ValueError):
 
 def _need_router(name: str, router: Router | None, info: LayerInfo) -> Router:
     if router is None:
-        raise MissingRouter(f"prefetcher {name!r} applies this layer's router to the previous layer's hidden state: "
-                         "pass router=Router(...) (the simulator and the live patch do)")
+        raise MissingRouter(
+            f"prefetcher {name!r} applies this layer's router to the previous layer's hidden state: "
+            "pass router=Router(...) (the simulator and the live patch do)"
+        )
     if router.weight.shape[0] != info.num_experts:
         raise ValueError(f"prefetcher {name!r}: router has {router.weight.shape[0]} experts, layer {info.num_experts}")
     return router
@@ -134,8 +138,9 @@ class GatePrefetch:
     def predict(self, hidden: torch.Tensor) -> list[tuple[int, float, int]]:
         """Predicted (token count, summed score, expert) of every expert some row would use, heaviest first."""
         counts, sums = (t.tolist() for t in self.routed(hidden))
-        return sorted(((int(c), s, e) for e, (c, s) in enumerate(zip(counts, sums)) if c),
-                      key=lambda x: (-x[0], -x[1], x[2]))
+        return sorted(
+            ((int(c), s, e) for e, (c, s) in enumerate(zip(counts, sums)) if c), key=lambda x: (-x[0], -x[1], x[2])
+        )
 
     def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
         return [e for _, _, e in self.predict(hidden)[: self.size]]
@@ -148,12 +153,19 @@ class ResidualPrefetch(GatePrefetch):
 
     name = "residual"
 
-    def __init__(self, info: LayerInfo, router: Router | None = None, residual: torch.Tensor | None = None,
-                 size: int | None = None) -> None:
+    def __init__(
+        self,
+        info: LayerInfo,
+        router: Router | None = None,
+        residual: torch.Tensor | None = None,
+        size: int | None = None,
+    ) -> None:
         super().__init__(info, router, size)
         if residual is None or residual.shape != (self.router.weight.shape[1],):
-            raise ValueError(f"prefetcher 'residual' needs residual=[{self.router.weight.shape[1]}] "
-                             "(simulator.calibration.residual_vectors of a calibration trace)")
+            raise ValueError(
+                f"prefetcher 'residual' needs residual=[{self.router.weight.shape[1]}] "
+                "(simulator.calibration.residual_vectors of a calibration trace)"
+            )
         self.residual = residual.float()
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -169,8 +181,9 @@ class ImpactPrefetch(GatePrefetch):
 
     name = "impact"
 
-    def __init__(self, info: LayerInfo, router: Router | None = None, costs: CostModel | None = None,
-                 size: int | None = None) -> None:
+    def __init__(
+        self, info: LayerInfo, router: Router | None = None, costs: CostModel | None = None, size: int | None = None
+    ) -> None:
         super().__init__(info, router, size)
         if costs is None:
             raise ValueError("prefetcher 'impact' weighs each copy by its simulated gain: pass costs=CostModel(...)")
@@ -184,8 +197,9 @@ class ImpactPrefetch(GatePrefetch):
         """Slots after copying `expert` in, displacing the least-needed resident expert outside `keep` if full."""
         after = list(resident)
         if sum(after) >= self.info.num_slots:
-            out = min((e for e in range(self.info.num_experts) if after[e] and e not in keep),
-                      key=lambda e: (counts[e], e))
+            out = min(
+                (e for e in range(self.info.num_experts) if after[e] and e not in keep), key=lambda e: (counts[e], e)
+            )
             after[out] = False
         after[expert] = True
         return after
@@ -198,8 +212,11 @@ class ImpactPrefetch(GatePrefetch):
         picked: list[int] = []
         while len(picked) < min(self.size, self.info.num_slots):
             now = self.step_time(counts, current)
-            gains = [(now - self.step_time(counts, self.with_copy(e, counts, current, set(picked))), e)
-                     for e in range(self.info.num_experts) if counts[e] and not current[e]]
+            gains = [
+                (now - self.step_time(counts, self.with_copy(e, counts, current, set(picked))), e)
+                for e in range(self.info.num_experts)
+                if counts[e] and not current[e]
+            ]
             gain, best = max(gains, key=lambda g: (g[0], -g[1]), default=(0.0, -1))
             if gain <= 0:
                 break

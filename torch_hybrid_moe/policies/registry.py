@@ -47,8 +47,10 @@ class Registry(Generic[T]):
         object's class: a policy subclassed under another name may decide differently, and gets no form."""
         self.check(name)
         if name not in self._tensor_forms:
-            raise ValueError(f"{self.kind} {name!r} has no tensor form, so it cannot run inside a CUDA graph; use one "
-                             f"of {', '.join(map(repr, self.graph_names()))} or HybridMoEConfig(cuda_graph=False)")
+            raise ValueError(
+                f"{self.kind} {name!r} has no tensor form, so it cannot run inside a CUDA graph; use one "
+                f"of {', '.join(map(repr, self.graph_names()))} or HybridMoEConfig(cuda_graph=False)"
+            )
         return self._tensor_forms[name]
 
     def check(self, name: str) -> None:

@@ -7,9 +7,8 @@ takes as long as the slower side. They need a `CostModel` (`costs=`); the simula
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-
 import itertools
+from collections.abc import Iterable, Sequence
 
 from ..cost_model import CostModel
 from .base import LayerInfo, Placement, Timeline
@@ -82,8 +81,10 @@ def _fetch_capacity(info: LayerInfo, counts: Sequence[int], resident: Sequence[b
 
 def _need_costs(name: str, costs: CostModel | None) -> CostModel:
     if costs is None:
-        raise ValueError(f"scheduler {name!r} weighs placements by cost: pass costs=CostModel(...) (live: "
-                         "HybridMoEConfig(hardware=<a cost_model.HARDWARE preset or 'local'>))")
+        raise ValueError(
+            f"scheduler {name!r} weighs placements by cost: pass costs=CostModel(...) (live: "
+            "HybridMoEConfig(hardware=<a cost_model.HARDWARE preset or 'local'>))"
+        )
     return costs
 
 
@@ -242,8 +243,12 @@ class Optimal:
         objective = np.r_[np.zeros(n), 1.0]
         rows = np.vstack([np.r_[-cpu, -1.0], np.r_[gpu, -1.0], np.r_[missing, 0.0]])
         constraints = LinearConstraint(rows, -np.inf, [-cpu.sum(), 0.0, room])
-        res = milp(objective, constraints=constraints, integrality=np.r_[np.ones(n), 0],
-                   bounds=Bounds(np.r_[np.zeros(n), 0.0], np.r_[np.ones(n), np.inf]))
+        res = milp(
+            objective,
+            constraints=constraints,
+            integrality=np.r_[np.ones(n), 0],
+            bounds=Bounds(np.r_[np.zeros(n), 0.0], np.r_[np.ones(n), np.inf]),
+        )
         if not res.success:
             raise RuntimeError(f"optimal scheduler: MILP failed ({res.message})")
         return {e for e, x in zip(active, res.x[:n]) if x > 0.5}
@@ -317,8 +322,13 @@ class OraclePlacement(QueueAware):
     over every assignment up to `exhaustive_up_to` active experts; beyond, local search from the best of
     queue_aware's starts and the exact makespan optimum. The placement half of the oracle stack."""
 
-    def __init__(self, info: LayerInfo, costs: CostModel | None = None, timeline: Timeline | None = None,
-                 exhaustive_up_to: int = 10) -> None:
+    def __init__(
+        self,
+        info: LayerInfo,
+        costs: CostModel | None = None,
+        timeline: Timeline | None = None,
+        exhaustive_up_to: int = 10,
+    ) -> None:
         super().__init__(info, costs, timeline)
         self.exhaustive_up_to = exhaustive_up_to
         self.starts = (*self.starts, Optimal(info, self.costs))
@@ -328,7 +338,9 @@ class OraclePlacement(QueueAware):
         if len(active) > self.exhaustive_up_to:
             return super().place(counts, resident)
         room = _fetch_capacity(self.info, counts, resident)
-        candidates = ({e for e, g in zip(active, mask) if g} for mask in itertools.product((False, True), repeat=len(active)))
+        candidates = (
+            {e for e, g in zip(active, mask) if g} for mask in itertools.product((False, True), repeat=len(active))
+        )
         fits = (g for g in candidates if sum(not resident[e] for e in g) <= room)
         timer = StepTimer(counts, resident, self.costs, self.timeline)
         gpu = min(fits, key=lambda g: (timer(g), len(g)))

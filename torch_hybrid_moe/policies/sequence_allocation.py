@@ -17,12 +17,19 @@ class SequenceAllocation(RankedCache):
     active expert displaces the least-used resident one only when it has `swap_threshold` (DAOP: 1.05) times its
     tokens, pair by pair, at most `max_swaps` per step."""
 
-    def __init__(self, info: LayerInfo, request: RequestActivations | None = None, swap_threshold: float = 1.05,
-                 max_swaps: int = 1) -> None:
+    def __init__(
+        self,
+        info: LayerInfo,
+        request: RequestActivations | None = None,
+        swap_threshold: float = 1.05,
+        max_swaps: int = 1,
+    ) -> None:
         super().__init__(info)
         if request is None:
-            raise ValueError("cache policy 'daop' follows the request in flight: pass request=RequestActivations(...) "
-                             "(the simulator does; the live runtime does not yet)")
+            raise ValueError(
+                "cache policy 'daop' follows the request in flight: pass request=RequestActivations(...) "
+                "(the simulator does; the live runtime does not yet)"
+            )
         if swap_threshold < 1 or max_swaps < 1:
             raise ValueError(f"daop needs swap_threshold >= 1 and max_swaps >= 1, got {swap_threshold}, {max_swaps}")
         self.request, self.swap_threshold, self.max_swaps = request, swap_threshold, max_swaps

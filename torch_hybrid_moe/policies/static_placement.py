@@ -17,8 +17,10 @@ class StaticPopularity(RankedCache):
     def __init__(self, info: LayerInfo, popularity: Sequence[int] | None = None) -> None:
         super().__init__(info)
         if popularity is None or len(popularity) != info.num_experts:
-            raise ValueError(f"cache policy 'static' needs popularity=[{info.num_experts} token counts] from a "
-                             "calibration run (the simulator's Calibration): simulator only for now")
+            raise ValueError(
+                f"cache policy 'static' needs popularity=[{info.num_experts} token counts] from a "
+                "calibration run (the simulator's Calibration): simulator only for now"
+            )
         self.popularity = list(popularity)
         ranked = sorted(range(info.num_experts), key=lambda e: (-self.popularity[e], e))
         self.pinned = ranked[: info.num_slots]

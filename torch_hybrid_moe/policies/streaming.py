@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from ..cost_model import CostModel
 
 
-def streaming_makespan(counts: Sequence[int], streamed: Sequence[int], cpu: Sequence[int], accelerator: Sequence[int],
-                       costs: CostModel) -> float:
+def streaming_makespan(
+    counts: Sequence[int], streamed: Sequence[int], cpu: Sequence[int], accelerator: Sequence[int], costs: CostModel
+) -> float:
     """The step's time when `streamed` experts cross the link and run on the accelerator after its resident ones
     (`accelerator`), while the CPU computes `cpu`: the later of the two sides. Through a ring of two or more
     buffers each streamed expert costs the larger of its copy and its compute (one overlaps the other)."""
@@ -23,7 +24,9 @@ def streaming_makespan(counts: Sequence[int], streamed: Sequence[int], cpu: Sequ
     return max(device, sum(costs.t_cpu(counts[e]) for e in cpu))
 
 
-def plan_streaming(counts: Sequence[int], cpu: Sequence[int], accelerator: Sequence[int], costs: CostModel) -> list[int]:
+def plan_streaming(
+    counts: Sequence[int], cpu: Sequence[int], accelerator: Sequence[int], costs: CostModel
+) -> list[int]:
     """The experts of `cpu` to stream instead: the k heaviest for the k that minimises `streaming_makespan`
     (none at decode, where one token's CPU time is below a copy). Taking the heaviest first is exact when each
     streamed expert costs its copy (the link, not the accelerator's compute, bounds it: true of prefill at

@@ -4,8 +4,8 @@ from . import layer_ops  # registers torch.ops.hybrid_moe.dispatch / dispatch_be
 from .expert_store import ExpertStore
 from .layer import HybridMoELayer
 from .registry import get_layer, register_layer
-from .stats import LayerStats, model_layers, reset_stats, stats
 from .slot_map import SlotMap
+from .stats import LayerStats, model_layers, reset_stats, stats
 from .stock import layer_for_parameters
 
 __all__ = [

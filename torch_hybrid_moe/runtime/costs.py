@@ -29,8 +29,9 @@ def _local_model(shape: ExpertShape) -> CostModel:
     return profile_hardware(shape, progress=False).cost_model()
 
 
-def live_costs(config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: int,
-               hardware: str | None = None) -> CostModel | None:
+def live_costs(
+    config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: int, hardware: str | None = None
+) -> CostModel | None:
     """The configured cost model (or `hardware`'s) for experts of this size (or of `config.expert_shape`); None
     without one."""
     hardware = config.hardware if hardware is None else hardware
@@ -41,20 +42,29 @@ def live_costs(config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: i
     return _local_model(shape) if hardware == "local" else CostModel(HARDWARE[hardware], shape)
 
 
-def streaming_costs(config: HybridMoEConfig, device_type: str, hidden: int, inter: int,
-                    expert_bytes: int) -> CostModel | None:
+def streaming_costs(
+    config: HybridMoEConfig, device_type: str, hidden: int, inter: int, expert_bytes: int
+) -> CostModel | None:
     """The cost model a prefill step's staging ring plans with: the configured one, else on CUDA this machine's
     measured profile (streaming is on by default there); None (no streaming) without either, or with no buffers."""
     if not config.staging_slots:
         return None
-    return live_costs(config, hidden, inter, expert_bytes, config.hardware or ("local" if device_type == "cuda" else ""))
+    return live_costs(
+        config, hidden, inter, expert_bytes, config.hardware or ("local" if device_type == "cuda" else "")
+    )
 
 
-def policy_context(config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int,
-                   router: Router | None = None) -> dict[str, object]:
+def policy_context(
+    config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int, router: Router | None = None
+) -> dict[str, object]:
     """Everything a live layer offers its policies (`Registry.create` passes each the keys it names): its
     own router is what gate-based prefetchers apply to the previous layer's hidden states; `size` (only
     prefetchers take it) is offered only when set, so that each prefetcher otherwise keeps its own default."""
     sized = {"size": config.prefetch_size} if config.prefetch_size else {}
-    return {"info": info, "costs": live_costs(config, hidden, inter, info.expert_bytes), "timeline": IdleLink(),
-            "router": router, **sized}
+    return {
+        "info": info,
+        "costs": live_costs(config, hidden, inter, info.expert_bytes),
+        "timeline": IdleLink(),
+        "router": router,
+        **sized,
+    }

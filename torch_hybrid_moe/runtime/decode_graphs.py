@@ -109,8 +109,10 @@ class DecodeGraphs:
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         name = _cache_argument(kwargs)
         cache = kwargs[name]
-        static = {**pytree.tree_unflatten([b if b is not None else v for b, v in zip(inputs, leaves)], spec),
-                  name: cache}
+        static = {
+            **pytree.tree_unflatten([b if b is not None else v for b, v in zip(inputs, leaves)], spec),
+            name: cache,
+        }
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
         with self._graph_mode():
             # Warm up (compilation, Triton and allocator), then undo the cache length bump and the counters (the
@@ -139,8 +141,10 @@ class DecodeGraphs:
 
     def _counters(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """A copy of every layer's device counters (the graph path's, its mode's if any yet)."""
-        return [(layer.graph_path().counters.clone(), None if layer.mode_counters is None
-                 else layer.mode_counters.clone()) for layer in self.layers]
+        return [
+            (layer.graph_path().counters.clone(), None if layer.mode_counters is None else layer.mode_counters.clone())
+            for layer in self.layers
+        ]
 
     def _restore_counters(self, saved: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
         """Put back what `_counters` saved: the warm-up step is not a decode step."""

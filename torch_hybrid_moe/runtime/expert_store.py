@@ -83,7 +83,9 @@ def expert_nbytes(weight: HostWeight) -> int:
 def _host_copy(weight: HostWeight, pin: bool) -> HostWeight:
     """The host master: the CPU tensor itself when no pinning is needed (no second copy), else a pinned copy."""
     if isinstance(weight, QuantizedWeight):
-        return QuantizedWeight(_host_copy(weight.data, pin), _host_copy(weight.scale, pin), weight.bits, weight.group_size)
+        return QuantizedWeight(
+            _host_copy(weight.data, pin), _host_copy(weight.scale, pin), weight.bits, weight.group_size
+        )
     weight = weight.detach()
     if weight.device.type == "cpu" and not pin:
         return weight

@@ -24,8 +24,8 @@ is how the CPU-only test suite checks this path against the reference model.
 
 from __future__ import annotations
 
-import functools
 import enum
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +42,7 @@ from ..policies.device_caching import admissions, fetch_admissions, prefetch_adm
 
 if TYPE_CHECKING:
     from .layer import HybridMoELayer
+
 
 class Part(enum.IntEnum):
     """Which half of a layer's step a dispatch is (the `part` of dispatch_begin / dispatch_end, an int in the ops'
@@ -96,8 +97,18 @@ class GraphPath:
 
     # Counters accumulated on the device, folded into LayerStats (fields of the same name) when the tables are
     # pulled; the experts copied in ("fetched" on demand, "admitted" by the cache, prefetched) make its bytes.
-    COUNTERS = ("steps", "tokens", "hits", "misses", "accelerator_experts", "cpu_experts", "prefetch_calls",
-                "prefetched_experts", "fetched", "admitted")
+    COUNTERS = (
+        "steps",
+        "tokens",
+        "hits",
+        "misses",
+        "accelerator_experts",
+        "cpu_experts",
+        "prefetch_calls",
+        "prefetched_experts",
+        "fetched",
+        "admitted",
+    )
 
     def __init__(self, layer: HybridMoELayer) -> None:
         if extension() is None:
@@ -108,7 +119,9 @@ class GraphPath:
         self.num_experts, self.num_slots = store.num_experts, store.num_slots
         self.fills = min(layer.config.fills_per_step, self.num_slots)
         config = layer.config
-        self.ranking = CACHE_POLICIES.tensor_form(config.cache_policy)(layer.cache_policy, self.num_experts, self.device)
+        self.ranking = CACHE_POLICIES.tensor_form(config.cache_policy)(
+            layer.cache_policy, self.num_experts, self.device
+        )
         self.scheduler = SCHEDULERS.tensor_form(config.scheduler)(layer.scheduler)
         self.expert_slot = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
         self.slot_expert = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
@@ -129,8 +142,12 @@ class GraphPath:
         if self.device.type != "cuda":
             return weight
         if isinstance(weight, QuantizedWeight):
-            return QuantizedWeight(device_view(weight.data, self.device), device_view(weight.scale, self.device),
-                                   weight.bits, weight.group_size)
+            return QuantizedWeight(
+                device_view(weight.data, self.device),
+                device_view(weight.scale, self.device),
+                weight.bits,
+                weight.group_size,
+            )
         return device_view(weight, self.device)
 
     # -- keeping the device tables and the store's SlotMap in step ------------------------------------------
@@ -180,7 +197,9 @@ class GraphPath:
 
     # -- the step ---------------------------------------------------------------------------------------------
 
-    def begin(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
+    def begin(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int
+    ) -> torch.Tensor:
         """Place the step's experts (the scheduler's tensor form), submit the CPU share (task buffers `part`), copy
         in the missing experts placed on the accelerator, compute the slot share, queue the cache's fills as
         `part` says (`Part`); returns the fp32 accumulator `end` completes once the CPU share is in."""
@@ -205,14 +224,26 @@ class GraphPath:
             buf.weights.copy_(topk_weights, non_blocking=True)
             self._launch(buf.task, "submit")
         if self.scheduler.fetches and 0 < self.num_slots < self.num_experts:  # on-demand copies, while the CPU runs
-            fetched, slot = fetch_admissions(on_accelerator & ~resident, on_accelerator, self.ranking.values,
-                                             self.expert_slot, self.slot_expert,
-                                             min(self.num_slots, self.num_experts, ids.numel()))
+            fetched, slot = fetch_admissions(
+                on_accelerator & ~resident,
+                on_accelerator,
+                self.ranking.values,
+                self.expert_slot,
+                self.slot_expert,
+                min(self.num_slots, self.num_experts, ids.numel()),
+            )
             self._fill(fetched, slot)
             self._count(fetched=(fetched >= 0).sum())
         if self.num_slots:
-            slot_experts_(acc, hidden, torch.where(on_slot, self.expert_slot[expert], -1), topk_weights,
-                          store.slot_gate_up, store.slot_down, rounded=store.rounds_inputs)
+            slot_experts_(
+                acc,
+                hidden,
+                torch.where(on_slot, self.expert_slot[expert], -1),
+                topk_weights,
+                store.slot_gate_up,
+                store.slot_down,
+                rounded=store.rounds_inputs,
+            )
         active = counts > 0
         self._count(accelerator_experts=on_accelerator.sum(), cpu_experts=(active & ~on_accelerator).sum())
         if part in (Part.PLAIN, Part.LEADING):
@@ -255,8 +286,19 @@ class GraphPath:
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             down, down_scale = kernel_operands(store.host_down)
             route = gemm_route(hid, gate_up, gate_up_scale)
-            task = extension().CpuTask(hid, cpu_ids, weights, gate_up, gate_up_scale, down, down_scale, out,
-                                       self.layer.config.resolve_cpu_threads(), route.tokens, route.bf16)
+            task = extension().CpuTask(
+                hid,
+                cpu_ids,
+                weights,
+                gate_up,
+                gate_up_scale,
+                down,
+                down_scale,
+                out,
+                self.layer.config.resolve_cpu_threads(),
+                route.tokens,
+                route.bf16,
+            )
             self._buffers[key] = _TaskBuffers(hid, cpu_ids, weights, out, task)
         return self._buffers[key]
 
@@ -277,8 +319,13 @@ class GraphPath:
             self._count(prefetch_calls=1)
 
     def _prefetch(self, hidden: torch.Tensor) -> None:
-        expert, slot = prefetch_admissions(self.prefetcher.priority(hidden), self.prefetcher.size,
-                                           self.ranking.values, self.expert_slot, self.slot_expert)
+        expert, slot = prefetch_admissions(
+            self.prefetcher.priority(hidden),
+            self.prefetcher.size,
+            self.ranking.values,
+            self.expert_slot,
+            self.slot_expert,
+        )
         self._fill(expert, slot)
         self._count(prefetch_calls=1, prefetched_experts=(expert >= 0).sum())
 
@@ -310,8 +357,14 @@ class GraphPath:
         cap = self.ranking.max_fills
         fills = self.fills if cap is None else min(self.fills, cap)
         if fills:
-            expert, slot = admissions(self.ranking.values, may_change, self.ranking.candidates(counts > 0),
-                                      self.expert_slot, self.slot_expert, fills)
+            expert, slot = admissions(
+                self.ranking.values,
+                may_change,
+                self.ranking.candidates(counts > 0),
+                self.expert_slot,
+                self.slot_expert,
+                fills,
+            )
             self._fill(expert, slot)
             self._count(admitted=(expert >= 0).sum())
 

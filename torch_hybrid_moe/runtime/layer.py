@@ -44,9 +44,16 @@ class HybridMoELayer:
     A pair whose expert id is -1 is skipped: another dispatch computes it (daop_precalc splits a step in two).
     """
 
-    def __init__(self, name: str, layer_idx: int, store: ExpertStore, config: HybridMoEConfig,
-                 router: Router | None = None, routing: RoutingRule | None = None,
-                 policies: LayerPolicies | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        layer_idx: int,
+        store: ExpertStore,
+        config: HybridMoEConfig,
+        router: Router | None = None,
+        routing: RoutingRule | None = None,
+        policies: LayerPolicies | None = None,
+    ) -> None:
         """`policies`: built by the patching step for this layer (`layer_policies.build_policies` with this layer's
         `policy_context`); None builds them here."""
         self.name = name
@@ -59,7 +66,11 @@ class HybridMoELayer:
         if policies is None:
             capture = store.device.type == "cuda" and config.cuda_graph
             policies = build_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
-        self.scheduler, self.cache_policy, self.prefetcher = policies.scheduler, policies.cache_policy, policies.prefetcher
+        self.scheduler, self.cache_policy, self.prefetcher = (
+            policies.scheduler,
+            policies.cache_policy,
+            policies.prefetcher,
+        )
         self.stats = LayerStats()
         self.next_handle: int | None = None
         self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields()))
@@ -96,7 +107,9 @@ class HybridMoELayer:
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.end(self.begin(hidden, topk_ids, topk_weights, 0), hidden, 0)
 
-    def begin(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int) -> torch.Tensor:
+    def begin(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int
+    ) -> torch.Tensor:
         """The step up to its fp32 partial sum. On the replay-safe path the CPU share is still running when this
         returns (`end` waits for it), so work placed in between overlaps it; elsewhere the step is complete.
         `part` (graph_path.Part) also says who counts the step and admits into slots: a
@@ -114,19 +127,27 @@ class HybridMoELayer:
             return self.graph_path().end(partial, hidden, part)
         return partial.to(hidden.dtype)
 
-    def _accumulate(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                    part: int = 0) -> torch.Tensor:
+    def _accumulate(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, part: int = 0
+    ) -> torch.Tensor:
         self.settle()
         store = self.store
-        if (store.num_slots == 0 and part == Part.PLAIN and self._ahead is None and hidden.device.type == "cpu"
-                and self.streaming is None):
+        if (
+            store.num_slots == 0
+            and part == Part.PLAIN
+            and self._ahead is None
+            and hidden.device.type == "cpu"
+            and self.streaming is None
+        ):
             return self._all_on_cpu(hidden, topk_ids, topk_weights)
         # Token counts and summed routing weights per expert, read back in one host synchronisation.
         flat = topk_ids.reshape(-1) + 1  # -1 (computed by another dispatch) lands in bin 0, dropped below
-        counts_f, scores = torch.stack((
-            torch.bincount(flat, minlength=store.num_experts + 1).float(),
-            torch.bincount(flat, topk_weights.reshape(-1).float(), store.num_experts + 1),
-        ))[:, 1:].tolist()
+        counts_f, scores = torch.stack(
+            (
+                torch.bincount(flat, minlength=store.num_experts + 1).float(),
+                torch.bincount(flat, topk_weights.reshape(-1).float(), store.num_experts + 1),
+            )
+        )[:, 1:].tolist()
         counts = [int(c) for c in counts_f]
         if len(counts) > store.num_experts:
             raise ValueError(f"{self.name}: expert id {len(counts) - 1} >= num_experts {store.num_experts}")
@@ -151,12 +172,17 @@ class HybridMoELayer:
             store.wait_for_copies()
             slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in plan.accelerator})
             if store.device.type == "cpu" and not store.rounds_inputs:  # the CPU standing in for the accelerator
-                cpu_experts_into(
-                    hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc
-                )
+                cpu_experts_into(hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc)
             else:
-                accumulate_experts_(acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down,
-                                    rounded=store.rounds_inputs)
+                accumulate_experts_(
+                    acc,
+                    hidden,
+                    slot_ids,
+                    topk_weights,
+                    store.slot_gate_up,
+                    store.slot_down,
+                    rounded=store.rounds_inputs,
+                )
         if streamed:
             self.stats.bytes_transferred += streaming[0].run(acc, hidden, host_ids, host_weights, streamed)
         if cpu:
@@ -173,7 +199,9 @@ class HybridMoELayer:
         if part == Part.BEHIND:
             return acc
         if self._ahead is not None:
-            counts, scores = ([a + b for a, b in zip(mine, theirs)] for mine, theirs in zip((counts, scores), self._ahead))
+            counts, scores = (
+                [a + b for a, b in zip(mine, theirs)] for mine, theirs in zip((counts, scores), self._ahead)
+            )
             active = {e for e, c in enumerate(counts) if c}
             self._ahead = None
         s.steps += 1
@@ -252,7 +280,9 @@ class HybridMoELayer:
         """A scheduler bug must fail loudly, not silently drop or double-count an expert."""
         placed = plan.accelerator + plan.cpu
         if len(placed) != len(active) or set(placed) != active:
-            raise RuntimeError(f"{self.name}: scheduler {self.config.scheduler!r} did not place each active expert once")
+            raise RuntimeError(
+                f"{self.name}: scheduler {self.config.scheduler!r} did not place each active expert once"
+            )
         fetch = set(plan.fetch)
         if any(not resident[e] and e not in fetch for e in plan.accelerator) or not fetch <= set(plan.accelerator):
             raise RuntimeError(f"{self.name}: scheduler put a non-resident expert on the accelerator without a fetch")

@@ -34,11 +34,16 @@ def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, 
 @torch.library.custom_op(
     "hybrid_moe::dispatch_begin",
     mutates_args=(),
-    schema="(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer, int part, Tensor carry) -> (Tensor, Tensor)",
+    schema="(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer, int part, Tensor carry) "
+    "-> (Tensor, Tensor)",
     tags=TAGS,
 )
 def dispatch_begin(
-    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int, part: int,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    layer: int,
+    part: int,
     carry: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`dispatch` in two halves, for a result needed later (Expert Deferral's deferred experts, DAOP's early
@@ -56,7 +61,7 @@ def dispatch_begin(
 
 
 @dispatch_begin.register_fake
-def _(hidden, topk_ids, topk_weights, layer, part, carry):  # noqa: ANN001, ANN202
+def _(hidden, topk_ids, topk_weights, layer, part, carry):
     check_routing(hidden, topk_ids, topk_weights, torch._check)
     return torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device), torch.empty_like(carry)
 
@@ -67,7 +72,9 @@ def _(hidden, topk_ids, topk_weights, layer, part, carry):  # noqa: ANN001, ANN2
     schema="(Tensor partial, Tensor hidden, int layer, int part, Tensor after) -> Tensor",
     tags=TAGS,
 )
-def dispatch_end(partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: int, after: torch.Tensor) -> torch.Tensor:
+def dispatch_end(
+    partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: int, after: torch.Tensor
+) -> torch.Tensor:
     """Finish what `dispatch_begin` started: wait for its CPU share, add it, round once to hidden's dtype.
     `after` is not read: depending on it keeps Inductor from moving the wait before the work it should overlap."""
     out = get_layer(layer).end(partial, hidden, part)
@@ -75,7 +82,7 @@ def dispatch_end(partial: torch.Tensor, hidden: torch.Tensor, layer: int, part: 
 
 
 @dispatch_end.register_fake
-def _(partial, hidden, layer, part, after):  # noqa: ANN001, ANN202
+def _(partial, hidden, layer, part, after):
     return torch.empty_like(hidden)
 
 

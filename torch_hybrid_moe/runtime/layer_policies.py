@@ -20,11 +20,16 @@ def build_policies(config: HybridMoEConfig, context: dict[str, object], capture:
     """The layer's scheduler, cache policy and prefetcher from what it offers them (`runtime.costs.policy_context`).
     One that cannot run live (a cost-aware scheduler without `hardware=`) fails here, and so, with `capture` (decode
     steps captured as CUDA graphs), does one without a tensor form."""
-    policies = LayerPolicies(SCHEDULERS.create(config.scheduler, **context),
-                             CACHE_POLICIES.create(config.cache_policy, **context),
-                             PREFETCHERS.create(config.prefetcher, **context))
+    policies = LayerPolicies(
+        SCHEDULERS.create(config.scheduler, **context),
+        CACHE_POLICIES.create(config.cache_policy, **context),
+        PREFETCHERS.create(config.prefetcher, **context),
+    )
     if capture:
-        for registry, name in ((SCHEDULERS, config.scheduler), (CACHE_POLICIES, config.cache_policy),
-                               (PREFETCHERS, config.prefetcher)):
+        for registry, name in (
+            (SCHEDULERS, config.scheduler),
+            (CACHE_POLICIES, config.cache_policy),
+            (PREFETCHERS, config.prefetcher),
+        ):
             registry.tensor_form(name)
     return policies

@@ -34,8 +34,14 @@ class StagingRing:
     def depth(self) -> int:
         return self.gate_up.shape[0]
 
-    def run(self, out: torch.Tensor, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-            experts: list[int]) -> int:
+    def run(
+        self,
+        out: torch.Tensor,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        experts: list[int],
+    ) -> int:
         """out += the pairs of `experts`, each copied into the next buffer and computed there; returns the bytes
         copied. `topk_ids` / `topk_weights` are host tensors (the step's CPU share reads them too); `out` and
         `hidden` live on the store's device. Queued without host synchronisation on CUDA."""

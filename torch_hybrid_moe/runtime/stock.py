@@ -43,8 +43,10 @@ def layer_for_parameters(
     """
     layer = getattr(gate_up, LAYER_ATTR, None)
     source = _source(gate_up, down)
-    if layer is not None and (layer.config is config or layer.config == config) and (
-        getattr(gate_up, _SOURCE_ATTR, None) == source
+    if (
+        layer is not None
+        and (layer.config is config or layer.config == config)
+        and (getattr(gate_up, _SOURCE_ATTR, None) == source)
     ):
         return layer
     num_slots = config.slots_per_layer(gate_up.shape[0], gate_up[0].nbytes + down[0].nbytes, num_layers)
@@ -77,8 +79,9 @@ class StockSites:
         self.sites: list[Site] = []
         self._lock = threading.Lock()  # one binding at a time: two threads may call one graph with two models
 
-    def add(self, gate_up: torch.Tensor, down: torch.Tensor, gate_up_arg: int, down_arg: int, name: str,
-            layer_idx: int) -> HybridMoELayer:
+    def add(
+        self, gate_up: torch.Tensor, down: torch.Tensor, gate_up_arg: int, down_arg: int, name: str, layer_idx: int
+    ) -> HybridMoELayer:
         """A new site for one region of the compiling model, bound to that region's layer (returned)."""
         layer = layer_for_parameters(gate_up, down, name, layer_idx, self.config, self.num_layers)
         self.sites.append(Site(register_layer(layer), gate_up_arg, down_arg, name, layer_idx))
@@ -87,8 +90,10 @@ class StockSites:
     def _bind(self, args: tuple) -> None:
         for site in self.sites:
             gate_up, down = args[site.gate_up_arg], args[site.down_arg]
-            bind(site.handle, layer_for_parameters(gate_up, down, site.name, site.layer_idx, self.config,
-                                                   self.num_layers))
+            bind(
+                site.handle,
+                layer_for_parameters(gate_up, down, site.name, site.layer_idx, self.config, self.num_layers),
+            )
 
     def wrap(self, compiled: Callable) -> Callable:
         """`compiled`, binding every site to the calling model's layers before it runs."""

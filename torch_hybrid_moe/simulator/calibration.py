@@ -48,15 +48,21 @@ def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), "pt") as f:
-            tensors |= {k: f.get_tensor(k) for k in f.keys() if k.endswith((".gate.weight", ".e_score_correction_bias"))}
+            tensors |= {
+                k: f.get_tensor(k) for k in f.keys() if k.endswith((".gate.weight", ".e_score_correction_bias"))
+            }
     routers = {}
     for layer in layers:
         prefix = next((p.format(layer) for p in _ROUTER_KEYS if p.format(layer) + ".weight" in tensors), None)
         if prefix is None:
             raise ValueError(f"{directory}: no router weight for layer {layer} (looked for {', '.join(_ROUTER_KEYS)})")
         routers[layer] = Router(
-            tensors[prefix + ".weight"], config["num_experts_per_tok"], "sigmoid" if sigmoid else "softmax",
-            tensors.get(prefix + ".e_score_correction_bias"), config.get("n_group") or 1, config.get("topk_group") or 1,
+            tensors[prefix + ".weight"],
+            config["num_experts_per_tok"],
+            "sigmoid" if sigmoid else "softmax",
+            tensors.get(prefix + ".e_score_correction_bias"),
+            config.get("n_group") or 1,
+            config.get("topk_group") or 1,
         )
     return routers
 
@@ -80,7 +86,9 @@ class Calibration:
         if source.meta["num_experts"] != trace.meta["num_experts"] or source.meta["layers"] != trace.meta["layers"]:
             raise ValueError("the calibration trace must come from the same model as the trace it calibrates for")
         gate_inputs = all(layer.hidden.shape[0] for layer in source.layers.values())
-        return cls.learn(source, load_routers(model or trace.meta["model"], trace.meta["layers"]) if gate_inputs else {})
+        return cls.learn(
+            source, load_routers(model or trace.meta["model"], trace.meta["layers"]) if gate_inputs else {}
+        )
 
     @classmethod
     def learn(cls, source: Trace, routers: dict[int, Router]) -> Calibration:
@@ -88,9 +96,17 @@ class Calibration:
         gate_inputs = bool(routers) and all(layer.hidden.shape[0] for layer in source.layers.values())
         residuals = residual_vectors(source) if gate_inputs else {}
         num_experts = source.meta["num_experts"]
-        popularity = {idx: torch.bincount(t.topk_ids.long().flatten(), minlength=num_experts).tolist()
-                      for idx, t in source.layers.items()}
-        requests = [torch.stack([torch.bincount(t.topk_ids[source.sequence == seq].long().flatten(),
-                                                minlength=num_experts).double() for t in source.layers.values()])
-                    for seq in sorted(set(source.sequence.tolist()))]
+        popularity = {
+            idx: torch.bincount(t.topk_ids.long().flatten(), minlength=num_experts).tolist()
+            for idx, t in source.layers.items()
+        }
+        requests = [
+            torch.stack(
+                [
+                    torch.bincount(t.topk_ids[source.sequence == seq].long().flatten(), minlength=num_experts).double()
+                    for t in source.layers.values()
+                ]
+            )
+            for seq in sorted(set(source.sequence.tolist()))
+        ]
         return cls(routers, residuals, popularity, requests)

@@ -19,13 +19,19 @@ from .replay import Event, SimResult, simulate
 from .stacks import Stack
 
 LANES = ("pcie", "gpu", "cpu")  # bottom to top
-KIND_COLOURS = {"expert": "tab:blue", "deferred": "tab:cyan", "dense": "tab:gray", "fetch": "tab:red",
-                "prefetch": "tab:orange", "admit": "tab:green"}
+KIND_COLOURS = {
+    "expert": "tab:blue",
+    "deferred": "tab:cyan",
+    "dense": "tab:gray",
+    "fetch": "tab:red",
+    "prefetch": "tab:orange",
+    "admit": "tab:green",
+}
 DEFAULT_RATIOS = (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)
 BAR_HEIGHT = 0.7
 
 
-def _figure(width: float = 10.0, height: float = 4.0):  # noqa: ANN202 - matplotlib is optional
+def _figure(width: float = 10.0, height: float = 4.0):
     try:
         from matplotlib.figure import Figure
     except ImportError as err:
@@ -38,7 +44,7 @@ def window(events: Iterable[Event], first_step: int, steps: int) -> list[Event]:
     return [e for e in events if first_step <= e.step < first_step + steps]
 
 
-def draw_timeline(ax, events: Iterable[Event], first_step: int = 1, steps: int = 3) -> list[Event]:  # noqa: ANN001
+def draw_timeline(ax, events: Iterable[Event], first_step: int = 1, steps: int = 3) -> list[Event]:
     """One horizontal bar per busy interval of the chosen steps on its lane (cpu, gpu, pcie), coloured by kind,
     in milliseconds from the window's first event; returns the events drawn, in drawing order."""
     shown = window(events, first_step, steps)
@@ -49,9 +55,16 @@ def draw_timeline(ax, events: Iterable[Event], first_step: int = 1, steps: int =
     for kind, colour in KIND_COLOURS.items():
         of_kind = [e for e in shown if e.kind == kind]
         if of_kind:
-            ax.barh([LANES.index(e.lane) for e in of_kind], [(e.end - e.start) * 1e3 for e in of_kind],
-                    left=[(e.start - origin) * 1e3 for e in of_kind], height=BAR_HEIGHT, color=colour,
-                    edgecolor="black", linewidth=0.3, label=kind)
+            ax.barh(
+                [LANES.index(e.lane) for e in of_kind],
+                [(e.end - e.start) * 1e3 for e in of_kind],
+                left=[(e.start - origin) * 1e3 for e in of_kind],
+                height=BAR_HEIGHT,
+                color=colour,
+                edgecolor="black",
+                linewidth=0.3,
+                label=kind,
+            )
             drawn += of_kind
     for step in range(first_step + 1, first_step + steps):  # where each later step begins
         starts = [e.start for e in shown if e.step == step and e.lane != "pcie"]
@@ -63,8 +76,9 @@ def draw_timeline(ax, events: Iterable[Event], first_step: int = 1, steps: int =
     return drawn
 
 
-def plot_timeline(events: Iterable[Event], path: str | Path, first_step: int = 1, steps: int = 3,
-                  title: str | None = None) -> Path:
+def plot_timeline(
+    events: Iterable[Event], path: str | Path, first_step: int = 1, steps: int = 3, title: str | None = None
+) -> Path:
     """Save the lanes of steps first_step .. first_step + steps - 1 as a PNG at `path`; returns the path."""
     fig = _figure()
     ax = fig.add_subplot()
@@ -73,10 +87,16 @@ def plot_timeline(events: Iterable[Event], path: str | Path, first_step: int = 1
     return _save(fig, path)
 
 
-def sweep_cache_ratio(trace: Trace, stacks: Iterable[Stack], costs: CostModel,
-                      ratios: Sequence[float] = DEFAULT_RATIOS, batch: int = 1,
-                      calibration: Calibration | None = None, progress: bool = False,
-                      done: Iterable[SimResult] = ()) -> dict[str, list[SimResult]]:
+def sweep_cache_ratio(
+    trace: Trace,
+    stacks: Iterable[Stack],
+    costs: CostModel,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    batch: int = 1,
+    calibration: Calibration | None = None,
+    progress: bool = False,
+    done: Iterable[SimResult] = (),
+) -> dict[str, list[SimResult]]:
     """`simulate` of each stack at each cache ratio (ascending): stack name -> results in ratio order.
     `done`: results already run on the same trace, costs, batch and calibration, reused for their stack and
     ratio instead of running again."""
@@ -89,8 +109,9 @@ def sweep_cache_ratio(trace: Trace, stacks: Iterable[Stack], costs: CostModel,
     return {s.name: [known[s.name, r] for r in ratios] for s in stacks}
 
 
-def _plot_sweep(sweep: dict[str, list[SimResult]], path: str | Path, metric: str, label: str,
-                title: str | None) -> Path:
+def _plot_sweep(
+    sweep: dict[str, list[SimResult]], path: str | Path, metric: str, label: str, title: str | None
+) -> Path:
     fig = _figure(7.0, 4.5)
     ax = fig.add_subplot()
     for name, results in sweep.items():
@@ -115,7 +136,7 @@ def plot_decode_speed(sweep: dict[str, list[SimResult]], path: str | Path, title
     return _plot_sweep(sweep, path, "decode_tok_s", "decode tok/s", title)
 
 
-def _save(fig, path: str | Path) -> Path:  # noqa: ANN001
+def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -102,9 +102,12 @@ def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[in
     num_experts = trace.meta["num_experts"]
     for step, rows in step_rows(trace, batch):
         counts = {
-            layer: (torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist(),
-                    torch.bincount(t.score_ids[rows].long().flatten(), t.scores[rows].float().flatten(),
-                                   num_experts).tolist())
+            layer: (
+                torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist(),
+                torch.bincount(
+                    t.score_ids[rows].long().flatten(), t.scores[rows].float().flatten(), num_experts
+                ).tolist(),
+            )
             for layer, t in trace.layers.items()
         }
         yield step == 0, int(rows.sum()), counts
@@ -177,8 +180,16 @@ def _gate_input_index(trace: Trace, layer: int) -> torch.Tensor:
     return index
 
 
-def _prefetch(trace: Trace, source: int, target: int, rows: torch.Tensor, gate_input: torch.Tensor,
-              prefetcher: object, layer: _Layer, now: float) -> tuple[int, int, float]:
+def _prefetch(
+    trace: Trace,
+    source: int,
+    target: int,
+    rows: torch.Tensor,
+    gate_input: torch.Tensor,
+    prefetcher: object,
+    layer: _Layer,
+    now: float,
+) -> tuple[int, int, float]:
     """Ask `target`'s prefetcher with `source`'s routing and the gate inputs its rows kept, queue its copies
     on the link at `now` (the source layer's start); returns its accuracy as `top_workload_overlap` counts it
     (on the rows with gate inputs when there are any, else on all) and the seconds the prefetcher took."""
@@ -198,8 +209,15 @@ def _prefetch(trace: Trace, source: int, target: int, rows: torch.Tensor, gate_i
     return *top_workload_overlap(wanted, real.tolist(), prefetcher.size), took
 
 
-def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache_ratio: float = 0.25,
-             calibration: Calibration | None = None, events: list[Event] | None = None) -> SimResult:
+def simulate(
+    trace: Trace,
+    stack: Stack,
+    costs: CostModel,
+    batch: int = 1,
+    cache_ratio: float = 0.25,
+    calibration: Calibration | None = None,
+    events: list[Event] | None = None,
+) -> SimResult:
     """Replay `trace` in batches of `batch` sequences with `cache_ratio` of each layer's experts in slots.
     `calibration`: what the policies learn beforehand (default: `Calibration.from_trace(trace)`, the trace
     itself); `events`, when given, receives every busy interval of the CPU, GPU and link."""
@@ -217,9 +235,16 @@ def simulate(trace: Trace, stack: Stack, costs: CostModel, batch: int = 1, cache
     return replay.result(batch, cache_ratio, len(steps))
 
 
-def _build_layers(trace: Trace, stack: Stack, costs: CostModel, slots: int,
-                  steps: list[tuple[bool, int, dict[int, tuple[list[int], list[float]]]]], calibration: Calibration,
-                  request: RequestActivations, link: _Link) -> tuple[dict[int, _Layer], dict[int, Prefetcher]]:
+def _build_layers(
+    trace: Trace,
+    stack: Stack,
+    costs: CostModel,
+    slots: int,
+    steps: list[tuple[bool, int, dict[int, tuple[list[int], list[float]]]]],
+    calibration: Calibration,
+    request: RequestActivations,
+    link: _Link,
+) -> tuple[dict[int, _Layer], dict[int, Prefetcher]]:
     """Each layer's slots and policies, and a prefetcher for each layer after the first (it is asked during the
     layer before): built before the replay, since the oracles among them take the whole routing to come."""
     num_experts = trace.meta["num_experts"]
@@ -228,10 +253,13 @@ def _build_layers(trace: Trace, stack: Stack, costs: CostModel, slots: int,
     for prev, idx in zip([None, *trace.layers], trace.layers):
         info = LayerInfo(idx, num_experts, slots, costs.expert.nbytes)
         context = {  # everything a policy may use; each takes what its signature names
-            "costs": costs, "request": request,
+            "costs": costs,
+            "request": request,
             "future": [step[2][idx][0] for step in steps],  # the routing to come: for the oracles only
-            "popularity": calibration.popularity.get(idx), "router": calibration.routers.get(idx),
-            "residual": calibration.residuals.get(prev), **dict(stack.options),
+            "popularity": calibration.popularity.get(idx),
+            "router": calibration.routers.get(idx),
+            "residual": calibration.residuals.get(prev),
+            **dict(stack.options),
         }
         layers[idx] = _Layer(info, stack, link, context)
         if prev is not None and stack.uses_slots and stack.prefetcher != "none":
@@ -250,9 +278,17 @@ class _Replay:
     """A replay under way: the layers and their policies, the clock, and the totals `SimResult` reports. One method
     per phase of a layer step, called in the order the live runtime runs them, so the policies see the same calls."""
 
-    def __init__(self, trace: Trace, stack: Stack, costs: CostModel, layers: dict[int, _Layer],
-                 prefetchers: dict[int, Prefetcher], request: RequestActivations, link: _Link,
-                 events: list[Event] | None) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        stack: Stack,
+        costs: CostModel,
+        layers: dict[int, _Layer],
+        prefetchers: dict[int, Prefetcher],
+        request: RequestActivations,
+        link: _Link,
+        events: list[Event] | None,
+    ) -> None:
         self.trace, self.stack, self.costs, self.events = trace, stack, costs, events
         self.layers, self.prefetchers, self.request, self.link = layers, prefetchers, request, link
         self.following = {prev: idx for prev, idx in zip(layers, list(layers)[1:]) if idx in prefetchers}
@@ -268,8 +304,14 @@ class _Replay:
         self.phase_time = {True: 0.0, False: 0.0}  # by is_prefill
         self.phase_tokens = {True: 0, False: 0}
 
-    def step(self, step_no: int, prefill: bool, tokens: int,
-             counts_by_layer: dict[int, tuple[list[int], list[float]]], rows: torch.Tensor) -> None:
+    def step(
+        self,
+        step_no: int,
+        prefill: bool,
+        tokens: int,
+        counts_by_layer: dict[int, tuple[list[int], list[float]]],
+        rows: torch.Tensor,
+    ) -> None:
         """One forward step through every layer, its time and tokens booked to prefill or decode (the two rates)."""
         step_start = self.now
         if prefill:
@@ -278,14 +320,26 @@ class _Replay:
         for idx, layer in self.layers.items():
             counts, scores = counts_by_layer[idx]
             defer = self.stack.deferred and not prefill and idx != self.last
-            later = (_lowest_weight_counts(self.trace.layers[idx], rows, self.stack.deferred, layer.info.num_experts)
-                     if defer else None)
+            later = (
+                _lowest_weight_counts(self.trace.layers[idx], rows, self.stack.deferred, layer.info.num_experts)
+                if defer
+                else None
+            )
             self._layer_step(step_no, idx, layer, tokens, counts, scores, rows, later)
         self.phase_time[prefill] += self.now - step_start
         self.phase_tokens[prefill] += tokens
 
-    def _layer_step(self, step_no: int, idx: int, layer: _Layer, tokens: int, counts: list[int], scores: list[float],
-                    rows: torch.Tensor, later: list[int] | None) -> None:
+    def _layer_step(
+        self,
+        step_no: int,
+        idx: int,
+        layer: _Layer,
+        tokens: int,
+        counts: list[int],
+        scores: list[float],
+        rows: torch.Tensor,
+        later: list[int] | None,
+    ) -> None:
         """One decoder block: its dense work, then the MoE layer's phases. The layer ends when both shares and the
         previous layer's deferred experts are done; its hits are counted on the slots it started with."""
         self._dense(step_no, idx, tokens)
@@ -335,13 +389,15 @@ class _Replay:
         layer's compute; its copies are the next layer's events."""
         target = self.following[idx]
         self.link.where = (step_no, target)
-        hit, of, took = _prefetch(self.trace, idx, target, rows, self.gate_input[idx], self.prefetchers[target],
-                                  self.layers[target], self.now)
+        hit, of, took = _prefetch(
+            self.trace, idx, target, rows, self.gate_input[idx], self.prefetchers[target], self.layers[target], self.now
+        )
         self.predicted, self.out_of, self.planning = self.predicted + hit, self.out_of + of, self.planning + took
         self.link.where = (step_no, idx)
 
-    def _cpu_share(self, step_no: int, idx: int, experts: Sequence[int], counts: list[int], later: list[int] | None,
-                   start: float) -> tuple[float, float]:
+    def _cpu_share(
+        self, step_no: int, idx: int, experts: Sequence[int], counts: list[int], later: list[int] | None, start: float
+    ) -> tuple[float, float]:
         """Seconds of the CPU's share, back to back from `start`: the immediate tokens, which the layer's end waits
         for, then the deferred ones (Expert Deferral), which only the next layer's end waits for."""
         cpu_time = deferred_time = 0.0
@@ -388,12 +444,19 @@ class _Replay:
         """The totals as rates and fractions of the replay's time."""
         now, time_by, tokens_by = self.now, self.phase_time, self.phase_tokens
         return SimResult(
-            stack=self.stack.name, hardware=self.costs.hardware.name, batch=batch, cache_ratio=cache_ratio,
+            stack=self.stack.name,
+            hardware=self.costs.hardware.name,
+            batch=batch,
+            cache_ratio=cache_ratio,
             decode_tok_s=tokens_by[False] / time_by[False] if time_by[False] else 0.0,
             prefill_tok_s=tokens_by[True] / time_by[True] if time_by[True] else 0.0,
-            hit_rate=self.hits / max(self.hits + self.misses, 1), moe_time_s=now,
+            hit_rate=self.hits / max(self.hits + self.misses, 1),
+            moe_time_s=now,
             pcie_gb=self.link.copies * self.costs.expert.nbytes / 1e9,
-            cpu_busy=self.cpu_busy / now if now else 0.0, gpu_busy=self.gpu_busy / now if now else 0.0,
-            hits=self.hits, misses=self.misses, prefetch_accuracy=self.predicted / self.out_of if self.out_of else None,
+            cpu_busy=self.cpu_busy / now if now else 0.0,
+            gpu_busy=self.gpu_busy / now if now else 0.0,
+            hits=self.hits,
+            misses=self.misses,
+            prefetch_accuracy=self.predicted / self.out_of if self.out_of else None,
             planning_us=self.planning * 1e6 / max(steps * len(self.layers), 1),
         )

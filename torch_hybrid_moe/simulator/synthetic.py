@@ -54,15 +54,28 @@ def synthetic_trace(
             listed[row] = listed[row - 1]
         scores = p[listed]
         layers[layer] = LayerTrace(
-            listed[:, :top_k].to(torch.int16), listed.to(torch.int16), (scores / scores.sum(1, keepdim=True)).half(),
-            torch.zeros(0, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.float16),
+            listed[:, :top_k].to(torch.int16),
+            listed.to(torch.int16),
+            (scores / scores.sum(1, keepdim=True)).half(),
+            torch.zeros(0, dtype=torch.int32),
+            torch.zeros(0, 1, dtype=torch.float16),
         )
     step = torch.cat([torch.zeros(prompt_tokens, dtype=torch.int32), torch.arange(1, new_tokens, dtype=torch.int32)])
     meta = {
-        "version": FORMAT_VERSION, "model": f"synthetic-skew{skew:g}-locality{locality:g}", "num_experts": num_experts,
-        "top_k": top_k, "hidden_size": 1, "layers": list(layers), "score_fn": "softmax", "hidden_every": 0,
+        "version": FORMAT_VERSION,
+        "model": f"synthetic-skew{skew:g}-locality{locality:g}",
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "hidden_size": 1,
+        "layers": list(layers),
+        "score_fn": "softmax",
+        "hidden_every": 0,
     }
     return Trace(
-        meta, torch.zeros(n, dtype=torch.int32), torch.arange(sequences, dtype=torch.int32).repeat_interleave(rows_per_seq),
-        step.repeat(sequences), torch.arange(rows_per_seq, dtype=torch.int32).repeat(sequences), layers,
+        meta,
+        torch.zeros(n, dtype=torch.int32),
+        torch.arange(sequences, dtype=torch.int32).repeat_interleave(rows_per_seq),
+        step.repeat(sequences),
+        torch.arange(rows_per_seq, dtype=torch.int32).repeat(sequences),
+        layers,
     )

@@ -33,7 +33,10 @@ FINALISTS = 2  # windows that are tried again with each prefetch size
 def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
     """Our stack with these parameters (prefetch 0: none)."""
     return Stack(
-        "ours", "queue_aware", "dali_window", True,
+        "ours",
+        "queue_aware",
+        "dali_window",
+        True,
         f"queue-aware placement, window cache (w {w_size}, u {u_size}, decay {decay:g})"
         + (f", residual prefetch {prefetch}" if prefetch else ""),
         "residual" if prefetch else "none",
@@ -49,9 +52,15 @@ def decode_halves(trace: Trace) -> tuple[Trace, Trace]:
     return trace.select(prefill | (trace.step < mid)), trace.select(prefill | (trace.step >= mid))
 
 
-def tune(trace: Trace, costs: CostModel, batch: int, cache_ratio: float, calibration: Calibration,
-         windows: tuple[tuple[int, int, float], ...] = WINDOWS,
-         prefetch_sizes: tuple[int, ...] = PREFETCH_SIZES) -> tuple[Stack, list[tuple[Stack, list[SimResult]]]]:
+def tune(
+    trace: Trace,
+    costs: CostModel,
+    batch: int,
+    cache_ratio: float,
+    calibration: Calibration,
+    windows: tuple[tuple[int, int, float], ...] = WINDOWS,
+    prefetch_sizes: tuple[int, ...] = PREFETCH_SIZES,
+) -> tuple[Stack, list[tuple[Stack, list[SimResult]]]]:
     """Our most consistently fast decode on `trace`, which should not be the trace the result is then judged
     on: every window without prefetch, then the best `FINALISTS` windows with each prefetch size (only where
     the trace kept gate inputs). Returns the winner and every (candidate, results on each half)."""
@@ -84,10 +93,17 @@ def oracle_of(stack: Stack) -> Stack:
     """`stack` with perfect knowledge: future-window cache, foresight prefetch, best-found placement."""
     if stack.cache_policy != "dali_window":
         raise ValueError(f"oracle_of: the oracle mirrors a dali_window stack, not {stack.cache_policy!r}")
-    return replace(stack, name="oracle", scheduler="oracle", cache_policy="oracle_window",
-                   prefetcher="oracle" if stack.prefetcher != "none" else "none",
-                   description="perfect knowledge: " + stack.description.replace("queue-aware", "best-found")
-                   .replace("window cache", "future-window cache").replace("residual prefetch", "foresight prefetch"))
+    return replace(
+        stack,
+        name="oracle",
+        scheduler="oracle",
+        cache_policy="oracle_window",
+        prefetcher="oracle" if stack.prefetcher != "none" else "none",
+        description="perfect knowledge: "
+        + stack.description.replace("queue-aware", "best-found")
+        .replace("window cache", "future-window cache")
+        .replace("residual prefetch", "foresight prefetch"),
+    )
 
 
 def foresight(stack: Stack) -> list[Stack]:
@@ -95,17 +111,23 @@ def foresight(stack: Stack) -> list[Stack]:
     placement found, with and without foresight prefetch of every expert the next layer will use (a cache
     filled from the future workload, or prefetches, can move more experts than they save when copies are
     slow); and Belady's slots with the exact per-step optimum."""
-    placed = replace(stack, name="oracle", scheduler="oracle",
-                     description="best-found placement over the same cache and prefetch")
+    placed = replace(
+        stack, name="oracle", scheduler="oracle", description="best-found placement over the same cache and prefetch"
+    )
     options = tuple((k, v) for k, v in stack.options if k != "size")
-    prefetched = replace(placed, prefetcher="oracle", options=options,
-                         description=f"perfect knowledge: best-found placement and foresight prefetch of the next "
-                         "layer's experts, over the same cache")
+    prefetched = replace(
+        placed,
+        prefetcher="oracle",
+        options=options,
+        description="perfect knowledge: best-found placement and foresight prefetch of the next "
+        "layer's experts, over the same cache",
+    )
     return [oracle_of(stack), placed, prefetched, replace(STACKS["oracle-cache"], name="oracle")]
 
 
-def oracle(trace: Trace, stack: Stack, costs: CostModel, batch: int, cache_ratio: float,
-           calibration: Calibration) -> Stack:
+def oracle(
+    trace: Trace, stack: Stack, costs: CostModel, batch: int, cache_ratio: float, calibration: Calibration
+) -> Stack:
     """The ceiling row for `stack`: the fastest decode among `foresight(stack)` on `trace` itself (an oracle
     may look at the routing it is judged on). No policy is proven optimal here, so this is the best foresight
     we can compute, not a bound."""

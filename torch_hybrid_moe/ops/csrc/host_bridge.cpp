@@ -96,10 +96,18 @@ class CpuTask {
   CpuTask(at::Tensor hidden, at::Tensor ids, at::Tensor weights, at::Tensor gate_up,
           c10::optional<at::Tensor> gate_up_scale, at::Tensor down, c10::optional<at::Tensor> down_scale,
           at::Tensor out, int64_t threads, int64_t gemm_tokens, bool bf16_gemm)
-      : hidden_(std::move(hidden)), ids_(std::move(ids)), weights_(std::move(weights)),
-        gate_up_(std::move(gate_up)), gate_up_scale_(std::move(gate_up_scale)), down_(std::move(down)),
-        down_scale_(std::move(down_scale)), out_(std::move(out)), threads_(threads), isa_(best_isa()),
-        gemm_tokens_(gemm_tokens), bf16_gemm_(bf16_gemm) {
+      : hidden_(std::move(hidden)),
+        ids_(std::move(ids)),
+        weights_(std::move(weights)),
+        gate_up_(std::move(gate_up)),
+        gate_up_scale_(std::move(gate_up_scale)),
+        down_(std::move(down)),
+        down_scale_(std::move(down_scale)),
+        out_(std::move(out)),
+        threads_(threads),
+        isa_(best_isa()),
+        gemm_tokens_(gemm_tokens),
+        bf16_gemm_(bf16_gemm) {
     TORCH_CHECK(threads_ > 0, "threads must be positive");
     for (const at::Tensor* t : {&hidden_, &ids_, &weights_, &out_})
       TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "task buffers must be contiguous CPU tensors");
@@ -233,8 +241,7 @@ std::string take_error() {
 
 void bind_host_bridge(pybind11::module_& m) {
   namespace py = pybind11;
-  py::class_<CpuTask, std::shared_ptr<CpuTask>>(m, "CpuTask",
-                                                 "One layer's CPU expert share, run by the worker thread")
+  py::class_<CpuTask, std::shared_ptr<CpuTask>>(m, "CpuTask", "One layer's CPU expert share, run by the worker thread")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor,
                     c10::optional<at::Tensor>, at::Tensor, int64_t, int64_t, bool>(),
            py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("gate_up_scale"),

@@ -44,7 +44,7 @@ constexpr int64_t bits_of(Fmt f) { return f == Fmt::F32 ? 32 : f == Fmt::I8 ? 8 
 // ISA levels of the micro-kernels; the caller passes one the CPU supports (best_isa()).
 enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
 
-constexpr int64_t kMaxTokens = 32;  // tokens of an expert a phase-A work item takes at a time (its gate / up buffers)
+constexpr int64_t kMaxTokens = 32;   // tokens of an expert a phase-A work item takes at a time (its gate / up buffers)
 constexpr int64_t kPanelRows = 256;  // rows per weight panel on the GEMM route
 
 // One expert's [N, K] weight in its stored format.
@@ -75,18 +75,25 @@ struct Layer {
 
 Fmt format_of(const at::Tensor& w) {
   switch (w.scalar_type()) {
-    case at::kFloat: return Fmt::F32;
-    case at::kBFloat16: return Fmt::BF16;
-    case at::kHalf: return Fmt::F16;
-    case at::kChar: return Fmt::I8;
-    case at::kByte: return Fmt::I4;
-    default: TORCH_CHECK(false, "unsupported expert weight dtype ", w.scalar_type());
+    case at::kFloat:
+      return Fmt::F32;
+    case at::kBFloat16:
+      return Fmt::BF16;
+    case at::kHalf:
+      return Fmt::F16;
+    case at::kChar:
+      return Fmt::I8;
+    case at::kByte:
+      return Fmt::I4;
+    default:
+      TORCH_CHECK(false, "unsupported expert weight dtype ", w.scalar_type());
   }
 }
 
 // A quantised weight's group size is K over its scales' last dimension.
 Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K) {
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.device().is_cpu(), name, " must be a contiguous CPU [E, N, K] tensor");
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.device().is_cpu(), name,
+              " must be a contiguous CPU [E, N, K] tensor");
   const Fmt fmt = format_of(w);
   const bool quantised = fmt == Fmt::I8 || fmt == Fmt::I4;
   const int64_t stored_k = fmt == Fmt::I4 ? K / 2 : K;
@@ -134,11 +141,16 @@ inline float weight_at_fmt(const uint8_t* row, int64_t k, float s) {
 inline float weight_at(const Matrix& m, const uint8_t* row, const float* scales, int64_t k) {
   const float s = scales ? scales[k / m.group] : 1.f;
   switch (m.fmt) {
-    case Fmt::F32: return weight_at_fmt<Fmt::F32>(row, k, s);
-    case Fmt::BF16: return weight_at_fmt<Fmt::BF16>(row, k, s);
-    case Fmt::F16: return weight_at_fmt<Fmt::F16>(row, k, s);
-    case Fmt::I8: return weight_at_fmt<Fmt::I8>(row, k, s);
-    case Fmt::I4: return weight_at_fmt<Fmt::I4>(row, k, s);
+    case Fmt::F32:
+      return weight_at_fmt<Fmt::F32>(row, k, s);
+    case Fmt::BF16:
+      return weight_at_fmt<Fmt::BF16>(row, k, s);
+    case Fmt::F16:
+      return weight_at_fmt<Fmt::F16>(row, k, s);
+    case Fmt::I8:
+      return weight_at_fmt<Fmt::I8>(row, k, s);
+    case Fmt::I4:
+      return weight_at_fmt<Fmt::I4>(row, k, s);
   }
   return 0.f;
 }
@@ -182,8 +194,8 @@ template <Fmt F>
 inline int32_t block_dot(const uint8_t* row, int64_t b, const QuantRecord& x, int64_t K) {
   int32_t dot = 0;
   for (int64_t c = 32 * b; c < 32 * b + 32; ++c) {
-    const int32_t q = F == Fmt::I8 ? reinterpret_cast<const int8_t*>(row)[c]
-                                   : int32_t(c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15) - 8;
+    const int32_t q =
+        F == Fmt::I8 ? reinterpret_cast<const int8_t*>(row)[c] : int32_t(c % 2 ? row[c / 2] >> 4 : row[c / 2] & 15) - 8;
     dot += q * x.q[record_pos(c, K, F)];
   }
   return dot;
@@ -209,7 +221,6 @@ void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
     sum[b] = s * float(total);
   }
 }
-
 
 namespace level0 {
 #define HMOE_VBYTES 16
@@ -261,10 +272,10 @@ Kernels kernels_for(Isa isa) {
 
 // Pairs grouped by expert (in token order within an expert), and each token's pairs in k order.
 struct Routing {
-  std::vector<int64_t> experts;      // active experts
-  std::vector<int64_t> offsets;      // pairs of experts[a]: [offsets[a], offsets[a + 1])
+  std::vector<int64_t> experts;  // active experts
+  std::vector<int64_t> offsets;  // pairs of experts[a]: [offsets[a], offsets[a + 1])
   std::vector<int64_t> pair_token;
-  std::vector<int64_t> token_pair;   // [T * K]: pair of (t, k), or -1
+  std::vector<int64_t> token_pair;  // [T * K]: pair of (t, k), or -1
 };
 
 Routing group_by_expert(const at::Tensor& ids, int64_t num_experts) {
@@ -332,7 +343,8 @@ void activations(const at::Tensor& hidden, Fmt f, int64_t step, float* dst) {
     case at::kHalf:
       return lay_out_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), T, H, f, step,
                           c10::detail::fp16_ieee_to_fp32_value, dst);
-    default: TORCH_CHECK(false, "hidden must be fp32, bf16 or fp16, got ", x.scalar_type());
+    default:
+      TORCH_CHECK(false, "hidden must be fp32, bf16 or fp16, got ", x.scalar_type());
   }
 }
 
@@ -382,7 +394,8 @@ inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
 // and torch's GEMM: the compute-bound route. Returns fp32 [n, r1 - r0].
 at::Tensor gemm_rows(const Kernels& kern, const Matrix& m, int64_t r0, int64_t r1, const at::Tensor& xs, bool bf16) {
   at::Tensor out = at::empty({xs.size(0), r1 - r0}, xs.options());
-  at::Tensor panel = at::empty({std::min(kPanelRows, r1 - r0), m.K}, xs.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor panel =
+      at::empty({std::min(kPanelRows, r1 - r0), m.K}, xs.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const at::Tensor x = bf16 ? xs.to(at::kBFloat16) : xs;
   for (int64_t b0 = r0; b0 < r1; b0 += kPanelRows) {
     const int64_t b1 = std::min(r1, b0 + kPanelRows);
@@ -394,8 +407,10 @@ at::Tensor gemm_rows(const Kernels& kern, const Matrix& m, int64_t r0, int64_t r
     });
     at::Tensor dst = out.narrow(1, b0 - r0, b1 - b0);
     const at::Tensor rows = panel.narrow(0, 0, b1 - b0);
-    if (bf16) dst.copy_(at::mm(x, rows.t()));
-    else at::mm_out(dst, x, rows.t());
+    if (bf16)
+      dst.copy_(at::mm(x, rows.t()));
+    else
+      at::mm_out(dst, x, rows.t());
   }
   return out;
 }
@@ -500,8 +515,8 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
       at::from_blob(y.data() + p0 * H, {n, H}, at::TensorOptions().dtype(at::kFloat)).copy_(y_e);
       continue;
     }
-    const at::Tensor g_u = gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I,
-                                     gather_rows(x.data(), H, r.pair_token.data() + p0, n), bf16);
+    const at::Tensor g_u =
+        gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I, gather_rows(x.data(), H, r.pair_token.data() + p0, n), bf16);
     const float* gp = g_u.data_ptr<float>();
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t)
@@ -522,9 +537,9 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   for (const int64_t a : large) {
     if (direct) continue;
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
-    const at::Tensor ye = gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
-                                    at::from_blob(h.data() + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)),
-                                    bf16);
+    const at::Tensor ye =
+        gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
+                  at::from_blob(h.data() + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)), bf16);
     std::memcpy(y.data() + p0 * H, ye.data_ptr<float>(), n * H * sizeof(float));
   }
 
@@ -552,7 +567,8 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   int64_t isa_level, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "expected x [T, K], weight [N, K] (int4: [N, K / 2])");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
-                  out.size(1) == weight.size(0), "out must be a contiguous fp32 [T, N] tensor");
+                  out.size(1) == weight.size(0),
+              "out must be a contiguous fp32 [T, N] tensor");
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
   const at::Tensor w = weight.contiguous().unsqueeze(0);
   c10::optional<at::Tensor> s;

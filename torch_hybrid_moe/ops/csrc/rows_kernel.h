@@ -18,9 +18,9 @@ inline V load(const void* p) {
   return v;
 }
 
-// Columns [k, k + kStep) of one weight row as two fp32 vectors, unscaled (int8 / int4: q itself). bf16 and int4 come out as (even columns, odd columns): two bf16 or two nibbles share 32 or
-// 8 bits, and splitting them in place costs one shift and one mask, no shuffle. Their activations are
-// laid out to match (see pairs_layout).
+// Columns [k, k + kStep) of one weight row as two fp32 vectors, unscaled (int8 / int4: q itself). bf16 and int4 come
+// out as (even columns, odd columns): two bf16 or two nibbles share 32 or 8 bits, and splitting them in place costs one
+// shift and one mask, no shuffle. Their activations are laid out to match (see pairs_layout).
 template <Fmt F>
 inline void load_step(const uint8_t* row, int64_t k, vf& lo, vf& hi) {
 #if HMOE_LEVEL == 2
@@ -166,8 +166,9 @@ template <int64_t Blocks>
 inline __m512 block_lanes(const float* v) {
   if constexpr (Blocks == 2) {
     const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(_mm256_castps128_ps256(
-        _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v))))));
+    return _mm512_permutexvar_ps(
+        idx,
+        _mm512_castps256_ps512(_mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v))))));
   } else {
     const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(v)));
@@ -336,8 +337,9 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 16 * b));
           const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
           for (int t = 0; t < NT; ++t)  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
-            part[i][t] = add_products(_mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]),
-                                                       _mm256_maddubs_epi16(hi, odd[t])), xs_b[t], part[i][t]);
+            part[i][t] =
+                add_products(_mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t])),
+                             xs_b[t], part[i][t]);
         } else {
           const __m256i q = load_block<Fmt::I4>(w.rows[i], b);
           for (int t = 0; t < NT; ++t) part[i][t] = add_products(_mm256_maddubs_epi16(q, even[t]), xs_b[t], part[i][t]);
@@ -360,8 +362,10 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
 
 template <Fmt F, int NT>
 void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
-  if constexpr (F == Fmt::I8) rows_dot_i8<NT>(m, r0, nr, next, xs, res);
-  else rows_dot_i4<NT>(m, r0, nr, next, xs, res);
+  if constexpr (F == Fmt::I8)
+    rows_dot_i8<NT>(m, r0, nr, next, xs, res);
+  else
+    rows_dot_i4<NT>(m, r0, nr, next, xs, res);
 }
 #else
 template <Fmt F, int NT>
@@ -386,18 +390,26 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
 
 template <Fmt F, int NT>
 void rows_any(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
-  if constexpr (F == Fmt::I8 || F == Fmt::I4) rows_dot_q<F, NT>(m, r0, nr, next, xs, res);
-  else rows_dot<F, NT>(m, r0, nr, next, xs, res);
+  if constexpr (F == Fmt::I8 || F == Fmt::I4)
+    rows_dot_q<F, NT>(m, r0, nr, next, xs, res);
+  else
+    rows_dot<F, NT>(m, r0, nr, next, xs, res);
 }
 
 template <Fmt F>
 void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, int nt,
                    float* res) {
   switch (nt) {
-    case 1: return rows_any<F, 1>(m, r0, nr, next, xs, res);
-    case 2: return rows_any<F, 2>(m, r0, nr, next, xs, res);
-    case 3: if constexpr (kTok >= 3) return rows_any<F, 3>(m, r0, nr, next, xs, res); break;
-    case 4: if constexpr (kTok >= 4) return rows_any<F, 4>(m, r0, nr, next, xs, res); break;
+    case 1:
+      return rows_any<F, 1>(m, r0, nr, next, xs, res);
+    case 2:
+      return rows_any<F, 2>(m, r0, nr, next, xs, res);
+    case 3:
+      if constexpr (kTok >= 3) return rows_any<F, 3>(m, r0, nr, next, xs, res);
+      break;
+    case 4:
+      if constexpr (kTok >= 4) return rows_any<F, 4>(m, r0, nr, next, xs, res);
+      break;
   }
 }
 
@@ -412,11 +424,21 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
     for (int64_t t = 0; t < n; t += kTok) {
       const int nt = int(std::min<int64_t>(kTok, n - t));
       switch (m.fmt) {
-        case Fmt::F32: rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nt, res); break;
-        case Fmt::BF16: rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nt, res); break;
-        case Fmt::F16: rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nt, res); break;
-        case Fmt::I8: rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nt, res); break;
-        case Fmt::I4: rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, nt, res); break;
+        case Fmt::F32:
+          rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nt, res);
+          break;
+        case Fmt::BF16:
+          rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nt, res);
+          break;
+        case Fmt::F16:
+          rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nt, res);
+          break;
+        case Fmt::I8:
+          rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nt, res);
+          break;
+        case Fmt::I4:
+          rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, nt, res);
+          break;
       }
       for (int j = 0; j < nt; ++j)
         for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kRows + i];
@@ -451,11 +473,16 @@ void dequant_rows_as(const Matrix& m, int64_t r0, int64_t r1, float* dst) {
 
 void dequant_rows(const Matrix& m, int64_t r0, int64_t r1, float* dst) {
   switch (m.fmt) {
-    case Fmt::F32: return dequant_rows_as<Fmt::F32>(m, r0, r1, dst);
-    case Fmt::BF16: return dequant_rows_as<Fmt::BF16>(m, r0, r1, dst);
-    case Fmt::F16: return dequant_rows_as<Fmt::F16>(m, r0, r1, dst);
-    case Fmt::I8: return dequant_rows_as<Fmt::I8>(m, r0, r1, dst);
-    case Fmt::I4: return dequant_rows_as<Fmt::I4>(m, r0, r1, dst);
+    case Fmt::F32:
+      return dequant_rows_as<Fmt::F32>(m, r0, r1, dst);
+    case Fmt::BF16:
+      return dequant_rows_as<Fmt::BF16>(m, r0, r1, dst);
+    case Fmt::F16:
+      return dequant_rows_as<Fmt::F16>(m, r0, r1, dst);
+    case Fmt::I8:
+      return dequant_rows_as<Fmt::I8>(m, r0, r1, dst);
+    case Fmt::I4:
+      return dequant_rows_as<Fmt::I4>(m, r0, r1, dst);
   }
 }
 
