@@ -17,7 +17,7 @@ LAYERS = (
     ("runtime",),
     ("model_patches", "compile_passes"),
     ("loading", "traces", "tiny_models", "embedded"),
-    ("simulator", "cli", "__main__"),
+    ("simulator", "planning", "cli", "__main__"),
 )
 
 

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -20,6 +20,7 @@ from torch_hybrid_moe.config import (
     CPU_WEIGHT_DTYPES,
     DENSE_WEIGHT_DTYPES,
     PRECALC_FROM_LAYER,
+    parse_size,
 )
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
 from torch_hybrid_moe.embedded import (
@@ -30,6 +31,16 @@ from torch_hybrid_moe.embedded import (
 )
 from torch_hybrid_moe.errors import InputError
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from torch_hybrid_moe.cost_model import CostModel
+    from torch_hybrid_moe.profiling import HardwareProfile
+    from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.traces import Trace
+
+T = TypeVar("T")
 
 
 class _TimingStreamer(BaseStreamer):
@@ -48,13 +59,13 @@ class _TimingStreamer(BaseStreamer):
         self.bar.close()
 
 
-def _prompt_ids(tokenizer: object | None, prompt: str, vocab_size: int) -> torch.Tensor:
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase | None, prompt: str, vocab_size: int) -> torch.Tensor:
     if tokenizer is None:  # random-weight model without a tokenizer: bytes folded into the vocabulary
         return torch.tensor([[3 + b % (vocab_size - 3) for b in prompt.encode()]])
     return tokenizer(prompt, return_tensors="pt").input_ids
 
 
-_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES: dict[str, Any] = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
 CPU_BUDGET_NOTE = (
     "without CUDA the CPU stands in for the accelerator and its slots are copies in the same RAM: "
     "more memory, no speed-up (pass --expert-budget 0, the default here)"
@@ -84,7 +95,7 @@ def _phase(message: str) -> None:
     print(f"hybrid-moe: {message}", file=sys.stderr, flush=True)
 
 
-def _timed(what: str, fn: Callable[[], object]) -> object:
+def _timed(what: str, fn: Callable[[], T]) -> T:
     _phase(f"{what}...")
     start = time.perf_counter()
     result = fn()
@@ -103,7 +114,9 @@ def _kernel_ready() -> None:
     )
 
 
-def _load_with_tokenizer(name: str, dtype: torch.dtype, command: str) -> tuple[torch.nn.Module, object]:
+def _load_with_tokenizer(
+    name: str, dtype: torch.dtype, command: str
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     model, tokenizer = load_model(name, dtype)
     if tokenizer is None:
         raise InputError(f"{command} needs a model with a tokenizer (an embedded model or a local directory)")
@@ -157,13 +170,14 @@ def build(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.ops import cpu_kernel, kernel_build
 
     _kernel_ready()
-    if cpu_kernel.extension() is None:
+    ext = cpu_kernel.extension()
+    if ext is None:
         raise InputError(
             "the C++ CPU kernel cannot be built here (see the warning above); the CPU experts will "
             "use the slower per-expert torch loop"
         )
     isa = kernel_build.ISA_NAMES[cpu_kernel.best_isa()]
-    print(f"C++ CPU kernel ready: {cpu_kernel.extension().__file__} (ISA level {isa})")
+    print(f"C++ CPU kernel ready: {ext.__file__} (ISA level {isa})")
     return 0
 
 
@@ -199,8 +213,13 @@ def eval_ppl(args: argparse.Namespace) -> int:
     ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
     reference = measure(model, ids)
     thm.patch_model(model, config)
-    # Expert Deferral and DAOP are passes of the hybrid_moe backend, so those modes measure the compiled forward.
-    run = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False) if args.mode != "exact" else model
+    # Expert Deferral and DAOP are passes of the hybrid_moe backend, so those modes measure the compiled forward
+    # (compiling a Module gives a Module, an OptimizedModule).
+    run = (
+        cast(torch.nn.Module, torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False))
+        if args.mode != "exact"
+        else model
+    )
     patched = measure(run, ids)
     mode = args.mode
     if mode == "expert_deferral":
@@ -260,7 +279,7 @@ def convert_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def _local_profile(args: argparse.Namespace) -> object:
+def _local_profile(args: argparse.Namespace) -> HardwareProfile:
     """This machine's measured cost profile (profiling.py): from the disk cache, else measured now."""
     from torch_hybrid_moe.profiling import profile_hardware
 
@@ -356,9 +375,9 @@ def simulate(args: argparse.Namespace) -> int:
 
 def _simulation_plots(
     args: argparse.Namespace,
-    trace: object,
-    costs: object,
-    calibration: object,
+    trace: Trace,
+    costs: CostModel,
+    calibration: Calibration | None,
     stacks: list,
     events: dict[str, list],
     results: list,
@@ -423,6 +442,64 @@ def profile(args: argparse.Namespace) -> int:
         "back the measured times)"
     )
     return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Does the model fit, and how fast will it run: host memory per host format, the expert budget the GPU's
+    memory leaves, and the simulator's expected tok/s per policy stack."""
+    from torch_hybrid_moe import planning
+
+    summary = planning.summarise(planning.load_config(args.model))
+    costs_for = planning.hardware_costs(args.hardware)
+    dense, kv, plans = planning.plan(
+        summary,
+        args.gpu_memory,
+        args.host_memory,
+        args.context,
+        costs_for,
+        args.cpu_weight_group_size,
+        prompt=args.prompt,
+    )
+    gib = planning.GIB
+
+    def count(n: int) -> str:
+        return f"{n / 1e9:.1f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+    print(
+        f"{args.model}: {summary.model_type}, {count(summary.expert_weights + summary.dense_weights)} weights "
+        f"({count(summary.expert_weights)} in {summary.moe_layers} MoE layers of {summary.num_experts} experts, "
+        f"top-{summary.top_k}); hardware {args.hardware}"
+    )
+    if args.gpu_memory > 0:
+        budget = plans[0].expert_budget
+        print(
+            f"GPU {args.gpu_memory / gib:.1f} GiB: dense weights {dense / gib:.1f} GiB + KV cache of {args.context} "
+            f"tokens {kv / gib:.2f} GiB + 1 GiB reserve; the rest holds {budget:.0%} of each layer's experts "
+            f"(expert_budget={budget:.2f})"
+        )
+        if budget == 0:
+            print("  no room for expert slots: every routed expert runs on the CPU")
+    else:
+        print("no GPU memory given (--gpu-memory): everything runs on the CPU")
+    for p in plans:
+        verdict = "fits" if p.fits_host else f"does not fit in {args.host_memory / gib:.1f} GiB"
+        print(f"\ncpu_weight_dtype={p.fmt}: host memory {p.host_bytes / gib:.1f} GiB ({verdict})")
+        if p.speeds:
+            print(f"  {'stack':<28} {'decode tok/s':>12} {f'prefill tok/s ({args.prompt})':>22}")
+            for name, (decode, prefill) in p.speeds.items():
+                print(f"  {name:<28} {decode:>12.1f} {prefill:>22.1f}")
+    print(
+        "\nSpeeds: the trace simulator on synthetic routing (a real model's skew and reuse) with this model's "
+        "expert count and top-k, batch 1; `hybrid-moe simulate --trace` replays recorded routing instead."
+    )
+    return 0
+
+
+def _size(text: str) -> int:
+    size = parse_size(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size with a unit, such as 24GiB or 512MB")
+    return size
 
 
 def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
@@ -510,7 +587,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     pr = sub.add_parser("profile", help="measure this machine's per-expert CPU / GPU / PCIe times, next to the presets")
     sub.add_parser("build", help="build the C++ CPU kernel now (otherwise the first run does, for a minute or two)")
-    for p in (g, e, t):
+    pl = sub.add_parser("plan", help="does a model fit, and how fast will it run? from its config alone")
+    for p in (g, e, t, pl):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
     for p in (g, e):
         p.add_argument(
@@ -570,6 +648,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     e.add_argument("--max-tokens", type=_bounded(int, 1), default=16384)
     s.add_argument("--trace", type=Path, required=True)
+    pl.add_argument("--gpu-memory", type=_size, default=0, help="GPU memory to plan for, e.g. 24GiB (default: none)")
+    pl.add_argument("--host-memory", type=_size, default=64 * 2**30, help="host memory to plan for (default 64GiB)")
+    pl.add_argument("--context", type=_bounded(int, 1), default=4096, help="tokens of KV cache to keep room for")
+    pl.add_argument("--prompt", type=_bounded(int, 1), default=512, help="prompt length of the prefill estimate")
+    pl.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
+    pl.add_argument(
+        "--hardware",
+        default="rtx4090",
+        choices=[*sorted(HARDWARE), "local"],
+        help="a preset, or local: this machine, measured (cached) by a short warm-up profile",
+    )
     s.add_argument(
         "--hardware",
         default="dali",
@@ -635,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "profile": profile,
         "convert-trace": convert_trace,
         "build": build,
+        "plan": plan,
     }
     try:
         return commands[args.command](args)

@@ -7,6 +7,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -180,7 +181,7 @@ class HybridMoEConfig:
                 f"token to top_k = {top_k} experts, got {self.deferred_experts}"
             )
 
-    def replace(self, **overrides: object) -> HybridMoEConfig:
+    def replace(self, **overrides: Any) -> HybridMoEConfig:
         """A copy with fields overridden; unknown names are an error, not silently ignored."""
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
@@ -192,13 +193,13 @@ class HybridMoEConfig:
         """The absolute byte budget, or None when the budget is a fraction."""
         b = self.expert_budget
         if isinstance(b, str):
-            m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", b)
-            if not m or m.group(2).lower() not in _BYTE_UNITS:
+            size = parse_size(b)
+            if size is None:
                 raise ValueError(
                     f"expert_budget {b!r} is not a size with a unit such as '512MiB', '6GB' or '1TiB' "
                     "(a fraction is a number, not a string: expert_budget=0.5)"
                 )
-            return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+            return size
         if not 0.0 <= b <= 1.0:  # a float by now (__post_init__); NaN fails too
             hint = " (a byte budget is a size with a unit, such as '6GiB')" if b > 1 else ""
             raise ValueError(f"expert_budget fraction must lie in [0, 1], got {b!r}{hint}")
@@ -221,6 +222,14 @@ class HybridMoEConfig:
                 raise RuntimeError("HybridMoEConfig(device='cuda') but no CUDA device is available")
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes of a size with a unit ("512MiB", "6GB", "1.5 TiB"); None where `text` is not one."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        return None
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
 
 def _budget_value(budget: object) -> float | str:

@@ -23,6 +23,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from tqdm.auto import tqdm
@@ -127,7 +128,7 @@ def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _quantised_linears(
     model: torch.nn.Module, config: HybridMoEConfig, checkpoint: Checkpoint
-) -> dict[torch.nn.Module, str]:
+) -> dict[torch.nn.Linear, str]:
     """{linear: its weight's name} for the linears `dense_weight_dtype` quantises whose weight is their own: they are
     read and quantised a block of rows at a time when patching asks (never held in the model's dtype)."""
     if config.dense_weight_dtype == "model":
@@ -239,9 +240,13 @@ class Checkpoint:
         is_fused = all(fused.values())
         if is_fused:
             want = {"gate_up_proj": experts.gate_up_proj.shape, "down_proj": experts.down_proj.shape}
-            layout = {p: [fused[p]] for p in fused}
+            layout = cast(dict[str, list[tuple[str, Shard]]], {p: [fused[p]] for p in fused})  # all found
         else:
-            roles = {"gate": [None] * num_experts, "up": [None] * num_experts, "down": [None] * num_experts}
+            roles: dict[str, list[tuple[str, Shard] | None]] = {
+                "gate": [None] * num_experts,
+                "up": [None] * num_experts,
+                "down": [None] * num_experts,
+            }
             for expert, role, source in self.per_expert.get(name, []):
                 if expert < num_experts:
                     roles[role][expert] = source
@@ -251,10 +256,13 @@ class Checkpoint:
                     f"checkpoint {self.directory} lacks {len(missing)} expert tensors of {name} (first: "
                     f"{missing[0]}); is it a complete {experts.__class__.__name__} checkpoint?"
                 )
-            layout = {
-                "gate_up_proj": [s for e in range(num_experts) for s in (roles["gate"][e], roles["up"][e])],
-                "down_proj": roles["down"],
-            }
+            layout = cast(  # none missing, as just checked
+                dict[str, list[tuple[str, Shard]]],
+                {
+                    "gate_up_proj": [s for e in range(num_experts) for s in (roles["gate"][e], roles["up"][e])],
+                    "down_proj": roles["down"],
+                },
+            )
             want = {"gate_up_proj": (two_inter // 2, hidden), "down_proj": (hidden, two_inter // 2)}
         for proj, sources in layout.items():
             for key, shard in sources:
@@ -295,6 +303,7 @@ class Checkpoint:
         key, shard = self.source[name]
         rows, cols = shard.shape(key)
         dst = empty_cpu_format((1, rows, cols), dtype, fmt, group_size)
+        assert isinstance(dst, QuantizedWeight)  # fmt is int8 or int4 (a dense_weight_dtype other than "model")
         buffer = torch.empty((min(rows, QUANTIZE_ROWS), cols), dtype=dtype)
         for start in range(0, rows, QUANTIZE_ROWS):
             block = buffer[: min(rows, start + QUANTIZE_ROWS) - start]

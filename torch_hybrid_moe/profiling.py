@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import cast
 
 import torch
 from tqdm.auto import tqdm
@@ -84,6 +85,7 @@ def fit_curve(tokens: Sequence[int], seconds: Sequence[float]) -> CurveFit:
         error = sum((fit(n) / s - 1) ** 2 for n, s in pairs)
         if best is None or error < best[0] - 1e-15:
             best = (error, fit)
+    assert best is not None  # pairs is not empty, so the first split always sets it
     if best[0] < 1e-18:
         return best[1]
     # A split's linear solution may break the max()'s own order (a read-bound point whose compute time is
@@ -121,7 +123,7 @@ class Measurements:
         ints = lambda d: None if d is None else {int(k): _duration(v) for k, v in d.items()}  # noqa: E731
         m = cls(
             data["key"],
-            ints(data["cpu_s"]),
+            cast(dict[int, float], ints(data["cpu_s"])),  # None is rejected just below
             ints(data["gpu_s"]),
             data["transfer_s"],
             data["small_transfer_s"],
@@ -184,6 +186,8 @@ class HardwareProfile:
         where = f"CPU {m.key['cpu']} ({m.key['threads']} threads, kernel {m.key['kernel']})"
         if self.gpu_fit is not None:
             gpu = self.gpu_fit
+            # GPU times and link times are present together (Measurements.from_json checks it, measure sets them)
+            assert m.transfer_s is not None and m.small_transfer_s is not None
             latency = max(
                 0.0,
                 m.small_transfer_s - SMALL_COPY * (m.transfer_s - m.small_transfer_s) / max(e.nbytes - SMALL_COPY, 1),
@@ -305,7 +309,7 @@ def measure_gpu(
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def timed(fn: Callable[[int], None]) -> float:
+    def timed(fn: Callable[[int], object]) -> float:
         times = []
         fn(0)
         for i in range(1, repeats + 1):

@@ -6,6 +6,8 @@ experts where the architecture has them and a dense layer where it has them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -17,7 +19,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-_COMMON = dict(
+_COMMON: dict[str, Any] = dict(
     vocab_size=96,
     hidden_size=32,
     num_attention_heads=4,
@@ -27,7 +29,7 @@ _COMMON = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
-_MLA = dict(
+_MLA: dict[str, Any] = dict(
     num_key_value_heads=4,
     kv_lora_rank=16,
     q_lora_rank=None,
@@ -46,7 +48,9 @@ def tiny_config(model_type: str) -> PretrainedConfig:
         )
     if model_type in ("qwen2_moe", "qwen3_moe"):
         cls = Qwen2MoeConfig if model_type == "qwen2_moe" else Qwen3MoeConfig
-        extra = {"shared_expert_intermediate_size": 40} if model_type == "qwen2_moe" else {"head_dim": 8}
+        extra: dict[str, Any] = (
+            {"shared_expert_intermediate_size": 40} if model_type == "qwen2_moe" else {"head_dim": 8}
+        )
         return cls(
             **_COMMON,
             **extra,

@@ -158,8 +158,8 @@ def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external"
         raise InputError(f"{path}: no rows")
     layers = sorted(rows[0]["ids"], key=int)
     k = len(rows[0]["ids"][layers[0]])
-    ids = {layer: [] for layer in layers}
-    weights = {layer: [] for layer in layers}
+    ids: dict[str, list[list[int]]] = {layer: [] for layer in layers}
+    weights: dict[str, list[list[float]]] = {layer: [] for layer in layers}
     for number, row in enumerate(rows, 1):
         if sorted(row["ids"], key=int) != layers or sorted(row["weights"], key=int) != layers:
             raise InputError(f"{path}: row {number}: layers {sorted(row['ids'])} differ from the first row's {layers}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch.fx as fx
 
@@ -45,4 +46,5 @@ def hybrid_moe_backend(
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options
-    return sites.wrap(compile_fx(gm, example_inputs, config_patches=patches or None))
+    compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+    return sites.wrap(cast(Callable[..., Any], compiled))  # not AOT: the compiled callable

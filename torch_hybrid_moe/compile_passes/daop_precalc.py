@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -123,6 +124,7 @@ def precalc_routing(
     hybrid = get_layer(layer)
     resident = hybrid.resident_mask(ids.device)
     rule = hybrid.routing
+    assert rule is not None  # insert_daop_precalc adds this op only for layers with a routing rule
     scores = router_scores(logits, rule.score_fn)
     new_ids, new_weights, swap = degrade(ids.long(), weights, scores, resident, rule.renormalise)
     on_gpu = resident[new_ids]
@@ -218,7 +220,7 @@ def _block_input(dispatch: fx.Node, graph: fx.Graph) -> fx.Node:
 
 def _mutates(node: fx.Node) -> bool:
     if node.op == "call_method":
-        name = node.target
+        name = cast(str, node.target)  # a method's name
     elif node.op == "call_function":
         if node.target is operator.setitem:
             return True
@@ -278,7 +280,7 @@ def _hoistable(graph: fx.Graph, routing: list[fx.Node], x_j: fx.Node, prev: fx.N
                 f"the routing of {name} reads {a.name}, which {changed} change in place after the previous "
                 "MoE layer's dispatch, so it cannot run one block early"
             )
-    return sorted(found, key=order.get)
+    return sorted(found, key=order.__getitem__)
 
 
 def _is_linear(node: fx.Node) -> bool:
@@ -328,7 +330,7 @@ def _rewrite(graph: fx.Graph, plan: _Plan) -> None:
     node = plan.dispatch
     hidden, exact_ids, _, handle = node.args
     stack = dict(node.meta.get("nn_module_stack") or {})
-    env = {plan.block_input_j: plan.block_input_i}
+    env: dict[object, fx.Node] = {plan.block_input_j: plan.block_input_i}  # keyed by nodes, read by arguments
     for attr in plan.hoisted:
         plan.previous.prepend(attr)
     with graph.inserting_before(plan.previous):

@@ -6,10 +6,14 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MODELS_DIR = Path(__file__).parent / "models"
 DEFAULT_MODEL = "deepseek-tiny"
@@ -46,7 +50,7 @@ def resolve_model(name_or_path: str) -> str:
     )
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, object | None]:
+def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
     """(model, tokenizer) for an embedded name, a local directory or hub id, or `tiny:ARCH` (random, no tokenizer)."""
     from ..tiny_models import TINY_ARCHITECTURES, tiny_model
 
@@ -63,7 +67,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.
     return model, tokenizer
 
 
-def load_tokenizer(name: str) -> object:
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of an embedded name, a local directory or a hub id."""
     from transformers import AutoTokenizer
 

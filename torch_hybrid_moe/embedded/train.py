@@ -60,7 +60,7 @@ def deepseek_tiny(vocab: int) -> PretrainedConfig:
         qk_nope_head_dim=16,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        head_dim=16,
+        head_dim=16,  # type: ignore[call-arg]  # not in the signature; the config keeps it as an attribute
         n_routed_experts=32,
         num_experts_per_tok=4,
         n_shared_experts=1,

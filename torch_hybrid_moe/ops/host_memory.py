@@ -15,6 +15,7 @@ import ctypes
 import functools
 import mmap
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ HUGE_PAGE = 2 << 20  # smaller buffers cannot hold an aligned huge page
 
 
 @functools.cache
-def _madvise() -> object | None:
+def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

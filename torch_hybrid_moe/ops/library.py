@@ -75,7 +75,7 @@ def cpu_experts_into(
         w if s is None else QuantizedWeight.from_kernel_operands(w, s)
         for w, s in ((gate_up, gate_up_scale), (down, down_scale))
     ]
-    accumulate_experts_(out, hidden, topk_ids, topk_weights, *experts)
+    accumulate_experts_(out, hidden, topk_ids, topk_weights, experts[0], experts[1])
 
 
 cpu_experts = torch.library.custom_op(

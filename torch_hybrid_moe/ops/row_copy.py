@@ -10,6 +10,7 @@ slot fill needs no host call and overlaps compute on its own stream; elsewhere p
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if host.dtype != torch.uint8:
         return device_view(host.view(torch.uint8), device).view(host.dtype)
     view = torch.as_tensor(_Interface(), device=device)
-    view._hybrid_moe_host = host  # the view does not own the memory: keep the pinned tensor alive with it
+    view._hybrid_moe_host = host  # type: ignore[attr-defined]  # the view does not own the memory: keep the pinned tensor alive with it
     return view
 
 
@@ -74,17 +75,19 @@ def launch(
     dst_idx: torch.Tensor,
     src: torch.Tensor | QuantizedWeight,
     src_idx: torch.Tensor,
-    kernels: tuple[object, object] | None = None,
+    kernels: tuple[Any, Any] | None = None,
 ) -> None:
     """The one Triton launch behind `copy_rows_`: the word copy where dtypes match, else the converting kernel.
     `kernels` (word copy, converting) stands in for the compiled pair: the tests pass interpreted ones."""
     copy_kernel, converting_kernel = kernels or (_kernel(), _converting_kernel())
-    quantised = isinstance(src, QuantizedWeight)
-    if not quantised and src.dtype == dst.dtype:
+    if not isinstance(src, QuantizedWeight) and src.dtype == dst.dtype:
         d, s = _words(dst), _words(src)
         copy_kernel[(src_idx.numel(), -(-d.shape[1] // _BLOCK))](d, s, dst_idx, src_idx, d.shape[1], BLOCK=_BLOCK)
         return
-    data, scale = (src.data, src.scale) if quantised else (src, src)  # no scales for a plain cast: never read
+    if isinstance(src, QuantizedWeight):
+        data, scale, group_size, bits = src.data, src.scale, src.group_size, src.bits
+    else:  # no scales for a plain cast: never read
+        data, scale, group_size, bits = src, src, 1, 0
     elements = dst[0].numel()
     grid = (src_idx.numel(), -(-elements // _BLOCK))
     converting_kernel[grid](
@@ -94,8 +97,8 @@ def launch(
         dst_idx,
         src_idx,
         elements,
-        src.group_size if quantised else 1,
-        BITS=src.bits if quantised else 0,
+        group_size,
+        BITS=bits,
         BLOCK=_BLOCK,
     )
 

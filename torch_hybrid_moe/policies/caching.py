@@ -136,7 +136,7 @@ class WorkloadWindow(RankedCache):
             )
         self.w_size, self.u_size, self.decay = w_size, u_size, decay
         self.window = [0] * info.num_experts  # tokens so far in the open window
-        self.scores = [0] * info.num_experts  # the last closed window's: what replacement ranks by
+        self.scores: list[float] = [0] * info.num_experts  # the last closed window's: what replacement ranks by
         self.steps = 0
 
     def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:

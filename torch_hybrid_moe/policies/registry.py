@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ class Registry(Generic[T]):
         """The policies that can run inside a CUDA graph."""
         return sorted(self._tensor_forms)
 
-    def tensor_form(self, name: str) -> Callable[..., object]:
+    def tensor_form(self, name: str) -> Callable[..., Any]:
         """The tensor-form builder of `name`, or a one-line error naming those that have one. By name, not by the
         object's class: a policy subclassed under another name may decide differently, and gets no form."""
         self.check(name)

@@ -11,13 +11,13 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from ..cost_model import CostModel
-from .base import LayerInfo, Placement, Timeline
+from .base import LayerInfo, Placement, Scheduler, Timeline
 from .registry import Registry
 
 SCHEDULERS: Registry = Registry("scheduler")
 
 
-def makespan(counts: Sequence[int], resident: Sequence[bool], on_gpu: Sequence[int], costs: CostModel) -> float:
+def makespan(counts: Sequence[int], resident: Sequence[bool], on_gpu: Iterable[int], costs: CostModel) -> float:
     """DALI's objective for one layer step: max(CPU time, GPU time including transfers of missing experts)."""
     gpu = set(on_gpu)
     cpu_time = sum(costs.t_cpu(c) for e, c in enumerate(counts) if c and e not in gpu)
@@ -302,7 +302,7 @@ class QueueAware:
         if timeline is None:
             raise ValueError("scheduler 'queue_aware' plans around in-flight copies: pass timeline=...")
         self.timeline = timeline
-        self.starts = (DaliGreedy(info, self.costs), HybriMoE(info, self.costs, timeline))
+        self.starts: tuple[Scheduler, ...] = (DaliGreedy(info, self.costs), HybriMoE(info, self.costs, timeline))
 
     def start(self, counts: Sequence[int], resident: Sequence[bool], timer: StepTimer) -> set[int]:
         """The best of the cheap placements, by the step's time."""

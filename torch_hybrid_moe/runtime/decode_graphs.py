@@ -14,6 +14,7 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -51,10 +52,11 @@ class DecodeGraphs:
 
     def get_compiled_call(self, compile_config: object) -> DecodeGraphs:
         """Stands in for the model's own method: compile as transformers would, then capture around it."""
-        self.compiled = type(self.model).get_compiled_call(self.model, compile_config)
+        self.compiled = type(self.model).get_compiled_call(self.model, compile_config)  # type: ignore[attr-defined]  # a transformers model's method
         return self
 
     def __call__(self, **kwargs: object) -> object:
+        assert self.compiled is not None  # transformers calls get_compiled_call first, and calls what it returns
         signature = self._signature(kwargs)
         if signature is None:
             return self.compiled(**kwargs)
@@ -99,21 +101,29 @@ class DecodeGraphs:
                     return None
                 parts.append(leaf)
         # The graph writes into this cache's buffers: a new cache object needs its own graph.
-        parts.append(tuple(t.data_ptr() for layer in cache.layers for t in (layer.keys, layer.values)))
+        static_layers = cast(list[StaticLayer], cache.layers)  # each checked above
+        parts.append(
+            tuple(t.data_ptr() for layer in static_layers for t in (layer.keys, layer.values))  # type: ignore[union-attr]  # initialised: set
+        )
         return tuple(parts), leaves, spec
 
     def _capture(self, key: tuple, kwargs: dict[str, object]) -> _Captured:
         if len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
-        _, leaves, spec = self._signature(kwargs)
+        assert self.compiled is not None  # as in __call__, the only caller
+        signature = self._signature(kwargs)
+        assert signature is not None  # __call__ captures only a call `_signature` accepts
+        _, leaves, spec = signature
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
         name = _cache_argument(kwargs)
-        cache = kwargs[name]
+        cache = cast(StaticCache, kwargs[name])  # as `_signature` checked
         static = {
             **pytree.tree_unflatten([b if b is not None else v for b, v in zip(inputs, leaves)], spec),
             name: cache,
         }
-        lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+        # StaticLayers, as `_signature` checked: their cumulative_length is a device tensor (typed int upstream)
+        cache_layers: list[Any] = cache.layers
+        lengths = [layer.cumulative_length.clone() for layer in cache_layers]
         with self._graph_mode():
             # Warm up (compilation, Triton and allocator), then undo the cache length bump and the counters (the
             # KV row it wrote is rewritten by the real step; slots and cache rankings keep it, a valid state).
@@ -128,7 +138,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             check_task_errors()
             self._restore_counters(counters)
-            for cache_layer, length in zip(cache.layers, lengths):
+            for cache_layer, length in zip(cache_layers, lengths):
                 cache_layer.cumulative_length.copy_(length)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -151,6 +161,7 @@ class DecodeGraphs:
         for layer, (path, mode) in zip(self.layers, saved):
             layer.graph_path().counters.copy_(path)
             if mode is not None:
+                assert layer.mode_counters is not None  # never reset to None once created
                 layer.mode_counters.copy_(mode)
             elif layer.mode_counters is not None:  # created by the warm-up
                 layer.mode_counters.zero_()

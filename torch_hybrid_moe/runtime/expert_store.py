@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from ..ops.quantize import QuantizedWeight, dequantize
@@ -80,6 +82,10 @@ def expert_nbytes(weight: HostWeight) -> int:
     return weight.nbytes_per_expert() if isinstance(weight, QuantizedWeight) else weight[0].nbytes
 
 
+@overload
+def _host_copy(weight: torch.Tensor, pin: bool) -> torch.Tensor: ...
+@overload
+def _host_copy(weight: QuantizedWeight, pin: bool) -> QuantizedWeight: ...
 def _host_copy(weight: HostWeight, pin: bool) -> HostWeight:
     """The host master: the CPU tensor itself when no pinning is needed (no second copy), else a pinned copy."""
     if isinstance(weight, QuantizedWeight):

@@ -29,7 +29,7 @@ import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 from ..policies.device_caching import admissions, fetch_admissions, prefetch_admissions
 
 if TYPE_CHECKING:
+    from ..policies.device_caching import DeviceRanking
+    from ..policies.device_scheduling import DeviceScheduler
+    from ..policies.prefetching import GatePrefetch
     from .layer import HybridMoELayer
 
 
@@ -78,7 +81,9 @@ def fill_stream(device: torch.device) -> torch.cuda.Stream:
 
 def check_task_errors() -> None:
     """Raise the first exception a CPU task hit on the worker thread (it cannot raise into CUDA's callback)."""
-    err = extension().take_task_error()
+    ext = extension()
+    assert ext is not None  # CPU tasks run only on a GraphPath, which is built only with the kernel
+    err = ext.take_task_error()
     if err:
         raise RuntimeError(f"hybrid_moe CPU expert task failed: {err}")
 
@@ -89,7 +94,7 @@ class _TaskBuffers:
     ids: torch.Tensor
     weights: torch.Tensor
     out: torch.Tensor
-    task: object  # the extension's CpuTask
+    task: Any  # the extension's CpuTask
 
 
 class GraphPath:
@@ -119,10 +124,10 @@ class GraphPath:
         self.num_experts, self.num_slots = store.num_experts, store.num_slots
         self.fills = min(layer.config.fills_per_step, self.num_slots)
         config = layer.config
-        self.ranking = CACHE_POLICIES.tensor_form(config.cache_policy)(
+        self.ranking: DeviceRanking = CACHE_POLICIES.tensor_form(config.cache_policy)(
             layer.cache_policy, self.num_experts, self.device
         )
-        self.scheduler = SCHEDULERS.tensor_form(config.scheduler)(layer.scheduler)
+        self.scheduler: DeviceScheduler = SCHEDULERS.tensor_form(config.scheduler)(layer.scheduler)
         self.expert_slot = torch.full((self.num_experts,), -1, dtype=torch.int64, device=self.device)
         self.slot_expert = torch.full((self.num_slots,), -1, dtype=torch.int64, device=self.device)
         self.counters = torch.zeros(len(self.COUNTERS), dtype=torch.float64, device=self.device)
@@ -131,7 +136,7 @@ class GraphPath:
         self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # an AHEAD half's counts and scores per expert
         self._unadmitted: tuple[torch.Tensor, torch.Tensor] | None = None  # a LEADING dispatch's, for its BEHIND half
         self._host = {name: self._readable(getattr(store, f"host_{name}")) for name in ("gate_up", "down")}
-        self.prefetcher = PREFETCHERS.tensor_form(config.prefetcher)(layer.prefetcher, self.device)
+        self.prefetcher: GatePrefetch | None = PREFETCHERS.tensor_form(config.prefetcher)(layer.prefetcher, self.device)
         self._ready: torch.cuda.Event | None = None  # this step's last fill-stream work for this layer
         self.pushed_version = -1
         self.pulled_replay = _last_replay[0]
@@ -286,7 +291,9 @@ class GraphPath:
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             down, down_scale = kernel_operands(store.host_down)
             route = gemm_route(hid, gate_up, gate_up_scale)
-            task = extension().CpuTask(
+            ext = extension()
+            assert ext is not None  # checked when this GraphPath was built (extension() is cached)
+            task = ext.CpuTask(
                 hid,
                 cpu_ids,
                 weights,
@@ -302,7 +309,7 @@ class GraphPath:
             self._buffers[key] = _TaskBuffers(hid, cpu_ids, weights, out, task)
         return self._buffers[key]
 
-    def _launch(self, task: object, what: str) -> None:
+    def _launch(self, task: Any, what: str) -> None:
         """On CUDA: a host function in the current stream (captured into the graph); else: call it now."""
         if self.device.type == "cuda":
             getattr(task, f"launch_{what}")(torch.cuda.current_stream(self.device).cuda_stream)
@@ -319,6 +326,7 @@ class GraphPath:
             self._count(prefetch_calls=1)
 
     def _prefetch(self, hidden: torch.Tensor) -> None:
+        assert self.prefetcher is not None  # `prefetch` queues this only with a prefetcher
         expert, slot = prefetch_admissions(
             self.prefetcher.priority(hidden),
             self.prefetcher.size,

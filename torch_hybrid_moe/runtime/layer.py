@@ -184,6 +184,7 @@ class HybridMoELayer:
                     rounded=store.rounds_inputs,
                 )
         if streamed:
+            assert streaming is not None  # nothing is streamed without it
             self.stats.bytes_transferred += streaming[0].run(acc, hidden, host_ids, host_weights, streamed)
         if cpu:
             cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
@@ -199,9 +200,9 @@ class HybridMoELayer:
         if part == Part.BEHIND:
             return acc
         if self._ahead is not None:
-            counts, scores = (
-                [a + b for a, b in zip(mine, theirs)] for mine, theirs in zip((counts, scores), self._ahead)
-            )
+            ahead_counts, ahead_scores = self._ahead
+            counts = [a + b for a, b in zip(counts, ahead_counts)]
+            scores = [a + b for a, b in zip(scores, ahead_scores)]
             active = {e for e, c in enumerate(counts) if c}
             self._ahead = None
         s.steps += 1

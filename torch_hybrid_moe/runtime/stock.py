@@ -50,8 +50,10 @@ def layer_for_parameters(
     ):
         return layer
     num_slots = config.slots_per_layer(gate_up.shape[0], gate_up[0].nbytes + down[0].nbytes, num_layers)
-    host = (to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size) for w in (gate_up, down))
-    store = ExpertStore(*host, num_slots, config.resolve_device(), slot_dtype=gate_up.dtype)
+    host_gate_up, host_down = (
+        to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size) for w in (gate_up, down)
+    )
+    store = ExpertStore(host_gate_up, host_down, num_slots, config.resolve_device(), slot_dtype=gate_up.dtype)
     layer = HybridMoELayer(name, layer_idx, store, config)
     setattr(gate_up, LAYER_ATTR, layer)
     setattr(gate_up, _SOURCE_ATTR, source)

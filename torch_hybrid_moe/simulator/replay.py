@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -186,7 +187,7 @@ def _prefetch(
     target: int,
     rows: torch.Tensor,
     gate_input: torch.Tensor,
-    prefetcher: object,
+    prefetcher: Any,  # a Prefetcher with a `size` (every one but "none", which is never asked)
     layer: _Layer,
     now: float,
 ) -> tuple[int, int, float]:
@@ -258,7 +259,7 @@ def _build_layers(
             "future": [step[2][idx][0] for step in steps],  # the routing to come: for the oracles only
             "popularity": calibration.popularity.get(idx),
             "router": calibration.routers.get(idx),
-            "residual": calibration.residuals.get(prev),
+            "residual": None if prev is None else calibration.residuals.get(prev),
             **dict(stack.options),
         }
         layers[idx] = _Layer(info, stack, link, context)

@@ -16,6 +16,7 @@ of those variants and Belady's slots.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -42,6 +43,11 @@ def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
         "residual" if prefetch else "none",
         (("w_size", w_size), ("u_size", u_size), ("decay", decay)) + ((("size", prefetch),) if prefetch else ()),
     )
+
+
+def _window_options(stack: Stack) -> tuple[int, int, float]:
+    """The (w_size, u_size, decay) an `ours` stack was built with: its first three options."""
+    return cast(tuple[int, int, float], tuple(v for _, v in stack.options[:3]))
 
 
 def decode_halves(trace: Trace) -> tuple[Trace, Trace]:
@@ -79,7 +85,7 @@ def tune(
     run([ours(*w) for w in windows], "windows")
     if gate_inputs and prefetch_sizes:
         finalists = ranked()[:FINALISTS]
-        run([ours(*(v for _, v in s.options[:3]), p) for s, _ in finalists for p in prefetch_sizes], "prefetch")
+        run([ours(*_window_options(s), p) for s, _ in finalists for p in prefetch_sizes], "prefetch")
     return ranked()[0][0], tried
 
 

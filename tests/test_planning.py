@@ -1,0 +1,104 @@
+"""`hybrid-moe plan`: the shapes it reads from a config against the real model's tensors (parameters counted, a KV
+cache filled), its memory arithmetic by hand, and every door with bad input."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from torch_hybrid_moe import planning
+from torch_hybrid_moe.cli import main
+from torch_hybrid_moe.cost_model import HARDWARE, CostModel
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
+
+from .test_cli_errors import one_line_error
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_summary_matches_the_built_model(arch):
+    """Weights split as the real model holds them, and KV bytes as a cache filled by a forward pass holds them."""
+    model = tiny_model(arch)  # in its config's dtype, which the plan reads
+    s = planning.summarise(model.config)
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    expert_weights = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts)
+    assert (s.expert_weights, s.moe_layers) == (expert_weights, len(experts))
+    assert s.expert_weights + s.dense_weights == sum(p.numel() for p in model.parameters())
+    assert s.expert_weights == s.moe_layers * s.num_experts * s.expert_weights_each
+    cache, tokens = DynamicCache(config=model.config), 7
+    with torch.no_grad():
+        model(torch.randint(3, 90, (1, tokens)), cache=cache, use_cache=True)
+    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == s.kv_bytes_per_token * tokens
+
+
+def _summary(**overrides):
+    base = dict(
+        model_type="qwen3_moe",
+        layers=4,
+        moe_layers=4,
+        num_experts=8,
+        top_k=2,
+        hidden=64,
+        inter=32,
+        expert_weights=4 * 8 * 3 * 64 * 32,
+        dense_weights=100_000,
+        model_bytes=2,
+        kv_bytes_per_token=1024,
+    )
+    return planning.ModelSummary(**{**base, **overrides})
+
+
+def test_budget_and_host_memory_by_hand():
+    s = _summary()
+    costs_for = lambda shape: CostModel(HARDWARE["rtx4090"], shape)  # noqa: E731
+    slots = s.expert_weights * 2
+    gpu = 200_000 + 1024 * 10 + 1000 + slots // 2  # dense + KV of 10 tokens + reserve + half the experts' slots
+    dense, kv, plans = planning.plan(s, gpu, 10**9, 10, costs_for, reserve_bytes=1000, prompt=32)
+    assert (dense, kv) == (200_000, 10_240)
+    assert all(p.expert_budget == pytest.approx(0.5, abs=1e-4) for p in plans)
+    by_fmt = {p.fmt: p for p in plans}
+    assert by_fmt["bfloat16"].host_bytes == s.expert_weights * 2
+    assert by_fmt["int8"].host_bytes == int(s.expert_weights * (1 + 4 / 64))
+    assert by_fmt["int4"].host_bytes == int(s.expert_weights * (0.5 + 4 / 64))
+    assert all(p.speeds and all(d > 0 and f > 0 for d, f in p.speeds.values()) for p in plans)
+    # int4 reads fewer bytes than bf16 on every stack, so it decodes faster on each
+    assert all(by_fmt["int4"].speeds[k][0] > by_fmt["bfloat16"].speeds[k][0] for k in by_fmt["int4"].speeds)
+
+    _, _, tight = planning.plan(s, 0, by_fmt["int4"].host_bytes + dense, 10, costs_for, prompt=32)
+    fits = {p.fmt: p.fits_host for p in tight}  # no GPU: the dense weights live in host memory too
+    assert fits == {"bfloat16": False, "int8": False, "int4": True}
+    assert all(p.expert_budget == 0 for p in tight)
+    assert set(next(p for p in tight if p.fits_host).speeds) == {"ktransformers"}  # no slots: all-CPU stacks only
+
+
+def test_plan_command_prints_the_answer(tmp_path, capsys):
+    tiny_model("deepseek_v2").config.save_pretrained(tmp_path)  # a config alone: plan reads no weights
+    assert main(["plan", "--model", str(tmp_path), "--gpu-memory", "2GiB", "--host-memory", "8GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek_v2" in out and "expert_budget=" in out and out.count("(fits)") == 3
+    assert "ktransformers" in out and "lru-cache" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--gpu-memory", "24"], "not a size with a unit"),
+        (["--host-memory", "lots"], "not a size with a unit"),
+        (["--hardware", "h100-dream"], "invalid choice"),
+        (["--context", "0"], "--context"),
+    ],
+)
+def test_plan_refuses_bad_options(argv, match, tmp_path, capsys):
+    tiny_model("mixtral").config.save_pretrained(tmp_path)
+    one_line_error(capsys, ["plan", "--model", str(tmp_path), *argv], match)
+
+
+def test_plan_refuses_bad_models(tmp_path, capsys, monkeypatch):
+    one_line_error(capsys, ["plan", "--model", str(tmp_path)], "no config.json")
+    tiny_model("mixtral").config.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text().replace('"mixtral"', '"llama"')
+    (tmp_path / "config.json").write_text(text.replace('"MixtralForCausalLM"', '"LlamaForCausalLM"'))
+    one_line_error(capsys, ["plan", "--model", str(tmp_path)], "model type 'llama' is not supported")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    one_line_error(
+        capsys, ["plan", "--model", "nobody/no-such-model"], "cannot read the config of 'nobody/no-such-model'"
+    )

@@ -1,0 +1,191 @@
+"""`hybrid-moe plan`: does a checkpoint fit this machine, and how fast will it run? From its config alone.
+
+The model is built on the meta device from its config (no weight is read, nothing is downloaded but config.json),
+which gives every tensor's shape: the routed experts' bytes in each host format, the dense weights' bytes, and the
+KV cache's per token. From those and the memory given: the host memory each format needs, and the expert budget
+that fits in GPU memory beside the dense weights and the KV cache of the context. The expected speed per policy
+stack is the trace simulator's (simulator/replay.py) on routing drawn like a real model's (simulator/synthetic.py)
+with the model's expert count and top-k, on the hardware preset or this machine's measured profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from .config import CPU_WEIGHT_DTYPES
+from .cost_model import HARDWARE, CostModel, ExpertShape
+from .errors import InputError
+from .model_patches import ARCHITECTURES
+from .policies.prefetching import MissingRouter
+from .simulator import STACKS, simulate
+from .simulator.synthetic import synthetic_trace
+
+# Host formats and their bytes per weight (int8 / int4: one fp32 scale per `group` columns).
+FORMATS = tuple(f for f in CPU_WEIGHT_DTYPES if f != "model")
+SIMULATED_LAYERS = 4  # layers are alike to the simulator: tok/s is scaled from this many to the model's count
+# Routing like real models' (issue 18's statistics): mild skew, reuse of the last token's experts ~0.4.
+SKEW, LOCALITY = 0.6, 0.4
+
+
+def bytes_per_weight(fmt: str, model_bytes: int, group: int) -> float:
+    return {"model": model_bytes, "bfloat16": 2, "int8": 1 + 4 / group, "int4": 0.5 + 4 / group}[fmt]
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What a plan needs of a model, from its config."""
+
+    model_type: str
+    layers: int
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    expert_weights: int  # routed experts' weights, all layers
+    dense_weights: int  # everything else (embeddings, attention, shared experts, dense MLPs, LM head)
+    model_bytes: int  # bytes per weight of the checkpoint's dtype
+    kv_bytes_per_token: int  # all layers' K and V of one token, in the model's dtype
+
+    @property
+    def expert_weights_each(self) -> int:
+        return 3 * self.hidden * self.inter
+
+
+def summarise(config: PretrainedConfig) -> ModelSummary:
+    """Shapes from a transformers config: the model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise InputError(f"model type {model_type!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    spec = ARCHITECTURES[model_type]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config()
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    expert_weights = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts)
+    total = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
+    dtype = getattr(text, "dtype", None) or torch.bfloat16
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    heads = text.num_attention_heads
+    if getattr(text, "kv_lora_rank", None):  # DeepSeek's MLA: transformers caches the compressed latent and k_pe
+        kv = text.kv_lora_rank + text.qk_rope_head_dim
+    else:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv = 2 * getattr(text, "num_key_value_heads", heads) * head_dim
+    return ModelSummary(
+        model_type=model_type,
+        layers=text.num_hidden_layers,
+        moe_layers=len(experts),
+        num_experts=getattr(text, spec.num_experts_attr),
+        top_k=text.num_experts_per_tok,
+        hidden=text.hidden_size,
+        inter=getattr(text, spec.intermediate_attr),
+        expert_weights=expert_weights,
+        dense_weights=total - expert_weights,
+        model_bytes=torch.empty(0, dtype=dtype).element_size(),
+        kv_bytes_per_token=text.num_hidden_layers * kv * torch.empty(0, dtype=dtype).element_size(),
+    )
+
+
+def load_config(name: str) -> PretrainedConfig:
+    """A checkpoint's config: a local directory's, an embedded model's, or a hub id's (config.json only)."""
+    from transformers import AutoConfig
+
+    from .embedded import resolve_model
+
+    path = Path(resolve_model(name))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{path} has no config.json; pass a checkpoint directory")
+        return AutoConfig.from_pretrained(path)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return AutoConfig.from_pretrained(Path(hf_hub_download(name, "config.json")).parent)
+    except Exception as err:  # any hub failure (offline, unknown id, no network): say what to do
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise InputError(
+            f"cannot read the config of {name!r} ({type(err).__name__}: {first}); pass a local checkpoint "
+            "directory, or unset HF_HUB_OFFLINE where the hub is reachable"
+        ) from None
+
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class FormatPlan:
+    fmt: str
+    host_bytes: int  # the experts' host copy (and, without a GPU, the dense weights)
+    fits_host: bool
+    expert_budget: float  # fraction of each layer's experts the GPU's slots hold; 0 without a GPU
+    speeds: dict[str, tuple[float, float]]  # stack -> (decode, prefill tok/s); empty where it does not fit
+
+
+def plan(
+    summary: ModelSummary,
+    gpu_bytes: int,
+    host_bytes: int,
+    context: int,
+    costs_for: Callable[[ExpertShape], CostModel],
+    group: int = 64,
+    reserve_bytes: int = GIB,
+    prompt: int = 512,
+) -> tuple[int, int, list[FormatPlan]]:
+    """(dense weights' bytes, the KV cache's bytes, a plan per host format). `costs_for(shape)` gives the cost
+    model for experts of `shape`; formats that do not fit in host memory get no speeds."""
+    dense = summary.dense_weights * summary.model_bytes
+    kv = summary.kv_bytes_per_token * context
+    slots = summary.expert_weights * summary.model_bytes  # slots hold the model's dtype
+    budget = max(0.0, min(1.0, (gpu_bytes - dense - kv - reserve_bytes) / slots)) if gpu_bytes > 0 else 0.0
+    plans = []
+    for fmt in FORMATS:
+        per_weight = bytes_per_weight(fmt, summary.model_bytes, group)
+        host = int(summary.expert_weights * per_weight) + (0 if gpu_bytes > 0 else dense)
+        speeds: dict[str, tuple[float, float]] = {}
+        if host <= host_bytes:
+            work = summary.dense_weights / max(1, summary.layers) / summary.expert_weights_each
+            shape = ExpertShape("model", summary.hidden, summary.inter, per_weight, dense=work)
+            speeds = _speeds(summary, costs_for(shape), budget, prompt)
+        plans.append(FormatPlan(fmt, host, host <= host_bytes, budget, speeds))
+    return dense, kv, plans
+
+
+def _speeds(summary: ModelSummary, costs: CostModel, budget: float, prompt: int) -> dict[str, tuple[float, float]]:
+    """Decode and prefill tok/s of each paper's stack (and the live default) on synthetic routing."""
+    layers = min(summary.moe_layers, SIMULATED_LAYERS)
+    trace = synthetic_trace(
+        SKEW, LOCALITY, summary.num_experts, summary.top_k, layers, sequences=1, prompt_tokens=prompt, new_tokens=33
+    )
+    scale = layers / summary.moe_layers
+    out: dict[str, tuple[float, float]] = {}
+    for stack in STACKS.values():
+        if stack.name.startswith("oracle") or (stack.uses_slots and budget == 0):
+            continue
+        ratio = math.floor(budget * summary.num_experts) / summary.num_experts
+        try:
+            r = simulate(trace, stack, costs, 1, ratio)
+        except MissingRouter:  # its prefetcher replays the router on gate inputs, which synthetic routing lacks
+            stack = replace(stack, name=f"{stack.name} (no prefetch)", prefetcher="none")
+            r = simulate(trace, stack, costs, 1, ratio)
+        out[stack.name] = (r.decode_tok_s * scale, r.prefill_tok_s * scale)
+    return out
+
+
+def hardware_costs(hardware: str) -> Callable[[ExpertShape], CostModel]:
+    """`costs_for(shape)` of a preset, or of this machine's measured profile ("local")."""
+    if hardware == "local":
+        from .profiling import profile_hardware
+
+        return lambda shape: profile_hardware(shape, progress=True).cost_model()
+    if hardware not in HARDWARE:
+        raise InputError(f"unknown hardware {hardware!r}; use 'local' or one of {', '.join(sorted(HARDWARE))}")
+    return lambda shape: CostModel(HARDWARE[hardware], shape)
