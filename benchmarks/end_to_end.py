@@ -261,6 +261,15 @@ def gguf_file(path: Path, kind: str, llama: Path) -> Path:
     return target
 
 
+def own_kib(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS now, VmHWM its peak), in KiB. VmHWM is the
+    process's own: ru_maxrss would carry over the peak of the parent that started it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def child(args: argparse.Namespace) -> None:
     """Measure one row once and print its record as JSON (peak RSS of this process and its children)."""
     path = Path(args.child_path)
@@ -269,7 +278,7 @@ def child(args: argparse.Namespace) -> None:
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     else:
         record = run_torch_row(args.child, path, args.prompt, args.tokens, args.threads)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak = own_kib("VmHWM")
     print(json.dumps({**record, "peak_rss_gb": peak * 1024 / 1e9}))
 
 

@@ -10,9 +10,9 @@ or, streaming a checkpoint's experts into place without loading them twice:
 
 from . import compile_passes, ops  # registers torch.ops.hybrid_moe.* and the hybrid_moe backend
 from .config import HybridMoEConfig
-from .loading import from_pretrained
+from .loading import from_pretrained, prepare
 from .model_patches import patch_model
 from .runtime import LayerStats, reset_stats, stats
 
-__all__ = ["HybridMoEConfig", "LayerStats", "from_pretrained", "patch_model", "reset_stats", "stats"]
+__all__ = ["HybridMoEConfig", "LayerStats", "from_pretrained", "patch_model", "prepare", "reset_stats", "stats"]
 __version__ = "0.1.0"

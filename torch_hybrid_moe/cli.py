@@ -444,6 +444,21 @@ def profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def prepare(args: argparse.Namespace) -> int:
+    """Convert a checkpoint's experts to a host format once; later loads read them with no conversion."""
+    from torch_hybrid_moe.loading import prepare as write
+
+    config = thm.HybridMoEConfig(
+        expert_budget=0.0,
+        device="cpu",
+        cpu_weight_dtype=args.cpu_weight_dtype,
+        cpu_weight_group_size=args.cpu_weight_group_size,
+    )
+    out = _timed(f"preparing {args.model} as {args.cpu_weight_dtype}", lambda: write(args.model, args.out, config))
+    print(f"wrote {out}: load it with thm.from_pretrained({str(out)!r}) or hybrid-moe generate --model {out}")
+    return 0
+
+
 def plan(args: argparse.Namespace) -> int:
     """Does the model fit, and how fast will it run: host memory per host format, the expert budget the GPU's
     memory leaves, and the simulator's expected tok/s per policy stack."""
@@ -588,8 +603,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     pr = sub.add_parser("profile", help="measure this machine's per-expert CPU / GPU / PCIe times, next to the presets")
     sub.add_parser("build", help="build the C++ CPU kernel now (otherwise the first run does, for a minute or two)")
     pl = sub.add_parser("plan", help="does a model fit, and how fast will it run? from its config alone")
+    pp = sub.add_parser("prepare", help="write a checkpoint with its experts in a host format, to load unconverted")
     for p in (g, e, t, pl):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    pp.add_argument("--model", type=_non_empty, required=True, help="local checkpoint directory or hub id")
+    pp.add_argument("--cpu-weight-dtype", required=True, choices=[f for f in CPU_WEIGHT_DTYPES if f != "model"])
+    pp.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
+    pp.add_argument("--out", type=Path, required=True, help="a new (or empty) directory")
     for p in (g, e):
         p.add_argument(
             "--expert-budget",
@@ -725,6 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "convert-trace": convert_trace,
         "build": build,
         "plan": plan,
+        "prepare": prepare,
     }
     try:
         return commands[args.command](args)

@@ -34,6 +34,7 @@ from .model_patches import ARCHITECTURES
 from .model_patches.base import dense_linears, patch_with_spec
 from .ops.host_memory import advise_huge_pages
 from .ops.quantize import QUANTIZE_ROWS, QuantizedWeight, empty_cpu_format, set_expert
+from .prepared import check_request, config_for, expert_keys, read_marker, write_store
 from .runtime.expert_store import HostWeight
 
 _PER_EXPERT = re.compile(
@@ -70,7 +71,7 @@ def from_pretrained(
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.initialization import no_init_weights
 
-    directory = _local_directory(str(name_or_path))
+    directory = local_directory(str(name_or_path))
     model_config = AutoConfig.from_pretrained(directory)
     if model_config.model_type not in ARCHITECTURES:
         raise InputError(
@@ -81,6 +82,9 @@ def from_pretrained(
         dtype = getattr(model_config, "dtype", None) or torch.float32
     checkpoint = Checkpoint(directory, model_config.model_type)
     config = (config or HybridMoEConfig()).replace(**overrides)
+    prepared = read_marker(directory)
+    if prepared is not None:  # experts already in a host format: read as they are
+        config = config_for(config, prepared, directory)
     with no_init_weights():  # parameters stay torch.empty: allocated, never touched, so not resident
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.tie_weights()  # tied weights (tie_word_embeddings) become one tensor, loaded under either name
@@ -91,7 +95,11 @@ def from_pretrained(
         for name, module in model.named_modules()
         if name.endswith(".experts") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
     }
-    layout = {name: checkpoint.expert_layout(name, module) for module, name in experts.items()}
+    quantised_store = prepared is not None and prepared[0] in ("int8", "int4")
+    layout = {
+        name: checkpoint.prepared_layout(name, module) if quantised_store else checkpoint.expert_layout(name, module)
+        for module, name in experts.items()
+    }
     quantised = _quantised_linears(model, config, checkpoint)
     mapped = _mapped_embedding(model, checkpoint)
     checkpoint.load_dense(
@@ -108,13 +116,29 @@ def from_pretrained(
         model,
         ARCHITECTURES[model_config.model_type],
         config,
-        read_experts=lambda module: checkpoint.read_experts(module, layout[experts[module]], fmt, group),
+        read_experts=lambda module: (
+            checkpoint.read_prepared(module, layout[experts[module]], fmt, group)
+            if quantised_store
+            else checkpoint.read_experts(module, layout[experts[module]], fmt, group)
+        ),
         read_linear=lambda linear: (
             checkpoint.read_quantized(quantised[linear], linear.weight.dtype, config.dense_weight_dtype, group)
             if linear in quantised
             else None
         ),
     )
+
+
+def prepare(source: str | Path, out: str | Path, config: HybridMoEConfig, dtype: torch.dtype | str = "auto") -> Path:
+    """Write checkpoint `source` (a directory or hub id) as a prepared store (prepared.py) in
+    `config.cpu_weight_dtype` to the new directory `out`, which `from_pretrained` then loads with no conversion."""
+    out = Path(out)
+    check_request(out, config)
+    directory = local_directory(str(source))
+    if read_marker(directory) is not None:
+        raise InputError(f"{directory} is already a prepared store; prepare the original checkpoint")
+    model = from_pretrained(directory, config.replace(expert_budget=0.0, device="cpu"), dtype=dtype)
+    return write_store(model, directory, out, config)
 
 
 def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -166,7 +190,7 @@ def _mapped_embedding(model: torch.nn.Module, checkpoint: Checkpoint) -> set[str
     return {name}
 
 
-def _local_directory(name: str) -> Path:
+def local_directory(name: str) -> Path:
     """A checkpoint directory: as given, or a hub id's snapshot (downloaded, or from the local cache offline)."""
     from .embedded import resolve_model
 
@@ -295,6 +319,36 @@ class Checkpoint:
                         shard.read(key, weight[part * rows : (part + 1) * rows])
                 if buffer is not None:
                     set_expert(dst, e, buffer)
+            out.append(dst)
+        return out[0], out[1]
+
+    def prepared_layout(self, name: str, experts: torch.nn.Module) -> ExpertSources:
+        """Where a prepared store keeps layer `name`'s int8 / int4 experts: (data, scale) per projection."""
+        sources = {}
+        for proj in ("gate_up_proj", "down_proj"):
+            keys = expert_keys(name, proj, quantised=True)
+            missing = [k for k in keys if k not in self.source]
+            if missing:
+                raise InputError(f"prepared store {self.directory} lacks {missing[0]}; prepare it again")
+            sources[proj] = [self.source[k] for k in keys]
+        return ExpertSources(True, sources)
+
+    def read_prepared(
+        self, experts: torch.nn.Module, layout: ExpertSources, fmt: str, group_size: int
+    ) -> tuple[HostWeight, HostWeight]:
+        """A prepared layer's int8 / int4 experts, read whole into the store's format: no conversion."""
+        out = []
+        for proj, ((data_key, data_shard), (scale_key, scale_shard)) in layout.sources.items():
+            param = getattr(experts, proj)
+            dst = empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
+            assert isinstance(dst, QuantizedWeight)  # fmt is int8 or int4 here
+            for key, shard, into in ((data_key, data_shard, dst.data), (scale_key, scale_shard, dst.scale)):
+                if shard.shape(key) != tuple(into.shape) or shard.tensors[key][0] != into.dtype:
+                    raise InputError(
+                        f"prepared tensor {key} is {shard.tensors[key][0]} {list(shard.shape(key))}, the model's "
+                        f"config wants {into.dtype} {list(into.shape)}; config.json and the store disagree"
+                    )
+                shard.read(key, into)
             out.append(dst)
         return out[0], out[1]
 

@@ -187,7 +187,8 @@ def _experts_from_store(module: torch.nn.Module, state: dict, prefix: str, metad
             raise RuntimeError(
                 f"{layer.name}: the experts' host copy is {layer.config.cpu_weight_dtype}, not the model's "
                 f"{store.slot_gate_up.dtype}, so the original weights are gone and saving would write altered "
-                "experts; save the unpatched model (patch with cpu_weight_dtype='model' to keep them)"
+                "experts; save the unpatched model (patch with cpu_weight_dtype='model' to keep them), or write the "
+                "quantised store with thm.prepare / hybrid-moe prepare"
             )
         state[prefix + name] = host
 

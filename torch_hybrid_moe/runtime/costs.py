@@ -26,7 +26,7 @@ class IdleLink:
 def _local_model(shape: ExpertShape) -> CostModel:
     from ..profiling import profile_hardware  # measures once per machine and shape, then reads its disk cache
 
-    return profile_hardware(shape, progress=False).cost_model()
+    return profile_hardware(shape, progress=True).cost_model()  # measuring takes a while: say so
 
 
 def live_costs(

@@ -1,0 +1,64 @@
+"""Prepared stores (`thm.prepare`, `hybrid-moe prepare`): loaded with no conversion, they give the logits of loading
+the original checkpoint in the same host format; bad requests fail in one line with nothing written."""
+
+import json
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.cli import main
+from torch_hybrid_moe.errors import InputError
+from torch_hybrid_moe.ops import quantize
+from torch_hybrid_moe.runtime import model_layers
+
+from .test_cli_errors import one_line_error
+from .test_loading import _logits, _qwen3
+
+GROUP = {"cpu_weight_group_size": 32}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("source")
+    _qwen3(64, 8, 64, 2).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16"])
+def test_prepared_store_loads_as_the_original(fmt, source, tmp_path, monkeypatch):
+    out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype=fmt, **GROUP))
+    want = _logits(thm.from_pretrained(source, expert_budget=0.0, device="cpu", cpu_weight_dtype=fmt, **GROUP))
+    calls = []  # loading the store must not quantise again
+    monkeypatch.setattr(quantize, "quantize", lambda *a, **k: calls.append(a) or pytest.fail("quantised again"))
+    model = thm.from_pretrained(out, expert_budget=0.0, device="cpu")  # the store's format, read from its marker
+    assert torch.equal(_logits(model), want) and not calls
+    hosts = [w for layer in model_layers(model).values() for w in (layer.store.host_gate_up, layer.store.host_down)]
+    want_bits = quantize.BITS.get(fmt)
+    assert all(
+        (w.bits if isinstance(w, quantize.QuantizedWeight) else w.dtype) == (want_bits or torch.bfloat16) for w in hosts
+    )
+    assert json.loads((out / "hybrid_moe_store.json").read_text())["cpu_weight_dtype"] == fmt
+
+
+def test_prepared_store_refuses_another_format(source, tmp_path):
+    out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype="int4", **GROUP))
+    with pytest.raises(InputError, match="prepared as int4 .* load it with cpu_weight_dtype='int4'"):
+        thm.from_pretrained(out, device="cpu", cpu_weight_dtype="int8", **GROUP)
+    with pytest.raises(InputError, match="already a prepared store"):
+        thm.prepare(out, tmp_path / "again", thm.HybridMoEConfig(cpu_weight_dtype="int8", **GROUP))
+    (out / "hybrid_moe_store.json").write_text('{"version": 99}')
+    with pytest.raises(InputError, match="not a prepared-store marker"):
+        thm.from_pretrained(out, device="cpu")
+
+
+def test_prepare_command_and_its_bad_input(source, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a path that does not exist is tried as a hub id
+    out = tmp_path / "cli-store"
+    argv = ["prepare", "--model", str(source), "--cpu-weight-dtype", "int8", "--cpu-weight-group-size", "32"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out and (out / "hybrid_moe_store.json").is_file()
+    one_line_error(capsys, [*argv, "--out", str(out)], "exists and is not an empty directory")
+    one_line_error(capsys, ["prepare", "--model", str(source), "--cpu-weight-dtype", "model", "--out", "x"], "choice")
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "bad"), "--model", str(tmp_path / "nowhere")], "nowhere")
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.partial-*"))
