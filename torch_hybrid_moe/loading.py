@@ -19,8 +19,11 @@ them (gate rows, then up rows), or already fused `experts.gate_up_proj` / `exper
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -42,6 +45,7 @@ _PER_EXPERT = re.compile(
     r"\.weight"
 )
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+READERS = max(1, min(4, os.cpu_count() or 1))  # threads reading one layer's experts at once
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -139,6 +143,13 @@ def prepare(source: str | Path, out: str | Path, config: HybridMoEConfig, dtype:
         raise InputError(f"{directory} is already a prepared store; prepare the original checkpoint")
     model = from_pretrained(directory, config.replace(expert_budget=0.0, device="cpu"), dtype=dtype)
     return write_store(model, directory, out, config)
+
+
+def _in_parallel(read: Callable[[int], None], count: int) -> None:
+    """read(0), ..., read(count - 1) on READERS threads: reads into fresh memory are bound by faulting it in, which
+    runs on the reading thread's core. A reader's error is raised here."""
+    with ThreadPoolExecutor(READERS) as pool:
+        list(pool.map(read, range(count)))
 
 
 def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -301,24 +312,32 @@ class Checkpoint:
         self, experts: torch.nn.Module, layout: ExpertSources, fmt: str, group_size: int
     ) -> tuple[HostWeight, HostWeight]:
         """The layer's experts in host format `fmt`, read expert by expert. In the model's dtype they are read
-        into the module's own uninitialised tensors, which the store then keeps; otherwise converted as read."""
+        into the module's own uninitialised tensors, which the store then keeps, by READERS threads at once (most
+        of a read's time is the kernel faulting in the fresh memory it lands in: zeroing, huge-page compaction,
+        on the reading thread's core); otherwise through one reused buffer, converted as read."""
         out = []
         for proj, sources in layout.sources.items():
             param = getattr(experts, proj).data
-            dst = param if fmt == "model" else empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
             per_expert = len(sources) // param.shape[0]  # unfused: 2 for gate_up (gate, up), 1 for down
-            buffer = torch.empty(param.shape[1:], dtype=param.dtype) if dst is not param else None
-            for e in range(param.shape[0]):
-                weight = param[e] if buffer is None else buffer
+
+            def read(e: int, into: torch.Tensor, sources: list = sources, per_expert: int = per_expert) -> None:
                 if layout.fused:
                     key, shard = sources[0]
-                    shard.read(key, weight, index=e)
-                else:
-                    rows = weight.shape[0] // per_expert
-                    for part, (key, shard) in enumerate(sources[e * per_expert :][:per_expert]):
-                        shard.read(key, weight[part * rows : (part + 1) * rows])
-                if buffer is not None:
-                    set_expert(dst, e, buffer)
+                    shard.read(key, into, index=e)
+                    return
+                rows = into.shape[0] // per_expert
+                for part, (key, shard) in enumerate(sources[e * per_expert :][:per_expert]):
+                    shard.read(key, into[part * rows : (part + 1) * rows])
+
+            if fmt == "model":
+                _in_parallel(lambda e, param=param, read=read: read(e, param[e]), param.shape[0])
+                out.append(param)
+                continue
+            dst = empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
+            buffer = torch.empty(param.shape[1:], dtype=param.dtype)
+            for e in range(param.shape[0]):
+                read(e, buffer)
+                set_expert(dst, e, buffer)
             out.append(dst)
         return out[0], out[1]
 
@@ -336,7 +355,7 @@ class Checkpoint:
     def read_prepared(
         self, experts: torch.nn.Module, layout: ExpertSources, fmt: str, group_size: int
     ) -> tuple[HostWeight, HostWeight]:
-        """A prepared layer's int8 / int4 experts, read whole into the store's format: no conversion."""
+        """A prepared layer's int8 / int4 experts, read into the store's format with no conversion."""
         out = []
         for proj, ((data_key, data_shard), (scale_key, scale_shard)) in layout.sources.items():
             param = getattr(experts, proj)
@@ -348,7 +367,13 @@ class Checkpoint:
                         f"prepared tensor {key} is {shard.tensors[key][0]} {list(shard.shape(key))}, the model's "
                         f"config wants {into.dtype} {list(into.shape)}; config.json and the store disagree"
                     )
-                shard.read(key, into)
+                with ThreadPoolExecutor(READERS) as pool:  # by expert, as read_experts (the faults are the cost)
+                    list(
+                        pool.map(
+                            lambda e, key=key, shard=shard, into=into: shard.read(key, into[e], index=e),
+                            range(into.shape[0]),
+                        )
+                    )
             out.append(dst)
         return out[0], out[1]
 
