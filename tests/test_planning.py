@@ -50,8 +50,8 @@ def _summary(**overrides):
 def test_budget_and_host_memory_by_hand():
     s = _summary()
     costs_for = lambda shape: CostModel(HARDWARE["rtx4090"], shape)  # noqa: E731
-    slots = s.expert_weights * 2
-    gpu = 200_000 + 1024 * 10 + 1000 + slots // 2  # dense + KV of 10 tokens + reserve + half the experts' slots
+    slots, ring = s.expert_weights * 2, 2 * s.expert_weights_each * 2
+    gpu = 200_000 + 1024 * 10 + 1000 + ring + slots // 2  # dense, KV of 10 tokens, reserve, ring, half the experts
     dense, kv, plans = planning.plan(s, gpu, 10**9, 10, costs_for, reserve_bytes=1000, prompt=32)
     assert (dense, kv) == (200_000, 10_240)
     assert all(p.expert_budget == pytest.approx(0.5, abs=1e-4) for p in plans)

@@ -198,7 +198,6 @@ def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
 
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(num_experts, 8, 4, generator=g), torch.randn(num_experts, 4, 4, generator=g)
-    # the simulator does not model the prefill staging ring: the live layer runs without it
     config = HybridMoEConfig(
         expert_budget=0.25,
         device="cpu",

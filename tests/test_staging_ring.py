@@ -1,6 +1,7 @@
 """The prefill staging ring: which experts stream (against every subset), what they compute (against the per-expert
-float64 loop), and a patched model streaming them (against the unpatched model). CPU-run: on CUDA the same code
-adds a copy stream and events, which test_cuda.py's GPU runs cover."""
+float64 loop), and a patched model streaming them (against the unpatched model). CPU-run: the CPU stands in for
+CUDA (where alone streaming pays; `cpu_as_cuda`), and on CUDA the same code adds a copy stream and events, which
+test_cuda.py's GPU runs cover."""
 
 import copy
 import itertools
@@ -76,7 +77,8 @@ def test_ring_computes_streamed_pairs(depth, bits):
     weights = torch.rand(40, 2, generator=g)
     streamed = [4, 0, 5, 2]
     got = torch.zeros(40, 64)
-    moved = StagingRing(store, depth).run(got, hidden, ids, weights, streamed)
+    ring = StagingRing(store.device, tuple(gate_up.shape[1:]), tuple(down.shape[1:]), torch.float32, depth)
+    moved = ring.run(store, got, hidden, ids, weights, streamed)
     assert moved == len(streamed) * store.expert_bytes
     only = torch.where(torch.isin(ids, torch.tensor(streamed)), ids, -1)
     want = accumulate_experts_(
@@ -92,13 +94,23 @@ def test_ring_computes_streamed_pairs(depth, bits):
 
 
 def test_ring_refuses_no_buffers():
-    store = ExpertStore(*_experts(), 0, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="at least one buffer"):
-        StagingRing(store, 0)
+        StagingRing(torch.device("cpu"), (64, 64), (64, 32), torch.float32, 0)
+
+
+@pytest.fixture
+def cpu_as_cuda(monkeypatch):
+    """Streaming planned as on CUDA while the CPU stands in for the accelerator (it never streams there itself)."""
+    from torch_hybrid_moe.model_patches import base
+    from torch_hybrid_moe.runtime import costs
+
+    monkeypatch.setattr(
+        base, "streaming_costs", lambda config, device_type, *a: costs.streaming_costs(config, "cuda", *a)
+    )
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
-def test_patched_model_streams_prefill_exactly(reference_models, arch):
+def test_patched_model_streams_prefill_exactly(reference_models, arch, cpu_as_cuda):
     """A cost model that streams (the CPU stand-in as the accelerator): prefill streams some experts and computes
     the rest on the CPU, decode streams none, and the logits are the unpatched model's."""
     ref = reference_models[arch]
@@ -114,7 +126,17 @@ def test_patched_model_streams_prefill_exactly(reference_models, arch):
         assert all(s.streamed_experts == 0 for s in thm.stats(model).values())
 
 
-def test_staging_slots_off_and_bad(reference_models):
+def test_the_cpu_itself_never_streams(reference_models):
+    """Without CUDA the accelerator is the CPU: a copy into CPU buffers gains nothing, whatever the cost model."""
+    model = thm.patch_model(
+        copy.deepcopy(reference_models["mixtral"]), expert_budget=0.25, hardware="dali", expert_shape="deepseek-v2-lite"
+    )
+    with torch.no_grad():
+        model(inputs(3, 64))
+    assert all(s.streamed_experts == 0 and s.cpu_experts > 0 for s in thm.stats(model).values())
+
+
+def test_staging_slots_off_and_bad(reference_models, cpu_as_cuda):
     """0 buffers: nothing streams whatever the cost model; a negative count is refused."""
     model = thm.patch_model(
         copy.deepcopy(reference_models["mixtral"]),
@@ -131,7 +153,7 @@ def test_staging_slots_off_and_bad(reference_models):
 
 
 @pytest.mark.slow
-def test_chunked_prefill_matches(reference_models):
+def test_chunked_prefill_matches(reference_models, cpu_as_cuda):
     """Long prompts prefill in chunks through transformers' `prefill_chunk_size`, streaming per chunk: the same
     greedy tokens as one whole-prompt prefill of the unpatched model."""
     ref = reference_models["qwen3_moe"]

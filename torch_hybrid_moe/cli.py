@@ -489,10 +489,12 @@ def plan(args: argparse.Namespace) -> int:
         budget = plans[0].expert_budget
         print(
             f"GPU {args.gpu_memory / gib:.1f} GiB: dense weights {dense / gib:.1f} GiB + KV cache of {args.context} "
-            f"tokens {kv / gib:.2f} GiB + 1 GiB reserve; the rest holds {budget:.0%} of each layer's experts "
-            f"(expert_budget={budget:.2f})"
+            f"tokens {kv / gib:.2f} GiB + 1 GiB reserve + a 2-expert staging ring; the rest holds {budget:.0%} of "
+            f"each layer's experts (expert_budget={budget:.2f})"
         )
-        if budget == 0:
+        if dense + kv > args.gpu_memory:
+            print("  the dense weights and KV cache alone do not fit: the model cannot run on this GPU")
+        elif budget == 0:
             print("  no room for expert slots: every routed expert runs on the CPU")
     else:
         print("no GPU memory given (--gpu-memory): everything runs on the CPU")
@@ -518,12 +520,12 @@ def _size(text: str) -> int:
 
 
 def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
-    rows = [f"{'layer':>5} {'tokens':>7} {'hit rate':>8} {'on accel':>8} {'on CPU':>7} {'MB moved':>9}"]
+    rows = [f"{'layer':>5} {'tokens':>7} {'hit rate':>8} {'on accel':>8} {'streamed':>8} {'on CPU':>7} {'MB moved':>9}"]
     for idx, s in per_layer.items():
-        ran = s.accelerator_experts + s.cpu_experts
+        ran = max(1, s.accelerator_experts + s.streamed_experts + s.cpu_experts)
         rows.append(
-            f"{idx:>5} {s.tokens:>7} {s.hit_rate:>8.1%} {s.accelerator_experts / max(ran, 1):>8.1%} "
-            f"{s.cpu_experts / max(ran, 1):>7.1%} {s.bytes_transferred / 1e6:>9.2f}"
+            f"{idx:>5} {s.tokens:>7} {s.hit_rate:>8.1%} {s.accelerator_experts / ran:>8.1%} "
+            f"{s.streamed_experts / ran:>8.1%} {s.cpu_experts / ran:>7.1%} {s.bytes_transferred / 1e6:>9.2f}"
         )
     return "\n".join(rows)
 

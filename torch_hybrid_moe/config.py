@@ -56,8 +56,8 @@ class HybridMoEConfig:
         CPU-only machines, where those bytes bound every decode token (benchmarks/RESULTS.md); refused on CUDA.
     staging_slots: accelerator buffers a prefill step streams experts through when the cost model says a copy and
         the accelerator's compute beat the CPU for them (its heaviest experts; the CPU computes the rest at the same
-        time, and the cache's slots are left alone; runtime/staging_ring.py). The cost model is `hardware`'s, or on
-        CUDA with `hardware` '' this machine's measured profile; on the CPU stand-in only a set `hardware` streams.
+        time, and the cache's slots are left alone; runtime/staging_ring.py). The cost model is `hardware`'s, or with
+        `hardware` '' this machine's measured profile. CUDA only: without it the accelerator is the CPU itself.
         0: experts not in a slot all run on the CPU.
     cuda_graph: on CUDA, capture each decode step of `generate()` as one CUDA graph (CPU experts run from host
         functions inside it; slot decisions are made by tensor ops at replay). False: run decode uncaptured.

@@ -367,13 +367,7 @@ class Checkpoint:
                         f"prepared tensor {key} is {shard.tensors[key][0]} {list(shard.shape(key))}, the model's "
                         f"config wants {into.dtype} {list(into.shape)}; config.json and the store disagree"
                     )
-                with ThreadPoolExecutor(READERS) as pool:  # by expert, as read_experts (the faults are the cost)
-                    list(
-                        pool.map(
-                            lambda e, key=key, shard=shard, into=into: shard.read(key, into[e], index=e),
-                            range(into.shape[0]),
-                        )
-                    )
+                _in_parallel(lambda e, key=key, shard=shard, into=into: shard.read(key, into[e], index=e), len(into))
             out.append(dst)
         return out[0], out[1]
 

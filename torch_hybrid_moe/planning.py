@@ -139,13 +139,16 @@ def plan(
     group: int = 64,
     reserve_bytes: int = GIB,
     prompt: int = 512,
+    staging_slots: int = 2,
 ) -> tuple[int, int, list[FormatPlan]]:
     """(dense weights' bytes, the KV cache's bytes, a plan per host format). `costs_for(shape)` gives the cost
-    model for experts of `shape`; formats that do not fit in host memory get no speeds."""
+    model for experts of `shape`; formats that do not fit in host memory get no speeds. The GPU also holds the
+    prefill staging ring: `staging_slots` experts."""
     dense = summary.dense_weights * summary.model_bytes
     kv = summary.kv_bytes_per_token * context
-    slots = summary.expert_weights * summary.model_bytes  # slots hold the model's dtype
-    budget = max(0.0, min(1.0, (gpu_bytes - dense - kv - reserve_bytes) / slots)) if gpu_bytes > 0 else 0.0
+    each = summary.expert_weights_each * summary.model_bytes  # slots and the ring hold the model's dtype
+    free = gpu_bytes - dense - kv - reserve_bytes - staging_slots * each
+    budget = max(0.0, min(1.0, free / (summary.expert_weights * summary.model_bytes))) if gpu_bytes > 0 else 0.0
     plans = []
     for fmt in FORMATS:
         per_weight = bytes_per_weight(fmt, summary.model_bytes, group)

@@ -7,6 +7,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..runtime import layer_ops  # noqa: F401  (registers the ops named below)
+
 DISPATCH = torch.ops.hybrid_moe.dispatch
 PREFETCH = torch.ops.hybrid_moe.prefetch
 DISPATCH_BEGIN = torch.ops.hybrid_moe.dispatch_begin

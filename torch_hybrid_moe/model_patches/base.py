@@ -24,7 +24,7 @@ from ..ops.quantize import QuantizedWeight, check_group_size, empty_cpu_format, 
 from ..policies import LayerInfo
 from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
-from ..runtime.costs import policy_context
+from ..runtime.costs import policy_context, streaming_costs
 from ..runtime.decode_graphs import DecodeGraphs
 from ..runtime.expert_store import HostWeight, expert_nbytes
 from ..runtime.layer import RoutingRule
@@ -97,7 +97,6 @@ def patch_with_spec(
     expert_bytes = first.gate_up_proj[0].nbytes + first.down_proj[0].nbytes
     num_experts = first.gate_up_proj.shape[0]
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
-    _check_fits(device, slots * expert_bytes * len(moe_layers))
     capture = device.type == "cuda" and config.cuda_graph
     _, two_inter, hidden = first.gate_up_proj.shape
     host_bytes = sum(
@@ -106,6 +105,10 @@ def patch_with_spec(
         )
         for w in (first.gate_up_proj, first.down_proj)
     )
+    # the prefill staging ring's plan (on CUDA this machine's profile, measured once): now, before any change
+    streaming = streaming_costs(config, device.type, hidden, two_inter // 2, host_bytes)
+    ring = 0 if streaming is None else config.staging_slots * expert_bytes  # one ring, shared by every layer
+    _check_fits(device, slots * expert_bytes * len(moe_layers) + ring)
     policies = {  # each layer's, built once, before anything changes (one that cannot run fails here)
         idx: build_policies(
             config,
@@ -117,6 +120,7 @@ def patch_with_spec(
                 _router(block, spec, cfg),
             ),
             capture,
+            streaming,
         )
         for idx, block in moe_layers
     }
@@ -326,8 +330,8 @@ def _check_fits(device: torch.device, slot_bytes: int) -> None:
     free, _ = torch.cuda.mem_get_info(device)
     if slot_bytes > free:
         raise ValueError(
-            f"expert slots need {slot_bytes / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB of {device} is free; "
-            "lower expert_budget"
+            f"expert slots (and the prefill staging ring) need {slot_bytes / 2**30:.2f} GiB but only "
+            f"{free / 2**30:.2f} GiB of {device} is free; lower expert_budget (or staging_slots)"
         )
 
 

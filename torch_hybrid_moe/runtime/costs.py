@@ -45,13 +45,12 @@ def live_costs(
 def streaming_costs(
     config: HybridMoEConfig, device_type: str, hidden: int, inter: int, expert_bytes: int
 ) -> CostModel | None:
-    """The cost model a prefill step's staging ring plans with: the configured one, else on CUDA this machine's
-    measured profile (streaming is on by default there); None (no streaming) without either, or with no buffers."""
-    if not config.staging_slots:
+    """The cost model a prefill step's staging ring plans with, on CUDA: the configured one, else this machine's
+    measured profile; None (no streaming) with no buffers, or where the accelerator is the CPU itself (a copy
+    into CPU buffers gains nothing there)."""
+    if not config.staging_slots or device_type != "cuda":
         return None
-    return live_costs(
-        config, hidden, inter, expert_bytes, config.hardware or ("local" if device_type == "cuda" else "")
-    )
+    return live_costs(config, hidden, inter, expert_bytes, config.hardware or "local")
 
 
 def policy_context(

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..config import HybridMoEConfig
-from ..cost_model import CostModel
 from ..ops.expert_math import accumulate_experts_
 from ..ops.library import cpu_experts_into
 from ..ops.quantize import kernel_operands
@@ -20,7 +18,7 @@ from .expert_store import ExpertStore
 from .graph_path import GraphPath, Part
 from .layer_policies import LayerPolicies, build_policies
 from .registry import register_layer
-from .staging_ring import StagingRing
+from .staging_ring import ring_for
 from .stats import LayerStats
 
 
@@ -65,12 +63,15 @@ class HybridMoELayer:
         _, two_inter, hidden = store.host_gate_up.shape
         if policies is None:
             capture = store.device.type == "cuda" and config.cuda_graph
-            policies = build_policies(config, policy_context(config, info, hidden, two_inter // 2, router), capture)
+            streaming = streaming_costs(config, store.device.type, hidden, two_inter // 2, store.expert_bytes)
+            context = policy_context(config, info, hidden, two_inter // 2, router)
+            policies = build_policies(config, context, capture, streaming)
         self.scheduler, self.cache_policy, self.prefetcher = (
             policies.scheduler,
             policies.cache_policy,
             policies.prefetcher,
         )
+        self.streaming = policies.streaming  # what plans prefill streaming; None: no staging ring
         self.stats = LayerStats()
         self.next_handle: int | None = None
         self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields()))
@@ -159,8 +160,7 @@ class HybridMoELayer:
             if not self._fill(expert, keep=set(plan.accelerator)):
                 raise RuntimeError(f"{self.name}: no slot free for on-demand fetch of expert {expert}")
 
-        streaming = self.streaming
-        streamed = plan_streaming(counts, plan.cpu, plan.accelerator, streaming[1]) if streaming else []
+        streamed = plan_streaming(counts, plan.cpu, plan.accelerator, self.streaming) if self.streaming else []
         cpu = sorted(set(plan.cpu) - set(streamed))
         # Host copies taken before the accelerator's work is queued (each waits for the queue): the CPU share
         # must not wait for the accelerator's.
@@ -184,8 +184,8 @@ class HybridMoELayer:
                     rounded=store.rounds_inputs,
                 )
         if streamed:
-            assert streaming is not None  # nothing is streamed without it
-            self.stats.bytes_transferred += streaming[0].run(acc, hidden, host_ids, host_weights, streamed)
+            ring = ring_for(store, self.config.staging_slots)
+            self.stats.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
         if cpu:
             cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
             acc += self._cpu_share(host_hidden, cpu_ids, host_weights).to(acc.device, non_blocking=True)
@@ -231,15 +231,6 @@ class HybridMoELayer:
                 if not self._fill(expert, keep=keep):
                     break
                 self.stats.prefetched_experts += 1
-
-    @functools.cached_property
-    def streaming(self) -> tuple[StagingRing, CostModel] | None:
-        """The prefill staging ring and the cost model that plans it, built on first use (the cost model may be
-        this machine's profile, measured once); None where `staging_slots` is 0 or no cost model applies."""
-        store = self.store
-        _, two_inter, hidden = store.host_gate_up.shape
-        costs = streaming_costs(self.config, store.device.type, hidden, two_inter // 2, store.expert_bytes)
-        return None if costs is None else (StagingRing(store, self.config.staging_slots), costs)
 
     def _all_on_cpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """A step with no slots (budget 0) on the CPU: every pair runs in the kernel as routed, with no placement

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import HybridMoEConfig
+from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, CachePolicy, Prefetcher, Scheduler
 
 
@@ -14,9 +15,12 @@ class LayerPolicies:
     scheduler: Scheduler
     cache_policy: CachePolicy
     prefetcher: Prefetcher
+    streaming: CostModel | None = None  # what plans prefill streaming (runtime.costs.streaming_costs); None: none
 
 
-def build_policies(config: HybridMoEConfig, context: dict[str, object], capture: bool) -> LayerPolicies:
+def build_policies(
+    config: HybridMoEConfig, context: dict[str, object], capture: bool, streaming: CostModel | None = None
+) -> LayerPolicies:
     """The layer's scheduler, cache policy and prefetcher from what it offers them (`runtime.costs.policy_context`).
     One that cannot run live (a cost-aware scheduler without `hardware=`) fails here, and so, with `capture` (decode
     steps captured as CUDA graphs), does one without a tensor form."""
@@ -24,6 +28,7 @@ def build_policies(config: HybridMoEConfig, context: dict[str, object], capture:
         SCHEDULERS.create(config.scheduler, **context),
         CACHE_POLICIES.create(config.cache_policy, **context),
         PREFETCHERS.create(config.prefetcher, **context),
+        streaming,
     )
     if capture:
         for registry, name in (

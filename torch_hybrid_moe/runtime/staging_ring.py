@@ -16,72 +16,104 @@ from .expert_store import ExpertStore
 
 
 class StagingRing:
-    """`depth` buffers of one expert each, in the slots' dtype on the store's device; they never join the cache."""
+    """`depth` buffers of one expert each, in the slots' dtype on the store's device; they never join the cache.
+    One ring serves every layer of a shape (`ring_for`): layers run one after another, and the events that order
+    a buffer's reuse within a step order it across layers too. Allocated when first used, so a model that never
+    streams holds none."""
 
-    def __init__(self, store: ExpertStore, depth: int) -> None:
+    def __init__(
+        self, device: torch.device, gate_up: tuple[int, ...], down: tuple[int, ...], dtype: torch.dtype, depth: int
+    ) -> None:
         if depth < 1:
             raise ValueError(f"a staging ring needs at least one buffer, got {depth}")
-        self.store = store
-        device, dtype = store.device, store.slot_gate_up.dtype
-        self.gate_up = torch.empty((depth, *store.slot_gate_up.shape[1:]), dtype=dtype, device=device)
-        self.down = torch.empty((depth, *store.slot_down.shape[1:]), dtype=dtype, device=device)
+        self.device, self.shapes, self.dtype, self.depth = device, (gate_up, down), dtype, depth
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._copied = [torch.cuda.Event() for _ in range(depth)] if cuda else []
         self._computed = [torch.cuda.Event() for _ in range(depth)] if cuda else []
 
-    @property
-    def depth(self) -> int:
-        return self.gate_up.shape[0]
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._buffers is None:
+            self._buffers = tuple(  # type: ignore[assignment]  # two, as shapes
+                torch.empty((self.depth, *shape), dtype=self.dtype, device=self.device) for shape in self.shapes
+            )
+        assert self._buffers is not None
+        return self._buffers
 
     def run(
         self,
+        store: ExpertStore,
         out: torch.Tensor,
         hidden: torch.Tensor,
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         experts: list[int],
     ) -> int:
-        """out += the pairs of `experts`, each copied into the next buffer and computed there; returns the bytes
-        copied. `topk_ids` / `topk_weights` are host tensors (the step's CPU share reads them too); `out` and
-        `hidden` live on the store's device. Queued without host synchronisation on CUDA."""
+        """out += the pairs of `experts` of `store`, each copied into the next buffer and computed there; returns
+        the bytes copied. `topk_ids` / `topk_weights` are host tensors (the step's CPU share reads them too); `out`
+        and `hidden` live on the ring's device. Queued without host synchronisation on CUDA."""
         if not experts:
             return 0
+        gate_up, down = self.buffers()
         num_k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
-        pairs = [torch.nonzero(flat == e).flatten() for e in experts]
-        sizes = [p.numel() for p in pairs]
-        order = torch.cat(pairs)
-        tokens, weights = self._to_device(order // num_k), self._to_device(topk_weights.reshape(-1)[order])
-        rounded = self.store.rounds_inputs
-        compute = torch.cuda.current_stream(self.store.device) if self._copy_stream is not None else None
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, each expert's run found by searchsorted
+        ids = torch.tensor(experts, dtype=flat.dtype)
+        starts = torch.searchsorted(flat[order], ids).tolist()
+        ends = torch.searchsorted(flat[order], ids, right=True).tolist()
+        pairs = torch.cat([order[a:b] for a, b in zip(starts, ends)])
+        tokens, weights = self._to_device(pairs // num_k), self._to_device(topk_weights.reshape(-1)[pairs])
+        compute = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
         start = 0
-        for i, (expert, size) in enumerate(zip(experts, sizes)):
+        for i, (expert, size) in enumerate(zip(experts, (b - a for a, b in zip(starts, ends)))):
             slot = i % self.depth
-            self._copy_in(expert, slot)
+            self._copy_in(store, expert, gate_up[slot], down[slot], slot)
             if compute is not None:
                 compute.wait_event(self._copied[slot])
             rows = slice(start, start + size)
-            expert_into_(out, hidden, tokens[rows], weights[rows], self.gate_up[slot], self.down[slot], rounded)
+            expert_into_(out, hidden, tokens[rows], weights[rows], gate_up[slot], down[slot], store.rounds_inputs)
             if compute is not None:
                 self._computed[slot].record(compute)
             start += size
-        return len(experts) * self.store.expert_bytes
+        return len(experts) * store.expert_bytes
 
-    def _copy_in(self, expert: int, slot: int) -> None:
-        """The expert's host master into buffer `slot`, after the compute that last read that buffer (in this step
-        or an earlier one; an event never recorded is no wait)."""
+    def _copy_in(self, store: ExpertStore, expert: int, gate_up: torch.Tensor, down: torch.Tensor, slot: int) -> None:
+        """The expert's host master into buffer `slot`, after the compute that last read that buffer (in this step,
+        an earlier one or another layer's; an event never recorded is no wait)."""
         if self._copy_stream is None:
-            self.store.copy_expert(expert, self.gate_up[slot], self.down[slot])
+            store.copy_expert(expert, gate_up, down)
             return
         stream = self._copy_stream
         stream.wait_event(self._computed[slot])
         with torch.cuda.stream(stream):
-            self.store.copy_expert(expert, self.gate_up[slot], self.down[slot])
+            store.copy_expert(expert, gate_up, down)
             self._copied[slot].record(stream)
 
     def _to_device(self, values: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the store's device without waiting for queued work (pinned, asynchronous)."""
-        if self.store.device.type != "cuda":
+        """A small host tensor on the ring's device without waiting for queued work (pinned, asynchronous)."""
+        if self.device.type != "cuda":
             return values
-        return values.pin_memory().to(self.store.device, non_blocking=True)
+        return values.pin_memory().to(self.device, non_blocking=True)
+
+
+_rings: dict[tuple, StagingRing] = {}
+
+
+def ring_for(store: ExpertStore, depth: int) -> StagingRing:
+    """The ring every layer whose slots have this store's device, shapes and dtype shares."""
+    key = (
+        store.device,
+        tuple(store.slot_gate_up.shape[1:]),
+        tuple(store.slot_down.shape[1:]),
+        store.slot_gate_up.dtype,
+        depth,
+    )
+    if key not in _rings:
+        _rings[key] = StagingRing(store.device, *key[1:])
+    return _rings[key]
+
+
+def ring_bytes(gate_up: tuple[int, ...], down: tuple[int, ...], dtype: torch.dtype, depth: int) -> int:
+    """Device memory of one ring of `depth` buffers for experts of these shapes (what `_check_fits` reserves)."""
+    return depth * (torch.Size(gate_up).numel() + torch.Size(down).numel()) * dtype.itemsize
