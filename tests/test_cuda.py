@@ -44,3 +44,34 @@ def test_cuda_prefill_streams_through_ring(arch):
         got = model(x).logits.double()
     assert ((got - want).abs().max() / want.abs().max()) < 1e-4
     assert all(s.streamed_experts > 0 and s.cpu_experts > 0 for s in thm.stats(model).values())
+
+
+def test_cuda_ring_reuses_a_buffer_only_after_its_compute():
+    """One buffer, many experts, two steps, a lagging compute stream: a copy that overwrote the buffer before the
+    compute reading it had run would change the sum."""
+    from torch_hybrid_moe.ops.expert_math import accumulate_experts_
+    from torch_hybrid_moe.runtime.expert_store import ExpertStore
+    from torch_hybrid_moe.runtime.staging_ring import StagingRing
+
+    g = torch.Generator().manual_seed(0)
+    experts, hidden_size, inter, tokens = 16, 256, 128, 64
+    gate_up = torch.randn(experts, 2 * inter, hidden_size, generator=g) / hidden_size**0.5
+    down = torch.randn(experts, hidden_size, inter, generator=g) / inter**0.5
+    store = ExpertStore(gate_up, down, 0, torch.device("cuda"), torch.float32)
+    ring = StagingRing(store.device, (2 * inter, hidden_size), (hidden_size, inter), torch.float32, 1)
+    hidden = torch.randn(tokens, hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    out = torch.zeros(tokens, hidden_size, device="cuda")
+    for _ in range(2):  # the second step reuses the buffer after the first step's last compute
+        torch.cuda._sleep(10**7)  # the compute stream lags behind the copies
+        ring.run(store, out, hidden.cuda(), ids, weights, list(range(experts)))
+    want = accumulate_experts_(
+        torch.zeros(tokens, hidden_size, dtype=torch.float64),
+        hidden.double(),
+        ids,
+        weights.double(),
+        gate_up.double(),
+        down.double(),
+    )
+    torch.testing.assert_close(out.double().cpu(), 2 * want, rtol=1e-4, atol=1e-4)

@@ -500,6 +500,8 @@ def plan(args: argparse.Namespace) -> int:
         print("no GPU memory given (--gpu-memory): everything runs on the CPU")
     for p in plans:
         verdict = "fits" if p.fits_host else f"does not fit in {args.host_memory / gib:.1f} GiB"
+        if p.refused:
+            verdict = f"not possible for this model: {p.refused}"
         print(f"\ncpu_weight_dtype={p.fmt}: host memory {p.host_bytes / gib:.1f} GiB ({verdict})")
         if p.speeds:
             print(f"  {'stack':<28} {'decode tok/s':>12} {f'prefill tok/s ({args.prompt})':>22}")

@@ -312,9 +312,10 @@ class Checkpoint:
         self, experts: torch.nn.Module, layout: ExpertSources, fmt: str, group_size: int
     ) -> tuple[HostWeight, HostWeight]:
         """The layer's experts in host format `fmt`, read expert by expert. In the model's dtype they are read
-        into the module's own uninitialised tensors, which the store then keeps, by READERS threads at once (most
-        of a read's time is the kernel faulting in the fresh memory it lands in: zeroing, huge-page compaction,
-        on the reading thread's core); otherwise through one reused buffer, converted as read."""
+        into the module's own uninitialised tensors, which the store then keeps; stored in the host format (a bf16
+        checkpoint or prepared store read as bf16) straight into the store's. Those reads run on READERS threads at
+        once (most of their time is the kernel faulting in the fresh memory they land in: zeroing, huge-page
+        compaction, on the reading thread's core). Otherwise through one reused buffer, converted as read."""
         out = []
         for proj, sources in layout.sources.items():
             param = getattr(experts, proj).data
@@ -329,11 +330,12 @@ class Checkpoint:
                 for part, (key, shard) in enumerate(sources[e * per_expert :][:per_expert]):
                     shard.read(key, into[part * rows : (part + 1) * rows])
 
-            if fmt == "model":
-                _in_parallel(lambda e, param=param, read=read: read(e, param[e]), param.shape[0])
-                out.append(param)
+            dst = param if fmt == "model" else empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
+            key, shard = sources[0]
+            if isinstance(dst, torch.Tensor) and shard.tensors[key][0] == dst.dtype:  # stored as kept: no conversion
+                _in_parallel(lambda e, dst=dst, read=read: read(e, dst[e]), param.shape[0])
+                out.append(dst)
                 continue
-            dst = empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
             buffer = torch.empty(param.shape[1:], dtype=param.dtype)
             for e in range(param.shape[0]):
                 read(e, buffer)

@@ -22,6 +22,7 @@ from .config import CPU_WEIGHT_DTYPES
 from .cost_model import HARDWARE, CostModel, ExpertShape
 from .errors import InputError
 from .model_patches import ARCHITECTURES
+from .ops.quantize import check_group_size
 from .policies.prefetching import MissingRouter
 from .simulator import STACKS, simulate
 from .simulator.synthetic import synthetic_trace
@@ -126,6 +127,7 @@ class FormatPlan:
     fmt: str
     host_bytes: int  # the experts' host copy (and, without a GPU, the dense weights)
     fits_host: bool
+    refused: str  # why patching would refuse this format for this model ("" where it is fine)
     expert_budget: float  # fraction of each layer's experts the GPU's slots hold; 0 without a GPU
     speeds: dict[str, tuple[float, float]]  # stack -> (decode, prefill tok/s); empty where it does not fit
 
@@ -154,11 +156,18 @@ def plan(
         per_weight = bytes_per_weight(fmt, summary.model_bytes, group)
         host = int(summary.expert_weights * per_weight) + (0 if gpu_bytes > 0 else dense)
         speeds: dict[str, tuple[float, float]] = {}
-        if host <= host_bytes:
+        refused = ""
+        if fmt in ("int8", "int4"):
+            try:  # the projections' column counts: hidden (gate / up) and the expert width (down)
+                for columns in (summary.hidden, summary.inter):
+                    check_group_size(columns, group)
+            except ValueError as err:
+                refused = str(err)
+        if host <= host_bytes and not refused:
             work = summary.dense_weights / max(1, summary.layers) / summary.expert_weights_each
             shape = ExpertShape("model", summary.hidden, summary.inter, per_weight, dense=work)
             speeds = _speeds(summary, costs_for(shape), budget, prompt)
-        plans.append(FormatPlan(fmt, host, host <= host_bytes, budget, speeds))
+        plans.append(FormatPlan(fmt, host, host <= host_bytes, refused, budget, speeds))
     return dense, kv, plans
 
 

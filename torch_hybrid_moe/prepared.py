@@ -4,7 +4,7 @@ Quantising at every start costs minutes at real sizes; a prepared store is quant
 directory like any other (config, tokenizer, dense weights under their own names) whose experts are saved fused,
 per MoE layer, in the host format: `<experts>.gate_up_proj` / `.down_proj` for bf16, and `.qdata` / `.qscale`
 beside them for int8 / int4 (the store's own tensors, ops/quantize.py). `from_pretrained` reads them straight
-into the store, a whole layer per read and no conversion: start-up is bounded by reading the file once.
+into the store, expert by expert with no conversion: start-up is bounded by reading the file once.
 `hybrid_moe_store.json` says which format and group size the experts hold.
 """
 
