@@ -102,5 +102,5 @@ def test_plan_refuses_bad_models(tmp_path, capsys, monkeypatch):
     one_line_error(capsys, ["plan", "--model", str(tmp_path)], "model type 'llama' is not supported")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     one_line_error(
-        capsys, ["plan", "--model", "nobody/no-such-model"], "cannot read the config of 'nobody/no-such-model'"
+        capsys, ["plan", "--model", "nobody/no-such-model"], "cannot fetch 'nobody/no-such-model' from the hub"
     )

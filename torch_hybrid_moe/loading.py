@@ -201,8 +201,9 @@ def _mapped_embedding(model: torch.nn.Module, checkpoint: Checkpoint) -> set[str
     return {name}
 
 
-def local_directory(name: str) -> Path:
-    """A checkpoint directory: as given, or a hub id's snapshot (downloaded, or from the local cache offline)."""
+def local_directory(name: str, patterns: list[str] = _HUB_FILES) -> Path:
+    """A checkpoint directory: as given, or a hub id's snapshot of the files matching `patterns` (downloaded, or
+    from the local cache offline)."""
     from .embedded import resolve_model
 
     resolved = Path(resolve_model(name))
@@ -211,7 +212,7 @@ def local_directory(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, allow_patterns=_HUB_FILES))
+        return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise InputError(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
@@ -21,6 +20,7 @@ from transformers import PretrainedConfig
 from .config import CPU_WEIGHT_DTYPES
 from .cost_model import HARDWARE, CostModel, ExpertShape
 from .errors import InputError
+from .loading import local_directory
 from .model_patches import ARCHITECTURES
 from .ops.quantize import check_group_size
 from .policies.prefetching import MissingRouter
@@ -100,23 +100,10 @@ def load_config(name: str) -> PretrainedConfig:
     """A checkpoint's config: a local directory's, an embedded model's, or a hub id's (config.json only)."""
     from transformers import AutoConfig
 
-    from .embedded import resolve_model
-
-    path = Path(resolve_model(name))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise InputError(f"{path} has no config.json; pass a checkpoint directory")
-        return AutoConfig.from_pretrained(path)
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return AutoConfig.from_pretrained(Path(hf_hub_download(name, "config.json")).parent)
-    except Exception as err:  # any hub failure (offline, unknown id, no network): say what to do
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise InputError(
-            f"cannot read the config of {name!r} ({type(err).__name__}: {first}); pass a local checkpoint "
-            "directory, or unset HF_HUB_OFFLINE where the hub is reachable"
-        ) from None
+    path = local_directory(name, patterns=["config.json"])
+    if not (path / "config.json").is_file():
+        raise InputError(f"{path} has no config.json; pass a checkpoint directory")
+    return AutoConfig.from_pretrained(path)
 
 
 GIB = 2**30

@@ -27,18 +27,16 @@ class StagingRing:
         if depth < 1:
             raise ValueError(f"a staging ring needs at least one buffer, got {depth}")
         self.device, self.shapes, self.dtype, self.depth = device, (gate_up, down), dtype, depth
-        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers: list[torch.Tensor] = []
         cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if cuda else None
         self._copied = [torch.cuda.Event() for _ in range(depth)] if cuda else []
         self._computed = [torch.cuda.Event() for _ in range(depth)] if cuda else []
 
-    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._buffers is None:
-            self._buffers = tuple(  # type: ignore[assignment]  # two, as shapes
-                torch.empty((self.depth, *shape), dtype=self.dtype, device=self.device) for shape in self.shapes
-            )
-        assert self._buffers is not None
+    def buffers(self) -> list[torch.Tensor]:
+        """[gate_up, down] buffers of `depth` experts each, allocated on the first call."""
+        if not self._buffers:
+            self._buffers = [torch.empty((self.depth, *s), dtype=self.dtype, device=self.device) for s in self.shapes]
         return self._buffers
 
     def run(
@@ -59,9 +57,9 @@ class StagingRing:
         num_k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, each expert's run found by searchsorted
-        ids = torch.tensor(experts, dtype=flat.dtype)
-        starts = torch.searchsorted(flat[order], ids).tolist()
-        ends = torch.searchsorted(flat[order], ids, right=True).tolist()
+        grouped, ids = flat[order], torch.tensor(experts, dtype=flat.dtype)
+        starts = torch.searchsorted(grouped, ids).tolist()
+        ends = torch.searchsorted(grouped, ids, right=True).tolist()
         pairs = torch.cat([order[a:b] for a, b in zip(starts, ends)])
         tokens, weights = self._to_device(pairs // num_k), self._to_device(topk_weights.reshape(-1)[pairs])
         compute = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
@@ -112,8 +110,3 @@ def ring_for(store: ExpertStore, depth: int) -> StagingRing:
     if key not in _rings:
         _rings[key] = StagingRing(store.device, *key[1:])
     return _rings[key]
-
-
-def ring_bytes(gate_up: tuple[int, ...], down: tuple[int, ...], dtype: torch.dtype, depth: int) -> int:
-    """Device memory of one ring of `depth` buffers for experts of these shapes (what `_check_fits` reserves)."""
-    return depth * (torch.Size(gate_up).numel() + torch.Size(down).numel()) * dtype.itemsize
