@@ -1,9 +1,9 @@
 """Loading a real-size checkpoint into the hybrid runtime, side by side: transformers' `from_pretrained` followed by
 `patch_model`, against our streaming loader (`torch_hybrid_moe.from_pretrained`) in each host format, and against
 loading a prepared store (`thm.prepare`: experts already in the host format, written once beside the checkpoint
-before the runs, not timed). Load time,
-the checkpoint's bytes over it (GB/s), peak RSS, and the issue's memory bound: peak RSS <= 1.15 x (host store +
-dense weights) + the RSS before loading.
+before the runs, not timed) and llama.cpp's GGUF files of the same weights (Q8_0 / Q4_0 experts read as int8 /
+int4; converted once with --llama-cpp, not timed). Load time, the bytes the row reads over it (GB/s), peak RSS,
+and the issue's memory bound: peak RSS <= 1.15 x (host store + dense weights) + the RSS before loading.
 
 Checkpoints are generated once (random bf16 weights at a real model's layer shape, `save_pretrained`: the
 per-expert key layout of the hub's files) by end_to_end.py's `checkpoint`, under --cache. Each row runs in a fresh
@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from end_to_end import SHAPES, checkpoint, own_kib
+from end_to_end import SHAPES, checkpoint, gguf_file, own_kib
 
-ROWS = ("transformers", "ours", "ours-int8", "ours-int4", "prepared-int8", "prepared-int4")
+ROWS = ("transformers", "ours", "ours-int8", "ours-int4", "prepared-int8", "prepared-int4", "gguf-q8_0", "gguf-q4_0")
 BOUND = 1.15  # peak RSS over (final host store + dense weights) + the RSS before loading
 
 
@@ -59,15 +59,14 @@ def child(row: str, path: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     before = own_kib("VmRSS")
     start = time.perf_counter()
-    config = thm.HybridMoEConfig(
-        expert_budget=0.0, device="cpu", cpu_weight_dtype=row.rsplit("-", 1)[1] if "-" in row else "model"
-    )
+    fmt = row.rsplit("-", 1)[1] if row.startswith(("ours-", "prepared-")) else "model"  # GGUF: the file's own
+    config = thm.HybridMoEConfig(expert_budget=0.0, device="cpu", cpu_weight_dtype=fmt)
     if row == "transformers":
         from transformers import AutoModelForCausalLM
 
         model = thm.patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), config)
-    elif row.startswith("prepared"):
-        model = thm.from_pretrained(prepared_path(path, row), config, dtype=torch.bfloat16)
+    elif row.startswith(("prepared", "gguf")):
+        model = thm.from_pretrained(source(path, row), config, dtype=torch.bfloat16)
     else:
         model = thm.from_pretrained(path, config, dtype=torch.bfloat16)
     seconds = time.perf_counter() - start
@@ -80,8 +79,16 @@ def child(row: str, path: Path, threads: int) -> None:
     )
 
 
-def prepared_path(path: Path, row: str) -> Path:
-    return path.with_name(f"{path.name}-{row}")
+def source(path: Path, row: str) -> Path:
+    """What row `row` loads: the checkpoint, its prepared store beside it, or its GGUF file in it."""
+    if row.startswith("prepared"):
+        return path.with_name(f"{path.name}-{row}")
+    return path / f"model-{row.removeprefix('gguf-')}.gguf" if row.startswith("gguf") else path
+
+
+def source_bytes(path: Path) -> int:
+    files = [path] if path.is_file() else path.glob("*.safetensors")
+    return sum(f.stat().st_size for f in files)
 
 
 def measure(row: str, path: Path, threads: int) -> dict:
@@ -103,6 +110,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "torch_hybrid_moe" / "checkpoints")
+    p.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree built with CMake: converts the GGUF rows' files")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--path", type=Path, help=argparse.SUPPRESS)
@@ -117,13 +125,19 @@ def main() -> None:
     if args.repeats < 1 or args.layers < 1:
         p.error("--repeats and --layers must be at least 1")
     path = checkpoint(args.shape, args.layers, args.cache)
-    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    for row in rows:  # prepared once, untimed: what a user does before the first start
-        if row.startswith("prepared") and not prepared_path(path, row).is_dir():
+    size = source_bytes(path)
+    for row in list(rows):  # prepared or converted once, untimed: what a user does before the first start
+        if row.startswith("prepared") and not source(path, row).is_dir():
             import torch_hybrid_moe as thm
 
             config = thm.HybridMoEConfig(cpu_weight_dtype=row.removeprefix("prepared-"))
-            thm.prepare(path, prepared_path(path, row), config, dtype="bfloat16")
+            thm.prepare(path, source(path, row), config, dtype="bfloat16")
+        if row.startswith("gguf") and not source(path, row).is_file():
+            if args.llama_cpp is None:
+                print(f"{row}: skipped: no {source(path, row).name} yet; pass --llama-cpp to convert it")
+                rows.remove(row)
+                continue
+            gguf_file(path, row.removeprefix("gguf-"), args.llama_cpp)
     runs: dict[str, list[dict]] = {r: [] for r in rows}
     for _ in range(args.repeats):
         for row in rows:
@@ -143,13 +157,13 @@ def main() -> None:
     for row, rs in runs.items():
         if not rs:
             continue
-        s = [r["seconds"] for r in rs]
+        s, read = [r["seconds"] for r in rs], source_bytes(source(path, row))
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         bound = BOUND * med["held_gb"] + med["before_gb"]
         results[row] = {
             **med,
             "spread_s": [min(s), max(s)],
-            "gb_s": size / 1e9 / med["seconds"],
+            "gb_s": read / 1e9 / med["seconds"],
             "peak_over_bound": med["peak_gb"] / bound,
         }
         r = results[row]

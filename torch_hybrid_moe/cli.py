@@ -608,8 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("build", help="build the C++ CPU kernel now (otherwise the first run does, for a minute or two)")
     pl = sub.add_parser("plan", help="does a model fit, and how fast will it run? from its config alone")
     pp = sub.add_parser("prepare", help="write a checkpoint with its experts in a host format, to load unconverted")
-    for p in (g, e, t, pl):
+    for p in (e, t, pl):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"{model_help}, or a llama.cpp .gguf file")
     pp.add_argument("--model", type=_non_empty, required=True, help="local checkpoint directory or hub id")
     pp.add_argument("--cpu-weight-dtype", required=True, choices=[f for f in CPU_WEIGHT_DTYPES if f != "model"])
     pp.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)

@@ -19,14 +19,11 @@ them (gate rows, then up rows), or already fused `experts.gate_up_proj` / `exper
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -35,17 +32,19 @@ from .config import HybridMoEConfig
 from .errors import InputError
 from .model_patches import ARCHITECTURES
 from .model_patches.base import dense_linears, patch_with_spec
-from .ops.host_memory import advise_huge_pages
+from .ops.host_memory import advise_huge_pages, fill_in_parallel
 from .ops.quantize import QUANTIZE_ROWS, QuantizedWeight, empty_cpu_format, set_expert
 from .prepared import check_request, config_for, expert_keys, read_marker, write_store
 from .runtime.expert_store import HostWeight
+
+if TYPE_CHECKING:
+    from .gguf_checkpoint import GGUFCheckpoint
 
 _PER_EXPERT = re.compile(
     r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
     r"\.weight"
 )
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-READERS = max(1, min(4, os.cpu_count() or 1))  # threads reading one layer's experts at once
 _HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -75,20 +74,30 @@ def from_pretrained(
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.initialization import no_init_weights
 
-    directory = local_directory(str(name_or_path))
-    model_config = AutoConfig.from_pretrained(directory)
-    if model_config.model_type not in ARCHITECTURES:
-        raise InputError(
-            f"{name_or_path}: model type {model_config.model_type!r} is not supported; supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}"
-        )
+    config = (config or HybridMoEConfig()).replace(**overrides)
+    prepared = None
+    source: Checkpoint | GGUFCheckpoint
+    if str(name_or_path).endswith(".gguf"):
+        from .gguf_checkpoint import GGUFCheckpoint  # imports the gguf package: only for GGUF files
+
+        source = GGUFCheckpoint(Path(name_or_path))
+        directory, model_config = source.directory, source.model_config()
+        config = source.host_config(config)
+    else:
+        directory = local_directory(str(name_or_path))
+        model_config = AutoConfig.from_pretrained(directory)
+        if model_config.model_type not in ARCHITECTURES:
+            raise InputError(
+                f"{name_or_path}: model type {model_config.model_type!r} is not supported; supported: "
+                f"{', '.join(sorted(ARCHITECTURES))}"
+            )
+        prepared = read_marker(directory)
+        if prepared is not None:  # experts already in a host format: read as they are
+            config = config_for(config, prepared, directory)
+        quantised_store = prepared is not None and prepared[0] in ("int8", "int4")
+        source = Checkpoint(directory, model_config.model_type, quantised_store)
     if dtype == "auto":
         dtype = getattr(model_config, "dtype", None) or torch.float32
-    checkpoint = Checkpoint(directory, model_config.model_type)
-    config = (config or HybridMoEConfig()).replace(**overrides)
-    prepared = read_marker(directory)
-    if prepared is not None:  # experts already in a host format: read as they are
-        config = config_for(config, prepared, directory)
     with no_init_weights():  # parameters stay torch.empty: allocated, never touched, so not resident
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.tie_weights()  # tied weights (tie_word_embeddings) become one tensor, loaded under either name
@@ -99,14 +108,11 @@ def from_pretrained(
         for name, module in model.named_modules()
         if name.endswith(".experts") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
     }
-    quantised_store = prepared is not None and prepared[0] in ("int8", "int4")
-    layout = {
-        name: checkpoint.prepared_layout(name, module) if quantised_store else checkpoint.expert_layout(name, module)
-        for module, name in experts.items()
-    }
-    quantised = _quantised_linears(model, config, checkpoint)
-    mapped = _mapped_embedding(model, checkpoint)
-    checkpoint.load_dense(
+    layout = {name: source.expert_layout(name, module) for module, name in experts.items()}
+    checkpoint = source if isinstance(source, Checkpoint) else None  # GGUF: dense weights are read dequantised
+    quantised = _quantised_linears(model, config, checkpoint) if checkpoint else {}
+    mapped = _mapped_embedding(model, checkpoint) if checkpoint else set()
+    source.load_dense(
         model,
         skip={f"{name}.{p}" for name in layout for p in ("gate_up_proj", "down_proj")}
         | set(quantised.values())
@@ -120,14 +126,10 @@ def from_pretrained(
         model,
         ARCHITECTURES[model_config.model_type],
         config,
-        read_experts=lambda module: (
-            checkpoint.read_prepared(module, layout[experts[module]], fmt, group)
-            if quantised_store
-            else checkpoint.read_experts(module, layout[experts[module]], fmt, group)
-        ),
+        read_experts=lambda module: source.read_experts(module, layout[experts[module]], fmt, group),
         read_linear=lambda linear: (
             checkpoint.read_quantized(quantised[linear], linear.weight.dtype, config.dense_weight_dtype, group)
-            if linear in quantised
+            if checkpoint and linear in quantised
             else None
         ),
     )
@@ -138,18 +140,16 @@ def prepare(source: str | Path, out: str | Path, config: HybridMoEConfig, dtype:
     `config.cpu_weight_dtype` to the new directory `out`, which `from_pretrained` then loads with no conversion."""
     out = Path(out)
     check_request(out, config)
+    if str(source).endswith(".gguf"):
+        raise InputError(
+            f"{source}: a GGUF file loads without preparing (its Q8_0 / Q4_0 experts as they are); pass it "
+            "to from_pretrained or `hybrid-moe generate --model` instead"
+        )
     directory = local_directory(str(source))
     if read_marker(directory) is not None:
         raise InputError(f"{directory} is already a prepared store; prepare the original checkpoint")
     model = from_pretrained(directory, config.replace(expert_budget=0.0, device="cpu"), dtype=dtype)
     return write_store(model, directory, out, config)
-
-
-def _in_parallel(read: Callable[[int], None], count: int) -> None:
-    """read(0), ..., read(count - 1) on READERS threads: reads into fresh memory are bound by faulting it in, which
-    runs on the reading thread's core. A reader's error is raised here."""
-    with ThreadPoolExecutor(READERS) as pool:
-        list(pool.map(read, range(count)))
 
 
 def _untied(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -233,7 +233,7 @@ class ExpertSources:
 class Checkpoint:
     """The safetensors shards of a checkpoint, keyed by the names the transformers model uses."""
 
-    def __init__(self, directory: Path, model_type: str) -> None:
+    def __init__(self, directory: Path, model_type: str, quantised_store: bool = False) -> None:
         from transformers.conversion_mapping import (
             WeightRenaming,
             get_checkpoint_conversion_mapping,
@@ -256,6 +256,7 @@ class Checkpoint:
             for s, t in zip(rule.source_patterns, rule.target_patterns)
         ]
         self.directory = directory
+        self.quantised_store = quantised_store  # a prepared store of int8 / int4 experts (prepared.py)
         self.source: dict[str, tuple[str, Shard]] = {}  # model-side name -> (checkpoint key, shard)
         # per-expert tensors by layer prefix: {prefix: [(expert, role, source)]}, indexed once for all layers
         self.per_expert: dict[str, list[tuple[int, str, tuple[str, Shard]]]] = defaultdict(list)
@@ -271,6 +272,8 @@ class Checkpoint:
 
     def expert_layout(self, name: str, experts: torch.nn.Module) -> ExpertSources:
         """Where layer `name`'s experts are in the checkpoint, checked against the model's shapes."""
+        if self.quantised_store:
+            return self._prepared_layout(name)
         num_experts, two_inter, hidden = experts.gate_up_proj.shape
         fused = {p: self.source.get(f"{name}.{p}") for p in ("gate_up_proj", "down_proj")}
         is_fused = all(fused.values())
@@ -314,9 +317,11 @@ class Checkpoint:
     ) -> tuple[HostWeight, HostWeight]:
         """The layer's experts in host format `fmt`, read expert by expert. In the model's dtype they are read
         into the module's own uninitialised tensors, which the store then keeps; stored in the host format (a bf16
-        checkpoint or prepared store read as bf16) straight into the store's. Those reads run on READERS threads at
+        checkpoint or prepared store read as bf16) straight into the store's. Those reads run on FILL_THREADS threads at
         once (most of their time is the kernel faulting in the fresh memory they land in: zeroing, huge-page
         compaction, on the reading thread's core). Otherwise through one reused buffer, converted as read."""
+        if self.quantised_store:
+            return self._read_prepared(experts, layout, fmt, group_size)
         out = []
         for proj, sources in layout.sources.items():
             param = getattr(experts, proj).data
@@ -334,7 +339,7 @@ class Checkpoint:
             dst = param if fmt == "model" else empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
             key, shard = sources[0]
             if isinstance(dst, torch.Tensor) and shard.tensors[key][0] == dst.dtype:  # stored as kept: no conversion
-                _in_parallel(lambda e, dst=dst, read=read: read(e, dst[e]), param.shape[0])
+                fill_in_parallel(lambda e, dst=dst, read=read: read(e, dst[e]), param.shape[0])
                 out.append(dst)
                 continue
             buffer = torch.empty(param.shape[1:], dtype=param.dtype)
@@ -344,7 +349,7 @@ class Checkpoint:
             out.append(dst)
         return out[0], out[1]
 
-    def prepared_layout(self, name: str, experts: torch.nn.Module) -> ExpertSources:
+    def _prepared_layout(self, name: str) -> ExpertSources:
         """Where a prepared store keeps layer `name`'s int8 / int4 experts: (data, scale) per projection."""
         sources = {}
         for proj in ("gate_up_proj", "down_proj"):
@@ -355,7 +360,7 @@ class Checkpoint:
             sources[proj] = [self.source[k] for k in keys]
         return ExpertSources(True, sources)
 
-    def read_prepared(
+    def _read_prepared(
         self, experts: torch.nn.Module, layout: ExpertSources, fmt: str, group_size: int
     ) -> tuple[HostWeight, HostWeight]:
         """A prepared layer's int8 / int4 experts, read into the store's format with no conversion."""
@@ -370,7 +375,7 @@ class Checkpoint:
                         f"prepared tensor {key} is {shard.tensors[key][0]} {list(shard.shape(key))}, the model's "
                         f"config wants {into.dtype} {list(into.shape)}; config.json and the store disagree"
                     )
-                _in_parallel(lambda e, key=key, shard=shard, into=into: shard.read(key, into[e], index=e), len(into))
+                fill_in_parallel(lambda e, k=key, s=shard, into=into: s.read(k, into[e], index=e), len(into))
             out.append(dst)
         return out[0], out[1]
 

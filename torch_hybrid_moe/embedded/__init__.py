@@ -41,7 +41,9 @@ def resolve_model(name_or_path: str) -> str:
             raise InputError(f"model directory {name_or_path} has no config.json (is it a transformers checkpoint?)")
         return str(path)
     if path.exists():
-        raise InputError(f"--model {name_or_path} is a file; pass the checkpoint's directory")
+        raise InputError(
+            f"--model {name_or_path} is a file; pass the checkpoint's directory (generate also reads a .gguf file)"
+        )
     if _HUB_ID.fullmatch(name_or_path) and not name_or_path.startswith((".", "~")):
         return name_or_path
     raise InputError(
@@ -71,7 +73,12 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer of an embedded name, a local directory or a hub id."""
     from transformers import AutoTokenizer
 
+    path = Path(name).expanduser()
     with _loading_errors(name):
+        if path.suffix == ".gguf" and path.is_file():  # the tokenizer beside the file, else the file's own
+            if any((path.parent / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                return AutoTokenizer.from_pretrained(path.parent)
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         return AutoTokenizer.from_pretrained(resolve_model(name))
 
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 HUGE_PAGE = 2 << 20  # smaller buffers cannot hold an aligned huge page
+FILL_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads filling one layer's expert weights at once
 
 
 @functools.cache
@@ -53,3 +56,10 @@ def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty on the CPU, on huge pages where the kernel grants them: for weights filled after allocation."""
     return advise_huge_pages(torch.empty(shape, dtype=dtype))
+
+
+def fill_in_parallel(fill: Callable[[int], None], count: int) -> None:
+    """fill(0), ..., fill(count - 1) on FILL_THREADS threads: a read into fresh memory is bound by faulting it in
+    (zeroing, huge-page compaction), which runs on the reading thread's core. A filler's error is raised here."""
+    with ThreadPoolExecutor(FILL_THREADS) as pool:
+        list(pool.map(fill, range(count)))

@@ -1,0 +1,264 @@
+"""`from_pretrained` of llama.cpp GGUF files, written here by the `gguf` package the way convert_hf_to_gguf.py writes
+them (its tensor-name map, fused expert tensors, Llama's rotary permutation, DeepSeek's k_b / v_b split), against
+transformers models holding the values the file holds; with llama.cpp's own converter where a checkout is given."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.errors import InputError
+from torch_hybrid_moe.ops.quantize import dequantize
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_config
+
+Q = gguf.GGMLQuantizationType
+GGUF_ARCH = {
+    "mixtral": gguf.MODEL_ARCH.LLAMA,
+    "qwen2_moe": gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen3_moe": gguf.MODEL_ARCH.QWEN3MOE,
+    "deepseek_v2": gguf.MODEL_ARCH.DEEPSEEK2,
+    "deepseek_v3": gguf.MODEL_ARCH.DEEPSEEK2,
+}
+
+
+def _model(arch: str, vocab: int = 96) -> torch.nn.Module:
+    """A tiny model whose expert widths are a whole number of GGUF blocks (32)."""
+    config = tiny_config(arch)
+    config.vocab_size = vocab
+    config.intermediate_size = 64
+    if hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = 32
+    if hasattr(config, "mlp_only_layers"):  # llama.cpp's Qwen MoE architectures have no dense layers
+        config.mlp_only_layers = []
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for module in model.modules():
+        if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor):
+            module.e_score_correction_bias.data.uniform_(-0.1, 0.1)
+    return model
+
+
+def _stored(value: torch.Tensor, qtype: Q) -> tuple[np.ndarray, torch.Tensor]:
+    """(what the file stores, the values it holds) for a tensor quantised along its last dimension."""
+    data = value.detach().float().numpy()
+    if qtype == Q.F32:
+        return data, value.detach().float()
+    raw = gguf.quants.quantize(data, qtype)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(value.shape)
+
+
+def write_gguf(model: torch.nn.Module, path: Path, experts: Q = Q.Q8_0, dense: Q = Q.Q8_0, parts: int = 1) -> dict:
+    """Write `model` as convert_hf_to_gguf.py lays it out (dense 2-D weights in `dense` where their rows are whole
+    blocks, the rest F32); the state dict of the values the file holds, in the model's layout."""
+    cfg = model.config
+    arch = GGUF_ARCH[cfg.model_type]
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    held, tensors = {}, []
+    for name, value in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            bid = name.split(".")[2]
+            halves = value.chunk(2, dim=1) if name.endswith("gate_up_proj") else (value,)
+            kinds = ("gate", "up") if len(halves) == 2 else ("down",)
+            kept = []
+            for kind, half in zip(kinds, halves):
+                raw, values = _stored(half, experts)
+                tensors.append((f"blk.{bid}.ffn_{kind}_exps.weight", raw, experts))
+                kept.append(values)
+            held[name] = torch.cat(kept, dim=1)
+            continue
+        suffix = ".bias" if name.endswith(("bias", "_bias")) else ".weight"
+        base = name.removesuffix("_bias").removesuffix(".bias").removesuffix(".weight")
+        key = names.get_name(base) + suffix
+        qtype = dense if value.dim() == 2 and value.shape[-1] % 32 == 0 else Q.F32
+        raw, held[name] = _stored(value, qtype)
+        if cfg.model_type == "mixtral" and key.endswith((".attn_q.weight", ".attn_k.weight")):  # LlamaModel.permute
+            heads = cfg.num_attention_heads if ".attn_q." in key else cfg.num_key_value_heads
+            raw = raw.reshape(heads, 2, raw.shape[0] // heads // 2, raw.shape[-1]).swapaxes(1, 2).reshape(raw.shape)
+        if key.endswith("attn_kv_b.weight"):  # DeepseekV2Model: split into k_b (transposed per head) and v_b
+            kv_b = value.view(cfg.num_key_value_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            tensors.append((key.replace("kv_b", "k_b"), k_b.transpose(1, 2).contiguous().numpy(), Q.F32))
+            tensors.append((key.replace("kv_b", "v_b"), v_b.contiguous().numpy(), Q.F32))
+            held[name] = value.detach().clone()
+            continue
+        tensors.append((key, raw, qtype))
+    files = (
+        [path]
+        if parts == 1
+        else [path.with_name(f"{path.stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, 1 + parts)]
+    )
+    for i, file in enumerate(files):
+        writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch] if i == 0 else None)
+        if i == 0:
+            writer.add_block_count(cfg.num_hidden_layers)
+        for key, raw, qtype in tensors[i::parts]:
+            writer.add_tensor(key, raw, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    cfg.save_pretrained(path.parent)
+    return held
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    x = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(x).logits
+
+
+def _holding(model: torch.nn.Module, held: dict, **config) -> torch.Tensor:
+    """Logits of `model` holding the file's values, patched with `config` by patch_model."""
+    model.load_state_dict(held)
+    return _logits(thm.patch_model(model, device="cpu", **config))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_q8_0_file_loads_as_its_values_patched_in_int8(arch, tmp_path):
+    """Q8_0 experts go into int8 at group 32 with no float round trip; patching a model that holds the file's values
+    re-derives exactly those integers and scales (Q8_0's scale is max|w| / 127, the int8 format's), so the two agree
+    bit for bit, which also checks every dense tensor's name and llama.cpp's reshapes."""
+    held = write_gguf(_model(arch), tmp_path / "model-q8_0.gguf")
+    model = thm.from_pretrained(tmp_path / "model-q8_0.gguf", expert_budget=0.5, device="cpu")
+    want = _holding(_model(arch), held, expert_budget=0.5, cpu_weight_dtype="int8", cpu_weight_group_size=32)
+    assert torch.equal(_logits(model), want)
+
+
+def _store(model: torch.nn.Module):
+    return next(m for m in model.modules() if hasattr(m, "_hybrid_moe_layer"))._hybrid_moe_layer.store
+
+
+@pytest.mark.parametrize("qtype,bits", [(Q.Q8_0, 8), (Q.Q4_0, 4)])
+def test_q8_0_and_q4_0_experts_keep_the_files_weights_bit_for_bit(qtype, bits, tmp_path):
+    held = write_gguf(_model("qwen3_moe"), tmp_path / "model.gguf", experts=qtype, dense=Q.F32)
+    model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.0, device="cpu")
+    store = _store(model)
+    name = next(n for n in held if n.endswith("experts.gate_up_proj"))
+    for host, key in ((store.host_gate_up, name), (store.host_down, name.replace("gate_up_proj", "down_proj"))):
+        assert (host.bits, host.group_size) == (bits, 32)
+        assert torch.equal(dequantize(host.data, host.scale, bits, 32), held[key])
+    # int4 rounds the activations to int8 per 32 columns: close to, not equal to, the float model on the same values
+    reference = _holding(_model("qwen3_moe"), held, expert_budget=0.0)
+    assert torch.allclose(_logits(model), reference, atol=0.05 * reference.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "experts,asked,want",
+    [
+        (Q.F16, {}, {"cpu_weight_dtype": "model"}),  # a float file keeps the model's dtype
+        (Q.Q5_0, {}, {"cpu_weight_dtype": "int8", "cpu_weight_group_size": 32}),  # nearest: through the dequantiser
+        (Q.Q8_0, {"cpu_weight_dtype": "int4", "cpu_weight_group_size": 32}, None),  # asked for: converted
+        (Q.Q8_0, {"cpu_weight_dtype": "int8", "cpu_weight_group_size": 64}, None),  # another group: converted
+    ],
+)
+def test_other_types_and_asked_formats_convert_the_files_values(experts, asked, want, tmp_path):
+    held = write_gguf(_model("deepseek_v3"), tmp_path / "model.gguf", experts=experts, dense=Q.F32)
+    model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.25, device="cpu", **asked)
+    assert torch.equal(_logits(model), _holding(_model("deepseek_v3"), held, expert_budget=0.25, **(want or asked)))
+
+
+def test_split_files_load_from_their_first_part(tmp_path):
+    held = write_gguf(_model("mixtral"), tmp_path / "model.gguf", dense=Q.F32, parts=3)
+    first = tmp_path / "model-00001-of-00003.gguf"
+    model = thm.from_pretrained(first, expert_budget=0.0, device="cpu")
+    want = _holding(_model("mixtral"), held, expert_budget=0.0, cpu_weight_dtype="int8", cpu_weight_group_size=32)
+    assert torch.equal(_logits(model), want)
+    (tmp_path / "model-00003-of-00003.gguf").unlink()
+    with pytest.raises(InputError, match=r"model-00003-of-00003.gguf is missing: .* one of 3 parts"):
+        thm.from_pretrained(first, device="cpu")
+
+
+def _bad(tmp_path: Path, mutate) -> str:
+    tmp_path.mkdir()
+    path = tmp_path / "model.gguf"
+    write_gguf(_model("qwen3_moe"), path)
+    mutate(path)
+    with pytest.raises(InputError) as err:
+        thm.from_pretrained(path, device="cpu")
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_bad_files_fail_in_one_line_naming_what_to_do(tmp_path):
+    def truncate(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[:-100])
+
+    assert "ends inside tensor output.weight: the file is truncated" in _bad(tmp_path / "a", truncate)
+
+    def garbage(path: Path) -> None:
+        path.write_bytes(b"GGUF" + os.urandom(64))
+
+    assert "not a GGUF file this loader reads" in _bad(tmp_path / "b", garbage)
+    assert "put the original model's config.json" in _bad(tmp_path / "c", lambda p: (p.parent / "config.json").unlink())
+
+    def other_config(path: Path) -> None:
+        _model("mixtral").config.save_pretrained(path.parent)
+
+    assert "holds a 'qwen3moe' model, config.json a 'mixtral' one" in _bad(tmp_path / "d", other_config)
+
+    def wider_config(path: Path) -> None:
+        config = _model("qwen3_moe").config
+        config.moe_intermediate_size = 64
+        config.save_pretrained(path.parent)
+
+    assert "blk.0.ffn_gate_exps.weight is [8, 32, 32], the model's config wants [8, 64, 32]" in _bad(
+        tmp_path / "e", wider_config
+    )
+    with pytest.raises(InputError, match="does not exist"):
+        thm.from_pretrained(tmp_path / "none.gguf")
+    with pytest.raises(InputError, match="loads without preparing"):
+        thm.prepare(tmp_path / "e" / "model.gguf", tmp_path / "out", thm.HybridMoEConfig(cpu_weight_dtype="int8"))
+
+
+def _llama_cpp() -> Path | None:
+    directory = os.environ.get("HYBRID_MOE_LLAMA_CPP")
+    return Path(directory) if directory and (Path(directory) / "convert_hf_to_gguf.py").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_llama_cpp() is None, reason="set HYBRID_MOE_LLAMA_CPP to a llama.cpp checkout")
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_llama_cpp_converted_file_equals_the_original(arch, tmp_path):
+    """llama.cpp's own converter, f32: the loaded model gives the original model's logits exactly."""
+    from torch_hybrid_moe.embedded import load_tokenizer
+
+    _model(arch, vocab=2048).save_pretrained(tmp_path)
+    load_tokenizer("mixtral-tiny").save_pretrained(tmp_path)
+    llama, out = _llama_cpp(), tmp_path / "model-f32.gguf"
+    # the embedded tokenizer's pre-tokenizer is unknown to the converter: it is byte-level BPE, as GPT-2's
+    script = (
+        "import sys, runpy; sys.path[:0] = [sys.argv[1] + '/gguf-py', sys.argv[1]]\n"
+        "import conversion.base as b\n"
+        "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+        "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    command = [sys.executable, "-c", script, str(llama), f"{llama}/convert_hf_to_gguf.py", str(tmp_path)]
+    subprocess.run([*command, "--outtype", "f32", "--outfile", str(out)], check=True, capture_output=True)
+    loaded = thm.from_pretrained(out, expert_budget=0.25, device="cpu")
+    want = thm.patch_model(_model(arch, vocab=2048), expert_budget=0.25, device="cpu")
+    assert torch.equal(_logits(loaded), _logits(want))
+
+
+def test_generate_reads_a_gguf_file_with_the_tokenizer_beside_it(tmp_path, capsys):
+    from torch_hybrid_moe.cli import main
+    from torch_hybrid_moe.embedded import load_tokenizer
+
+    held = write_gguf(_model("qwen3_moe", vocab=2048), tmp_path / "model-q8_0.gguf")
+    tokenizer = load_tokenizer("mixtral-tiny")
+    tokenizer.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path / "model-q8_0.gguf"), "--max-new-tokens", "4", "--device", "cpu"]
+    assert main([*argv, "--prompt", "def fibonacci(n):"]) == 0
+    reference = _model("qwen3_moe", vocab=2048)
+    reference.load_state_dict(held)
+    thm.patch_model(reference, device="cpu", cpu_weight_dtype="int8", cpu_weight_group_size=32)
+    ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
+    want = reference.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :]
+    assert f"output: {tokenizer.decode(want, skip_special_tokens=True)}\n" in capsys.readouterr().out
