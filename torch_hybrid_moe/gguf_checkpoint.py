@@ -98,21 +98,27 @@ class GGUFTensor:
         if self.qtype in _FLOAT:
             return raw.view(_FLOAT[self.qtype])
         if self.qtype in _DIRECT:
-            return dequantize(*self.to_store(raw), BITS[_DIRECT[self.qtype]], GROUP)
+            bits, rows = BITS[_DIRECT[self.qtype]], raw.shape[0]
+            data = torch.empty((rows, self.shape[-1] * bits // 8), dtype=torch.int8 if bits == 8 else torch.uint8)
+            scale = torch.empty((rows, self.shape[-1] // GROUP), dtype=torch.float32)
+            self.into_store(raw, data, scale)
+            return dequantize(data, scale, bits, GROUP)
         return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), self.qtype))
 
-    def to_store(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw Q8_0 / Q4_0 rows as the store's (data, fp32 scale) at group 32, bit for bit the same weights."""
-        size = gguf.GGML_QUANT_SIZES[self.qtype][1]
-        blocks = raw.view(raw.shape[0], -1, size)
-        scale = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1).float()
+    def into_store(self, raw: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
+        """Raw Q8_0 / Q4_0 rows into the store's rows of (data, fp32 scale) at group 32, bit for bit the same weights,
+        in strided passes straight into them (this is most of a GGUF file's load time)."""
+        blocks = raw.view(raw.shape[0], -1, gguf.GGML_QUANT_SIZES[self.qtype][1])
+        scale.copy_(blocks[..., :2].view(torch.float16).squeeze(-1))
         quants = blocks[..., 2:]
         if self.qtype == Q.Q8_0:
-            return quants.contiguous().view(torch.int8).flatten(1), scale
-        # Q4_0 holds weight j of a block in the low nibble of byte j and weight j + 16 in the high nibble of byte j;
-        # the store holds weights 2i and 2i + 1 in byte i. Both encode q + 8, so only the order changes.
-        nibbles = torch.cat((quants & 15, quants >> 4), dim=-1)
-        return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).flatten(1), scale
+            data.view(quants.shape).copy_(quants.view(torch.int8))
+            return
+        # Q4_0 holds weight j of a block in the low nibble of byte j and weight j + 16 in its high nibble; the store
+        # holds weights 2i and 2i + 1 in the low and high nibble of byte i. Both encode q + 8: only the order changes.
+        even, odd, out = quants[..., 0::2], quants[..., 1::2], data.view(quants.shape)
+        out[..., :8] = (even & 15) | ((odd & 15) << 4)  # weights 0-15: low nibbles
+        out[..., 8:] = (even >> 4) | (odd & 0xF0)  # weights 16-31: high nibbles
 
 
 class GGUFCheckpoint:
@@ -228,7 +234,7 @@ class GGUFCheckpoint:
                     raw = tensor.read(e * rows, rows)
                     at = slice(part * rows, (part + 1) * rows)
                     if isinstance(dst, QuantizedWeight) and _DIRECT.get(tensor.qtype) == fmt and group_size == GROUP:
-                        dst.data[e, at], dst.scale[e, at] = tensor.to_store(raw)
+                        tensor.into_store(raw, dst.data[e, at], dst.scale[e, at])
                     else:
                         set_expert(dst, e, tensor.to_float(raw).to(param.dtype), row=part * rows)
 
