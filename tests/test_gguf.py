@@ -28,13 +28,15 @@ GGUF_ARCH = {
 }
 
 
-def _model(arch: str, vocab: int = 96) -> torch.nn.Module:
-    """A tiny model whose expert widths are a whole number of GGUF blocks (32)."""
+def _model(arch: str, vocab: int = 96, width: int = 32) -> torch.nn.Module:
+    """A tiny model whose expert widths are a whole number of GGUF blocks (32; 256 for the K-quants: `width`)."""
     config = tiny_config(arch)
     config.vocab_size = vocab
     config.intermediate_size = 64
+    if width != 32:
+        config.hidden_size = width
     if hasattr(config, "moe_intermediate_size"):
-        config.moe_intermediate_size = 32
+        config.moe_intermediate_size = width
     if hasattr(config, "mlp_only_layers"):  # llama.cpp's Qwen MoE architectures have no dense layers
         config.mlp_only_layers = []
     torch.manual_seed(0)
@@ -163,6 +165,15 @@ def test_other_types_and_asked_formats_convert_the_files_values(experts, asked, 
     held = write_gguf(_model("deepseek_v3"), tmp_path / "model.gguf", experts=experts, dense=Q.F32)
     model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.25, device="cpu", **asked)
     assert torch.equal(_logits(model), _holding(_model("deepseek_v3"), held, expert_budget=0.25, **(want or asked)))
+
+
+def test_k_quant_experts_go_to_the_nearest_format_through_the_dequantiser(tmp_path):
+    """Q4_K (256-weight super-blocks) has no store layout: dequantised by `gguf`, then quantised to int4 at group 32,
+    as patch_model quantises a model holding the file's values."""
+    held = write_gguf(_model("qwen3_moe", width=256), tmp_path / "model.gguf", experts=Q.Q4_K, dense=Q.F32)
+    model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.0, device="cpu")
+    want = {"cpu_weight_dtype": "int4", "cpu_weight_group_size": 32}
+    assert torch.equal(_logits(model), _holding(_model("qwen3_moe", width=256), held, expert_budget=0.0, **want))
 
 
 def test_split_files_load_from_their_first_part(tmp_path):
