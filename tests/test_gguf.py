@@ -52,7 +52,13 @@ def _stored(value: torch.Tensor, qtype: Q) -> tuple[np.ndarray, torch.Tensor]:
     data = value.detach().float().numpy()
     if qtype == Q.F32:
         return data, value.detach().float()
-    raw = gguf.quants.quantize(data, qtype)
+    if qtype == Q.Q4_K:  # the gguf package does not quantise to K-quants: random blocks with sane super-block scales
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = np.random.default_rng(0).integers(0, 256, (*data.shape[:-1], data.shape[-1] // block, size), np.uint8)
+        raw[..., :4] = np.array([0.02, 0.01], np.float16).view(np.uint8)  # d, dmin
+        raw = raw.reshape(*data.shape[:-1], -1)
+    else:
+        raw = gguf.quants.quantize(data, qtype)
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(value.shape)
 
 
