@@ -229,6 +229,17 @@ def test_bad_files_fail_in_one_line_naming_what_to_do(tmp_path):
     assert "blk.0.ffn_gate_exps.weight is [8, 32, 32], the model's config wants [8, 64, 32]" in _bad(
         tmp_path / "e", wider_config
     )
+
+    def integer_experts(path: Path) -> None:  # a type the gguf package has no dequantiser for, in the tensor's header
+        data = bytearray(path.read_bytes())
+        at = data.index(b"blk.0.ffn_up_exps.weight") + len("blk.0.ffn_up_exps.weight")
+        at += 4 + 8 * int.from_bytes(data[at : at + 4], "little")  # past the dimension count and dimensions
+        data[at : at + 4] = int(Q.I8).to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+
+    assert "blk.0.ffn_up_exps.weight is GGML type I8, which the gguf package cannot dequantise" in _bad(
+        tmp_path / "f", integer_experts
+    )
     with pytest.raises(InputError, match="does not exist"):
         thm.from_pretrained(tmp_path / "none.gguf")
     with pytest.raises(InputError, match="loads without preparing"):

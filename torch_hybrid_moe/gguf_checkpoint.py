@@ -79,6 +79,15 @@ class GGUFTensor:
         block, size = gguf.GGML_QUANT_SIZES[self.qtype]
         return self.shape[-1] // block * size
 
+    def check_readable(self) -> GGUFTensor:
+        """The tensor, if its type can be read into floats here; otherwise a one-line error saying what to do."""
+        if self.qtype not in _FLOAT and not hasattr(gguf.quants, self.qtype.name):  # the package's dequantisers
+            raise InputError(
+                f"{self.path}: tensor {self.name} is GGML type {self.qtype.name}, which the gguf package cannot "
+                "dequantise; requantise the file (llama-quantize) to Q8_0, Q4_0 or a K-quant"
+            )
+        return self
+
     @property
     def rows(self) -> int:
         return int(np.prod(self.shape[:-1], dtype=np.int64))
@@ -210,7 +219,7 @@ class GGUFCheckpoint:
                         f"{self.path}: tensor {key} is {list(tensor.shape)}, the model's config wants {list(want)}; "
                         "config.json and the weights disagree"
                     )
-                found.append(tensor)
+                found.append(tensor.check_readable())
             layout[proj] = tuple(found)
         return layout
 
@@ -293,6 +302,7 @@ class GGUFCheckpoint:
             if key.endswith(".attn_kv_b.weight"):
                 return self._kv_b(key)
             return None
+        tensor.check_readable()
         numel = tensor.rows * tensor.shape[-1]
         if self.architecture == "llama" and key.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = cfg.num_attention_heads if key.endswith("q.weight") else cfg.num_key_value_heads
@@ -311,6 +321,7 @@ class GGUFCheckpoint:
         v_b = self.tensors.get(key.replace("attn_kv_b", "attn_v_b"))
         if k_b is None or v_b is None:
             return None
+        k_b, v_b = k_b.check_readable(), v_b.check_readable()
 
         def join(target: torch.Tensor) -> None:
             k = self._whole(k_b).view(k_b.shape).transpose(1, 2)  # [heads, nope, lora]
