@@ -2,6 +2,7 @@
 them (its tensor-name map, fused expert tensors, Llama's rotary permutation, DeepSeek's k_b / v_b split), against
 transformers models holding the values the file holds; with llama.cpp's own converter where a checkout is given."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -104,8 +105,11 @@ def write_gguf(model: torch.nn.Module, path: Path, experts: Q = Q.Q8_0, dense: Q
     )
     for i, file in enumerate(files):
         writer = gguf.GGUFWriter(str(file), gguf.MODEL_ARCH_NAMES[arch] if i == 0 else None)
-        if i == 0:
+        if i == 0:  # the settings convert_hf_to_gguf.py writes that the loader checks against config.json
             writer.add_block_count(cfg.num_hidden_layers)
+            writer.add_head_count(cfg.num_attention_heads)
+            writer.add_expert_used_count(cfg.num_experts_per_tok)
+            writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
         for key, raw, qtype in tensors[i::parts]:
             writer.add_tensor(key, raw, raw_dtype=qtype)
         writer.write_header_to_file()
@@ -169,7 +173,9 @@ def test_q8_0_and_q4_0_experts_keep_the_files_weights_bit_for_bit(qtype, bits, t
 )
 def test_other_types_and_asked_formats_convert_the_files_values(experts, asked, want, tmp_path):
     held = write_gguf(_model("deepseek_v3"), tmp_path / "model.gguf", experts=experts, dense=Q.F32)
-    model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.25, device="cpu", **asked)
+    regrouped = asked.get("cpu_weight_group_size", 32) != 32
+    with pytest.warns(UserWarning, match="re-quantised at group 64") if regrouped else contextlib.nullcontext():
+        model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.25, device="cpu", **asked)
     assert torch.equal(_logits(model), _holding(_model("deepseek_v3"), held, expert_budget=0.25, **(want or asked)))
 
 
@@ -240,6 +246,21 @@ def test_bad_files_fail_in_one_line_naming_what_to_do(tmp_path):
     assert "blk.0.ffn_up_exps.weight is GGML type I8, which the gguf package cannot dequantise" in _bad(
         tmp_path / "f", integer_experts
     )
+
+    def other_top_k(path: Path) -> None:  # every tensor keeps its shape: only the file's metadata can tell
+        config = _model("qwen3_moe").config
+        config.num_experts_per_tok = 2
+        config.save_pretrained(path.parent)
+
+    assert "qwen3moe.expert_used_count = 3, config.json num_experts_per_tok = 2" in _bad(tmp_path / "g", other_top_k)
+
+    def fewer_layers(path: Path) -> None:
+        config = _model("qwen3_moe").config
+        config.num_hidden_layers = 2
+        config.save_pretrained(path.parent)
+
+    assert "qwen3moe.block_count = 3, config.json num_hidden_layers = 2" in _bad(tmp_path / "h", fewer_layers)
+    assert "is 0 bytes, not a GGUF file" in _bad(tmp_path / "i", lambda p: p.write_bytes(b""))
     with pytest.raises(InputError, match="does not exist"):
         thm.from_pretrained(tmp_path / "none.gguf")
     with pytest.raises(InputError, match="loads without preparing"):
@@ -290,3 +311,12 @@ def test_generate_reads_a_gguf_file_with_the_tokenizer_beside_it(tmp_path, capsy
     ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
     want = reference.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :]
     assert f"output: {tokenizer.decode(want, skip_special_tokens=True)}\n" in capsys.readouterr().out
+
+
+def test_a_tokenizer_transformers_cannot_read_from_the_file_is_one_line(tmp_path):
+    from torch_hybrid_moe.embedded import load_tokenizer
+
+    write_gguf(_model("deepseek_v3"), tmp_path / "model.gguf")  # no tokenizer files beside it, none in it
+    with pytest.raises(InputError, match="put the model's tokenizer.json and tokenizer_config.json beside it") as err:
+        load_tokenizer(str(tmp_path / "model.gguf"))
+    assert "\n" not in str(err.value)

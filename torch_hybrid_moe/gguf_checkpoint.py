@@ -18,9 +18,11 @@ from their first part. Nothing is unpickled or executed: the file is read with p
 
 from __future__ import annotations
 
+import math
 import mmap
 import re
 import struct
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,9 +53,24 @@ GROUP = 32  # GGUF's block of weights sharing a scale in Q8_0 and Q4_0
 Q = gguf.GGMLQuantizationType
 _FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 _DIRECT = {Q.Q8_0: "int8", Q.Q4_0: "int4"}  # read into the host format with no float round trip
-_NEAR_INT8 = {Q.Q8_0, Q.Q8_1, Q.Q8_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K}  # every other quantised type: int4
+_NEAR_INT8 = {Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q5_K}  # every other quantised type: int4
 _Fill = Callable[[torch.Tensor], None]  # writes a dense weight into the tensor given
 _SPLIT = re.compile(r"(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf")
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")  # config.json's expert count, by architecture
+_BLOCK = re.compile(r"blk\.(?P<bid>\d+)\.")
+# GGUF metadata (after "<architecture>.") against config.json: (key, config name, its value or None)
+_SETTINGS: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
+    ("block_count", "num_hidden_layers", lambda c: c.num_hidden_layers),
+    ("expert_count", "experts", lambda c: next((getattr(c, a) for a in _EXPERTS if hasattr(c, a)), None)),
+    ("expert_used_count", "num_experts_per_tok", lambda c: getattr(c, "num_experts_per_tok", None)),
+    ("attention.head_count", "num_attention_heads", lambda c: c.num_attention_heads),
+    ("attention.head_count_kv", "num_key_value_heads", lambda c: getattr(c, "num_key_value_heads", None)),
+    ("attention.layer_norm_rms_epsilon", "rms_norm_eps", lambda c: getattr(c, "rms_norm_eps", None)),
+    ("rope.freq_base", "rope_theta", lambda c: (getattr(c, "rope_parameters", None) or {}).get("rope_theta")),
+    ("expert_weights_scale", "routed_scaling_factor", lambda c: getattr(c, "routed_scaling_factor", None)),
+    ("expert_group_count", "n_group", lambda c: getattr(c, "n_group", None)),
+    ("expert_group_used_count", "topk_group", lambda c: getattr(c, "topk_group", None)),
+)
 _LAYER = re.compile(r"layers\.(?P<bid>\d+)\.")
 
 
@@ -62,6 +79,13 @@ def nearest_format(qtype: gguf.GGMLQuantizationType) -> str:
     if qtype in _FLOAT:
         return "model"
     return "int8" if qtype in _NEAR_INT8 else "int4"
+
+
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape without its leading 1s: GGUF keeps Qwen's [1, hidden] shared-expert gate as [hidden]."""
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
 
 
 @dataclass(frozen=True)
@@ -145,19 +169,21 @@ class GGUFCheckpoint:
                 raise InputError(f"{missing[0]} is missing: {path.name} is one of {count} parts; download them all")
         self.path, self.directory = path, path.parent
         self.tensors: dict[str, GGUFTensor] = {}
-        self.architecture = ""
-        for part in parts:
-            architecture = self._index(part)
-            self.architecture = self.architecture or architecture
+        self.fields = self._index(parts[0])  # the first part carries the model's metadata
+        for part in parts[1:]:
+            self._index(part)
+        self.architecture = str(self.fields.get("general.architecture", ""))
 
-    def _index(self, path: Path) -> str:
-        """Add one file's tensors to the index; its architecture ("" where a later split part does not say)."""
+    def _index(self, path: Path) -> dict[str, object]:
+        """Add one file's tensors to the index; returns its metadata."""
+        size = path.stat().st_size
+        if size < 24:  # magic, version, two counts
+            raise InputError(f"{path} is {size} bytes, not a GGUF file; fetch it again")
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
             try:
                 header = _Header(view)
             except (struct.error, ValueError, UnicodeDecodeError) as err:
                 raise InputError(f"{path} is not a GGUF file this loader reads ({err}); fetch it again") from None
-            size = len(view)
         for name, (qtype, shape, offset) in header.tensors.items():
             if qtype not in gguf.GGML_QUANT_SIZES:
                 raise InputError(f"{path}: tensor {name} has GGML type {qtype}, which this gguf package does not know")
@@ -165,7 +191,7 @@ class GGUFCheckpoint:
             if tensor.offset + tensor.rows * tensor.row_bytes > size:
                 raise InputError(f"{path} ends inside tensor {name}: the file is truncated; fetch it again")
             self.tensors[name] = tensor
-        return str(header.fields.get("general.architecture", ""))
+        return header.fields
 
     def model_config(self) -> Any:
         """The transformers config beside the file, checked against the file's architecture."""
@@ -188,11 +214,46 @@ class GGUFCheckpoint:
                 f"{self.path} holds a {self.architecture!r} model, config.json a {config.model_type!r} one (GGUF "
                 f"{want!r}); put the config of the model the file was converted from beside it"
             )
+        self._check_settings(config)
         return config
 
+    def _check_settings(self, config: Any) -> None:
+        """The file's own settings, where it has them, against config.json's: a config of another variant of the
+        model can give every tensor its expected shape (fewer layers, other top-k, rope base) and load silently."""
+        for key, name, read in _SETTINGS:
+            if key == "attention.head_count_kv" and self.architecture == "deepseek2":
+                continue  # llama.cpp writes DeepSeek's MLA as one key-value head
+            ours, theirs = self.fields.get(f"{self.architecture}.{key}"), read(config)
+            if not isinstance(ours, int | float) or theirs is None:
+                continue
+            same = ours == theirs if isinstance(ours, int) else math.isclose(ours, float(theirs), rel_tol=1e-5)
+            if not same:
+                raise InputError(
+                    f"{self.path} says {self.architecture}.{key} = {ours}, config.json {name} = {theirs}; put the "
+                    "config of the model the file was converted from beside it"
+                )
+        layers = config.num_hidden_layers
+        extra = sorted({n for n in self.tensors if (m := _BLOCK.match(n)) and int(m["bid"]) >= layers})
+        if extra:
+            raise InputError(
+                f"{self.path} holds {extra[0]}, beyond config.json's {layers} layers; put the config of the model "
+                "the file was converted from beside it"
+            )
+
     def host_config(self, config: HybridMoEConfig) -> HybridMoEConfig:
-        """`config` with the default host format ("model") replaced by the nearest to the experts' GGUF types."""
-        if config.cpu_weight_dtype != "model":
+        """`config` with the default host format ("model") replaced by the nearest to the experts' GGUF types (so
+        the model's dtype needs asking for by name: "bfloat16"). Asking for int8 / int4 at a group other than 32 on
+        Q8_0 / Q4_0 experts quantises them a second time: allowed, with a warning saying how to avoid it."""
+        fmt = config.cpu_weight_dtype
+        if fmt != "model":
+            if config.cpu_weight_group_size != GROUP and any(
+                _DIRECT.get(t.qtype) == fmt for n, t in self.tensors.items() if "_exps." in n
+            ):
+                warnings.warn(
+                    f"{self.path.name}: its {fmt} experts are re-quantised at group {config.cpu_weight_group_size}, "
+                    f"losing precision; cpu_weight_group_size={GROUP} reads them as they are",
+                    stacklevel=3,
+                )
             return config
         kinds = {nearest_format(t.qtype) for name, t in self.tensors.items() if "_exps." in name}
         for fmt in ("model", "int8", "int4"):  # widest first
@@ -242,7 +303,7 @@ class GGUFCheckpoint:
                     rows = tensor.shape[1]
                     raw = tensor.read(e * rows, rows)
                     at = slice(part * rows, (part + 1) * rows)
-                    if isinstance(dst, QuantizedWeight) and _DIRECT.get(tensor.qtype) == fmt and group_size == GROUP:
+                    if isinstance(dst, QuantizedWeight) and (_DIRECT.get(tensor.qtype), dst.group_size) == (fmt, GROUP):
                         tensor.into_store(raw, dst.data[e, at], dst.scale[e, at])
                     else:
                         set_expert(dst, e, tensor.to_float(raw).to(param.dtype), row=part * rows)
@@ -255,7 +316,9 @@ class GGUFCheckpoint:
         """Every other parameter and persistent buffer from its GGUF tensor, dequantised into the model's dtype;
         a missing or misshapen one is an error naming it."""
         cfg: Any = model.config
-        arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.architecture)
+        arch = {n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}.get(self.architecture)
+        if arch is None:
+            raise InputError(f"the installed gguf package does not know {self.architecture!r}: pip install -U gguf")
         names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
         by_tensor: dict[int, list[str]] = defaultdict(list)  # tied weights: one tensor, several names
         state = model.state_dict(keep_vars=True)
@@ -271,9 +334,9 @@ class GGUFCheckpoint:
                     f"{self.path} has no tensor for {group[0]} (GGUF name: {self._key(group[0], names)}); "
                     "config.json and the file disagree"
                 )
-            if found[0] != target.numel():
+            if _squeezed(found[0]) != _squeezed(tuple(target.shape)):
                 raise InputError(
-                    f"{self.path}: the tensor for {group[0]} has {found[0]} values, the model's config wants "
+                    f"{self.path}: the tensor for {group[0]} is {list(found[0])}, the model's config wants "
                     f"{list(target.shape)}; config.json and the weights disagree"
                 )
             fills[group[0]] = found[1]
@@ -289,8 +352,8 @@ class GGUFCheckpoint:
                 return key + gguf_suffix
         return None
 
-    def _dense(self, name: str, names: gguf.TensorNameMap, cfg: Any) -> tuple[int, _Fill] | None:
-        """Parameter `name`'s GGUF values: (their count, a function filling a tensor with them, dequantised and with
+    def _dense(self, name: str, names: gguf.TensorNameMap, cfg: Any) -> tuple[tuple[int, ...], _Fill] | None:
+        """Parameter `name`'s GGUF values: (their shape, a function filling a tensor with them, dequantised and with
         llama.cpp's conversions undone); None where the file lacks them."""
         key = self._key(name, names)
         if key is None:
@@ -300,10 +363,9 @@ class GGUFCheckpoint:
             if key == "output.weight":  # llama.cpp drops an LM head equal to the embedding
                 return self._dense("model.embed_tokens.weight", names, cfg)
             if key.endswith(".attn_kv_b.weight"):
-                return self._kv_b(key)
+                return self._kv_b(key, cfg)
             return None
         tensor.check_readable()
-        numel = tensor.rows * tensor.shape[-1]
         if self.architecture == "llama" and key.endswith((".attn_q.weight", ".attn_k.weight")):
             heads = cfg.num_attention_heads if key.endswith("q.weight") else cfg.num_key_value_heads
 
@@ -312,23 +374,30 @@ class GGUFCheckpoint:
                 value = self._whole(tensor)
                 target.copy_(value.view(heads, -1, 2, value.shape[-1]).transpose(1, 2).reshape(target.shape))
 
-            return numel, unpermute
-        return numel, lambda target: self._copy(tensor, target.view(tensor.rows, tensor.shape[-1]))
+            return tensor.shape, unpermute
+        return tensor.shape, lambda target: self._copy(tensor, target.view(tensor.rows, tensor.shape[-1]))
 
-    def _kv_b(self, key: str) -> tuple[int, _Fill] | None:
+    def _kv_b(self, key: str, cfg: Any) -> tuple[tuple[int, ...], _Fill] | None:
         """DeepSeek's kv_b_proj from the k_b (per head, transposed) and v_b halves llama.cpp splits it into."""
         k_b = self.tensors.get(key.replace("attn_kv_b", "attn_k_b"))
         v_b = self.tensors.get(key.replace("attn_kv_b", "attn_v_b"))
         if k_b is None or v_b is None:
             return None
-        k_b, v_b = k_b.check_readable(), v_b.check_readable()
+        heads, lora, nope, v = cfg.num_key_value_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+        for tensor, want in ((k_b, (heads, lora, nope)), (v_b, (heads, v, lora))):
+            tensor.check_readable()
+            if tensor.shape != want:
+                raise InputError(
+                    f"{self.path}: tensor {tensor.name} is {list(tensor.shape)}, the model's config wants "
+                    f"{list(want)}; config.json and the weights disagree"
+                )
 
         def join(target: torch.Tensor) -> None:
             k = self._whole(k_b).view(k_b.shape).transpose(1, 2)  # [heads, nope, lora]
             v = self._whole(v_b).view(v_b.shape)  # [heads, v, lora]
             target.copy_(torch.cat((k.to(v.dtype), v), dim=1).reshape(target.shape))
 
-        return k_b.rows * k_b.shape[-1] + v_b.rows * v_b.shape[-1], join
+        return (heads * (nope + v), lora), join
 
     @staticmethod
     def _copy(tensor: GGUFTensor, target: torch.Tensor) -> None:
@@ -365,10 +434,17 @@ class _Header:
         self.tensors: dict[str, tuple[int, tuple[int, ...], int]] = {}  # name -> (GGML type, torch shape, offset)
         for _ in range(n_tensors):
             name = self._string()
-            dims = [self._get("Q") for _ in range(self._get("I"))]
+            n_dims = self._get("I")
+            if not 1 <= n_dims <= 4:  # ggml's tensors have at most 4 dimensions
+                raise ValueError(f"tensor {name} has {n_dims} dimensions")
+            dims = [self._get("Q") for _ in range(n_dims)]
+            if min(dims) < 1:
+                raise ValueError(f"tensor {name} has an empty dimension")
             qtype, offset = self._get("I"), self._get("Q")
             self.tensors[name] = (qtype, tuple(reversed(dims)), offset)
-        alignment = int(self.fields.get("general.alignment", 32))  # type: ignore[call-overload]
+        alignment = self.fields.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         self.data_start = -(-self.at // alignment) * alignment
 
     def _get(self, fmt: str) -> Any:

@@ -75,7 +75,6 @@ def from_pretrained(
     from transformers.initialization import no_init_weights
 
     config = (config or HybridMoEConfig()).replace(**overrides)
-    prepared = None
     source: Checkpoint | GGUFCheckpoint
     if str(name_or_path).endswith(".gguf"):
         from .gguf_checkpoint import GGUFCheckpoint  # imports the gguf package: only for GGUF files

@@ -78,7 +78,13 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         if path.suffix == ".gguf" and path.is_file():  # the tokenizer beside the file, else the file's own
             if any((path.parent / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
                 return AutoTokenizer.from_pretrained(path.parent)
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            try:
+                return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            except (ValueError, KeyError) as err:  # an architecture or vocabulary transformers cannot convert
+                raise InputError(
+                    f"transformers cannot read the tokenizer in {path.name} ({type(err).__name__}: {err}); put the "
+                    "model's tokenizer.json and tokenizer_config.json beside it"
+                ) from None
         return AutoTokenizer.from_pretrained(resolve_model(name))
 
 
