@@ -21,11 +21,11 @@ from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.policies.schedulers import SCHEDULERS, DaliGreedy, Optimal, makespan
 from torch_hybrid_moe.simulator import STACKS, SimResult, Stack, simulate
 from torch_hybrid_moe.simulator.calibration import Calibration
+from torch_hybrid_moe.simulator.stacks import PAPERS
 from torch_hybrid_moe.simulator.tuning import oracle, tune
 from torch_hybrid_moe.traces import Trace
 
 TRACES = Path(__file__).resolve().parent.parent / "torch_hybrid_moe" / "embedded" / "traces"
-PAPERS = ("ktransformers", "fiddler", "hybrimoe", "dali", "moe-infinity", "daop")
 CACHES = ("lru", "mrs", "dali_window", "eam", "daop")  # hit-rate order under the same placement
 PREFETCHERS = ("gate", "residual", "eam")  # accuracy under the same placement and cache
 

@@ -187,9 +187,12 @@ def test_simulate_cli_json_reports_prefetch_accuracy(capsys):
     trace = TRACES / "mixtral-tiny-heldout-at0.safetensors"
     assert main(["simulate", "--trace", str(trace), "--batch", "8", "--ours", "4,1,0.5,1", "--json"]) == 0
     records = {r["stack"]: r for r in json.loads(capsys.readouterr().out)}
-    assert list(records) == [*STACKS, "ours", "oracle"]
+    assert list(records) == [*STACKS, "ours", "oracle", "bound"]
     prefetching = {name for name, s in STACKS.items() if s.prefetcher != "none"} | {"ours", "oracle"}
+    bound = records.pop("bound")
+    assert bound["x_bound"] == 1 and bound["decode_tok_s"] >= records["oracle-cache"]["decode_tok_s"]
     for r in records.values():
+        assert r["bound_tok_s"] == bound["decode_tok_s"] and r["x_bound"] == r["decode_tok_s"] / r["bound_tok_s"]
         assert {
             "stack",
             "hardware",
@@ -242,9 +245,12 @@ def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, 
     )
     out = capsys.readouterr().out
     assert "hardware local: measured on this machine" in out and f"calibrated on {calibration}" in out
-    rows = {line.split()[0]: line for line in out.splitlines()[4:]}
-    assert "prefetch acc" in out and list(rows) == [*STACKS, "ours", "oracle"]
-    assert rows["ktransformers"].split()[4] == "-" and rows["dali"].split()[4].endswith("%")
+    lines = out.splitlines()
+    rows = {line.split()[0]: line for line in lines[5:-1]}
+    assert "prefetch acc" in out and list(rows) == [*STACKS, "ours", "oracle", "bound"]
+    assert rows["ktransformers"].split()[5] == "-" and rows["dali"].split()[5].endswith("%")
+    ratio = float(rows["ours"].split()[1]) / float(rows["bound"].split()[1])
+    assert lines[-1].startswith(f"ours / bound: {ratio:.3f}; ours / best paper (")
 
 
 @pytest.mark.slow
@@ -272,7 +278,7 @@ def test_simulate_cli_plot_dir_writes_every_figure(tmp_path, monkeypatch, capsys
         == 0
     )
     captured = capsys.readouterr()
-    names = [*STACKS, "ours", "oracle"]
+    names = [*STACKS, "ours", "oracle", "bound"]
     assert len(json.loads(captured.out)) == len(names)  # the figures' paths go to stderr with --json
     want = {f"timeline-{name}.png" for name in names} | {"hit-rate-vs-cache-ratio.png", "decode-vs-cache-ratio.png"}
     assert {p.name for p in tmp_path.iterdir()} == want

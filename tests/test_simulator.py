@@ -464,3 +464,37 @@ def test_layer_time_is_what_the_simulator_plays():
     plan = SCHEDULERS.create("queue_aware", info=info, costs=COSTS, timeline=Idle()).place(counts, resident)
     moe = layer_time(counts, resident, plan.accelerator, COSTS, Idle())
     assert r.moe_time_s == pytest.approx(COSTS.t_dense(6) + moe)
+
+
+def test_belady_starts_at_most_u_size_copies_a_step():
+    info = LayerInfo(0, 8, 4, COSTS.expert.nbytes)
+    future = [[1, 1, 1, 1, 1, 1, 0, 0]] * 4
+    counts, resident = [1, 1, 1, 1, 1, 1, 0, 0], [False] * 8
+    uncapped = CACHE_POLICIES.create("belady", info=info, future=future).admit(counts, resident, [0.0] * 8)
+    assert len(uncapped) == 4  # as many as there are slots
+    for cap in (0, 1, 2):
+        policy = CACHE_POLICIES.create("belady", info=info, future=future, u_size=cap)
+        assert policy.admit(counts, resident, [0.0] * 8) == uncapped[:cap]
+    with pytest.raises(ValueError, match="u_size >= 0"):
+        CACHE_POLICIES.create("belady", info=info, future=future, u_size=-1)
+
+
+@pytest.mark.slow
+def test_the_bound_is_at_least_every_stack_that_does_not_see_the_future():
+    """The foresight bound (simulator/bound.py) is no policy proven optimal: it must at least not lose to the
+    stacks that guess, on real routing, and it is the fastest of its own candidates."""
+    from torch_hybrid_moe.simulator.bound import bound, bound_caches
+    from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.stacks import PAPERS
+    from torch_hybrid_moe.simulator.tuning import ours
+
+    trace = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
+    calibration = Calibration.from_trace(trace, Trace.load(TRACES / "deepseek-tiny-heldout-at512.safetensors"))
+    costs = CostModel(HARDWARE["rtx5090"], EXPERT_SHAPES["deepseek-v2-lite"])
+    best, result = bound(trace, costs, 1, 0.25, calibration)
+    assert result.decode_tok_s == simulate(trace, best, costs, 1, 0.25, calibration).decode_tok_s
+    guessing = [STACKS[name] for name in PAPERS] + [ours(w, 1, 0.5) for w in (2, 4, 8)]
+    for stack in guessing:
+        assert result.decode_tok_s >= simulate(trace, stack, costs, 1, 0.25, calibration).decode_tok_s, stack.name
+    for stack in bound_caches(trace.meta["num_experts"])[::6]:
+        assert result.decode_tok_s >= simulate(trace, stack, costs, 1, 0.25, calibration).decode_tok_s

@@ -305,7 +305,9 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.policies.prefetching import MissingRouter
     from torch_hybrid_moe.simulator import STACKS
     from torch_hybrid_moe.simulator import simulate as replay
+    from torch_hybrid_moe.simulator.bound import bound
     from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.stacks import PAPERS
     from torch_hybrid_moe.simulator.tuning import oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
 
@@ -321,9 +323,10 @@ def simulate(args: argparse.Namespace) -> int:
     else:
         mine, _ = tune(held or trace, costs, args.batch, args.cache_ratio, calibration)
     ceiling = oracle(trace, mine, costs, args.batch, args.cache_ratio, calibration)
+    limit, _ = bound(trace, costs, args.batch, args.cache_ratio, calibration)
     events: dict[str, list] = {}
     results, ran, skipped = [], [], {}
-    for stack in tqdm([*STACKS.values(), mine, ceiling], desc="simulating", unit="stack", leave=False):
+    for stack in tqdm([*STACKS.values(), mine, ceiling, limit], desc="simulating", unit="stack", leave=False):
         if args.plot_dir:
             events[stack.name] = []
         try:
@@ -338,12 +341,17 @@ def simulate(args: argparse.Namespace) -> int:
             )
             events.pop(stack.name, None)
     plots = _simulation_plots(args, trace, costs, calibration, ran, events, results) if args.plot_dir else []
+    bound_tok_s = results[-1].decode_tok_s
+
+    def x_bound(tok_s: float) -> float | None:  # a trace without decode steps decodes nothing to compare
+        return tok_s / bound_tok_s if bound_tok_s else None
+
+    by_name = {r.stack: r for r in results}
+    papers = [by_name[n] for n in PAPERS if n in by_name]
+    best_paper = max(papers, key=lambda r: r.decode_tok_s)
     if args.json:
-        print(
-            json.dumps(
-                [asdict(r) for r in results] + [{"stack": k, "skipped": v} for k, v in skipped.items()], indent=1
-            )
-        )
+        records = [asdict(r) | {"bound_tok_s": bound_tok_s, "x_bound": x_bound(r.decode_tok_s)} for r in results]
+        print(json.dumps(records + [{"stack": k, "skipped": v} for k, v in skipped.items()], indent=1))
         for path in plots:
             print(f"wrote {path}", file=sys.stderr)
         return 0
@@ -356,21 +364,32 @@ def simulate(args: argparse.Namespace) -> int:
         "given by --ours" if args.ours else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
     )
     print(f"ours: {mine.description} ({tuned_on}); oracle: {ceiling.description}")
+    print(f"bound: {limit.description} (the fastest future-aware stack of simulator/bound.py)")
     print(
-        f"{'stack':<15} {'decode tok/s':>12} {'prefill tok/s':>13} {'hit rate':>8} {'prefetch acc':>12} "
-        f"{'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}"
+        f"{'stack':<15} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "
+        f"{'prefetch acc':>12} {'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}"
     )
     for r in results:
         acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.1%}"
         print(
-            f"{r.stack:<15} {r.decode_tok_s:>12.1f} {r.prefill_tok_s:>13.1f} {r.hit_rate:>8.1%} {acc:>12} "
-            f"{r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}"
+            f"{r.stack:<15} {r.decode_tok_s:>12.1f} {_ratio(x_bound(r.decode_tok_s)):>7} {r.prefill_tok_s:>13.1f} "
+            f"{r.hit_rate:>8.1%} {acc:>12} {r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} "
+            f"{r.gpu_busy:>8.1%}"
         )
+    mine_tok_s, paper_tok_s = by_name["ours"].decode_tok_s, best_paper.decode_tok_s
+    print(
+        f"ours / bound: {_ratio(x_bound(mine_tok_s))}; ours / best paper ({best_paper.stack}): "
+        f"{_ratio(mine_tok_s / paper_tok_s if paper_tok_s else None)}"
+    )
     for name, why in skipped.items():
         print(f"{name:<15} {why}")
     for path in plots:
         print(f"wrote {path}")
     return 0
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _simulation_plots(

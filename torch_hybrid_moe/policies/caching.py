@@ -160,13 +160,19 @@ class WorkloadWindow(RankedCache):
 @CACHE_POLICIES.register("belady")
 class Belady(RankedCache):
     """The offline optimum (evict the expert used farthest in the future, admit only what is used sooner):
-    the hit-rate ceiling. Needs `future`, this layer's per-expert token counts of every step in order."""
+    the hit-rate ceiling. Needs `future`, this layer's per-expert token counts of every step in order. `u_size`
+    caps the copies a step may start (None: no cap; 0: the slots keep what prefetches put there): with slow
+    links, fewer copies can beat more hits."""
 
-    def __init__(self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None) -> None:
+    def __init__(
+        self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None, u_size: int | None = None
+    ) -> None:
         super().__init__(info)
         if future is None:
             raise ValueError("cache policy 'belady' needs the future routing (future=...): simulator only")
-        self.future = future
+        if u_size is not None and u_size < 0:
+            raise ValueError(f"belady needs u_size >= 0 (or None: no cap); got {u_size}")
+        self.future, self.u_size = future, u_size
         self.step = 0
 
     def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
@@ -178,6 +184,9 @@ class Belady(RankedCache):
             if active[expert]:
                 return -ahead
         return float("-inf")
+
+    def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
+        return super().admit(counts, resident, scores)[: self.u_size]
 
 
 @CACHE_POLICIES.register("oracle_window")

@@ -72,3 +72,4 @@ STACKS: dict[str, Stack] = {
         ),
     )
 }
+PAPERS = ("ktransformers", "fiddler", "hybrimoe", "dali", "moe-infinity", "daop")  # the stacks ours must beat

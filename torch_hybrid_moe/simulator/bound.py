@@ -1,0 +1,78 @@
+"""The foresight bound: the fastest decode a stack that knows the routing to come reaches on a trace.
+
+Ours is judged against it, so it is built without reference to ours: its candidates are future-aware caches
+(Belady's, capped at 0, 1, 2, 4 or any number of copies a step; DALI's window ranked by the workload to come, for
+windows of 1-16 steps and bursts of 1, 2, 4 or any number of copies), each under the least step time found
+(`oracle` placement: exhaustive over every assignment, the link's backlog and in-flight copies included; and
+Belady's uncapped slots under the exact optimum of DALI's makespan, the `oracle-cache` stack), with and without
+foresight prefetch of the next layer's real experts. Placement is chosen per step, so a later
+step's state is not optimised: no policy here is proven optimal, and "bound" means the best of this family.
+Every cache runs without prefetch first; the `PREFETCH_FINALISTS` fastest run again with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tqdm.auto import tqdm
+
+from ..cost_model import CostModel
+from ..traces import Trace
+from .calibration import Calibration
+from .replay import SimResult, simulate
+from .stacks import STACKS, Stack
+
+BELADY_FILLS = (0, 1, 2, 4, None)  # copies a step may start (None: any)
+WINDOWS = (1, 2, 4, 8, 16)  # steps of future workload a window ranks by
+WINDOW_FILLS = (1, 2, 4, None)  # copies a closing window may start (None: as many as there are slots)
+PREFETCH_FINALISTS = 3
+
+
+def bound_caches(num_experts: int) -> list[Stack]:
+    """The bound's candidates without prefetch."""
+    belady = [
+        Stack(
+            "bound",
+            "oracle",
+            "belady",
+            True,
+            f"Belady's slots, {'any number of' if u is None else u} copies a step, least step time found",
+            options=(("u_size", u),),
+        )
+        for u in BELADY_FILLS
+    ]
+    windows = [
+        Stack(
+            "bound",
+            "oracle",
+            "oracle_window",
+            True,
+            f"future-window cache (w {w}, {'any number of' if u is None else u} copies), least step time found",
+            options=(("w_size", w), ("u_size", num_experts if u is None else u)),
+        )
+        for w in WINDOWS
+        for u in WINDOW_FILLS
+    ]
+    exact = replace(STACKS["oracle-cache"], name="bound")  # Belady's slots under the exact makespan optimum
+    return [*belady, exact, *windows]
+
+
+def with_foresight_prefetch(stack: Stack) -> Stack:
+    """`stack` also copying in, during each layer, every expert the next layer will really use."""
+    return replace(stack, prefetcher="oracle", description=f"{stack.description}, foresight prefetch")
+
+
+def bound(
+    trace: Trace, costs: CostModel, batch: int, cache_ratio: float, calibration: Calibration | None = None
+) -> tuple[Stack, SimResult]:
+    """The fastest candidate on `trace` itself (foresight may look at the routing it is judged on) and its result."""
+    runs: list[tuple[Stack, SimResult]] = []
+
+    def run(stacks: list[Stack], stage: str) -> None:
+        for s in tqdm(stacks, desc=f"foresight bound, {stage}", unit="stack", leave=False):
+            runs.append((s, simulate(trace, s, costs, batch, cache_ratio, calibration)))
+
+    run(bound_caches(trace.meta["num_experts"]), "caches")
+    finalists = sorted(runs, key=lambda r: -r[1].decode_tok_s)[:PREFETCH_FINALISTS]
+    run([with_foresight_prefetch(s) for s, _ in finalists], "prefetch")
+    return max(runs, key=lambda r: r[1].decode_tok_s)
