@@ -498,3 +498,21 @@ def test_the_bound_is_at_least_every_stack_that_does_not_see_the_future():
         assert result.decode_tok_s >= simulate(trace, stack, costs, 1, 0.25, calibration).decode_tok_s, stack.name
     for stack in bound_caches(trace.meta["num_experts"])[::6]:
         assert result.decode_tok_s >= simulate(trace, stack, costs, 1, 0.25, calibration).decode_tok_s
+
+
+def test_realistic_traces_have_the_statistics_real_models_show():
+    """Issue 18's targets for 8 experts top-2: reuse 0.35-0.45, load entropy 0.95-0.97 of the maximum, bursts
+    that persist (ten tokens later an expert is still likelier than without them), one row per token."""
+    from torch_hybrid_moe.simulator.synthetic import realistic_trace, routing_statistics
+
+    trace = realistic_trace()
+    stats = routing_statistics(trace)
+    assert 0.35 <= stats["reuse"] <= 0.45 and 0.95 <= stats["load_entropy"] <= 0.97, stats
+    assert stats["reuse_10"] > routing_statistics(realistic_trace(burst_boost=1.0))["reuse_10"] + 0.03
+    for layer in trace.layers.values():  # distinct experts in each row, the chosen ones first
+        assert all(len(set(row)) == 4 for row in layer.score_ids.tolist())
+        assert torch.equal(layer.score_ids[:, :2], layer.topk_ids)
+    assert len(set(trace.sequence.tolist())) == 32 and trace.step.max() == 95
+    assert routing_statistics(realistic_trace(seed=1)) != stats
+    with pytest.raises(ValueError, match="top_k <= num_experts / 3"):
+        realistic_trace(num_experts=8, top_k=3)

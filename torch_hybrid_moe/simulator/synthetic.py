@@ -1,7 +1,10 @@
 """Synthetic routing traces with a chosen skew and temporal locality, to see where policies break down
-beyond what the embedded models happen to route."""
+beyond what the embedded models happen to route; `realistic_trace` draws routing with the statistics real MoE
+models show (`routing_statistics` measures them on any trace)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -60,10 +63,9 @@ def synthetic_trace(
             torch.zeros(0, dtype=torch.int32),
             torch.zeros(0, 1, dtype=torch.float16),
         )
-    step = torch.cat([torch.zeros(prompt_tokens, dtype=torch.int32), torch.arange(1, new_tokens, dtype=torch.int32)])
     meta = {
         "version": FORMAT_VERSION,
-        "model": f"synthetic-skew{skew:g}-locality{locality:g}",
+        "model": "",
         "num_experts": num_experts,
         "top_k": top_k,
         "hidden_size": 1,
@@ -71,11 +73,115 @@ def synthetic_trace(
         "score_fn": "softmax",
         "hidden_every": 0,
     }
+    return _trace(
+        meta | {"model": f"synthetic-skew{skew:g}-locality{locality:g}"}, layers, sequences, prompt_tokens, new_tokens
+    )
+
+
+def _trace(meta: dict, layers: dict[int, LayerTrace], sequences: int, prompt_tokens: int, new_tokens: int) -> Trace:
+    """A `Trace` of `sequences` x (prompt_tokens + new_tokens - 1) rows, sequence by sequence."""
+    rows_per_seq = prompt_tokens + new_tokens - 1
+    step = torch.cat([torch.zeros(prompt_tokens, dtype=torch.int32), torch.arange(1, new_tokens, dtype=torch.int32)])
     return Trace(
         meta,
-        torch.zeros(n, dtype=torch.int32),
+        torch.zeros(sequences * rows_per_seq, dtype=torch.int32),
         torch.arange(sequences, dtype=torch.int32).repeat_interleave(rows_per_seq),
         step.repeat(sequences),
         torch.arange(rows_per_seq, dtype=torch.int32).repeat(sequences),
         layers,
     )
+
+
+def realistic_trace(
+    num_experts: int = 8,
+    top_k: int = 2,
+    num_layers: int = 4,
+    sequences: int = 32,
+    prompt_tokens: int = 32,
+    new_tokens: int = 96,
+    skew: float = 0.5,
+    stickiness: float = 0.1,
+    burst_experts: int = 2,
+    burst_boost: float = 3.0,
+    burst_tokens: float = 30.0,
+    seed: int = 0,
+) -> Trace:
+    """Routing drawn with the statistics recorded from real models (Mixtral-8x7B, DeepSeek-V2-Lite, Qwen1.5-MoE):
+    by default, for 8 experts top-2, reuse P(expert at token t+1 | at t) ~ 0.4 and per-layer load entropy ~0.96
+    of the maximum (`routing_statistics`).
+
+    Per layer the experts have a Zipf(`skew`) popularity over a random ranking. Each sequence keeps a burst of
+    `burst_experts` experts whose popularity is multiplied by `burst_boost`, redrawn with probability
+    1 / `burst_tokens` at each token (bursts persist for tens of tokens). A token keeps each of the previous token's
+    experts with probability `stickiness` and draws the rest, without replacement, from the burst-boosted
+    popularity. Scores are the drawn weights renormalised over each row's 2k listed experts, as `synthetic_trace`.
+    """
+    if not (0 < top_k and 3 * top_k <= num_experts) or not 0 <= stickiness <= 1 or burst_boost < 1:
+        raise ValueError("need 0 < top_k <= num_experts / 3, stickiness in [0, 1] and burst_boost >= 1")
+    if burst_tokens < 1 or not 0 <= burst_experts <= num_experts or min(sequences, prompt_tokens, num_layers) < 1:
+        raise ValueError("need burst_tokens >= 1, 0 <= burst_experts <= num_experts and at least one sequence")
+    if new_tokens < 2:
+        raise ValueError("need at least two new tokens")
+    g = torch.Generator().manual_seed(seed)
+    rows = prompt_tokens + new_tokens - 1
+    popularity = zipf_probabilities(num_experts, skew)
+    layers = {}
+    for layer in range(num_layers):
+        base = torch.empty(num_experts, dtype=torch.float64)
+        base[torch.randperm(num_experts, generator=g)] = popularity
+        listed = torch.empty(sequences, rows, 2 * top_k, dtype=torch.long)
+        scores = torch.empty(sequences, rows, 2 * top_k, dtype=torch.float64)
+        burst = torch.zeros(sequences, num_experts, dtype=torch.bool)
+        for t in range(rows):
+            redraw = (torch.rand(sequences, generator=g) < 1 / burst_tokens) | (t == 0)
+            if burst_experts and redraw.any():
+                fresh = torch.multinomial(base.expand(int(redraw.sum()), -1), burst_experts, generator=g)
+                burst[redraw] = torch.zeros(fresh.shape[0], num_experts, dtype=torch.bool).scatter_(1, fresh, True)
+            weight = base * torch.where(burst, burst_boost, 1.0)
+            keep = torch.zeros(sequences, num_experts, dtype=torch.bool)
+            if t:
+                previous = listed[:, t - 1, :top_k]
+                kept = torch.rand(sequences, top_k, generator=g) < stickiness
+                keep.scatter_(1, previous, kept)
+            drawn = torch.multinomial(weight.masked_fill(keep, 0), 2 * top_k, generator=g)
+            # the kept experts first, then the draws in order: the first top_k are the row's chosen experts
+            priority = torch.full((sequences, num_experts), float("inf")).masked_fill(keep, -1.0)
+            priority.scatter_(1, drawn, torch.arange(2 * top_k, dtype=torch.float32).expand(sequences, -1))
+            listed[:, t] = priority.argsort(dim=1, stable=True)[:, : 2 * top_k]
+            scores[:, t] = weight.gather(1, listed[:, t])
+        layers[layer] = LayerTrace(
+            listed[:, :, :top_k].reshape(-1, top_k).to(torch.int16),
+            listed.reshape(-1, 2 * top_k).to(torch.int16),
+            (scores / scores.sum(-1, keepdim=True)).reshape(-1, 2 * top_k).half(),
+            torch.zeros(0, dtype=torch.int32),
+            torch.zeros(0, 1, dtype=torch.float16),
+        )
+    meta = {
+        "version": FORMAT_VERSION,
+        "model": f"realistic-{num_experts}x{top_k}-reuse-skew{skew:g}-stick{stickiness:g}",
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "hidden_size": 1,
+        "layers": list(layers),
+        "score_fn": "softmax",
+        "hidden_every": 0,
+    }
+    return _trace(meta, layers, sequences, prompt_tokens, new_tokens)
+
+
+def routing_statistics(trace: Trace) -> dict[str, float]:
+    """Means over layers of: `reuse`, P(an expert of a token's top-k is in the next token's, same sequence);
+    `reuse_10`, the same ten tokens later (bursts keep it above what popularity alone gives); `load_entropy`, the
+    entropy of the layer's expert loads over the trace as a share of log(num_experts)."""
+    num_experts = trace.meta["num_experts"]
+    stats: dict[str, list[float]] = {"reuse": [], "reuse_10": [], "load_entropy": []}
+    for layer in trace.layers.values():
+        ids = layer.topk_ids.long()
+        present = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool).scatter_(1, ids, True)
+        for key, lag in (("reuse", 1), ("reuse_10", 10)):
+            same = trace.sequence[lag:] == trace.sequence[:-lag]
+            stats[key].append(float((present[lag:] & present[:-lag])[same].sum() / present[:-lag][same].sum()))
+        load = torch.bincount(ids.flatten(), minlength=num_experts).double()
+        p = load[load > 0] / load.sum()
+        stats["load_entropy"].append(float(-(p * p.log()).sum() / math.log(num_experts)))
+    return {key: sum(values) / len(values) for key, values in stats.items()}
