@@ -29,8 +29,8 @@ from torch_hybrid_moe.traces import Trace
 
 TRACES = Path(__file__).resolve().parent.parent / "torch_hybrid_moe" / "embedded" / "traces"
 SOURCES: dict[str, Callable[[int], Trace]] = {
-    "realistic-8x2": lambda seed: realistic_trace(num_experts=8, top_k=2, seed=seed),
-    "realistic-64x6": lambda seed: realistic_trace(num_experts=64, top_k=6, sequences=16, seed=seed),
+    "realistic-8x2": lambda seed: realistic_trace(num_experts=8, top_k=2, sequences=16, new_tokens=64, seed=seed),
+    "realistic-64x6": lambda seed: realistic_trace(num_experts=64, top_k=6, sequences=16, new_tokens=64, seed=seed),
     "deepseek-tiny": lambda seed: Trace.load(TRACES / f"deepseek-tiny-heldout-at{512 * seed}.safetensors"),
     "mixtral-tiny": lambda seed: Trace.load(TRACES / f"mixtral-tiny-heldout-at{512 * seed}.safetensors"),
 }
