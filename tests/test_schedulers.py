@@ -14,7 +14,7 @@ from torch_hybrid_moe.policies.schedulers import layer_time
 from torch_hybrid_moe.simulator import STACKS, simulate
 from torch_hybrid_moe.simulator.calibration import Calibration
 from torch_hybrid_moe.simulator.synthetic import synthetic_trace
-from torch_hybrid_moe.simulator.tuning import decode_halves, oracle, oracle_of, ours, tune
+from torch_hybrid_moe.simulator.tuning import decode_halves, foresight, oracle, oracle_of, ours, tune
 from torch_hybrid_moe.traces import Trace
 
 
@@ -114,7 +114,7 @@ def test_tuner_keeps_the_fastest_candidate_and_never_prefetches_without_gate_inp
     )
     calibration = Calibration.from_trace(trace)
     windows = ((2, 1, 0.0), (8, 2, 0.5))
-    best, tried = tune(trace, COSTS, 1, 0.25, calibration, windows=windows, prefetch_sizes=(1,))
+    best, tried = tune(trace, COSTS, 1, 0.25, calibration, windows=windows, prefetch_sizes=(1,), caches=())
     assert len(tried) == 2 and all(s.prefetcher == "none" for s, _ in tried)  # no router, no prefetch
     # each candidate ran on both halves of the decode steps (each with the prefill); the winner's worse half,
     # relative to the fastest candidate on that half, is the best worse half
@@ -127,6 +127,17 @@ def test_tuner_keeps_the_fastest_candidate_and_never_prefetches_without_gate_inp
     assert best == tried[worst.index(max(worst))][0]
     oracle = oracle_of(best)
     assert (oracle.scheduler, oracle.cache_policy, oracle.options) == ("oracle", "oracle_window", best.options)
+
+
+def test_tuner_also_tries_ours_placement_over_the_ranked_caches():
+    trace = synthetic_trace(
+        skew=1.2, locality=0.5, num_experts=16, top_k=2, num_layers=2, sequences=2, prompt_tokens=8, new_tokens=24
+    )
+    best, tried = tune(trace, COSTS, 1, 0.5, Calibration.from_trace(trace), windows=((2, 1, 0.0),))
+    assert [s.cache_policy for s, _ in tried] == ["dali_window", "mrs", "lfu", "lru"]
+    assert all(s.scheduler == "queue_aware" for s, _ in tried) and best in [s for s, _ in tried]
+    mrs = tried[1][0]
+    assert [s.cache_policy for s in foresight(mrs)] == ["mrs", "mrs", "belady"]  # no window to mirror
 
 
 @pytest.mark.slow

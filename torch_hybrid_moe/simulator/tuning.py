@@ -1,8 +1,8 @@
 """Our stack, tuned per hardware profile by simulation, and the oracle that knows what ours must guess.
 
-Ours is queue-aware placement over DALI's window cache, with or without residual-based prefetch; which
-window (w_size, u_size) and whether to prefetch depends on the hardware, the batch and the slot budget,
-so `tune` replays a calibration trace through every candidate. Candidates often differ by less than a
+Ours is queue-aware placement over DALI's window cache (or MRS, LFU or LRU), with or without residual-based
+prefetch; which cache, window (w_size, u_size) and whether to prefetch depends on the hardware, the batch and
+the slot budget, so `tune` replays a calibration trace through every candidate. Candidates often differ by less than a
 percent, and the fastest on one trace need not be on the next: each is replayed on the trace's first and
 second half of decode steps separately, with what the policies learn (residuals, popularity, past requests)
 calibrated on the other half, so that a prefetcher is never judged on the data it was fitted to; and it is
@@ -16,7 +16,6 @@ of those variants and Belady's slots.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -27,6 +26,9 @@ from .replay import SimResult, simulate
 from .stacks import STACKS, Stack
 
 WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5, 0.8))  # (w_size, u_size, decay)
+# caches ours' placement also runs over: admitting every missed expert that outranks a resident one, which a
+# window's bursts of u_size copies cannot express where the link is fast and reuse high
+CACHES = ("mrs", "lfu", "lru")
 PREFETCH_SIZES = (1, 2)
 FINALISTS = 2  # windows that are tried again with each prefetch size
 
@@ -45,9 +47,19 @@ def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
     )
 
 
-def _window_options(stack: Stack) -> tuple[int, int, float]:
-    """The (w_size, u_size, decay) an `ours` stack was built with: its first three options."""
-    return cast(tuple[int, int, float], tuple(v for _, v in stack.options[:3]))
+def ours_over(cache: str) -> Stack:
+    """Our placement over another cache policy (`CACHES`), without prefetch."""
+    return Stack("ours", "queue_aware", cache, True, f"queue-aware placement, {cache} cache")
+
+
+def with_prefetch(stack: Stack, size: int) -> Stack:
+    """An `ours` stack with residual prefetch of `size` experts a layer."""
+    return replace(
+        stack,
+        prefetcher="residual",
+        options=stack.options + (("size", size),),
+        description=f"{stack.description}, residual prefetch {size}",
+    )
 
 
 def decode_halves(trace: Trace) -> tuple[Trace, Trace]:
@@ -66,10 +78,11 @@ def tune(
     calibration: Calibration,
     windows: tuple[tuple[int, int, float], ...] = WINDOWS,
     prefetch_sizes: tuple[int, ...] = PREFETCH_SIZES,
+    caches: tuple[str, ...] = CACHES,
 ) -> tuple[Stack, list[tuple[Stack, list[SimResult]]]]:
     """Our most consistently fast decode on `trace`, which should not be the trace the result is then judged
-    on: every window without prefetch, then the best `FINALISTS` windows with each prefetch size (only where
-    the trace kept gate inputs). Returns the winner and every (candidate, results on each half)."""
+    on: every window and other cache without prefetch, then the best `FINALISTS` with each prefetch size (only
+    where the trace kept gate inputs). Returns the winner and every (candidate, results on each half)."""
     gate_inputs = bool(calibration.routers) and all(t.hidden.shape[0] for t in trace.layers.values())
     halves = decode_halves(trace)
     folds = [(half, Calibration.learn(other, calibration.routers)) for half, other in zip(halves, reversed(halves))]
@@ -82,10 +95,10 @@ def tune(
     def ranked() -> list[tuple[Stack, list[SimResult]]]:
         return sorted(tried, key=lambda entry: consistency(entry[1], [r for _, r in tried]), reverse=True)
 
-    run([ours(*w) for w in windows], "windows")
+    run([ours(*w) for w in windows] + [ours_over(c) for c in caches], "caches")
     if gate_inputs and prefetch_sizes:
         finalists = ranked()[:FINALISTS]
-        run([ours(*_window_options(s), p) for s, _ in finalists for p in prefetch_sizes], "prefetch")
+        run([with_prefetch(s, p) for s, _ in finalists for p in prefetch_sizes], "prefetch")
     return ranked()[0][0], tried
 
 
@@ -113,10 +126,10 @@ def oracle_of(stack: Stack) -> Stack:
 
 
 def foresight(stack: Stack) -> list[Stack]:
-    """The oracle's candidates for `stack`: its full mirror (`oracle_of`); the stack's own cache with the best
-    placement found, with and without foresight prefetch of every expert the next layer will use (a cache
-    filled from the future workload, or prefetches, can move more experts than they save when copies are
-    slow); and Belady's slots with the exact per-step optimum."""
+    """The oracle's candidates for `stack`: its full mirror (`oracle_of`, for a window cache); the stack's own
+    cache with the best placement found, with and without foresight prefetch of every expert the next layer
+    will use (a cache filled from the future workload, or prefetches, can move more experts than they save
+    when copies are slow); and Belady's slots with the exact per-step optimum."""
     placed = replace(
         stack, name="oracle", scheduler="oracle", description="best-found placement over the same cache and prefetch"
     )
@@ -128,7 +141,8 @@ def foresight(stack: Stack) -> list[Stack]:
         description="perfect knowledge: best-found placement and foresight prefetch of the next "
         "layer's experts, over the same cache",
     )
-    return [oracle_of(stack), placed, prefetched, replace(STACKS["oracle-cache"], name="oracle")]
+    mirror = [oracle_of(stack)] if stack.cache_policy == "dali_window" else []
+    return [*mirror, placed, prefetched, replace(STACKS["oracle-cache"], name="oracle")]
 
 
 def oracle(
