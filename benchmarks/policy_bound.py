@@ -17,15 +17,14 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.policies.prefetching import MissingRouter
 from torch_hybrid_moe.simulator import STACKS, simulate
 from torch_hybrid_moe.simulator.bound import bound
 from torch_hybrid_moe.simulator.calibration import Calibration
-from torch_hybrid_moe.simulator.stacks import PAPERS, Stack
+from torch_hybrid_moe.simulator.replay import simulate_runnable
+from torch_hybrid_moe.simulator.stacks import PAPERS
 from torch_hybrid_moe.simulator.synthetic import realistic_trace
 from torch_hybrid_moe.simulator.tuning import tune
 from torch_hybrid_moe.traces import Trace
@@ -37,17 +36,6 @@ SOURCES: dict[str, Callable[[int], Trace]] = {
     "deepseek-tiny": lambda seed: Trace.load(TRACES / f"deepseek-tiny-heldout-at{512 * seed}.safetensors"),
     "mixtral-tiny": lambda seed: Trace.load(TRACES / f"mixtral-tiny-heldout-at{512 * seed}.safetensors"),
 }
-
-
-def paper_speed(
-    stack: Stack, trace: Trace, costs: CostModel, batch: int, ratio: float, calibration: Calibration
-) -> float:
-    """A paper stack's decode tok/s; on routing without gate inputs (synthetic), without its prefetcher, which
-    would replay the model's router on them."""
-    try:
-        return simulate(trace, stack, costs, batch, ratio, calibration).decode_tok_s
-    except MissingRouter:
-        return simulate(trace, replace(stack, prefetcher="none"), costs, batch, ratio, calibration).decode_tok_s
 
 
 def main() -> None:
@@ -72,7 +60,10 @@ def main() -> None:
                 for batch in args.batches:
                     mine, _ = tune(held, costs, batch, ratio, calibration)
                     ours = simulate(trace, mine, costs, batch, ratio, calibration).decode_tok_s
-                    papers = {p: paper_speed(STACKS[p], trace, costs, batch, ratio, calibration) for p in PAPERS}
+                    papers = {
+                        p: simulate_runnable(trace, STACKS[p], costs, batch, ratio, calibration)[1].decode_tok_s
+                        for p in PAPERS
+                    }
                     best = max(papers, key=papers.__getitem__)
                     limit, result = bound(trace, costs, batch, ratio, calibration)
                     record = {

@@ -190,7 +190,9 @@ def test_simulate_cli_json_reports_prefetch_accuracy(capsys):
     assert list(records) == [*STACKS, "ours", "oracle", "bound"]
     prefetching = {name for name, s in STACKS.items() if s.prefetcher != "none"} | {"ours", "oracle"}
     bound = records.pop("bound")
-    assert bound["x_bound"] == 1 and bound["decode_tok_s"] >= records["oracle-cache"]["decode_tok_s"]
+    assert bound["x_bound"] == 1
+    for name, r in records.items():  # no stack that guesses the routing beats the stacks that know it
+        assert name == "oracle" or r["x_bound"] <= 1, name
     for r in records.values():
         assert r["bound_tok_s"] == bound["decode_tok_s"] and r["x_bound"] == r["decode_tok_s"] / r["bound_tok_s"]
         assert {
@@ -246,11 +248,12 @@ def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert "hardware local: measured on this machine" in out and f"calibrated on {calibration}" in out
     lines = out.splitlines()
-    rows = {line.split()[0]: line for line in lines[5:-1]}
+    summary = next(i for i, line in enumerate(lines) if line.startswith("ours / bound: "))
+    rows = {line.split()[0]: line for line in lines[5:summary]}
     assert "prefetch acc" in out and list(rows) == [*STACKS, "ours", "oracle", "bound"]
     assert rows["ktransformers"].split()[5] == "-" and rows["dali"].split()[5].endswith("%")
     ratio = float(rows["ours"].split()[1]) / float(rows["bound"].split()[1])
-    assert lines[-1].startswith(f"ours / bound: {ratio:.3f}; ours / best paper (")
+    assert lines[summary].startswith(f"ours / bound: {ratio:.3f}; ours / best paper (")
 
 
 @pytest.mark.slow

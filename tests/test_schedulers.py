@@ -135,7 +135,7 @@ def test_tuner_also_tries_ours_placement_over_the_ranked_caches():
     )
     best, tried = tune(trace, COSTS, 1, 0.5, Calibration.from_trace(trace), windows=((2, 1, 0.0),))
     assert [s.cache_policy for s, _ in tried] == ["dali_window", "mrs", "lfu", "lru"]
-    assert all(s.scheduler == "queue_aware" for s, _ in tried) and best in [s for s, _ in tried]
+    assert all(s.scheduler == "queue_aware" for s, _ in tried)
     mrs = tried[1][0]
     assert [s.cache_policy for s in foresight(mrs)] == ["mrs", "mrs", "belady"]  # no window to mirror
 

@@ -341,12 +341,12 @@ def simulate(args: argparse.Namespace) -> int:
             )
             events.pop(stack.name, None)
     plots = _simulation_plots(args, trace, costs, calibration, ran, events, results) if args.plot_dir else []
-    bound_tok_s = results[-1].decode_tok_s
+    by_name = {r.stack: r for r in results}
+    bound_tok_s = by_name["bound"].decode_tok_s
 
     def x_bound(tok_s: float) -> float | None:  # a trace without decode steps decodes nothing to compare
         return tok_s / bound_tok_s if bound_tok_s else None
 
-    by_name = {r.stack: r for r in results}
     papers = [by_name[n] for n in PAPERS if n in by_name]
     best_paper = max(papers, key=lambda r: r.decode_tok_s)
     if args.json:
@@ -376,11 +376,15 @@ def simulate(args: argparse.Namespace) -> int:
             f"{r.hit_rate:>8.1%} {acc:>12} {r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} {r.cpu_busy:>8.1%} "
             f"{r.gpu_busy:>8.1%}"
         )
-    mine_tok_s, paper_tok_s = by_name["ours"].decode_tok_s, best_paper.decode_tok_s
-    print(
-        f"ours / bound: {_ratio(x_bound(mine_tok_s))}; ours / best paper ({best_paper.stack}): "
-        f"{_ratio(mine_tok_s / paper_tok_s if paper_tok_s else None)}"
-    )
+    if "ours" in by_name:
+        mine_tok_s, paper_tok_s = by_name["ours"].decode_tok_s, best_paper.decode_tok_s
+        print(
+            f"ours / bound: {_ratio(x_bound(mine_tok_s))}; ours / best paper ({best_paper.stack}): "
+            f"{_ratio(mine_tok_s / paper_tok_s if paper_tok_s else None)}"
+        )
+    for r in results:  # the bound is the best of a family, not a proof: say where something beat it
+        if bound_tok_s and r.decode_tok_s > bound_tok_s * (1 + 1e-9):
+            print(f"note: {r.stack} decodes {x_bound(r.decode_tok_s):.3f}x the bound, which is no proven optimum")
     for name, why in skipped.items():
         print(f"{name:<15} {why}")
     for path in plots:

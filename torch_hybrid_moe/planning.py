@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
@@ -23,8 +23,8 @@ from .errors import InputError
 from .loading import local_directory
 from .model_patches import ARCHITECTURES
 from .ops.quantize import check_group_size
-from .policies.prefetching import MissingRouter
-from .simulator import STACKS, simulate
+from .simulator import STACKS
+from .simulator.replay import simulate_runnable
 from .simulator.synthetic import synthetic_trace
 
 # Host formats and their bytes per weight (int8 / int4: one fp32 scale per `group` columns).
@@ -170,12 +170,8 @@ def _speeds(summary: ModelSummary, costs: CostModel, budget: float, prompt: int)
         if stack.name.startswith("oracle") or (stack.uses_slots and budget == 0):
             continue
         ratio = math.floor(budget * summary.num_experts) / summary.num_experts
-        try:
-            r = simulate(trace, stack, costs, 1, ratio)
-        except MissingRouter:  # its prefetcher replays the router on gate inputs, which synthetic routing lacks
-            stack = replace(stack, name=f"{stack.name} (no prefetch)", prefetcher="none")
-            r = simulate(trace, stack, costs, 1, ratio)
-        out[stack.name] = (r.decode_tok_s * scale, r.prefill_tok_s * scale)
+        ran, r = simulate_runnable(trace, stack, costs, 1, ratio)  # synthetic routing: no gate-input prefetch
+        out[ran.name] = (r.decode_tok_s * scale, r.prefill_tok_s * scale)
     return out
 
 

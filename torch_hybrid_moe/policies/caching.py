@@ -161,8 +161,8 @@ class WorkloadWindow(RankedCache):
 class Belady(RankedCache):
     """The offline optimum (evict the expert used farthest in the future, admit only what is used sooner):
     the hit-rate ceiling. Needs `future`, this layer's per-expert token counts of every step in order. `u_size`
-    caps the copies a step may start (None: no cap; 0: the slots keep what prefetches put there): with slow
-    links, fewer copies can beat more hits."""
+    caps the admissions a step may start (None: no cap; 0: only the scheduler's own fetches and prefetches fill
+    slots): with slow links, fewer copies can beat more hits."""
 
     def __init__(
         self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None, u_size: int | None = None
@@ -186,7 +186,11 @@ class Belady(RankedCache):
         return float("-inf")
 
     def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
-        return super().admit(counts, resident, scores)[: self.u_size]
+        # pair by pair: the i-th soonest-needed newcomer displaces the i-th latest-needed resident only when it is
+        # needed sooner (RankedCache.admit checks each against the coldest resident alone, which is not Belady)
+        self.observe(counts, scores)
+        limit = self.info.num_slots if self.u_size is None else self.u_size
+        return self.paired([e for e, c in enumerate(counts) if c], resident, limit)
 
 
 @CACHE_POLICIES.register("oracle_window")

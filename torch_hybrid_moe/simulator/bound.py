@@ -3,11 +3,13 @@
 Ours is judged against it, so it is built without reference to ours: its candidates are future-aware caches
 (Belady's, capped at 0, 1, 2, 4 or any number of copies a step; DALI's window ranked by the workload to come, for
 windows of 1-16 steps and bursts of 1, 2, 4 or any number of copies), each under the least step time found
-(`oracle` placement: exhaustive over every assignment, the link's backlog and in-flight copies included; and
+(`oracle` placement: exhaustive over every assignment up to 10 active experts, local search from the best of the
+cheap rules and the exact makespan optimum beyond; the link's backlog and in-flight copies included; and
 Belady's uncapped slots under the exact optimum of DALI's makespan, the `oracle-cache` stack), with and without
-foresight prefetch of the next layer's real experts. Placement is chosen per step, so a later
-step's state is not optimised: no policy here is proven optimal, and "bound" means the best of this family.
-Every cache runs without prefetch first; the `PREFETCH_FINALISTS` fastest run again with it.
+foresight prefetch of the next layer's real experts (all of them, or the heaviest few). Placement is chosen per
+step, so a later step's state is not optimised: no policy here is proven optimal, and "bound" means the best of
+this family; `simulate` says so where a stack beats it. Every cache runs without prefetch first; the
+`PREFETCH_FINALISTS` fastest, and Belady admitting nothing, run again with it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ BELADY_FILLS = (0, 1, 2, 4, None)  # copies a step may start (None: any)
 WINDOWS = (1, 2, 4, 8, 16)  # steps of future workload a window ranks by
 WINDOW_FILLS = (1, 2, 4, None)  # copies a closing window may start (None: as many as there are slots)
 PREFETCH_FINALISTS = 3
+PREFETCH_SIZES = (None, 2)  # foresight prefetch of the next layer's heaviest experts: all of them, or a few
 
 
 def bound_caches(num_experts: int) -> list[Stack]:
@@ -57,9 +60,16 @@ def bound_caches(num_experts: int) -> list[Stack]:
     return [*belady, exact, *windows]
 
 
-def with_foresight_prefetch(stack: Stack) -> Stack:
-    """`stack` also copying in, during each layer, every expert the next layer will really use."""
-    return replace(stack, prefetcher="oracle", description=f"{stack.description}, foresight prefetch")
+def with_foresight_prefetch(stack: Stack, size: int | None) -> Stack:
+    """`stack` also copying in, during each layer, the `size` heaviest experts (None: every one) the next layer
+    will really use."""
+    which = "" if size is None else f" of {size}"
+    return replace(
+        stack,
+        prefetcher="oracle",
+        options=stack.options + ((("size", size),) if size else ()),
+        description=f"{stack.description}, foresight prefetch{which}",
+    )
 
 
 def bound(
@@ -72,7 +82,10 @@ def bound(
         for s in tqdm(stacks, desc=f"foresight bound, {stage}", unit="stack", leave=False):
             runs.append((s, simulate(trace, s, costs, batch, cache_ratio, calibration)))
 
-    run(bound_caches(trace.meta["num_experts"]), "caches")
-    finalists = sorted(runs, key=lambda r: -r[1].decode_tok_s)[:PREFETCH_FINALISTS]
-    run([with_foresight_prefetch(s) for s, _ in finalists], "prefetch")
+    caches = bound_caches(trace.meta["num_experts"])
+    run(caches, "caches")
+    finalists = [s for s, _ in sorted(runs, key=lambda r: -r[1].decode_tok_s)[:PREFETCH_FINALISTS]]
+    if caches[0] not in finalists:  # Belady admitting nothing: slots filled by prefetch alone
+        finalists.append(caches[0])
+    run([with_foresight_prefetch(s, size) for s in finalists for size in PREFETCH_SIZES], "prefetch")
     return max(runs, key=lambda r: r[1].decode_tok_s)

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement, Prefetcher
+from ..policies.prefetching import MissingRouter
 from ..policies.requests import RequestActivations
 from ..runtime.slot_map import SlotMap
 from ..traces import LayerTrace, Trace
@@ -208,6 +209,23 @@ def _prefetch(
     scored = kept if len(kept) else picked
     real = torch.bincount(trace.layers[target].topk_ids[scored].long().flatten(), minlength=layer.info.num_experts)
     return *top_workload_overlap(wanted, real.tolist(), prefetcher.size), took
+
+
+def simulate_runnable(
+    trace: Trace,
+    stack: Stack,
+    costs: CostModel,
+    batch: int = 1,
+    cache_ratio: float = 0.25,
+    calibration: Calibration | None = None,
+) -> tuple[Stack, SimResult]:
+    """(the stack run, its result): `stack`, or, where its prefetcher replays the model's router on gate inputs
+    the trace lacks (synthetic routing), the stack without it, named "<name> (no prefetch)"."""
+    try:
+        return stack, simulate(trace, stack, costs, batch, cache_ratio, calibration)
+    except MissingRouter:  # raised while the layers are built, before anything ran
+        stack = replace(stack, name=f"{stack.name} (no prefetch)", prefetcher="none")
+        return stack, simulate(trace, stack, costs, batch, cache_ratio, calibration)
 
 
 def simulate(

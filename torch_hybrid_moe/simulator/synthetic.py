@@ -63,9 +63,23 @@ def synthetic_trace(
             torch.zeros(0, dtype=torch.int32),
             torch.zeros(0, 1, dtype=torch.float16),
         )
+    model = f"synthetic-skew{skew:g}-locality{locality:g}"
+    return _trace(model, num_experts, top_k, layers, sequences, prompt_tokens, new_tokens)
+
+
+def _trace(
+    model: str,
+    num_experts: int,
+    top_k: int,
+    layers: dict[int, LayerTrace],
+    sequences: int,
+    prompt_tokens: int,
+    new_tokens: int,
+) -> Trace:
+    """A `Trace` of `sequences` x (prompt_tokens + new_tokens - 1) rows, sequence by sequence, no gate inputs."""
     meta = {
         "version": FORMAT_VERSION,
-        "model": "",
+        "model": model,
         "num_experts": num_experts,
         "top_k": top_k,
         "hidden_size": 1,
@@ -73,13 +87,6 @@ def synthetic_trace(
         "score_fn": "softmax",
         "hidden_every": 0,
     }
-    return _trace(
-        meta | {"model": f"synthetic-skew{skew:g}-locality{locality:g}"}, layers, sequences, prompt_tokens, new_tokens
-    )
-
-
-def _trace(meta: dict, layers: dict[int, LayerTrace], sequences: int, prompt_tokens: int, new_tokens: int) -> Trace:
-    """A `Trace` of `sequences` x (prompt_tokens + new_tokens - 1) rows, sequence by sequence."""
     rows_per_seq = prompt_tokens + new_tokens - 1
     step = torch.cat([torch.zeros(prompt_tokens, dtype=torch.int32), torch.arange(1, new_tokens, dtype=torch.int32)])
     return Trace(
@@ -116,10 +123,13 @@ def realistic_trace(
     experts with probability `stickiness` and draws the rest, without replacement, from the burst-boosted
     popularity. Scores are the drawn weights renormalised over each row's 2k listed experts, as `synthetic_trace`.
     """
-    if not (0 < top_k and 3 * top_k <= num_experts) or not 0 <= stickiness <= 1 or burst_boost < 1:
-        raise ValueError("need 0 < top_k <= num_experts / 3, stickiness in [0, 1] and burst_boost >= 1")
+    if not (0 < top_k and 3 * top_k <= num_experts) or not 0 <= stickiness <= 1 or burst_boost < 1 or skew < 0:
+        raise ValueError("need 0 < top_k <= num_experts / 3, stickiness in [0, 1], burst_boost >= 1 and skew >= 0")
     if burst_tokens < 1 or not 0 <= burst_experts <= num_experts or min(sequences, prompt_tokens, num_layers) < 1:
-        raise ValueError("need burst_tokens >= 1, 0 <= burst_experts <= num_experts and at least one sequence")
+        raise ValueError(
+            "need burst_tokens >= 1, 0 <= burst_experts <= num_experts, and at least one sequence, prompt token "
+            "and layer"
+        )
     if new_tokens < 2:
         raise ValueError("need at least two new tokens")
     g = torch.Generator().manual_seed(seed)
@@ -156,31 +166,32 @@ def realistic_trace(
             torch.zeros(0, dtype=torch.int32),
             torch.zeros(0, 1, dtype=torch.float16),
         )
-    meta = {
-        "version": FORMAT_VERSION,
-        "model": f"realistic-{num_experts}x{top_k}-reuse-skew{skew:g}-stick{stickiness:g}",
-        "num_experts": num_experts,
-        "top_k": top_k,
-        "hidden_size": 1,
-        "layers": list(layers),
-        "score_fn": "softmax",
-        "hidden_every": 0,
-    }
-    return _trace(meta, layers, sequences, prompt_tokens, new_tokens)
+    model = f"realistic-{num_experts}x{top_k}-skew{skew:g}-stick{stickiness:g}"
+    return _trace(model, num_experts, top_k, layers, sequences, prompt_tokens, new_tokens)
 
 
 def routing_statistics(trace: Trace) -> dict[str, float]:
     """Means over layers of: `reuse`, P(an expert of a token's top-k is in the next token's, same sequence);
     `reuse_10`, the same ten tokens later (bursts keep it above what popularity alone gives); `load_entropy`, the
-    entropy of the layer's expert loads over the trace as a share of log(num_experts)."""
+    entropy of the layer's expert loads over the trace as a share of log(num_experts). Rows may come in any
+    order (a JSONL trace keeps forward order): pairs are found by sequence and position."""
+    if not trace.layers:
+        raise ValueError(f"{trace.meta['model']}: the trace has no layers")
     num_experts = trace.meta["num_experts"]
+    index = torch.tensor(
+        sorted(range(len(trace.sequence)), key=lambda i: (int(trace.sequence[i]), int(trace.position[i]))),
+        dtype=torch.long,
+    )
+    sequence, position = trace.sequence[index], trace.position[index]
     stats: dict[str, list[float]] = {"reuse": [], "reuse_10": [], "load_entropy": []}
     for layer in trace.layers.values():
-        ids = layer.topk_ids.long()
+        ids = layer.topk_ids.long()[index]
         present = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool).scatter_(1, ids, True)
         for key, lag in (("reuse", 1), ("reuse_10", 10)):
-            same = trace.sequence[lag:] == trace.sequence[:-lag]
-            stats[key].append(float((present[lag:] & present[:-lag])[same].sum() / present[:-lag][same].sum()))
+            pairs = (sequence[lag:] == sequence[:-lag]) & (position[lag:] == position[:-lag] + lag)
+            if not pairs.any():
+                raise ValueError(f"{trace.meta['model']}: no two tokens of a sequence {lag} apart to measure reuse on")
+            stats[key].append(float((present[lag:] & present[:-lag])[pairs].sum() / present[:-lag][pairs].sum()))
         load = torch.bincount(ids.flatten(), minlength=num_experts).double()
         p = load[load > 0] / load.sum()
         stats["load_entropy"].append(float(-(p * p.log()).sum() / math.log(num_experts)))

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..cost_model import CostModel
 from ..traces import Trace
 from .calibration import Calibration
-from .replay import SimResult, simulate
+from .replay import SimResult, simulate, simulate_runnable
 from .stacks import STACKS, Stack
 
 WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5, 0.8))  # (w_size, u_size, decay)
@@ -30,7 +30,7 @@ WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5,
 # window's bursts of u_size copies cannot express where the link is fast and reuse high
 CACHES = ("mrs", "lfu", "lru")
 PREFETCH_SIZES = (1, 2)
-FINALISTS = 2  # windows that are tried again with each prefetch size
+FINALISTS = 2  # candidates (windows or caches) that are tried again with each prefetch size
 
 
 def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
@@ -151,4 +151,7 @@ def oracle(
     """The ceiling row for `stack`: the fastest decode among `foresight(stack)` on `trace` itself (an oracle
     may look at the routing it is judged on). No policy is proven optimal here, so this is the best foresight
     we can compute, not a bound."""
-    return max(foresight(stack), key=lambda s: simulate(trace, s, costs, batch, cache_ratio, calibration).decode_tok_s)
+    return max(
+        foresight(stack),
+        key=lambda s: simulate_runnable(trace, s, costs, batch, cache_ratio, calibration)[1].decode_tok_s,
+    )
