@@ -113,7 +113,8 @@ def realistic_trace(
     burst_tokens: float = 30.0,
     seed: int = 0,
 ) -> Trace:
-    """Routing drawn with the statistics recorded from real models (Mixtral-8x7B, DeepSeek-V2-Lite, Qwen1.5-MoE):
+    """Routing drawn with the statistics issue 18 reports for routing recorded from real models (Mixtral-8x7B,
+    DeepSeek-V2-Lite, Qwen1.5-MoE):
     by default, for 8 experts top-2, reuse P(expert at token t+1 | at t) ~ 0.4 and per-layer load entropy ~0.96
     of the maximum (`routing_statistics`).
 
