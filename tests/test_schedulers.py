@@ -134,7 +134,7 @@ def test_tuner_also_tries_ours_placement_over_the_ranked_caches():
         skew=1.2, locality=0.5, num_experts=16, top_k=2, num_layers=2, sequences=2, prompt_tokens=8, new_tokens=24
     )
     best, tried = tune(trace, COSTS, 1, 0.5, Calibration.from_trace(trace), windows=((2, 1, 0.0),))
-    assert [s.cache_policy for s, _ in tried] == ["dali_window", "mrs", "lfu", "lru"]
+    assert [s.cache_policy for s, _ in tried] == ["dali_window", "mrs", "lfu", "lru", "daop"]
     assert all(s.scheduler == "queue_aware" for s, _ in tried)
     mrs = tried[1][0]
     assert [s.cache_policy for s in foresight(mrs)] == ["mrs", "mrs", "belady"]  # no window to mirror

@@ -1,6 +1,6 @@
 """Our stack, tuned per hardware profile by simulation, and the oracle that knows what ours must guess.
 
-Ours is queue-aware placement over DALI's window cache (or MRS, LFU or LRU), with or without residual-based
+Ours is queue-aware placement over DALI's window cache (or MRS, LFU, LRU or DAOP's), with or without residual-based
 prefetch; which cache, window (w_size, u_size) and whether to prefetch depends on the hardware, the batch and
 the slot budget, so `tune` replays a calibration trace through every candidate. Candidates often differ by less than a
 percent, and the fastest on one trace need not be on the next: each is replayed on the trace's first and
@@ -27,8 +27,9 @@ from .stacks import STACKS, Stack
 
 WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5, 0.8))  # (w_size, u_size, decay)
 # caches ours' placement also runs over: admitting every missed expert that outranks a resident one, which a
-# window's bursts of u_size copies cannot express where the link is fast and reuse high
-CACHES = ("mrs", "lfu", "lru")
+# window's bursts of u_size copies cannot express where the link is fast and reuse high; and DAOP's per-sequence
+# allocation, which wins where a batch's sequences keep to their own experts
+CACHES = ("mrs", "lfu", "lru", "daop")
 PREFETCH_SIZES = (1, 2)
 FINALISTS = 2  # candidates (windows or caches) that are tried again with each prefetch size
 
