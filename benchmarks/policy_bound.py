@@ -25,7 +25,7 @@ from torch_hybrid_moe.simulator.bound import bound
 from torch_hybrid_moe.simulator.calibration import Calibration
 from torch_hybrid_moe.simulator.replay import simulate_runnable
 from torch_hybrid_moe.simulator.stacks import PAPERS
-from torch_hybrid_moe.simulator.synthetic import realistic_trace
+from torch_hybrid_moe.simulator.synthetic import realistic_trace, routing_statistics
 from torch_hybrid_moe.simulator.tuning import tune
 from torch_hybrid_moe.traces import Trace
 
@@ -53,6 +53,8 @@ def main() -> None:
     records = []
     for name in args.traces:
         trace, held = SOURCES[name](0), SOURCES[name](1)
+        stats = ", ".join(f"{k} {v:.3f}" for k, v in routing_statistics(trace).items())
+        print(f"| {name}: {stats} | | | | | | | | |", flush=True)
         calibration = Calibration.from_trace(trace, held)
         for hardware in args.hardware:
             costs = CostModel(HARDWARE[hardware], EXPERT_SHAPES[args.expert_shape])

@@ -36,16 +36,15 @@ FINALISTS = 2  # candidates (windows or caches) that are tried again with each p
 
 def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
     """Our stack with these parameters (prefetch 0: none)."""
-    return Stack(
+    stack = Stack(
         "ours",
         "queue_aware",
         "dali_window",
         True,
-        f"queue-aware placement, window cache (w {w_size}, u {u_size}, decay {decay:g})"
-        + (f", residual prefetch {prefetch}" if prefetch else ""),
-        "residual" if prefetch else "none",
-        (("w_size", w_size), ("u_size", u_size), ("decay", decay)) + ((("size", prefetch),) if prefetch else ()),
+        f"queue-aware placement, window cache (w {w_size}, u {u_size}, decay {decay:g})",
+        options=(("w_size", w_size), ("u_size", u_size), ("decay", decay)),
     )
+    return with_prefetch(stack, prefetch) if prefetch else stack
 
 
 def ours_over(cache: str) -> Stack:
