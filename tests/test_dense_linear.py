@@ -183,3 +183,83 @@ def test_patched_bf16_model_routes_its_linears_and_saves_unchanged(tmp_path):
     model.save_pretrained(tmp_path)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).state_dict()
     assert all(torch.equal(saved[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, "int8", "int4"])
+def test_matvecs_of_siblings_equal_each_linear_alone(dtype):
+    """One `hybrid_moe::matvecs` call over several weights (with and without biases) gives each weight's own
+    product: the same fp32 sum rounded once to x's dtype, bit for bit; against float64 within that rounding."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 128, generator=g).to(torch.bfloat16 if isinstance(dtype, str) else dtype)
+    weights, scales, biases, wanted = [], [], [], []
+    for n, bias in ((64, False), (8, True), (130, False)):
+        w = torch.randn(n, 128, generator=g) * 0.1
+        b = torch.randn(n, generator=g).to(x.dtype) if bias else None
+        if isinstance(dtype, str):
+            q = quantize(w.unsqueeze(0), BITS[dtype], 64)
+            w, s, dense = q.data[0], q.scale[0], q[0].double()
+            xs = quantize_activations(x.reshape(-1, 128)).double()
+        else:
+            w, s = w.to(dtype), None
+            dense, xs = w.double(), x.reshape(-1, 128).double()
+        weights.append(w), scales.append(s), biases.append(b)
+        wanted.append((xs @ dense.T + (0 if b is None else b.double())).reshape(2, 3, n))
+    outs = torch.ops.hybrid_moe.matvecs(x, weights, scales, biases)
+    for w, s, b, got, want in zip(weights, scales, biases, outs, wanted):
+        alone = torch.ops.hybrid_moe.matvecs(x, [w], [s], [b])[0]
+        assert got.dtype == x.dtype and torch.equal(got, alone)
+        torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3)
+    torch.library.opcheck(torch.ops.hybrid_moe.matvecs.default, (x, weights, scales, biases))
+
+
+def test_matvecs_refuses_mixed_formats_and_misshapen_biases():
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w = torch.randn(8, 64, dtype=torch.bfloat16)
+    q = quantize(torch.randn(1, 8, 64), 8, 32)
+    with pytest.raises(RuntimeError, match="every weight must share one format"):
+        torch.ops.hybrid_moe.matvecs(x, [w, q.data[0]], [None, q.scale[0]], [None, None])
+    with pytest.raises(RuntimeError, match="bias 0 must be \\[N\\]"):
+        torch.ops.hybrid_moe.matvecs(x, [w], [None], [torch.zeros(3, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="one scale and one bias entry"):
+        torch.ops.hybrid_moe.matvecs(x, [w], [], [None])
+
+
+@pytest.mark.parametrize("architecture, dense", [("qwen2_moe", "model"), ("qwen3_moe", "int8")])
+def test_decode_step_merges_sibling_linears_into_one_call(architecture, dense, monkeypatch):
+    """Compiled with the backend at one token, the linears reading one input (q / k / v projections; a shared
+    expert's gate / up) become one `hybrid_moe::matvecs` call each, and the logits equal those of the same step
+    compiled without merging, bit for bit."""
+    import torch_hybrid_moe as thm
+    from torch_hybrid_moe.compile_passes.backend import hybrid_moe_backend
+
+    model = thm.patch_model(
+        tiny_model(architecture, dtype=torch.bfloat16),
+        expert_budget=0.0,
+        device="cpu",
+        dense_weight_dtype=dense,
+        cpu_weight_group_size=32,
+    )
+    for m in model.modules():
+        if isinstance(m, dense_linear.RoutedLinear | dense_linear.QuantizedLinear):
+            m.max_tokens = 4  # decode rows on the micro-kernels whatever this machine measured for tiny shapes
+    targets = (torch.ops.hybrid_moe.matvecs, torch.ops.hybrid_moe.matvecs.default)
+    calls: list[tuple[int, int, int, int]] = []
+
+    def counted(gm):
+        before = [n for n in gm.graph.nodes if n.target in targets]
+        inputs = len({n.args[0] for n in before})
+        merged = dense_pass.fuse_sibling_matvecs(gm)
+        calls.append((len(before), inputs, merged, sum(n.target in targets for n in gm.graph.nodes)))
+        return merged
+
+    x = torch.randint(3, 96, (1, 1))
+    logits = []
+    for fuse in (lambda gm: 0, counted):
+        monkeypatch.setattr("torch_hybrid_moe.compile_passes.backend.fuse_sibling_matvecs", fuse)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            logits.append(torch.compile(model, backend=hybrid_moe_backend, fullgraph=True)(x).logits)
+    ((before, inputs, merged, after),) = calls
+    # one call per input read (q / k / v; the shared expert's gate / up and its gate; a dense MLP's gate / up)
+    assert after == inputs == before - merged and merged >= 2 * model.config.num_hidden_layers
+    assert torch.equal(logits[0], logits[1])

@@ -1,7 +1,8 @@
 """The `hybrid_moe` torch.compile backend: MoE passes on the Dynamo graph, then Inductor.
 
 Passes: rewrite stock experts regions into dispatch (moe_regions.py), insert prefetches (prefetch.py),
-route CPU bf16 / fp16 linear layers to the decode micro-kernels where measured faster (dense_linear.py),
+route CPU bf16 / fp16 linear layers to the decode micro-kernels where measured faster and merge the decode
+linears that read one input into one call (dense_linear.py),
 and, for layers configured with mode="expert_deferral" only, Expert Deferral (expert_deferral.py), or with
 mode="daop_precalc" only, DAOP's predictive CPU pre-calculation of decode steps (daop_precalc.py).
 
@@ -22,7 +23,7 @@ import torch.fx as fx
 
 from ..config import HybridMoEConfig
 from .daop_precalc import insert_daop_precalc
-from .dense_linear import route_dense_linears
+from .dense_linear import fuse_sibling_matvecs, route_dense_linears
 from .expert_deferral import insert_expert_deferral
 from .moe_regions import rewrite_experts_regions
 from .prefetch import insert_prefetch
@@ -43,6 +44,7 @@ def hybrid_moe_backend(
     insert_expert_deferral(gm)  # only layers whose config has mode="expert_deferral"; others stay exact
     insert_daop_precalc(gm)  # likewise mode="daop_precalc", and decode graphs only
     route_dense_linears(gm, example_inputs)  # CPU bf16 / fp16 linears where the micro-kernels were measured faster
+    fuse_sibling_matvecs(gm)  # decode linears reading one input (q / k / v): one kernel call
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options

@@ -1,11 +1,15 @@
-"""Pass: CPU linear layers with bf16 / fp16 weights run through `hybrid_moe::linear` where that was measured
-faster on this machine (ops/dense_linear.py), up to the token count where they stopped winning.
+"""Passes: CPU linear layers with bf16 / fp16 weights run through `hybrid_moe::linear` where that was measured
+faster on this machine (ops/dense_linear.py), up to the token count where they stopped winning; and sibling
+`hybrid_moe::matvecs` calls that read one input (attention's q / k / v, a shared expert's gate / up) become one call.
 
 Only weights that are graph inputs (parameters) and only graphs compiled without autograd: the op has no
 backward. The choice is made here, once per weight shape, and baked into the graph.
 """
 
 from __future__ import annotations
+
+import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -37,3 +41,42 @@ def route_dense_linears(gm: fx.GraphModule, example_inputs: list) -> int:
         node.args = (x, weight, None, bias, limit)
         replaced += 1
     return replaced
+
+
+_MATVECS = (torch.ops.hybrid_moe.matvecs, torch.ops.hybrid_moe.matvecs.default)  # Dynamo records the packet
+
+
+def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
+    """Merge the `hybrid_moe::matvecs` calls that read the same input with weights of one dtype into one call at the
+    first one's place: one pass of the threads over all their rows, one op call, the input prepared once (for k / v
+    projections of a few MB the op's fixed cost is a large share of their time). Results are unchanged: every
+    output row is the same fp32 sum. Returns how many calls were merged away."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    groups: dict[tuple[fx.Node, torch.dtype], list[tuple[fx.Node, list[list]]]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _MATVECS or node.kwargs:
+            continue
+        x, operands = node.args[0], [list(cast(list, a)) for a in node.args[1:4]]  # weights, scales, biases
+        example = operands[0][0].meta.get("example_value") if isinstance(operands[0][0], fx.Node) else None
+        if isinstance(x, fx.Node) and isinstance(example, torch.Tensor):
+            groups.setdefault((x, example.dtype), []).append((node, operands))
+    merged_away = 0
+    for (x, _), calls in groups.items():
+        first = calls[0][0]
+        inputs = [a for _, operands in calls for listed in operands for a in listed if isinstance(a, fx.Node)]
+        if len(calls) < 2 or any(order[a] > order[first] for a in inputs):
+            continue  # one call, or a weight computed after the first call: nothing to merge at its place
+        if any(u.target is not operator.getitem for node, _ in calls for u in node.users):
+            continue
+        with gm.graph.inserting_before(first):
+            merged = gm.graph.call_function(
+                _MATVECS[1], (x, *([a for _, operands in calls for a in operands[i]] for i in range(3)))
+            )
+        offset = 0
+        for node, operands in calls:
+            for user in list(node.users):
+                user.args = (merged, offset + cast(int, user.args[1]))
+            offset += len(operands[0])
+            gm.graph.erase_node(node)
+        merged_away += len(calls) - 1
+    return merged_away

@@ -29,6 +29,22 @@ QUANTIZED_ROWS = 4096
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
+# `hybrid_moe::matvecs`: x [..., K] times sibling weights that read it (attention's q / k / v), each [N_i, K] (bf16 /
+# fp16 / fp32, or int8 / packed int4 with fp32 group scales), plus their biases, each output in x's dtype, summed in
+# fp32 and rounded once. Its CPU kernel is C++ (csrc/moe_cpu.cpp), registered when the kernel module loads, so a
+# compiled decode step reaches it through the dispatcher alone; one call streams all the siblings' rows on every
+# thread at once, preparing x once.
+_LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
+_LIB.define("matvecs(Tensor x, Tensor[] weights, Tensor?[] scales, Tensor?[] biases) -> Tensor[]")
+
+
+@torch.library.register_fake("hybrid_moe::matvecs", lib=_LIB)
+def _(
+    x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None], biases: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
 @torch.library.custom_op(
     "hybrid_moe::linear",
     mutates_args=(),
@@ -43,15 +59,11 @@ def linear(
     fp16 GEMM on this machine (CPUs without native bf16 arithmetic: ~8x). With `scale`, `weight` is int8 / packed
     int4 (ops/quantize.py), x is rounded as the kernel rounds it, and more rows multiply the dequantised weight in
     fp32."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > max_tokens:
+    if x.numel() // x.shape[-1] > max_tokens:
         if scale is None:
             return gemm(x, weight, bias, weight.dtype in KERNEL_DTYPES and upcast_wins(weight))
         return dequantized_linear(x, QuantizedWeight.from_kernel_operands(weight, scale), bias)
-    out = cpu_kernel.dense_matvec(rows, weight, scale)
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+    return torch.ops.hybrid_moe.matvecs(x, [weight], [scale], [bias])[0]
 
 
 def dequantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -94,7 +106,7 @@ class RoutedLinear(torch.nn.Module):
         # cost) only where the micro-kernels run, plain aten GEMMs for Inductor elsewhere.
         if x.dtype != self.weight.dtype or x.device != self.weight.device or x.numel() // x.shape[-1] > self.max_tokens:
             return gemm(x, self.weight, self.bias, self.upcast and x.dtype == self.weight.dtype)
-        return torch.ops.hybrid_moe.linear(x, self.weight, None, self.bias, self.max_tokens)
+        return torch.ops.hybrid_moe.matvecs(x, [self.weight], [None], [self.bias])[0]
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
@@ -121,6 +133,9 @@ class QuantizedLinear(torch.nn.Module):
         self.max_tokens = quantized_token_limit(self.qweight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As RoutedLinear: a graph traced for few rows holds the kernel's own op, not the op that picks a route.
+        if x.numel() // x.shape[-1] <= self.max_tokens:
+            return torch.ops.hybrid_moe.matvecs(x, [self.qweight], [self.scale], [self.bias])[0]
         return torch.ops.hybrid_moe.linear(x, self.qweight, self.scale, self.bias, self.max_tokens)
 
     def extra_repr(self) -> str:

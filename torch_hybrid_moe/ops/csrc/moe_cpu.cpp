@@ -559,35 +559,121 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
   });
 }
 
-// out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32, or int8 / int4 with one fp32 scale
-// per group of columns, `scale` [N, K / group]): the micro-kernel route of phase A
-// for one matrix, every thread streaming its own row blocks. For decode-time linears (attention projections,
-// the LM head), where torch's GEMM of a bf16 weight can run far below the CPU's read bandwidth.
-void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
-                  int64_t isa_level, at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "expected x [T, K], weight [N, K] (int4: [N, K / 2])");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) &&
-                  out.size(1) == weight.size(0),
-              "out must be a contiguous fp32 [T, N] tensor");
-  TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
-  const at::Tensor w = weight.contiguous().unsqueeze(0);
-  c10::optional<at::Tensor> s;
-  if (scale.has_value()) s = scale->contiguous().unsqueeze(0);
-  const Layer layer = make_layer("weight", w, s, x.size(1));
-  const int64_t T = x.size(0), K = x.size(1), N = layer.N;
-  if (T == 0) return;
-  const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
+namespace {
+
+// x [T, K] times each of `ms` (dense [N_i, K] matrices of one format): every thread streams row runs taken from all
+// of them at once, the activations prepared once. finish(i, r0, r1) runs after the run [r0, r1) of matrix i
+// is in out_i = outs[i] ([T, N_i] fp32, row stride ld_i), on the thread that computed it.
+template <typename Finish>
+void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::vector<int64_t>& rows_of,
+                 const std::vector<float*>& outs, const std::vector<int64_t>& lds, Isa isa, const Finish& finish) {
+  const int64_t T = x.size(0), K = x.size(1);
+  if (T == 0 || ms.empty()) return;
+  const Fmt fmt = ms[0].fmt;
+  const Kernels kern = kernels_for(isa);
   std::vector<float> xs(T * K);
-  activations(x, written_layout(layer.first.fmt), kern.step, xs.data());
-  const KernelInputs in(xs.data(), T, K, layer.first.fmt, kern.step, false);
+  activations(x, written_layout(fmt), kern.step, xs.data());
+  const KernelInputs in(xs.data(), T, K, fmt, kern.step, false);
   std::vector<const void*> rows(T);
   for (int64_t t = 0; t < T; ++t) rows[t] = in.row(t);
-  const int64_t block = run_rows(N, kRunsPerThread * at::get_num_threads());
-  float* o = out.data_ptr<float>();
-  parallel_items((N + block - 1) / block, [&](int64_t i) {
-    const int64_t r0 = i * block, r1 = std::min(N, r0 + block);
-    kern.matvec_block(layer.first, r0, r1, rows.data(), T, o + r0, N);
+  int64_t total = 0;
+  for (const int64_t n : rows_of) total += n;
+  const int64_t block = run_rows(total, kRunsPerThread * at::get_num_threads());
+  struct Run {
+    int64_t i, r0, r1;
+  };
+  std::vector<Run> runs;
+  for (int64_t i = 0; i < int64_t(ms.size()); ++i)
+    for (int64_t r0 = 0; r0 < rows_of[i]; r0 += block) runs.push_back({i, r0, std::min(rows_of[i], r0 + block)});
+  parallel_items(int64_t(runs.size()), [&](int64_t j) {
+    const Run& run = runs[j];
+    kern.matvec_block(ms[run.i], run.r0, run.r1, rows.data(), T, outs[run.i] + run.r0, lds[run.i]);
+    finish(run.i, run.r0, run.r1);
   });
+}
+
+// A dense [N, K] weight (int4: [N, K / 2]) with its optional scales [N, K / group] as a Matrix.
+Matrix dense_matrix(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t K, int64_t* rows) {
+  TORCH_CHECK(weight.dim() == 2, "expected a weight [N, K] (int4: [N, K / 2])");
+  c10::optional<at::Tensor> s;
+  if (scale.has_value()) s = scale->contiguous().unsqueeze(0);
+  const Layer layer = make_layer("weight", weight.contiguous().unsqueeze(0), s, K);
+  *rows = layer.N;
+  return layer.first;
+}
+
+template <typename T>
+void round_rows(const float* src, int64_t T_, int64_t ld, int64_t r0, int64_t r1, const float* bias, T* dst,
+                int64_t N) {
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t r = r0; r < r1; ++r) dst[t * N + r] = T(src[t * ld + r] + (bias ? bias[r] : 0.f));
+}
+
+}  // namespace
+
+void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
+                  int64_t isa_level, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2, "expected x [T, K]");
+  TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
+  int64_t N = 0;
+  const Matrix m = dense_matrix(weight, scale, x.size(1), &N);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == N,
+              "out must be a contiguous fp32 [T, N] tensor");
+  matvec_runs(x.contiguous(), {m}, {N}, {out.data_ptr<float>()}, {N}, static_cast<Isa>(isa_level),
+              [](int64_t, int64_t, int64_t) {});
+}
+
+std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
+                                const c10::List<c10::optional<at::Tensor>>& scales,
+                                const c10::List<c10::optional<at::Tensor>>& biases) {
+  const int64_t n = int64_t(weights.size());
+  TORCH_CHECK(n > 0 && int64_t(scales.size()) == n && int64_t(biases.size()) == n,
+              "matvecs: one scale and one bias entry (or None) per weight");
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "matvecs: x must be a CPU tensor [..., K]");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "matvecs: x must be fp32, bf16 or fp16");
+  const int64_t K = x.size(-1);
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  const int64_t T = rows.size(0);
+  std::vector<Matrix> ms(n);
+  std::vector<int64_t> N(n), lds(n);
+  std::vector<float*> outs(n);
+  std::vector<at::Tensor> biases_f(n), results(n);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    ms[i] = dense_matrix(weights[i], scales.get(i), K, &N[i]);
+    TORCH_CHECK(ms[i].fmt == ms[0].fmt, "matvecs: every weight must share one format");
+    const c10::optional<at::Tensor> b = biases.get(i);
+    if (b.has_value()) {
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == N[i], "matvecs: bias ", i, " must be [N]");
+      biases_f[i] = b->to(at::kFloat).contiguous();
+    }
+    total += N[i];
+  }
+  std::vector<float> acc(T * total);  // fp32 sums side by side, each weight's columns at its offset
+  for (int64_t i = 0, offset = 0; i < n; offset += N[i], ++i) {
+    outs[i] = acc.data() + offset;
+    lds[i] = total;
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+    shape.push_back(N[i]);
+    results[i] = at::empty(shape, x.options());
+  }
+  // Each run is rounded to x's dtype (bias added in fp32) by the thread that summed it: one rounding, as torch's
+  // GEMM gives it, and no second pass over the outputs.
+  static const Isa isa = static_cast<Isa>(best_isa());
+  matvec_runs(rows, ms, N, outs, lds, isa, [&](int64_t i, int64_t r0, int64_t r1) {
+    const float* bias = biases_f[i].defined() ? biases_f[i].data_ptr<float>() : nullptr;
+    switch (dtype) {
+      case at::kFloat:
+        return round_rows(outs[i], T, total, r0, r1, bias, results[i].data_ptr<float>(), N[i]);
+      case at::kBFloat16:
+        return round_rows(outs[i], T, total, r0, r1, bias, results[i].data_ptr<c10::BFloat16>(), N[i]);
+      default:
+        return round_rows(outs[i], T, total, r0, r1, bias, results[i].data_ptr<c10::Half>(), N[i]);
+    }
+  });
+  return results;
 }
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.

@@ -15,6 +15,12 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
 void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                   int64_t isa_level, at::Tensor& out);
 
+// Sibling linears reading one input x [..., K] (attention's q / k / v): outs[i] [..., N_i] in x's dtype, summed in fp32
+// at the CPU's best ISA level, plus biases[i], rounded once; the `hybrid_moe::matvecs` op's CPU kernel.
+std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
+                                const c10::List<c10::optional<at::Tensor>>& scales,
+                                const c10::List<c10::optional<at::Tensor>>& biases);
+
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.
 int64_t best_isa();
 
