@@ -1,6 +1,7 @@
 """The `hybrid_moe` torch.compile backend: MoE passes on the Dynamo graph, then Inductor.
 
-Passes: rewrite stock experts regions into dispatch (moe_regions.py), insert prefetches (prefetch.py),
+Passes: rewrite stock experts regions into dispatch (moe_regions.py), insert prefetches (prefetch.py), call the
+C++ step of layers whose experts all run on the CPU (cpu_dispatch.py),
 route CPU bf16 / fp16 linear layers to the decode micro-kernels where measured faster and merge the decode
 linears that read one input into one call (dense_linear.py),
 and, for layers configured with mode="expert_deferral" only, Expert Deferral (expert_deferral.py), or with
@@ -22,6 +23,7 @@ from typing import Any, cast
 import torch.fx as fx
 
 from ..config import HybridMoEConfig
+from .cpu_dispatch import direct_cpu_dispatch
 from .daop_precalc import insert_daop_precalc
 from .dense_linear import fuse_sibling_matvecs, route_dense_linears
 from .expert_deferral import insert_expert_deferral
@@ -43,6 +45,7 @@ def hybrid_moe_backend(
     insert_prefetch(gm)
     insert_expert_deferral(gm)  # only layers whose config has mode="expert_deferral"; others stay exact
     insert_daop_precalc(gm)  # likewise mode="daop_precalc", and decode graphs only
+    direct_cpu_dispatch(gm)  # layers with every expert on the CPU: the C++ op, no Python a step
     route_dense_linears(gm, example_inputs)  # CPU bf16 / fp16 linears where the micro-kernels were measured faster
     fuse_sibling_matvecs(gm)  # decode linears reading one input (q / k / v): one kernel call
     gm.graph.lint()

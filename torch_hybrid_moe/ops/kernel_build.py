@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_COMPILED = (_CSRC / "module.cpp", _CSRC / "moe_cpu.cpp", _CSRC / "host_bridge.cpp")
+_COMPILED = (_CSRC / "module.cpp", _CSRC / "moe_cpu.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "host_bridge.cpp")
 _SOURCES = (*_COMPILED, _CSRC / "moe_cpu.h", _CSRC / "rows_kernel.h")
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
 

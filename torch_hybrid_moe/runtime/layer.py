@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ..config import HybridMoEConfig
+from ..ops import cpu_kernel
 from ..ops.expert_math import accumulate_experts_
+from ..ops.kernel_build import extension
 from ..ops.library import cpu_experts_into
 from ..ops.quantize import kernel_operands
 from ..policies import LayerInfo, Placement
@@ -31,6 +35,9 @@ class RoutingRule:
 
     score_fn: str
     renormalise: bool
+
+
+_PUBLICATIONS = itertools.count(1)  # `owner` numbers of the C++ table's entries (csrc/cpu_layers.cpp)
 
 
 class HybridMoELayer:
@@ -74,11 +81,12 @@ class HybridMoELayer:
         self.streaming = policies.streaming  # what plans prefill streaming; None: no staging ring
         self.stats = LayerStats()
         self.next_handle: int | None = None
-        self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields()))
+        self.published: tuple[int, int] | None = None  # (handle, owner) of its entry in the C++ table, if any
         self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
         self.mode_counters: torch.Tensor | None = None  # an approximate mode's device counters (DAOP's)
         self._ahead: tuple[list[int], list[float]] | None = None  # an AHEAD half's counts and scores, uncaptured
         self._graph_path: GraphPath | None = None
+        self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields(), self.all_on_cpu))
 
     def __deepcopy__(self, memo: dict) -> HybridMoELayer:
         raise TypeError(
@@ -92,10 +100,48 @@ class HybridMoELayer:
             self._graph_path = GraphPath(self)
         return self._graph_path
 
+    @property
+    def all_on_cpu(self) -> bool:
+        """Whether every expert runs on the CPU from the host copy, as routed: no slots, no staging ring, the exact
+        mode. Such a layer's compiled step is `hybrid_moe::cpu_moe` (compile_passes/cpu_dispatch.py)."""
+        return (
+            self.store.num_slots == 0
+            and self.store.device.type == "cpu"
+            and self.streaming is None
+            and self.config.mode == "exact"
+        )
+
+    def publish(self, handle: int) -> None:
+        """Let `hybrid_moe::cpu_moe` compute this layer's steps under `handle` (registry.py calls this whenever a handle
+        comes to name the layer); nothing for a layer with slots, or where the kernel could not be built."""
+        ext = extension()
+        if ext is None or not self.all_on_cpu:
+            return
+        self.settle()  # counts of an earlier publication are taken before it is replaced
+        self.published = handle, next(_PUBLICATIONS)
+        gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
+        down, down_scale = kernel_operands(self.store.host_down)
+        ext.publish_cpu_layer(*self.published, gate_up, gate_up_scale, down, down_scale)
+        weakref.finalize(self, ext.drop_cpu_layer, *self.published)
+
+    def cpu_route(self, hidden: torch.Tensor) -> cpu_kernel.GemmRoute:
+        """The prefill route `cpu_moe` takes for hidden states shaped and typed like `hidden` (a graph's example: a
+        symbolic token count stands for any)."""
+        rows = hidden.shape[0] if isinstance(hidden.shape[0], int) else cpu_kernel.ROUTE_TOKENS[0]
+        gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
+        return cpu_kernel.gemm_route(torch.empty(rows, hidden.shape[1], dtype=hidden.dtype), gate_up, gate_up_scale)
+
     def settle(self) -> None:
-        """Bring slot tables and counters changed by graph replays back into the store and `stats`."""
+        """Bring slot tables and counters changed by graph replays, and the counts of its `cpu_moe` steps, back into
+        the store and `stats`."""
         if self._graph_path is not None:
             self._graph_path.pull()
+        ext = extension() if self.published else None
+        if ext is not None and self.published:
+            steps, tokens, experts = ext.take_cpu_layer_counts(*self.published)
+            s = self.stats
+            s.steps, s.tokens = s.steps + steps, s.tokens + tokens
+            s.cpu_experts, s.misses = s.cpu_experts + experts, s.misses + experts
 
     def resident_mask(self, device: torch.device) -> torch.Tensor:
         """Which experts sit in slots now, as a bool [E] tensor on `device`: on the replay-safe path the device

@@ -35,13 +35,21 @@ def register_layer(layer: HybridMoELayer, key: Hashable | None = None) -> int:
     _layers[handle] = layer
     if key is not None:
         weakref.finalize(layer, _free.setdefault(key, set()).add, handle)
+    layer.publish(handle)
     return handle
 
 
 def bind(handle: int, layer: HybridMoELayer) -> None:
     """Point an existing handle at another layer: a graph compiled from a stock model names sites, not a
     model's layers, and is bound to the calling model's own layers before each call (runtime/stock.py)."""
+    previous = _layers.get(handle)
+    if previous is layer:
+        return
+    if previous is not None and previous.published and previous.published[0] == handle:
+        previous.settle()  # the steps it ran under this handle are its own
+        previous.published = None
     _layers[handle] = layer
+    layer.publish(handle)
 
 
 def get_layer(handle: int) -> HybridMoELayer:

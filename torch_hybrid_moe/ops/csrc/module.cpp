@@ -1,14 +1,20 @@
-// The Python module of the CPU side: expert kernel plus the CUDA host-function bridge.
+// The Python module of the CPU side: expert kernel, the CPU-only layers' table, the CUDA host-function bridge.
 #include "moe_cpu.h"
 
 #include <torch/library.h>
 
 // The ops whose schemas Python defines (ops/dense_linear.py) get their CPU kernels here: a compiled decode step calls
 // them through the dispatcher straight into C++, without the Python of a torch.library.custom_op (~20-40 us a call).
-TORCH_LIBRARY_IMPL(hybrid_moe, CPU, m) { m.impl("matvecs", &matvecs); }
+TORCH_LIBRARY_IMPL(hybrid_moe, CPU, m) {
+  m.impl("matvecs", &matvecs);
+  m.impl("cpu_moe", &cpu_moe);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output");
+  m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output; active experts");
+  m.def("publish_cpu_layer", &publish_cpu_layer, "Publish a layer's host experts under its handle for cpu_moe");
+  m.def("drop_cpu_layer", &drop_cpu_layer, "Drop a handle's experts if `owner` published them");
+  m.def("take_cpu_layer_counts", &take_cpu_layer_counts, "(steps, tokens, active experts) since the last take");
   m.def("dense_matvec", &dense_matvec, "Dense [N, K] weight times a few activation rows, fp32 out");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");
   bind_host_bridge(m);

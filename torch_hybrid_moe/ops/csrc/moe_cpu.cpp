@@ -443,10 +443,10 @@ constexpr int64_t kRunsPerThread = 4;
 }  // namespace
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0.
-void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
-                 const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
-                 at::Tensor& out) {
+int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
+                    const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                    const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
+                    at::Tensor& out) {
   TORCH_CHECK(hidden.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == hidden.size(0),
               "expected hidden [T, H], ids and weights [T, K]");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
@@ -466,7 +466,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
 
   const Routing r = group_by_expert(ids, gate_up.size(0));
   const int64_t P = r.offsets.back();
-  if (P == 0) return;
+  if (P == 0) return 0;
   const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
   std::vector<int64_t> small, large;
   for (int64_t a = 0; a < int64_t(r.experts.size()); ++a)
@@ -557,6 +557,7 @@ void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tens
         for (int64_t j = 0; j < H; ++j) dst[j] += w * src[j];
       }
   });
+  return int64_t(r.experts.size());
 }
 
 namespace {

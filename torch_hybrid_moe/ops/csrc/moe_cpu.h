@@ -5,10 +5,11 @@
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0. An expert with at least
 // gemm_tokens tokens takes torch's GEMM: on fp32 panels, or (bf16_gemm, for bf16 / int8 / int4 weights) in bf16.
-void moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
-                 const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                 const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
-                 at::Tensor& out);
+// Returns how many experts were active.
+int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
+                    const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
+                    const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
+                    at::Tensor& out);
 
 // out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32, or int8 / int4 with fp32 group
 // scales [N, K / group]), accumulated in fp32.
@@ -20,6 +21,16 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
                                 const c10::List<c10::optional<at::Tensor>>& scales,
                                 const c10::List<c10::optional<at::Tensor>>& biases);
+
+// Layers whose experts all run on the CPU, by handle (cpu_layers.cpp): Python publishes a layer's host weights as
+// `owner` (one number per publication), drops them when the layer dies, and takes its step, token and active-expert
+// counts. `cpu_moe` is the `hybrid_moe::cpu_moe` op's CPU kernel: one such layer's step, in hidden's dtype.
+void publish_cpu_layer(int64_t handle, int64_t owner, at::Tensor gate_up, c10::optional<at::Tensor> gate_up_scale,
+                       at::Tensor down, c10::optional<at::Tensor> down_scale);
+void drop_cpu_layer(int64_t handle, int64_t owner);
+std::tuple<int64_t, int64_t, int64_t> take_cpu_layer_counts(int64_t handle, int64_t owner);
+at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t layer,
+                   int64_t gemm_tokens, bool bf16_gemm);
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.
 int64_t best_isa();

@@ -1,0 +1,113 @@
+"""`hybrid_moe::cpu_moe`: the C++ step of layers whose experts all run on the CPU, put in place of `dispatch` by the
+backend. Checked against the same step compiled through `dispatch` (bit for bit, statistics too), and at its doors."""
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe.compile_passes.backend import hybrid_moe_backend
+from torch_hybrid_moe.ops import cpu_kernel
+from torch_hybrid_moe.runtime.stats import model_layers
+from torch_hybrid_moe.tiny_models import tiny_model
+
+pytestmark = pytest.mark.usefixtures("kernel")
+
+CPU_MOE = torch.ops.hybrid_moe.cpu_moe.default
+
+
+def compiled_logits(model, x, monkeypatch, direct: bool) -> tuple[torch.Tensor, list[str]]:
+    """Logits of the model compiled with the backend (the cpu_moe pass on or off) and the MoE ops its graph calls."""
+    from torch_hybrid_moe.compile_passes import cpu_dispatch
+
+    seen: list[str] = []
+
+    def rewrite(gm):
+        done = cpu_dispatch.direct_cpu_dispatch(gm) if direct else 0
+        seen.extend(str(n.target) for n in gm.graph.nodes if "hybrid_moe.cpu_moe" in str(n.target))
+        seen.extend(str(n.target) for n in gm.graph.nodes if "hybrid_moe.dispatch" in str(n.target))
+        return done
+
+    monkeypatch.setattr("torch_hybrid_moe.compile_passes.backend.direct_cpu_dispatch", rewrite)
+    torch._dynamo.reset()
+    thm.reset_stats(model)
+    with torch.no_grad():
+        logits = torch.compile(model, backend=hybrid_moe_backend, fullgraph=True)(x).logits
+    return logits, seen
+
+
+def bf16_model(name: str) -> torch.nn.Module:
+    """A tiny random model of an architecture, or an embedded trained one (its experts take int8 / int4 groups)."""
+    if "-" in name:
+        from torch_hybrid_moe.embedded import load_model
+
+        return load_model(name, torch.bfloat16)[0]
+    return tiny_model(name, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "architecture, weights, tokens",
+    [("qwen3_moe", "model", 1), ("deepseek-tiny", "int8", 1), ("mixtral-tiny", "int4", 3), ("qwen2_moe", "model", 20)],
+)
+def test_cpu_moe_step_equals_the_dispatch_step(architecture, weights, tokens, monkeypatch):
+    """Budget 0: every MoE layer's dispatch becomes cpu_moe, and the logits and the layers' statistics equal those of
+    the same graph through dispatch exactly (20 tokens: the prefill route measured for the graph's shapes)."""
+    model = thm.patch_model(
+        bf16_model(architecture),
+        expert_budget=0.0,
+        device="cpu",
+        cpu_weight_dtype=weights,
+        cpu_weight_group_size=32,
+    )
+    x = torch.randint(3, 96, (2, tokens), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for direct in (False, True):
+        logits, ops = compiled_logits(model, x, monkeypatch, direct)
+        runs[direct] = logits, ops, {i: s.as_dict() for i, s in thm.stats(model).items()}
+    layers = len(model_layers(model))
+    assert runs[True][1] == [str(CPU_MOE)] * layers and len(runs[False][1]) == layers
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert runs[True][2] == runs[False][2] and all(s["steps"] == 1 for s in runs[True][2].values())
+    assert all(s["cpu_experts"] > 0 and s["tokens"] == x.numel() for s in runs[True][2].values())
+
+
+def test_layers_with_slots_keep_dispatch(monkeypatch):
+    model = thm.patch_model(tiny_model("qwen3_moe", dtype=torch.bfloat16), expert_budget=0.5, device="cpu")
+    _, ops = compiled_logits(model, torch.randint(3, 96, (1, 1)), monkeypatch, True)
+    assert ops and all("dispatch" in op for op in ops)
+
+
+def test_cpu_moe_refuses_a_freed_layer_and_bad_ids():
+    model = thm.patch_model(tiny_model("mixtral", dtype=torch.bfloat16), expert_budget=0.0, device="cpu")
+    layer = next(iter(model_layers(model).values()))
+    handle, hidden = layer.handle, torch.randn(1, model.config.hidden_size, dtype=torch.bfloat16)
+    weights = torch.tensor([[0.5, 0.5]])
+    with pytest.raises(RuntimeError, match="expert id 99 outside"):
+        CPU_MOE(hidden, torch.tensor([[0, 99]]), weights, handle, cpu_kernel.UNLIMITED, False)
+    assert torch.equal(
+        CPU_MOE(hidden, torch.tensor([[0, 1]]), weights, handle, cpu_kernel.UNLIMITED, False),
+        torch.ops.hybrid_moe.dispatch(hidden, torch.tensor([[0, 1]]), weights, handle),
+    )
+    del model, layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"handle {handle} has no CPU experts published"):
+        CPU_MOE(hidden, torch.tensor([[0, 1]]), weights, handle, cpu_kernel.UNLIMITED, False)
+
+
+def test_a_bound_handle_computes_the_bound_layers_experts(monkeypatch):
+    """Stock models share one compiled graph and bind its handles to the calling model's layers before each call:
+    cpu_moe follows the binding (two models with other weights, one graph, each its own logits)."""
+    a, b = (tiny_model("qwen3_moe", seed=s, dtype=torch.bfloat16) for s in (0, 1))
+    want = []
+    with torch.no_grad():
+        for m in (a, b):
+            want.append(torch.compile(copy.deepcopy(m), backend="inductor")(torch.tensor([[5]])).logits)
+    torch._dynamo.reset()
+    compiled = [torch.compile(m, backend="hybrid_moe", fullgraph=True, options={"expert_budget": 0.0}) for m in (a, b)]
+    with torch.no_grad():
+        got = [c(torch.tensor([[5]])).logits for c in compiled]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0.02, atol=0.02)
+    assert not torch.allclose(got[0], got[1])
