@@ -1,7 +1,9 @@
 """Fixed and per-byte costs of a CPU decode step, side by side in one run: dense linears through torch's GEMM and
-through `hybrid_moe::linear`, one MoE layer step through the raw C++ kernel, the `hybrid_moe::cpu_experts`
-op and the `hybrid_moe::dispatch` op (all experts on the CPU), and one token's attention through torch's SDPA and
-the CPU decode attention (model_patches/cpu_attention.py). Medians, interleaved; the CPU is printed.
+through `hybrid_moe::matvecs` (the op a compiled decode step calls), one MoE layer step through the raw C++ kernel,
+the `hybrid_moe::cpu_moe` op (what a compiled step calls for a layer with all experts on the CPU), the
+`hybrid_moe::cpu_experts` op and the `hybrid_moe::dispatch` op (all experts on the CPU), and one token's attention
+through torch's SDPA and the CPU decode attention (model_patches/cpu_attention.py). Medians, interleaved; the CPU is
+printed.
 
     python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41]
 """
@@ -49,8 +51,8 @@ def _linear_times(n: int, k: int, repeats: int) -> tuple[dict[str, float], int]:
     x = torch.randn(1, k, dtype=torch.bfloat16)
     runs = {
         "torch": lambda: F.linear(x, w),
-        "op": lambda: torch.ops.hybrid_moe.linear(x, w, None, None, 64),
-        "huge": lambda: torch.ops.hybrid_moe.linear(x, huge, None, None, 64),
+        "op": lambda: torch.ops.hybrid_moe.matvecs(x, [w], [None], [None]),
+        "huge": lambda: torch.ops.hybrid_moe.matvecs(x, [huge], [None], [None]),
     }
     return medians(runs, repeats), w.nbytes
 
@@ -108,6 +110,9 @@ def main() -> None:
     t = medians(
         {
             "kernel": lambda: cpu_kernel.moe_experts(hidden, *pick(), gate_up, down, torch.zeros(1, HIDDEN)),
+            "cpu_moe op": lambda: torch.ops.hybrid_moe.cpu_moe(
+                hidden, *pick(), layer.handle, cpu_kernel.UNLIMITED, False
+            ),
             "cpu_experts op": lambda: torch.ops.hybrid_moe.cpu_experts(
                 hidden, *pick(), gate_up, down, None, None, torch.zeros(1, HIDDEN)
             ),

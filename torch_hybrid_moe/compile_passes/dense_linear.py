@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops import dense_linear
+from .graph_utils import calls
 
 _LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
 
@@ -43,7 +44,7 @@ def route_dense_linears(gm: fx.GraphModule, example_inputs: list) -> int:
     return replaced
 
 
-_MATVECS = (torch.ops.hybrid_moe.matvecs, torch.ops.hybrid_moe.matvecs.default)  # Dynamo records the packet
+_MATVECS = torch.ops.hybrid_moe.matvecs
 
 
 def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
@@ -54,29 +55,29 @@ def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     groups: dict[tuple[fx.Node, torch.dtype], list[tuple[fx.Node, list[list]]]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _MATVECS or node.kwargs:
+        if not calls(node, _MATVECS) or node.kwargs:
             continue
         x, operands = node.args[0], [list(cast(list, a)) for a in node.args[1:4]]  # weights, scales, biases
         example = operands[0][0].meta.get("example_value") if isinstance(operands[0][0], fx.Node) else None
         if isinstance(x, fx.Node) and isinstance(example, torch.Tensor):
             groups.setdefault((x, example.dtype), []).append((node, operands))
     merged_away = 0
-    for (x, _), calls in groups.items():
-        first = calls[0][0]
-        inputs = [a for _, operands in calls for listed in operands for a in listed if isinstance(a, fx.Node)]
-        if len(calls) < 2 or any(order[a] > order[first] for a in inputs):
+    for (x, _), members in groups.items():
+        first = members[0][0]
+        inputs = [a for _, operands in members for listed in operands for a in listed if isinstance(a, fx.Node)]
+        if len(members) < 2 or any(order[a] > order[first] for a in inputs):
             continue  # one call, or a weight computed after the first call: nothing to merge at its place
-        if any(u.target is not operator.getitem for node, _ in calls for u in node.users):
+        if any(u.target is not operator.getitem for node, _ in members for u in node.users):
             continue
         with gm.graph.inserting_before(first):
             merged = gm.graph.call_function(
-                _MATVECS[1], (x, *([a for _, operands in calls for a in operands[i]] for i in range(3)))
+                _MATVECS.default, (x, *([a for _, operands in members for a in operands[i]] for i in range(3)))
             )
         offset = 0
-        for node, operands in calls:
+        for node, operands in members:
             for user in list(node.users):
                 user.args = (merged, offset + cast(int, user.args[1]))
             offset += len(operands[0])
             gm.graph.erase_node(node)
-        merged_away += len(calls) - 1
+        merged_away += len(members) - 1
     return merged_away
