@@ -59,27 +59,33 @@ def test_token_limit_is_measured_and_cached():
     assert dense_linear.kernel_token_limit(torch.zeros_like(w)) == limit  # per shape and dtype, not per tensor
 
 
-@pytest.mark.parametrize("limit", [0, 4])
-def test_backend_routes_bf16_linears_and_keeps_the_output(limit, monkeypatch):
+@pytest.mark.parametrize("limit, dynamic", [(0, False), (4, False), (4, True)])
+def test_backend_routes_bf16_linears_and_keeps_the_output(limit, dynamic, monkeypatch):
     """A bf16 model compiled with the backend: each linear runs through the op exactly where the measurement
-    said so, and the logits stay the eager model's within bf16 rounding."""
+    said so (a graph of 3 tokens only: the kernel's `matvecs`; any token count: `linear`, which picks per call),
+    and the logits stay the eager model's within bf16 rounding."""
     import torch_hybrid_moe  # noqa: F401  (registers the backend and ops)
 
     monkeypatch.setattr(dense_linear, "kernel_token_limit", lambda weight: limit)
     model = copy.deepcopy(tiny_model("qwen3_moe")).to(torch.bfloat16)
-    seen = []
+    seen, targets = [], []
     original = dense_pass.route_dense_linears
-    monkeypatch.setattr(
-        "torch_hybrid_moe.compile_passes.backend.route_dense_linears",
-        lambda gm, inputs: seen.append(original(gm, inputs)) or seen[-1],
-    )
+
+    def routed(gm, inputs):
+        seen.append(original(gm, inputs))
+        targets.extend(str(n.target) for n in gm.graph.nodes if "hybrid_moe." in str(n.target))
+        return seen[-1]
+
+    monkeypatch.setattr("torch_hybrid_moe.compile_passes.backend.route_dense_linears", routed)
     x = torch.randint(3, 96, (1, 3))
     with torch.no_grad():
         want = model(x).logits.double()
-        got = torch.compile(model, backend="hybrid_moe", fullgraph=True)(x).logits.double()
+        got = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=dynamic)(x).logits.double()
     # every nn.Linear, and the MoE routers' F.linear on their gate weight
     linears = sum(isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Router") for m in model.modules())
-    assert seen == [linears if limit else 0]
+    assert seen and set(seen) == {linears if limit else 0}  # per graph compiled
+    op = "hybrid_moe.linear.default" if dynamic else "hybrid_moe.matvecs.default"
+    assert sum(t == op for t in targets) == (linears if limit else 0) * len(seen)
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
 
 

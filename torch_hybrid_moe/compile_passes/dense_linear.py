@@ -1,5 +1,6 @@
 """Passes: CPU linear layers with bf16 / fp16 weights run through `hybrid_moe::linear` where that was measured
-faster on this machine (ops/dense_linear.py), up to the token count where they stopped winning; and sibling
+faster on this machine (ops/dense_linear.py), up to the token count where they stopped winning (a graph traced for
+a fixed token count within it calls the kernel's `hybrid_moe::matvecs` directly); and sibling
 `hybrid_moe::matvecs` calls that read one input (attention's q / k / v, a shared expert's gate / up) become one call.
 
 Only weights that are graph inputs (parameters) and only graphs compiled without autograd: the op has no
@@ -19,6 +20,7 @@ from ..ops import dense_linear
 from .graph_utils import calls
 
 _LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
+_MATVECS = torch.ops.hybrid_moe.matvecs
 
 
 def route_dense_linears(gm: fx.GraphModule, example_inputs: list) -> int:
@@ -38,13 +40,15 @@ def route_dense_linears(gm: fx.GraphModule, example_inputs: list) -> int:
         limit = dense_linear.kernel_token_limit(w) if dense_linear.applies_to(example, w) else 0
         if not limit:
             continue
-        node.target = torch.ops.hybrid_moe.linear.default
-        node.args = (x, weight, None, bias, limit)
+        rows = example.numel() // example.shape[-1]
+        if isinstance(rows, int) and rows <= limit:  # a graph of this token count only (decode): the kernel's own op
+            with gm.graph.inserting_before(node):
+                call = gm.graph.call_function(_MATVECS.default, (x, [weight], [None], [bias]))
+            node.target, node.args = operator.getitem, (call, 0)
+        else:  # a token count that varies: the op that picks the route per call
+            node.target, node.args = torch.ops.hybrid_moe.linear.default, (x, weight, None, bias, limit)
         replaced += 1
     return replaced
-
-
-_MATVECS = torch.ops.hybrid_moe.matvecs
 
 
 def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
