@@ -175,7 +175,7 @@ class GraphPath:
         self.pushed_version = store.version
         c = dict(zip(self.COUNTERS, (int(v) for v in self.counters.tolist())))
         self.counters.zero_()
-        s = self.layer.stats
+        s = self.layer.counters
         for name in self.COUNTERS[:-2]:
             setattr(s, name, getattr(s, name) + c[name])
         s.bytes_transferred += (c["fetched"] + c["admitted"] + c["prefetched_experts"]) * store.expert_bytes

@@ -79,7 +79,7 @@ class HybridMoELayer:
             policies.prefetcher,
         )
         self.streaming = policies.streaming  # what plans prefill streaming; None: no staging ring
-        self.stats = LayerStats()
+        self.counters = LayerStats()  # as counted in Python: `stats` takes in the steps run elsewhere first
         self.next_handle: int | None = None
         self.published: tuple[int, int] | None = None  # (handle, owner) of its entry in the C++ table, if any
         self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
@@ -99,6 +99,12 @@ class HybridMoELayer:
         if self._graph_path is None:
             self._graph_path = GraphPath(self)
         return self._graph_path
+
+    @property
+    def stats(self) -> LayerStats:
+        """The layer's counters, with the steps that ran outside Python (graph replays, `cpu_moe` calls) taken in."""
+        self.settle()
+        return self.counters
 
     @property
     def all_on_cpu(self) -> bool:
@@ -139,7 +145,7 @@ class HybridMoELayer:
         ext = extension() if self.published else None
         if ext is not None and self.published:
             steps, tokens, experts = ext.take_cpu_layer_counts(*self.published)
-            s = self.stats
+            s = self.counters
             s.steps, s.tokens = s.steps + steps, s.tokens + tokens
             s.cpu_experts, s.misses = s.cpu_experts + experts, s.misses + experts
 
@@ -231,12 +237,12 @@ class HybridMoELayer:
                 )
         if streamed:
             ring = ring_for(store, self.config.staging_slots)
-            self.stats.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
+            self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
         if cpu:
             cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
             acc += self._cpu_share(host_hidden, cpu_ids, host_weights).to(acc.device, non_blocking=True)
 
-        s = self.stats
+        s = self.counters
         s.accelerator_experts += len(plan.accelerator)
         s.cpu_experts += len(cpu)
         s.streamed_experts += len(streamed)
@@ -269,14 +275,14 @@ class HybridMoELayer:
         if self.graph_mode:
             self.graph_path().prefetch(hidden, prev_topk_ids)
             return
-        self.stats.prefetch_calls += 1
+        self.counters.prefetch_calls += 1
         wanted = self.prefetcher.select(hidden, prev_topk_ids, self.store.resident())
         keep = set(wanted)
         for expert in wanted:
             if self.store.expert_slot[expert] < 0:
                 if not self._fill(expert, keep=keep):
                     break
-                self.stats.prefetched_experts += 1
+                self.counters.prefetched_experts += 1
 
     def _all_on_cpu(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """A step with no slots (budget 0) on the CPU: every pair runs in the kernel as routed, with no placement
@@ -284,7 +290,7 @@ class HybridMoELayer:
         step's fixed cost there). Same kernel call and stats as the general step."""
         acc = self._cpu_share(hidden, topk_ids, topk_weights)
         active = int(torch.bincount(topk_ids.reshape(-1) + 1, minlength=self.store.num_experts + 1)[1:].count_nonzero())
-        s = self.stats
+        s = self.counters
         s.steps += 1
         s.tokens += hidden.shape[0]
         s.cpu_experts += active
@@ -311,7 +317,7 @@ class HybridMoELayer:
         slot = self.store.choose_slot(self.cache_policy, keep)
         if slot < 0:
             return False
-        self.stats.bytes_transferred += self.store.load(expert, slot)
+        self.counters.bytes_transferred += self.store.load(expert, slot)
         return True
 
     def _check_plan(self, plan: Placement, active: set[int], resident: list[bool]) -> None:

@@ -61,13 +61,9 @@ def model_layers(model: torch.nn.Module) -> dict[int, HybridMoELayer]:
 
 def stats(model: torch.nn.Module) -> dict[int, LayerStats]:
     """Per-layer counters of a patched (or hybrid_moe-compiled) model, by decoder layer index."""
-    layers = model_layers(model)
-    for layer in layers.values():
-        layer.settle()
-    return {idx: layer.stats for idx, layer in layers.items()}
+    return {idx: layer.stats for idx, layer in model_layers(model).items()}
 
 
 def reset_stats(model: torch.nn.Module) -> None:
     for layer in model_layers(model).values():
-        layer.settle()
         layer.stats.reset()
