@@ -1,7 +1,6 @@
 """`hybrid_moe::cpu_moe`: the C++ step of layers whose experts all run on the CPU, put in place of `dispatch` by the
 backend. Checked against the same step compiled through `dispatch` (bit for bit, statistics too), and at its doors."""
 
-import copy
 import gc
 
 import pytest
@@ -98,16 +97,57 @@ def test_cpu_moe_refuses_a_freed_layer_and_bad_ids():
 
 def test_a_bound_handle_computes_the_bound_layers_experts(monkeypatch):
     """Stock models share one compiled graph and bind its handles to the calling model's layers before each call:
-    cpu_moe follows the binding (two models with other weights, one graph, each its own logits)."""
-    a, b = (tiny_model("qwen3_moe", seed=s, dtype=torch.bfloat16) for s in (0, 1))
-    want = []
+    cpu_moe follows the binding (two models with other weights, one graph, each the logits and the counts of the same
+    graph through dispatch, bit for bit)."""
+    from torch_hybrid_moe.compile_passes import cpu_dispatch
+
+    models = [tiny_model("qwen3_moe", seed=s, dtype=torch.bfloat16) for s in (0, 1)]
+    x = torch.tensor([[5, 7]])
+    runs = {}
+    for direct in (False, True):
+        graphs: list[list[str]] = []
+
+        def rewrite(gm, direct=direct, graphs=graphs):
+            done = cpu_dispatch.direct_cpu_dispatch(gm) if direct else 0
+            graphs.append([str(n.target) for n in gm.graph.nodes if str(n.target).startswith("hybrid_moe.")])
+            return done
+
+        monkeypatch.setattr("torch_hybrid_moe.compile_passes.backend.direct_cpu_dispatch", rewrite)
+        torch._dynamo.reset()
+        compiled = [
+            torch.compile(m, backend="hybrid_moe", fullgraph=True, options={"expert_budget": 0.0}) for m in models
+        ]
+        with torch.no_grad():
+            logits = [c(x).logits for c in compiled] + [compiled[0](x).logits]  # a, b, and a again: rebinding back
+        counts = [{i: (s.steps, s.tokens, s.cpu_experts) for i, s in thm.stats(m).items()} for m in models]
+        runs[direct] = logits, counts, graphs
+        for m in models:
+            thm.reset_stats(m)
+    (want, want_counts, _), (got, got_counts, graphs) = runs[False], runs[True]
+    assert len(graphs) == 1 and graphs[0].count(str(CPU_MOE)) == 2 and "dispatch" not in str(graphs)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and torch.equal(got[0], got[2])
+    assert not torch.equal(got[0], got[1])
+    assert got_counts == want_counts and all(c[0] == 2 for c in got_counts[0].values())
+
+
+def test_counts_of_every_graph_a_stock_layer_runs_in_are_kept(monkeypatch):
+    """A stock layer runs under one handle per compiled graph (here prefill and decode): its statistics hold the
+    steps of both."""
+    model = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, options={"expert_budget": 0.0})
     with torch.no_grad():
-        for m in (a, b):
-            want.append(torch.compile(copy.deepcopy(m), backend="inductor")(torch.tensor([[5]])).logits)
-    torch._dynamo.reset()
-    compiled = [torch.compile(m, backend="hybrid_moe", fullgraph=True, options={"expert_budget": 0.0}) for m in (a, b)]
-    with torch.no_grad():
-        got = [c(torch.tensor([[5]])).logits for c in compiled]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0.02, atol=0.02)
-    assert not torch.allclose(got[0], got[1])
+        for tokens in (4, 1, 4, 1):  # two graphs, taking turns
+            compiled(torch.randint(3, 96, (1, tokens)))
+    assert all((s.steps, s.tokens) == (4, 10) for s in thm.stats(model).values())
+
+
+def test_another_host_format_takes_another_handle():
+    """A graph's cpu_moe calls carry the prefill route measured for the host format: a layer patched into another
+    format never takes a freed handle of the first (and so never runs a graph compiled for it)."""
+    handles = []
+    for weights in ("model", "int8", "model"):
+        model = thm.patch_model(bf16_model("mixtral-tiny"), expert_budget=0.0, device="cpu", cpu_weight_dtype=weights)
+        handles.append([layer.handle for layer in model_layers(model).values()])
+        del model
+        gc.collect()
+    assert handles[0] == handles[2] and not set(handles[0]) & set(handles[1])

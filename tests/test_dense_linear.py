@@ -269,3 +269,14 @@ def test_decode_step_merges_sibling_linears_into_one_call(architecture, dense, m
     # one call per input read (q / k / v; the shared expert's gate / up and its gate; a dense MLP's gate / up)
     assert after == inputs == before - merged and merged >= 2 * model.config.num_hidden_layers
     assert torch.equal(logits[0], logits[1])
+
+
+def test_routed_linear_keeps_gradients():
+    """The micro-kernels have no backward: with gradients wanted a RoutedLinear takes torch's GEMM at any row count."""
+    base = torch.nn.Linear(256, 64, bias=True).to(torch.bfloat16)
+    routed = dense_linear.RoutedLinear(base)
+    routed.max_tokens = 4
+    x = torch.randn(1, 256, dtype=torch.bfloat16, requires_grad=True)
+    routed(x).float().sum().backward()
+    assert x.grad is not None and routed.weight.grad is not None
+    torch.testing.assert_close(routed.weight.grad[0].float(), x.detach()[0].float(), rtol=0, atol=0)

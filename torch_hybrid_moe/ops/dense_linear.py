@@ -104,7 +104,14 @@ class RoutedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Decided in Python, so a compiled graph holds only the route its shapes take: the op (and its fixed
         # cost) only where the micro-kernels run, plain aten GEMMs for Inductor elsewhere.
-        if x.dtype != self.weight.dtype or x.device != self.weight.device or x.numel() // x.shape[-1] > self.max_tokens:
+        if (
+            x.dtype != self.weight.dtype
+            or x.device != self.weight.device
+            or x.numel() // x.shape[-1] > self.max_tokens
+            or (
+                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+            )  # the kernel has no backward
+        ):
             return gemm(x, self.weight, self.bias, self.upcast and x.dtype == self.weight.dtype)
         return torch.ops.hybrid_moe.matvecs(x, [self.weight], [None], [self.bias])[0]
 
@@ -134,7 +141,7 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As RoutedLinear: a graph traced for few rows holds the kernel's own op, not the op that picks a route.
-        if x.numel() // x.shape[-1] <= self.max_tokens:
+        if 0 < x.numel() // x.shape[-1] <= self.max_tokens:
             return torch.ops.hybrid_moe.matvecs(x, [self.qweight], [self.scale], [self.bias])[0]
         return torch.ops.hybrid_moe.linear(x, self.qweight, self.scale, self.bias, self.max_tokens)
 
@@ -225,11 +232,11 @@ def _measure(shape: tuple[int, int], dtype: torch.dtype, threads: int, repeats: 
     limit = 0
     for tokens in TOKEN_COUNTS:
         x = torch.randn(tokens, shape[1], dtype=dtype)
-        # the op as the compiled graph calls it: its fixed cost (~0.17 ms) decides small linears
+        # the op as a compiled decode graph calls it: its fixed cost decides small linears
         torch_s, kernel_s = cpu_kernel.interleaved_medians(
             (
                 lambda x=x: F.linear(x, weight),
-                lambda x=x, n=tokens: torch.ops.hybrid_moe.linear(x, weight, None, None, n),
+                lambda x=x: torch.ops.hybrid_moe.matvecs(x, [weight], [None], [None]),
             ),
             repeats,
         )

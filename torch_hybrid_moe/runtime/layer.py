@@ -37,7 +37,7 @@ class RoutingRule:
     renormalise: bool
 
 
-_PUBLICATIONS = itertools.count(1)  # `owner` numbers of the C++ table's entries (csrc/cpu_layers.cpp)
+_OWNERS = itertools.count(1)  # numbers of the layers published in the C++ table (csrc/cpu_layers.cpp)
 
 
 class HybridMoELayer:
@@ -81,12 +81,16 @@ class HybridMoELayer:
         self.streaming = policies.streaming  # what plans prefill streaming; None: no staging ring
         self.counters = LayerStats()  # as counted in Python: `stats` takes in the steps run elsewhere first
         self.next_handle: int | None = None
-        self.published: tuple[int, int] | None = None  # (handle, owner) of its entry in the C++ table, if any
+        self.owner: int | None = None  # its number in the C++ table of all-CPU layers, once published there
         self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
         self.mode_counters: torch.Tensor | None = None  # an approximate mode's device counters (DAOP's)
         self._ahead: tuple[list[int], list[float]] | None = None  # an AHEAD half's counts and scores, uncaptured
         self._graph_path: GraphPath | None = None
-        self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields(), self.all_on_cpu))
+        # A graph's cpu_moe calls carry the prefill route measured for the host format: layers that differ in it take
+        # other handles (and graphs).
+        host_format = kernel_operands(store.host_gate_up)
+        cpu_key = (host_format[0].dtype, None if host_format[1] is None else host_format[1].shape[-1])
+        self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields(), self.all_on_cpu and cpu_key))
 
     def __deepcopy__(self, memo: dict) -> HybridMoELayer:
         raise TypeError(
@@ -119,16 +123,20 @@ class HybridMoELayer:
 
     def publish(self, handle: int) -> None:
         """Let `hybrid_moe::cpu_moe` compute this layer's steps under `handle` (registry.py calls this whenever a handle
-        comes to name the layer); nothing for a layer with slots, or where the kernel could not be built."""
+        comes to name the layer); for a layer with slots, make sure the handle names no other layer's experts there.
+        Nothing where the kernel could not be built."""
         ext = extension()
-        if ext is None or not self.all_on_cpu:
+        if ext is None:
             return
-        self.settle()  # counts of an earlier publication are taken before it is replaced
-        self.published = handle, next(_PUBLICATIONS)
+        if not self.all_on_cpu:
+            ext.forget_cpu_handle(handle)
+            return
+        if self.owner is None:
+            self.owner = next(_OWNERS)
+            weakref.finalize(self, ext.drop_cpu_layer, self.owner)
         gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
         down, down_scale = kernel_operands(self.store.host_down)
-        ext.publish_cpu_layer(*self.published, gate_up, gate_up_scale, down, down_scale)
-        weakref.finalize(self, ext.drop_cpu_layer, *self.published)
+        ext.publish_cpu_layer(handle, self.owner, gate_up, gate_up_scale, down, down_scale)
 
     def cpu_route(self, hidden: torch.Tensor) -> cpu_kernel.GemmRoute:
         """The prefill route `cpu_moe` takes for hidden states shaped and typed like `hidden` (a graph's example: a
@@ -142,9 +150,9 @@ class HybridMoELayer:
         the store and `stats`."""
         if self._graph_path is not None:
             self._graph_path.pull()
-        ext = extension() if self.published else None
-        if ext is not None and self.published:
-            steps, tokens, experts = ext.take_cpu_layer_counts(*self.published)
+        ext = extension() if self.owner is not None else None
+        if ext is not None and self.owner is not None:
+            steps, tokens, experts = ext.take_cpu_layer_counts(self.owner)
             s = self.counters
             s.steps, s.tokens = s.steps + steps, s.tokens + tokens
             s.cpu_experts, s.misses = s.cpu_experts + experts, s.misses + experts

@@ -42,12 +42,8 @@ def register_layer(layer: HybridMoELayer, key: Hashable | None = None) -> int:
 def bind(handle: int, layer: HybridMoELayer) -> None:
     """Point an existing handle at another layer: a graph compiled from a stock model names sites, not a
     model's layers, and is bound to the calling model's own layers before each call (runtime/stock.py)."""
-    previous = _layers.get(handle)
-    if previous is layer:
+    if _layers.get(handle) is layer:
         return
-    if previous is not None and previous.published and previous.published[0] == handle:
-        previous.settle()  # the steps it ran under this handle are its own
-        previous.published = None
     _layers[handle] = layer
     layer.publish(handle)
 

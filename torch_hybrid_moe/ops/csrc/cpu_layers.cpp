@@ -3,10 +3,11 @@
 // through `hybrid_moe::dispatch` (Python: its custom_op machinery, the layer's checks and counters) it cost ~0.3 ms
 // a layer over the kernel's 3 ms (benchmarks/cpu_decode_costs.py). Here the dispatcher goes straight into C++.
 //
-// Python publishes a layer's host expert weights under its handle when the layer is created or a handle is bound
-// to it (runtime/registry.py), and drops them when the layer dies; a graph names the layer by its handle, as the
-// dispatch op does. The op counts steps, tokens and active experts per layer; Python takes the counts into the
-// layer's statistics when they are read.
+// Python publishes a layer's host expert weights under a handle whenever the handle comes to name the layer (its
+// creation, a stock graph's binding: runtime/registry.py), forgets a handle bound to a layer with slots, and drops a
+// layer's entries when it dies; a graph names the layer by its handle, as the dispatch op does. The op counts steps,
+// tokens and active experts per layer (whatever handle ran them); Python takes the counts into the layer's
+// statistics when they are read.
 
 #include <atomic>
 #include <memory>
@@ -18,23 +19,30 @@
 
 namespace {
 
+// One layer's host experts and step counts: one entry per publishing layer (its `owner` number), named by every
+// handle the layer is published under (a stock layer runs under a handle per compiled graph).
 struct CpuLayer {
-  int64_t owner;  // which publication this is: a late drop from a layer that gave the handle up removes nothing
+  int64_t owner;
   at::Tensor gate_up, down;
   c10::optional<at::Tensor> gate_up_scale, down_scale;
   std::atomic<int64_t> steps{0}, tokens{0}, experts{0};
 };
 
-std::mutex table_mutex;
-std::unordered_map<int64_t, std::shared_ptr<CpuLayer>>& table() {
-  static auto* t = new std::unordered_map<int64_t, std::shared_ptr<CpuLayer>>();  // never destroyed: see worker()
+struct Table {
+  std::mutex mutex;
+  std::unordered_map<int64_t, std::shared_ptr<CpuLayer>> by_handle, by_owner;
+};
+
+Table& table() {
+  static auto* t = new Table();  // never destroyed: a graph may still run while the interpreter tears down
   return *t;
 }
 
 std::shared_ptr<CpuLayer> find(int64_t handle) {
-  std::lock_guard<std::mutex> lock(table_mutex);
-  const auto it = table().find(handle);
-  TORCH_CHECK(it != table().end(), "hybrid_moe layer handle ", handle,
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  const auto it = t.by_handle.find(handle);
+  TORCH_CHECK(it != t.by_handle.end(), "hybrid_moe layer handle ", handle,
               " has no CPU experts published: the patched model it belonged to was freed, or its layer keeps "
               "experts in accelerator slots");
   return it->second;
@@ -47,6 +55,8 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
   const std::shared_ptr<CpuLayer> l = find(layer);
   TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "hidden must be a CPU tensor [T, H]");
   TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()), "topk_ids must be an integer tensor");
+  TORCH_CHECK(topk_ids.device().is_cpu() && topk_weights.device().is_cpu(),
+              "topk_ids and topk_weights must be on the CPU");
   at::Tensor out = at::zeros(hidden.sizes(), hidden.options().dtype(at::kFloat));
   static const int64_t isa = best_isa();
   const int64_t active =
@@ -60,33 +70,52 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
 
 void publish_cpu_layer(int64_t handle, int64_t owner, at::Tensor gate_up, c10::optional<at::Tensor> gate_up_scale,
                        at::Tensor down, c10::optional<at::Tensor> down_scale) {
-  auto l = std::make_shared<CpuLayer>();
-  l->owner = owner;
-  l->gate_up = std::move(gate_up);
-  l->gate_up_scale = std::move(gate_up_scale);
-  l->down = std::move(down);
-  l->down_scale = std::move(down_scale);
-  // Checked here, once, by a step with no pairs: a misshapen layer is refused before any graph runs it.
-  const at::Tensor hidden = at::zeros({1, l->down.size(1)}, at::kFloat);
-  at::Tensor scratch = at::zeros_like(hidden);
-  moe_experts(hidden, at::full({1, 1}, -1, at::kLong), at::zeros({1, 1}, at::kFloat), l->gate_up, l->gate_up_scale,
-              l->down, l->down_scale, best_isa(), int64_t(1) << 62, false, scratch);
-  std::lock_guard<std::mutex> lock(table_mutex);
-  table()[handle] = std::move(l);
-}
-
-void drop_cpu_layer(int64_t handle, int64_t owner) {
-  std::lock_guard<std::mutex> lock(table_mutex);
-  const auto it = table().find(handle);
-  if (it != table().end() && it->second->owner == owner) table().erase(it);
-}
-
-std::tuple<int64_t, int64_t, int64_t> take_cpu_layer_counts(int64_t handle, int64_t owner) {
+  Table& t = table();
   std::shared_ptr<CpuLayer> l;
   {
-    std::lock_guard<std::mutex> lock(table_mutex);
-    const auto it = table().find(handle);
-    if (it == table().end() || it->second->owner != owner) return {0, 0, 0};
+    std::lock_guard<std::mutex> lock(t.mutex);
+    const auto it = t.by_owner.find(owner);
+    if (it != t.by_owner.end()) l = it->second;
+  }
+  if (!l) {
+    l = std::make_shared<CpuLayer>();
+    l->owner = owner;
+    l->gate_up = std::move(gate_up);
+    l->gate_up_scale = std::move(gate_up_scale);
+    l->down = std::move(down);
+    l->down_scale = std::move(down_scale);
+    // Checked once, by a step with no pairs: a misshapen layer is refused before any graph runs it.
+    const at::Tensor hidden = at::zeros({1, l->down.size(1)}, at::kFloat);
+    at::Tensor scratch = at::zeros_like(hidden);
+    moe_experts(hidden, at::full({1, 1}, -1, at::kLong), at::zeros({1, 1}, at::kFloat), l->gate_up, l->gate_up_scale,
+                l->down, l->down_scale, best_isa(), int64_t(1) << 62, false, scratch);
+  }
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.by_owner[owner] = l;
+  t.by_handle[handle] = l;
+}
+
+void forget_cpu_handle(int64_t handle) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.by_handle.erase(handle);
+}
+
+void drop_cpu_layer(int64_t owner) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  t.by_owner.erase(owner);
+  for (auto it = t.by_handle.begin(); it != t.by_handle.end();)
+    it = it->second->owner == owner ? t.by_handle.erase(it) : std::next(it);
+}
+
+std::tuple<int64_t, int64_t, int64_t> take_cpu_layer_counts(int64_t owner) {
+  std::shared_ptr<CpuLayer> l;
+  {
+    Table& t = table();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    const auto it = t.by_owner.find(owner);
+    if (it == t.by_owner.end()) return {0, 0, 0};
     l = it->second;
   }
   return {l->steps.exchange(0), l->tokens.exchange(0), l->experts.exchange(0)};

@@ -13,8 +13,10 @@ TORCH_LIBRARY_IMPL(hybrid_moe, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output; active experts");
   m.def("publish_cpu_layer", &publish_cpu_layer, "Publish a layer's host experts under its handle for cpu_moe");
-  m.def("drop_cpu_layer", &drop_cpu_layer, "Drop a handle's experts if `owner` published them");
-  m.def("take_cpu_layer_counts", &take_cpu_layer_counts, "(steps, tokens, active experts) since the last take");
+  m.def("forget_cpu_handle", &forget_cpu_handle, "Publish nothing under a handle (it names a layer with slots)");
+  m.def("drop_cpu_layer", &drop_cpu_layer, "Drop a layer (by owner) under every handle it was published under");
+  m.def("take_cpu_layer_counts", &take_cpu_layer_counts,
+        "A layer's (steps, tokens, active experts) since the last take");
   m.def("dense_matvec", &dense_matvec, "Dense [N, K] weight times a few activation rows, fp32 out");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");
   bind_host_bridge(m);

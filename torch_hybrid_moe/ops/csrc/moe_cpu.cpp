@@ -105,9 +105,9 @@ Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::
   if (quantised) {
     TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
     const at::Tensor& s = *scale;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 3 && s.size(0) == w.size(0) &&
-                    s.size(1) == layer.N && s.size(2) > 0,
-                name, " scales must be contiguous fp32 [E, N, K / group]");
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.device().is_cpu() && s.dim() == 3 &&
+                    s.size(0) == w.size(0) && s.size(1) == layer.N && s.size(2) > 0,
+                name, " scales must be contiguous CPU fp32 [E, N, K / group]");
     const int64_t group = K / s.size(2);
     TORCH_CHECK(K % s.size(2) == 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(2),
                 " must be a whole multiple of 32");
@@ -647,7 +647,8 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
     TORCH_CHECK(ms[i].fmt == ms[0].fmt, "matvecs: every weight must share one format");
     const c10::optional<at::Tensor> b = biases.get(i);
     if (b.has_value()) {
-      TORCH_CHECK(b->dim() == 1 && b->size(0) == N[i], "matvecs: bias ", i, " must be [N]");
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == N[i] && b->device().is_cpu(), "matvecs: bias ", i,
+                  " must be a CPU tensor [N]");
       biases_f[i] = b->to(at::kFloat).contiguous();
     }
     total += N[i];
