@@ -224,7 +224,7 @@ def test_matvecs_refuses_mixed_formats_and_misshapen_biases():
     q = quantize(torch.randn(1, 8, 64), 8, 32)
     with pytest.raises(RuntimeError, match="every weight must share one format"):
         torch.ops.hybrid_moe.matvecs(x, [w, q.data[0]], [None, q.scale[0]], [None, None])
-    with pytest.raises(RuntimeError, match="bias 0 must be \\[N\\]"):
+    with pytest.raises(RuntimeError, match="bias 0 must be a CPU tensor \\[N\\]"):
         torch.ops.hybrid_moe.matvecs(x, [w], [None], [torch.zeros(3, dtype=torch.bfloat16)])
     with pytest.raises(RuntimeError, match="one scale and one bias entry"):
         torch.ops.hybrid_moe.matvecs(x, [w], [], [None])

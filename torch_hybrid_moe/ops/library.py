@@ -95,18 +95,17 @@ def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, 
     check_routing(hidden, topk_ids, topk_weights, torch._check)
 
 
-# `hybrid_moe::cpu_moe`: the step of a layer whose every expert runs on the CPU, named by its handle as `dispatch`
-# names one, in hidden's dtype (one rounding of the fp32 sum). Its kernel is C++ (csrc/cpu_layers.cpp, registered when
-# the kernel module loads), reading the experts the layer published under the handle (runtime/layer.py): compiled
-# decode steps call it in place of `dispatch` for such layers (compile_passes/cpu_dispatch.py) with no Python on the
-# way. `gemm_tokens` / `bf16_gemm`: the prefill route (cpu_kernel.GemmRoute) measured for the graph's shapes.
+# `hybrid_moe::cpu_moe`: the decode step of a layer whose every expert runs on the CPU, named by its handle as
+# `dispatch` names one, in hidden's dtype (one rounding of the fp32 sum), on the micro-kernels (fewer tokens than any
+# measured GEMM route starts at). Its kernel is C++ (csrc/cpu_layers.cpp, registered when the kernel module loads),
+# reading the experts the layer published under the handle (runtime/layer.py): compiled decode steps call it in
+# place of `dispatch` for such layers (compile_passes/cpu_dispatch.py) with no Python on the way; a handle that names
+# no published layer any more (it went to a layer with slots) is passed on to `dispatch`.
 _LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
-_LIB.define(
-    "cpu_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer, int gemm_tokens, bool bf16_gemm) -> Tensor"
-)
+_LIB.define("cpu_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int layer) -> Tensor")
 
 
 @torch.library.register_fake("hybrid_moe::cpu_moe", lib=_LIB)
-def _(hidden, topk_ids, topk_weights, layer, gemm_tokens, bf16_gemm) -> torch.Tensor:
+def _(hidden, topk_ids, topk_weights, layer) -> torch.Tensor:
     check_routing(hidden, topk_ids, topk_weights, torch._check)
     return torch.empty_like(hidden)

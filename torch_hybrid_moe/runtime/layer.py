@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import HybridMoEConfig
-from ..ops import cpu_kernel
 from ..ops.expert_math import accumulate_experts_
 from ..ops.kernel_build import extension
 from ..ops.library import cpu_experts_into
@@ -137,13 +136,6 @@ class HybridMoELayer:
         gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
         down, down_scale = kernel_operands(self.store.host_down)
         ext.publish_cpu_layer(handle, self.owner, gate_up, gate_up_scale, down, down_scale)
-
-    def cpu_route(self, hidden: torch.Tensor) -> cpu_kernel.GemmRoute:
-        """The prefill route `cpu_moe` takes for hidden states shaped and typed like `hidden` (a graph's example: a
-        symbolic token count stands for any)."""
-        rows = hidden.shape[0] if isinstance(hidden.shape[0], int) else cpu_kernel.ROUTE_TOKENS[0]
-        gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
-        return cpu_kernel.gemm_route(torch.empty(rows, hidden.shape[1], dtype=hidden.dtype), gate_up, gate_up_scale)
 
     def settle(self) -> None:
         """Bring slot tables and counters changed by graph replays, and the counts of its `cpu_moe` steps, back into

@@ -1,5 +1,6 @@
 // Layers whose every routed expert runs on the CPU (no accelerator slots), by handle, and the
-// `hybrid_moe::cpu_moe` op that computes their step: at decode it is the one MoE op a token calls per layer, and
+// `hybrid_moe::cpu_moe` op that computes their decode steps (the micro-kernels: fewer tokens than any measured GEMM
+// route starts at; compile_passes/cpu_dispatch.py): at decode it is the one MoE op a token calls per layer, and
 // through `hybrid_moe::dispatch` (Python: its custom_op machinery, the layer's checks and counters) it cost ~0.3 ms
 // a layer over the kernel's 3 ms (benchmarks/cpu_decode_costs.py). Here the dispatcher goes straight into C++.
 //
@@ -7,13 +8,16 @@
 // creation, a stock graph's binding: runtime/registry.py), forgets a handle bound to a layer with slots, and drops a
 // layer's entries when it dies; a graph names the layer by its handle, as the dispatch op does. The op counts steps,
 // tokens and active experts per layer (whatever handle ran them); Python takes the counts into the layer's
-// statistics when they are read.
+// statistics when they are read. A handle that names no published layer (a graph compiled for an all-CPU layer whose
+// handle went to a layer with slots) takes the `hybrid_moe::dispatch` op instead.
 
 #include <atomic>
 #include <memory>
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
+
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "moe_cpu.h"
 
@@ -38,21 +42,26 @@ Table& table() {
   return *t;
 }
 
+// The layer published under `handle`, or null.
 std::shared_ptr<CpuLayer> find(int64_t handle) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mutex);
   const auto it = t.by_handle.find(handle);
-  TORCH_CHECK(it != t.by_handle.end(), "hybrid_moe layer handle ", handle,
-              " has no CPU experts published: the patched model it belonged to was freed, or its layer keeps "
-              "experts in accelerator slots");
-  return it->second;
+  return it == t.by_handle.end() ? nullptr : it->second;
 }
 
 }  // namespace
 
-at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t layer,
-                   int64_t gemm_tokens, bool bf16_gemm) {
+at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                   int64_t layer) {
   const std::shared_ptr<CpuLayer> l = find(layer);
+  if (!l) {  // the handle now names a layer with slots (or none): the general step decides, in Python
+    static const auto dispatch =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("hybrid_moe::dispatch", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+    return dispatch.call(hidden, topk_ids, topk_weights, layer);
+  }
   TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "hidden must be a CPU tensor [T, H]");
   TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()), "topk_ids must be an integer tensor");
   TORCH_CHECK(topk_ids.device().is_cpu() && topk_weights.device().is_cpu(),
@@ -61,7 +70,7 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
   static const int64_t isa = best_isa();
   const int64_t active =
       moe_experts(hidden.contiguous(), topk_ids.to(at::kLong).contiguous(), topk_weights.to(at::kFloat).contiguous(),
-                  l->gate_up, l->gate_up_scale, l->down, l->down_scale, isa, gemm_tokens, bf16_gemm, out);
+                  l->gate_up, l->gate_up_scale, l->down, l->down_scale, isa, int64_t(1) << 62, false, out);
   l->steps.fetch_add(1);
   l->tokens.fetch_add(hidden.size(0));
   l->experts.fetch_add(active);

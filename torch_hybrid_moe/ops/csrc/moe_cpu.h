@@ -25,14 +25,14 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
 // Layers whose experts all run on the CPU, by handle (cpu_layers.cpp): Python publishes a layer (its `owner` number)
 // under each handle that names it, forgets a handle that comes to name a layer with slots, drops a layer when it
 // dies, and takes its step, token and active-expert counts. `cpu_moe` is the `hybrid_moe::cpu_moe` op's CPU kernel:
-// one such layer's step, in hidden's dtype.
+// one such layer's decode step on the micro-kernels, in hidden's dtype (`hybrid_moe::dispatch` for a handle that
+// names no published layer).
 void publish_cpu_layer(int64_t handle, int64_t owner, at::Tensor gate_up, c10::optional<at::Tensor> gate_up_scale,
                        at::Tensor down, c10::optional<at::Tensor> down_scale);
 void forget_cpu_handle(int64_t handle);
 void drop_cpu_layer(int64_t owner);
 std::tuple<int64_t, int64_t, int64_t> take_cpu_layer_counts(int64_t owner);
-at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t layer,
-                   int64_t gemm_tokens, bool bf16_gemm);
+at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t layer);
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.
 int64_t best_isa();
