@@ -85,11 +85,7 @@ class HybridMoELayer:
         self.mode_counters: torch.Tensor | None = None  # an approximate mode's device counters (DAOP's)
         self._ahead: tuple[list[int], list[float]] | None = None  # an AHEAD half's counts and scores, uncaptured
         self._graph_path: GraphPath | None = None
-        # A graph's cpu_moe calls carry the prefill route measured for the host format: layers that differ in it take
-        # other handles (and graphs).
-        host_format = kernel_operands(store.host_gate_up)
-        cpu_key = (host_format[0].dtype, None if host_format[1] is None else host_format[1].shape[-1])
-        self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields(), self.all_on_cpu and cpu_key))
+        self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields()))
 
     def __deepcopy__(self, memo: dict) -> HybridMoELayer:
         raise TypeError(
