@@ -110,9 +110,7 @@ def main() -> None:
     t = medians(
         {
             "kernel": lambda: cpu_kernel.moe_experts(hidden, *pick(), gate_up, down, torch.zeros(1, HIDDEN)),
-            "cpu_moe op": lambda: torch.ops.hybrid_moe.cpu_moe(
-                hidden, *pick(), layer.handle, cpu_kernel.UNLIMITED, False
-            ),
+            "cpu_moe op": lambda: torch.ops.hybrid_moe.cpu_moe(hidden, *pick(), layer.handle),
             "cpu_experts op": lambda: torch.ops.hybrid_moe.cpu_experts(
                 hidden, *pick(), gate_up, down, None, None, torch.zeros(1, HIDDEN)
             ),
