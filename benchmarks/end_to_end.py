@@ -6,7 +6,9 @@ Checkpoints are generated once (random bf16 weights at a real model's layer shap
 embedded tokenizer) under --cache. llama.cpp rows need a llama.cpp source tree built with CMake (--llama-cpp,
 holding build/bin/llama-bench and build/bin/llama-quantize; `pip download --no-deps --no-binary :all:
 llama-cpp-python` gives one under vendor/llama.cpp) and the `gguf` package; without them those rows are
-skipped and said so. Each measurement runs in a fresh process, so peak RSS is that row's alone.
+skipped and said so. On CPUs with AMX, build it with -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+(and the AVX-512 options named: benchmarks/RESULTS.md, 2026-11-26): the 0.3.36 source's AMX path died with SIGILL on
+q8_0 / q4_0 there. Each measurement runs in a fresh process, so peak RSS is that row's alone.
 
     python benchmarks/end_to_end.py --shape qwen3-30b-a3b --layers 4 --rows ours,ours-int8,eager,llama-bf16
 """
