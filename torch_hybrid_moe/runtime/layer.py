@@ -135,11 +135,10 @@ class HybridMoELayer:
 
     def settle(self) -> None:
         """Bring slot tables and counters changed by graph replays, and the counts of its `cpu_moe` steps, back into
-        the store and `stats`."""
+        the store and `counters`."""
         if self._graph_path is not None:
             self._graph_path.pull()
-        ext = extension() if self.owner is not None else None
-        if ext is not None and self.owner is not None:
+        if self.owner is not None and (ext := extension()) is not None:  # published: the kernel is built
             steps, tokens, experts = ext.take_cpu_layer_counts(self.owner)
             s = self.counters
             s.steps, s.tokens = s.steps + steps, s.tokens + tokens
