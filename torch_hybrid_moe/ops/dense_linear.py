@@ -104,13 +104,12 @@ class RoutedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Decided in Python, so a compiled graph holds only the route its shapes take: the op (and its fixed
         # cost) only where the micro-kernels run, plain aten GEMMs for Inductor elsewhere.
+        wants_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)  # the kernel has none
         if (
-            x.dtype != self.weight.dtype
+            wants_grad
+            or x.dtype != self.weight.dtype
             or x.device != self.weight.device
             or x.numel() // x.shape[-1] > self.max_tokens
-            or (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-            )  # the kernel has no backward
         ):
             return gemm(x, self.weight, self.bias, self.upcast and x.dtype == self.weight.dtype)
         return torch.ops.hybrid_moe.matvecs(x, [self.weight], [None], [self.bias])[0]

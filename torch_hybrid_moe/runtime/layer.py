@@ -139,10 +139,7 @@ class HybridMoELayer:
         if self._graph_path is not None:
             self._graph_path.pull()
         if self.owner is not None and (ext := extension()) is not None:  # published: the kernel is built
-            steps, tokens, experts = ext.take_cpu_layer_counts(self.owner)
-            s = self.counters
-            s.steps, s.tokens = s.steps + steps, s.tokens + tokens
-            s.cpu_experts, s.misses = s.cpu_experts + experts, s.misses + experts
+            self.counters.add_cpu_steps(*ext.take_cpu_layer_counts(self.owner))
 
     def resident_mask(self, device: torch.device) -> torch.Tensor:
         """Which experts sit in slots now, as a bool [E] tensor on `device`: on the replay-safe path the device
@@ -285,11 +282,7 @@ class HybridMoELayer:
         step's fixed cost there). Same kernel call and stats as the general step."""
         acc = self._cpu_share(hidden, topk_ids, topk_weights)
         active = int(torch.bincount(topk_ids.reshape(-1) + 1, minlength=self.store.num_experts + 1)[1:].count_nonzero())
-        s = self.counters
-        s.steps += 1
-        s.tokens += hidden.shape[0]
-        s.cpu_experts += active
-        s.misses += active
+        self.counters.add_cpu_steps(1, hidden.shape[0], active)
         return acc
 
     def _cpu_share(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

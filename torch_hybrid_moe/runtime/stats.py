@@ -39,6 +39,11 @@ class LayerStats:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
 
+    def add_cpu_steps(self, steps: int, tokens: int, experts: int) -> None:
+        """Steps of a layer with every expert on the CPU (Python's or C++'s): each active expert is a miss."""
+        self.steps, self.tokens = self.steps + steps, self.tokens + tokens
+        self.cpu_experts, self.misses = self.cpu_experts + experts, self.misses + experts
+
     def reset(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, f.default)
