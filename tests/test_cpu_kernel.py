@@ -63,8 +63,9 @@ def routing(tokens, num_experts, top_k, seed=1):
 
 GEMM_ROUTES = {  # 70 tokens x top-4 of 8 experts: every expert over the threshold of the GEMM routes
     "micro_kernels": cpu_kernel.MICRO_KERNELS,
-    "fp32_panels": cpu_kernel.GemmRoute(32, False),
-    "bf16_gemm": cpu_kernel.GemmRoute(32, True),
+    "fp32_panels": cpu_kernel.GemmRoute(32, "fp32"),
+    "bf16_gemm": cpu_kernel.GemmRoute(32, "bf16"),
+    "amx": cpu_kernel.GemmRoute(32, "amx"),
 }
 
 
@@ -84,7 +85,7 @@ def check_against_float64(fmt, operands, weights64, tokens, isa=None, route=None
         gate, up = torch.einsum("enh,th->etn", gate_up, hidden.double()).chunk(2, dim=-1)
         step = (torch.nn.functional.silu(gate) * up).abs().amax() / 127
         atol += step.item() * down.abs().max().item()
-    if route is not None and route.bf16 and fmt in ("bfloat16", "int8", "int4"):
+    if route is not None and route.kernel != "fp32" and fmt in ("bfloat16", "int8", "int4"):
         # bf16 GEMM: inputs, gate / up and h rounded to bf16 as transformers' bf16 experts round them
         atol, rtol = 2e-2 * ref.abs().max().item(), 2e-2
     else:
@@ -103,10 +104,24 @@ def test_formats_match_float64(fmt, isa, tokens):
 @pytest.mark.parametrize("route", GEMM_ROUTES)
 @pytest.mark.parametrize("bf16_hidden", [False, True])
 def test_gemm_routes_match_float64(fmt, route, bf16_hidden):
-    """Prefill: every route on every format (the bf16 GEMM to bf16, int8 and int4 weights; fp32 and fp16 weights
+    """Prefill: every route on every format (the bf16 GEMMs to bf16, int8 and int4 weights; fp32 and fp16 weights
     fall to fp32 panels, bf16 would round them)."""
+    if route == "amx" and not cpu_kernel.amx_fits(64, 96):
+        pytest.skip("no AMX on this CPU")
     operands, weights64 = experts(fmt, 8, 64, 96)
     check_against_float64(fmt, operands, weights64, 70, route=GEMM_ROUTES[route], bf16_hidden=bf16_hidden)
+
+
+def test_amx_route_refuses_what_it_cannot_run():
+    """A GEMM kernel the C++ side does not know, or the AMX tiles on experts whose sizes are not multiples of 32 (or
+    on a CPU without AMX), is a clear error, never a silent other route."""
+    operands, _ = experts("bfloat16", 4, 40, 24)
+    hidden = torch.randn(40, 40, dtype=torch.bfloat16)
+    ids, weights = routing(40, 4, 2)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        run(operands, hidden, ids, weights, route=cpu_kernel.GemmRoute(16, "amx"))
+    with pytest.raises(ValueError, match="unknown GEMM kernel"):
+        cpu_kernel.GemmRoute(16, "fast")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernel_build import best_isa, extension
-from .measured import count, flag, measured
+from .measured import count, measured
 from .quantize import kernel_operands, to_cpu_format
 
 
@@ -23,19 +23,31 @@ def _level(isa: int | None) -> int:
     return level
 
 
+GEMM_KERNELS = ("fp32", "bf16", "amx")  # the C++ kernel's gemm_kernel codes, in order
+
+
 @dataclass(frozen=True)
 class GemmRoute:
-    """Where an expert leaves the micro-kernels for torch's GEMM (from `tokens` tokens on), and whether that GEMM
-    runs in bf16 (on bf16 weights as stored, or on int8 / int4 weights dequantised to bf16) or on fp32 panels.
-    Which is fastest depends on the CPU (native bf16 arithmetic or not, VNNI for the integer micro-kernels) and
-    the shape: measured, not assumed."""
+    """Where an expert leaves the micro-kernels for a GEMM (from `tokens` tokens on), and which: torch's on fp32
+    panels ("fp32"), torch's in bf16 on bf16 weights as stored or int8 / int4 weights dequantised to bf16 ("bf16"),
+    or our AMX tiles on bf16 panels ("amx", csrc/amx_gemm.h). Which is fastest depends on the CPU (native bf16
+    arithmetic, AMX, VNNI for the integer micro-kernels) and the shape: measured, not assumed."""
 
     tokens: int
-    bf16: bool
+    kernel: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.kernel not in GEMM_KERNELS:
+            raise ValueError(f"unknown GEMM kernel {self.kernel!r}: choose one of {', '.join(GEMM_KERNELS)}")
+
+    @property
+    def code(self) -> int:
+        """The kernel as the C++ side numbers it."""
+        return GEMM_KERNELS.index(self.kernel)
 
 
 UNLIMITED = 2**62  # a token count no input reaches
-MICRO_KERNELS = GemmRoute(UNLIMITED, False)  # no expert reaches the GEMM
+MICRO_KERNELS = GemmRoute(UNLIMITED)  # no expert reaches the GEMM
 ROUTE_TOKENS = (16, 32, 64, 128, 256)  # tokens per expert at which the routes are compared
 ROUTE_INTER = 512  # time scales with an expert's rows: wider experts are timed on this many intermediate columns
 
@@ -67,7 +79,7 @@ def moe_experts(
         down_scale,
         level,
         route.tokens,
-        route.bf16,
+        route.code,
         out,
     )
 
@@ -85,7 +97,19 @@ def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     )
 
 
-@measured(encode=lambda r: [r.tokens, r.bf16], decode=lambda v: GemmRoute(count(v[0]), flag(v[1])))
+def _stored_kernel(value: object) -> str:
+    if value not in GEMM_KERNELS:
+        raise ValueError(f"not a GEMM kernel: {value!r}")
+    return str(value)
+
+
+def amx_fits(hidden_size: int, inter: int) -> bool:
+    """Whether the AMX tiles can take experts of this shape on this CPU (32-row panels of both projections)."""
+    ext = extension()
+    return ext is not None and bool(ext.amx_available()) and hidden_size % 32 == 0 and inter % 32 == 0
+
+
+@measured(encode=lambda r: [r.tokens, r.kernel], decode=lambda v: GemmRoute(count(v[0]), _stored_kernel(v[1])))
 def _measure_route(
     hidden_size: int,
     inter: int,
@@ -104,9 +128,11 @@ def _measure_route(
         (gu, gus), (dn, dns) = (kernel_operands(to_cpu_format(w, fmt, group)) for w in (gate_up, down))
     else:
         (gu, gus), (dn, dns) = (gate_up.to(stored), None), (down.to(stored), None)
-    gemms = [GemmRoute(1, False)]
+    gemms = [GemmRoute(1, "fp32")]
     if activations == torch.bfloat16 and (stored == torch.bfloat16 or group):  # bf16 holds them, or they are rounded
-        gemms.append(GemmRoute(1, True))
+        gemms.append(GemmRoute(1, "bf16"))
+        if amx_fits(hidden_size, inter):
+            gemms.append(GemmRoute(1, "amx"))
     wins: list[tuple[int, GemmRoute | None]] = []  # per token count: the fastest GEMM, or None where it loses
     for n in ROUTE_TOKENS:
         hidden = torch.randn(n, hidden_size, generator=g).to(activations)
@@ -115,7 +141,7 @@ def _measure_route(
         seconds = interleaved_medians(
             [
                 lambda r=r, x=hidden, i=ids, w=weights, o=out: extension().moe_experts(
-                    x, i, w, gu, gus, dn, dns, best_isa(), r.tokens, r.bf16, o
+                    x, i, w, gu, gus, dn, dns, best_isa(), r.tokens, r.code, o
                 )
                 for r in (MICRO_KERNELS, *gemms)
             ],
@@ -128,7 +154,7 @@ def _measure_route(
     start = len(wins) - 1  # the GEMM route from the smallest count from which it wins at every larger one
     while start > 0 and wins[start - 1][1] is not None:
         start -= 1
-    return GemmRoute(wins[start][0], wins[-1][1].bf16)
+    return GemmRoute(wins[start][0], wins[-1][1].kernel)
 
 
 def interleaved_medians(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:

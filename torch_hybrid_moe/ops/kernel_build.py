@@ -19,8 +19,10 @@ from types import ModuleType
 import torch
 
 _CSRC = Path(__file__).parent / "csrc"
-_COMPILED = (_CSRC / "module.cpp", _CSRC / "moe_cpu.cpp", _CSRC / "cpu_layers.cpp", _CSRC / "host_bridge.cpp")
-_SOURCES = (*_COMPILED, _CSRC / "moe_cpu.h", _CSRC / "rows_kernel.h")
+_COMPILED = tuple(
+    _CSRC / name for name in ("module.cpp", "moe_cpu.cpp", "amx_gemm.cpp", "cpu_layers.cpp", "host_bridge.cpp")
+)
+_SOURCES = (*_COMPILED, _CSRC / "moe_cpu.h", _CSRC / "amx_gemm.h", _CSRC / "rows_kernel.h")
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
 
 

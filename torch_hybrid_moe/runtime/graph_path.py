@@ -304,7 +304,7 @@ class GraphPath:
                 out,
                 self.layer.config.resolve_cpu_threads(),
                 route.tokens,
-                route.bf16,
+                route.code,
             )
             self._buffers[key] = _TaskBuffers(hid, cpu_ids, weights, out, task)
         return self._buffers[key]

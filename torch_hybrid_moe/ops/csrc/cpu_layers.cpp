@@ -70,7 +70,7 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
   static const int64_t isa = best_isa();
   const int64_t active =
       moe_experts(hidden.contiguous(), topk_ids.to(at::kLong).contiguous(), topk_weights.to(at::kFloat).contiguous(),
-                  l->gate_up, l->gate_up_scale, l->down, l->down_scale, isa, int64_t(1) << 62, false, out);
+                  l->gate_up, l->gate_up_scale, l->down, l->down_scale, isa, int64_t(1) << 62, /*gemm_kernel=*/0, out);
   l->steps.fetch_add(1);
   l->tokens.fetch_add(hidden.size(0));
   l->experts.fetch_add(active);
@@ -97,7 +97,7 @@ void publish_cpu_layer(int64_t handle, int64_t owner, at::Tensor gate_up, c10::o
     const at::Tensor hidden = at::zeros({1, l->down.size(1)}, at::kFloat);
     at::Tensor scratch = at::zeros_like(hidden);
     moe_experts(hidden, at::full({1, 1}, -1, at::kLong), at::zeros({1, 1}, at::kFloat), l->gate_up, l->gate_up_scale,
-                l->down, l->down_scale, best_isa(), int64_t(1) << 62, false, scratch);
+                l->down, l->down_scale, best_isa(), int64_t(1) << 62, /*gemm_kernel=*/0, scratch);
   }
   std::lock_guard<std::mutex> lock(t.mutex);
   t.by_owner[owner] = l;

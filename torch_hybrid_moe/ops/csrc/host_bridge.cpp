@@ -95,7 +95,7 @@ class CpuTask {
  public:
   CpuTask(at::Tensor hidden, at::Tensor ids, at::Tensor weights, at::Tensor gate_up,
           c10::optional<at::Tensor> gate_up_scale, at::Tensor down, c10::optional<at::Tensor> down_scale,
-          at::Tensor out, int64_t threads, int64_t gemm_tokens, bool bf16_gemm)
+          at::Tensor out, int64_t threads, int64_t gemm_tokens, int64_t gemm_kernel)
       : hidden_(std::move(hidden)),
         ids_(std::move(ids)),
         weights_(std::move(weights)),
@@ -107,7 +107,7 @@ class CpuTask {
         threads_(threads),
         isa_(best_isa()),
         gemm_tokens_(gemm_tokens),
-        bf16_gemm_(bf16_gemm) {
+        gemm_kernel_(gemm_kernel) {
     TORCH_CHECK(threads_ > 0, "threads must be positive");
     for (const at::Tensor* t : {&hidden_, &ids_, &weights_, &out_})
       TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "task buffers must be contiguous CPU tensors");
@@ -118,7 +118,7 @@ class CpuTask {
     // (an exception built on a thread Python does not know can crash the interpreter).
     at::Tensor none = at::full_like(ids_, -1);
     at::Tensor scratch = at::zeros_like(out_);
-    moe_experts(hidden_, none, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, gemm_tokens_, bf16_gemm_,
+    moe_experts(hidden_, none, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, gemm_tokens_, gemm_kernel_,
                 scratch);
   }
 
@@ -149,7 +149,7 @@ class CpuTask {
         if (at::get_num_threads() != threads_) at::set_num_threads(threads_);
         out_.zero_();
         moe_experts(hidden_, ids_, weights_, gate_up_, gate_up_scale_, down_, down_scale_, isa_, gemm_tokens_,
-                    bf16_gemm_, out_);
+                    gemm_kernel_, out_);
       } catch (const std::exception& err) {
         record_error(err.what());
       }
@@ -210,7 +210,7 @@ class CpuTask {
   c10::optional<at::Tensor> down_scale_;
   at::Tensor out_;
   const int64_t threads_, isa_, gemm_tokens_;
-  const bool bf16_gemm_;
+  const int64_t gemm_kernel_;
   std::mutex mutex_;
   std::condition_variable cv_;
   int64_t submitted_ = 0, completed_ = 0;
@@ -243,10 +243,11 @@ void bind_host_bridge(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<CpuTask, std::shared_ptr<CpuTask>>(m, "CpuTask", "One layer's CPU expert share, run by the worker thread")
       .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor,
-                    c10::optional<at::Tensor>, at::Tensor, int64_t, int64_t, bool>(),
+                    c10::optional<at::Tensor>, at::Tensor, int64_t, int64_t, int64_t>(),
            py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("gate_up_scale"),
            py::arg("down"), py::arg("down_scale"), py::arg("out"), py::arg("threads"),
-           py::arg("gemm_tokens") = int64_t(1) << 62, py::arg("bf16_gemm") = false)  // default: micro-kernels only
+           py::arg("gemm_tokens") = int64_t(1) << 62,
+           py::arg("gemm_kernel") = int64_t(0))  // default: micro-kernels only
       .def("submit", &CpuTask::submit, "Queue the task now (what the submit host function does)")
       .def("wait", &CpuTask::wait, "Block until it finished (what the sync host function does)",
            py::call_guard<py::gil_scoped_release>())

@@ -19,5 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A layer's (steps, tokens, active experts) since the last take");
   m.def("dense_matvec", &dense_matvec, "Dense [N, K] weight times a few activation rows, fp32 out");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");
+  m.def("amx_available", &amx_available, "Whether the AMX GEMM kernel runs here (AMX-BF16, tile state granted)");
   bind_host_bridge(m);
 }

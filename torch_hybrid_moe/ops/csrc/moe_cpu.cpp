@@ -14,10 +14,11 @@
 // An expert takes one of two routes. Few tokens (decode, bandwidth-bound): the micro-kernels of rows_kernel.h
 // stream rows once and dot them with up to a few tokens at a time, work items handed to torch's threads
 // dynamically. Many tokens (prefill, compute-bound; from `gemm_tokens` on, measured per machine and shape by the
-// caller): torch's GEMM (oneDNN / MKL) on blocks of rows converted to fp32 panels, or (`bf16_gemm`) in bf16 as
+// caller): torch's GEMM (oneDNN / MKL) on blocks of rows converted to fp32 panels, or (`Gemm::BF16`) in bf16 as
 // transformers computes a bf16 model: on the expert's weights as stored (bf16 weights and activations), or on
 // panels of int8 / int4 rows dequantised to bf16. On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) bf16 GEMM
-// runs several times the fp32 rate.
+// runs several times the fp32 rate. On AMX CPUs (`Gemm::AMX`, amx_gemm.h) our own tiles multiply bf16 panels of 32
+// rows by the expert's tokens, the panels' work items shared with the micro-kernels' in one pass of the threads.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count nor on which other tokens share the batch.
 
@@ -25,11 +26,14 @@
 
 #include <ATen/Parallel.h>
 
+#include "amx_gemm.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -46,6 +50,9 @@ enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
 
 constexpr int64_t kMaxTokens = 32;   // tokens of an expert a phase-A work item takes at a time (its gate / up buffers)
 constexpr int64_t kPanelRows = 256;  // rows per weight panel on the GEMM route
+
+// The GEMM route's kernels (the caller's measured choice): torch's on fp32 panels or in bf16, or AMX tiles.
+enum class Gemm : int64_t { F32 = 0, BF16 = 1, AMX = 2 };
 
 // One expert's [N, K] weight in its stored format.
 struct Matrix {
@@ -440,13 +447,76 @@ at::Tensor bf16_expert(const at::Tensor& gate_up, const at::Tensor& down, const 
 int64_t run_rows(int64_t rows, int64_t runs) { return ((rows + runs - 1) / runs + kRows - 1) / kRows * kRows; }
 constexpr int64_t kRunsPerThread = 4;
 
+// moe_experts' fp32 buffers (activations, h, y), kept per calling thread from one call to the next: allocated anew they
+// cost page faults and zeroing on every call (~20 ms of a 512-token Qwen3-30B-A3B layer on 2 cores). Buffers above
+// kKeptScratch bytes are freed when the call ends, so one long prompt does not hold them for good.
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) {
+    if (n > capacity()) {
+      buffer().reset(new float[n]);  // uninitialised: every element used is written first
+      capacity() = n;
+    }
+  }
+  ~Scratch() {
+    if (capacity() * int64_t(sizeof(float)) > kKeptScratch) {
+      buffer().reset();
+      capacity() = 0;
+    }
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  float* data() const { return buffer().get(); }
+
+ private:
+  static constexpr int64_t kKeptScratch = int64_t(64) << 20;
+  static std::unique_ptr<float[]>& buffer() {
+    thread_local std::unique_ptr<float[]> b;
+    return b;
+  }
+  static int64_t& capacity() {
+    thread_local int64_t c = 0;
+    return c;
+  }
+};
+
+// Each large expert's activation rows (rows_of(p) for its pairs p, in format f's layout), packed for amx_rows in
+// natural column order; one expert per thread.
+template <typename RowOf>
+std::vector<std::vector<uint32_t>> amx_pack_experts(const Routing& r, const std::vector<int64_t>& large, int64_t K,
+                                                    Fmt f, int64_t step, const RowOf& row_of) {
+  std::vector<int64_t> pos(K);
+  for (int64_t c = 0; c < K; ++c) pos[c] = layout_pos(c, K, f, step);
+  std::vector<std::vector<uint32_t>> packed(large.size());
+  at::parallel_for(0, int64_t(large.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t p0 = r.offsets[large[i]], n = r.offsets[large[i] + 1] - p0;
+      std::vector<const float*> rows(n);
+      for (int64_t t = 0; t < n; ++t) rows[t] = row_of(p0 + t);
+      packed[i].resize(amx_packed_size(n, K));
+      amx_pack(rows.data(), pos.data(), n, K, packed[i].data());
+    }
+  });
+  return packed;
+}
+
+// Rows [r0, r0 + kAmxRows) of m times a large expert's n packed activation rows, out[t * ld + r]: the rows laid out
+// (int8 / int4: dequantised) as a bf16 panel in this thread's L2, then AMX tiles.
+void amx_item(const Matrix& m, int64_t r0, const std::vector<uint32_t>& x, int64_t n, float* out, int64_t ld) {
+  thread_local std::vector<uint16_t> panel;
+  panel.resize(amx_panel_size(m.K));
+  amx_panel(m.row(r0), m.row_bytes, m.row_scale(r0), m.group, int(bits_of(m.fmt)), m.K, panel.data());
+  const AmxTiles tiles;
+  amx_rows(panel.data(), m.K, x.data(), n, out, ld);
+}
+
 }  // namespace
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0.
 int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
                     const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                    const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
-                    at::Tensor& out) {
+                    const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens,
+                    int64_t gemm_kernel, at::Tensor& out) {
   TORCH_CHECK(hidden.dim() == 2 && ids.dim() == 2 && ids.sizes() == weights.sizes() && ids.size(0) == hidden.size(0),
               "expected hidden [T, H], ids and weights [T, K]");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous(), "ids must be contiguous int64");
@@ -455,6 +525,8 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
               "out must be a contiguous fp32 tensor shaped like hidden");
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
   TORCH_CHECK(gemm_tokens > 0, "gemm_tokens must be positive");
+  TORCH_CHECK(gemm_kernel >= 0 && gemm_kernel <= 2, "unknown GEMM kernel ", gemm_kernel);
+  const Gemm gemm = static_cast<Gemm>(gemm_kernel);
   const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
   const Layer gu = make_layer("gate_up", gate_up, gate_up_scale, H);
   TORCH_CHECK(gu.N % 2 == 0, "gate_up must have 2 * I rows");
@@ -471,27 +543,53 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   std::vector<int64_t> small, large;
   for (int64_t a = 0; a < int64_t(r.experts.size()); ++a)
     (r.offsets[a + 1] - r.offsets[a] >= gemm_tokens ? large : small).push_back(a);
-  // bf16 GEMM, for weights bf16 holds exactly or that are approximate already (int8 / int4; fp32 and fp16 weights
-  // keep fp32 panels): on the stored weights where they and the activations are bf16 (`direct`), else on panels.
-  const bool bf16 = bf16_gemm && (fmt == Fmt::BF16 || quantised(fmt));
-  const bool direct = bf16 && fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
+  // bf16 GEMM (torch's or AMX tiles), for weights bf16 holds exactly or that are approximate already (int8 / int4;
+  // fp32 and fp16 weights keep fp32 panels): torch's on the stored weights where they and the activations are bf16
+  // (`direct`), else on panels; AMX tiles on panels.
+  const bool bf16 = gemm != Gemm::F32 && (fmt == Fmt::BF16 || quantised(fmt));
+  const bool amx = gemm == Gemm::AMX && bf16;
+  TORCH_CHECK(!amx || (amx_available() && H % kAmxRows == 0 && I % kAmxRows == 0),
+              "the AMX GEMM route needs a CPU with AMX and hidden and intermediate sizes that are multiples of ",
+              kAmxRows, ": choose another gemm_kernel");
+  const bool direct = bf16 && !amx && fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
   const bool panels = !large.empty() && !direct;
 
-  std::vector<float> x(T * H), h(P * I), y(P * H);
-  activations(hidden, written_layout(fmt), kern.step, x.data());
-  const KernelInputs x_in(x.data(), T, H, fmt, kern.step, panels);
+  const Scratch scratch(T * H + P * I + P * H);
+  float* const x = scratch.data();
+  float* const h = x + T * H;
+  float* const y = h + P * I;
+  activations(hidden, written_layout(fmt), kern.step, x);
+  const KernelInputs x_in(x, T, H, fmt, kern.step, panels);
   std::vector<const void*> x_of_pair(P), h_of_pair(P);
   for (int64_t p = 0; p < P; ++p) x_of_pair[p] = x_in.row(r.pair_token[p]);
   std::vector<int64_t> h_pos(I);  // h is written straight into the layout the down projection reads
   for (int64_t c = 0; c < I; ++c) h_pos[c] = layout_pos(c, I, written_layout(fmt), kern.step);
 
   // Phase A, micro-kernel route. Item i = row block (i / n) of small expert (i % n): all experts stream at
-  // once, so an expert with more tokens does not leave one thread working alone at the end.
-  const int64_t n_small = int64_t(small.size());
+  // once, so an expert with more tokens does not leave one thread working alone at the end. On the AMX route the
+  // large experts' items (kAmxRows gate rows and the matching up rows of one expert) follow in the same pass.
+  const int64_t n_small = int64_t(small.size()), n_amx = amx ? int64_t(large.size()) : 0;
   const int64_t runs = (kRunsPerThread * at::get_num_threads() + n_small - 1) / std::max<int64_t>(n_small, 1);
   const int64_t block_a = run_rows(I, runs), block_b = run_rows(H, runs);
-  if (n_small) {
-    parallel_items((I + block_a - 1) / block_a * n_small, [&](int64_t i) {
+  const int64_t small_a = n_small ? (I + block_a - 1) / block_a * n_small : 0;
+  std::vector<std::vector<uint32_t>> packed;
+  if (n_amx) packed = amx_pack_experts(r, large, H, fmt, kern.step, [&](int64_t p) { return x + r.pair_token[p] * H; });
+  if (small_a + n_amx) {
+    parallel_items(small_a + n_amx * (I / kAmxRows), [&](int64_t i) {
+      if (i >= small_a) {
+        const int64_t j = (i - small_a) % n_amx, r0 = (i - small_a) / n_amx * kAmxRows;
+        const int64_t p0 = r.offsets[large[j]], n = r.offsets[large[j] + 1] - p0;
+        const Matrix m = gu.expert(r.experts[large[j]]);
+        thread_local std::vector<float> g_u;
+        g_u.resize(2 * n * kAmxRows);
+        const float* u = g_u.data() + n * kAmxRows;
+        amx_item(m, r0, packed[j], n, g_u.data(), kAmxRows);
+        amx_item(m, I + r0, packed[j], n, g_u.data() + n * kAmxRows, kAmxRows);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t c = 0; c < kAmxRows; ++c)
+            h[(p0 + t) * I + h_pos[r0 + c]] = silu_mul(g_u[t * kAmxRows + c], u[t * kAmxRows + c]);
+        return;
+      }
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
       const int64_t r0 = (i / n_small) * block_a, r1 = std::min(I, r0 + block_a), nr = r1 - r0;
       const Matrix m = gu.expert(r.experts[a]);
@@ -506,17 +604,18 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
       }
     });
   }
-  // GEMM route. bf16: the whole expert at once, y rows written here; fp32 panels: phase A, h rows written here.
+  // torch's GEMM. bf16: the whole expert at once, y rows written here; fp32 panels: phase A, h rows written here.
   for (const int64_t a : large) {
+    if (amx) break;
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
     if (direct) {
       const at::Tensor rows = at::tensor(at::ArrayRef<int64_t>(r.pair_token.data() + p0, n));
       const at::Tensor y_e = bf16_expert(gate_up[r.experts[a]], down[r.experts[a]], hidden.index_select(0, rows));
-      at::from_blob(y.data() + p0 * H, {n, H}, at::TensorOptions().dtype(at::kFloat)).copy_(y_e);
+      at::from_blob(y + p0 * H, {n, H}, at::TensorOptions().dtype(at::kFloat)).copy_(y_e);
       continue;
     }
     const at::Tensor g_u =
-        gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I, gather_rows(x.data(), H, r.pair_token.data() + p0, n), bf16);
+        gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I, gather_rows(x, H, r.pair_token.data() + p0, n), bf16);
     const float* gp = g_u.data_ptr<float>();
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t)
@@ -525,22 +624,29 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   }
 
   // Phase B: y[p] = down[e] . h[p].
-  const KernelInputs h_in(h.data(), P, I, fmt, kern.step, panels);
+  const KernelInputs h_in(h, P, I, fmt, kern.step, panels);
   for (int64_t p = 0; p < P; ++p) h_of_pair[p] = h_in.row(p);
-  if (n_small) {
-    parallel_items((H + block_b - 1) / block_b * n_small, [&](int64_t i) {
+  const int64_t small_b = n_small ? (H + block_b - 1) / block_b * n_small : 0;
+  if (n_amx) packed = amx_pack_experts(r, large, I, fmt, kern.step, [&](int64_t p) { return h + p * I; });
+  if (small_b + n_amx) {
+    parallel_items(small_b + n_amx * (H / kAmxRows), [&](int64_t i) {
+      if (i >= small_b) {
+        const int64_t j = (i - small_b) % n_amx, r0 = (i - small_b) / n_amx * kAmxRows;
+        const int64_t p0 = r.offsets[large[j]], n = r.offsets[large[j] + 1] - p0;
+        amx_item(dn.expert(r.experts[large[j]]), r0, packed[j], n, y + p0 * H + r0, H);
+        return;
+      }
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
       const int64_t r0 = (i / n_small) * block_b, r1 = std::min(H, r0 + block_b);
-      kern.matvec_block(dn.expert(r.experts[a]), r0, r1, h_of_pair.data() + p0, n, y.data() + p0 * H + r0, H);
+      kern.matvec_block(dn.expert(r.experts[a]), r0, r1, h_of_pair.data() + p0, n, y + p0 * H + r0, H);
     });
   }
   for (const int64_t a : large) {
-    if (direct) continue;
+    if (direct || amx) continue;
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
-    const at::Tensor ye =
-        gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
-                  at::from_blob(h.data() + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)), bf16);
-    std::memcpy(y.data() + p0 * H, ye.data_ptr<float>(), n * H * sizeof(float));
+    const at::Tensor ye = gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
+                                    at::from_blob(h + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)), bf16);
+    std::memcpy(y + p0 * H, ye.data_ptr<float>(), n * H * sizeof(float));
   }
 
   // Phase C: each token's pairs summed in k order.
@@ -552,7 +658,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
         const int64_t p = r.token_pair[t * K + k];
         if (p < 0) continue;
         const float w = wp[t * K + k];
-        const float* src = y.data() + p * H;
+        const float* src = y + p * H;
         float* dst = op + t * H;
         for (int64_t j = 0; j < H; ++j) dst[j] += w * src[j];
       }

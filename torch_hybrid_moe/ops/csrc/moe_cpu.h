@@ -4,12 +4,12 @@
 #include <torch/extension.h>
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0. An expert with at least
-// gemm_tokens tokens takes torch's GEMM: on fp32 panels, or (bf16_gemm, for bf16 / int8 / int4 weights) in bf16.
-// Returns how many experts were active.
+// gemm_tokens tokens takes the GEMM route with gemm_kernel: 0 torch's on fp32 panels, 1 torch's in bf16 (for bf16 /
+// int8 / int4 weights), 2 AMX tiles on bf16 panels (amx_gemm.h). Returns how many experts were active.
 int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
                     const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
-                    const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens, bool bf16_gemm,
-                    at::Tensor& out);
+                    const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens,
+                    int64_t gemm_kernel, at::Tensor& out);
 
 // out[t, :] = weight . x[t] for a dense [N, K] weight (bf16 / fp16 / fp32, or int8 / int4 with fp32 group
 // scales [N, K / group]), accumulated in fp32.
@@ -36,6 +36,9 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.
 int64_t best_isa();
+
+// Whether the AMX GEMM kernel (gemm_kernel 2) runs here: the CPU has AMX-BF16 and Linux granted the tile state.
+bool amx_available();
 
 // Adds the host-function bridge (host_bridge.cpp) to the module.
 void bind_host_bridge(pybind11::module_& m);

@@ -1,0 +1,207 @@
+// AMX bf16 tiles for the prefill route (see amx_gemm.h). Compiled for any x86-64 CPU: the AMX instructions sit in
+// functions with their own target attribute and run only where amx_available() said yes.
+#include "amx_gemm.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HMOE_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;              // tile rows; tokens per block of the packed activations
+constexpr int64_t kBlock = kTile * kTile;  // uint32 in one 16 x 32 block of packed activations
+constexpr int64_t kTileBytes = 64;         // bytes per tile row
+
+inline uint16_t bf16_nearest(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifdef HMOE_AMX
+// Linux's tile-data permission: the kernel allocates the large XSAVE state only for processes that ask.
+constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022, kXfeatureTileData = 18;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums (rows 0-15 / 16-31 x tokens of block 0 / 1); 4-5: weight rows; 6-7: activation blocks.
+const TileConfig& tile_config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int i = 0; i < 8; ++i) {
+      c.colsb[i] = kTileBytes;
+      c.rows[i] = kTile;
+    }
+    return c;
+  }();
+  return config;
+}
+
+constexpr int64_t kBlocksAhead = 8;  // column blocks of a weight's rows prefetched ahead of the one laid out
+constexpr int64_t kPanelBlock = kAmxRows * kAmxCols;  // bf16 of one column block of a panel: its two weight tiles
+
+// One block of 16 (or, TWO, 32) tokens times the panel's 32 weight rows over all K columns, sums stored to
+// tmp [4][16][16].
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* panel, int64_t K, const uint32_t* x0,
+                                                             const uint32_t* x1, float* tmp) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < K / kAmxCols; ++kb) {
+    _tile_loadd(4, panel + kb * kPanelBlock, kTileBytes);
+    _tile_loadd(6, x0 + kb * kBlock, kTileBytes);
+    _tile_loadd(5, panel + kb * kPanelBlock + kPanelBlock / 2, kTileBytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (TWO) {
+      _tile_loadd(7, x1 + kb * kBlock, kTileBytes);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, tmp, kTileBytes);
+  _tile_stored(2, tmp + kBlock, kTileBytes);
+  if (TWO) {
+    _tile_stored(1, tmp + 2 * kBlock, kTileBytes);
+    _tile_stored(3, tmp + 3 * kBlock, kTileBytes);
+  }
+}
+
+// 32 columns of q * s as bf16: lo / hi the products of columns 0-15 / 16-31.
+__attribute__((target("avx512f,avx512bf16"))) inline void store_bf16(__m512 lo, __m512 hi, uint16_t* dst) {
+  _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void dequant_block(const uint8_t* q, int bits, float s,
+                                                                                 uint16_t* dst) {
+  const __m512 scale = _mm512_set1_ps(s);
+  __m128i c0, c1;  // columns 0-15 and 16-31 as int8
+  if (bits == 8) {
+    c0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    c1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), nibble = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, nibble), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+    const __m128i eight = _mm_set1_epi8(8);
+    c0 = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);
+    c1 = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);
+  }
+  store_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), scale),
+             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), scale), dst);
+}
+
+__attribute__((target("amx-tile"))) void load_tiles() { _tile_loadconfig(&tile_config()); }
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+#endif
+
+}  // namespace
+
+bool amx_available() {
+#ifdef HMOE_AMX
+  static const bool available = [] {
+    __builtin_cpu_init();  // the panels' conversions need AVX512-BF16, which every AMX CPU has; checked anyway
+    if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512bf16")) return false;
+    unsigned int eax, ebx, ecx, edx;
+    // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
+    if (!((edx >> 22) & 1u) || !((edx >> 24) & 1u)) return false;
+    unsigned long granted = 0;
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) != 0) return false;
+    if (syscall(SYS_arch_prctl, kGetXcompPerm, &granted) != 0) return false;
+    return ((granted >> kXfeatureTileData) & 1ul) != 0;
+  }();
+  return available;
+#else
+  return false;
+#endif
+}
+
+int64_t amx_packed_size(int64_t n, int64_t K) { return (n + kTile - 1) / kTile * (K / kAmxCols) * kBlock; }
+
+void amx_pack(const float* const* rows, const int64_t* pos, int64_t n, int64_t K, uint32_t* dst) {
+  TORCH_CHECK(K % kAmxCols == 0, "amx_pack: K must be a multiple of ", kAmxCols);
+  const int64_t blocks = K / kAmxCols;
+  std::memset(dst, 0, amx_packed_size(n, K) * sizeof(uint32_t));
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = rows[t];
+    uint32_t* base = dst + (t / kTile) * blocks * kBlock + t % kTile;
+    for (int64_t p = 0; p < K / 2; ++p)  // pair p: row p % 16 of block p / 16, column t % 16
+      base[(p / kTile) * kBlock + (p % kTile) * kTile] =
+          uint32_t(bf16_nearest(row[pos[2 * p]])) | uint32_t(bf16_nearest(row[pos[2 * p + 1]])) << 16;
+  }
+}
+
+#ifdef HMOE_AMX
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+#endif
+void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64_t group, int bits, int64_t K,
+               uint16_t* dst) {
+#ifdef HMOE_AMX
+  for (int64_t k = 0; k < K; k += kAmxCols) {  // the panel written front to back, the rows read side by side
+    uint16_t* out = dst + k / kAmxCols * kPanelBlock;
+    for (int64_t r = 0; r < kAmxRows; ++r) {
+      const uint8_t* q = data + r * row_bytes + k * bits / 8;
+      if (k * bits % 512 == 0 && k + kBlocksAhead * kAmxCols < K)  // once per cache line of the row
+        _mm_prefetch(reinterpret_cast<const char*>(q + kBlocksAhead * kAmxCols * bits / 8), _MM_HINT_T0);
+      if (bits == 16)
+        std::memcpy(out + r * kAmxCols, q, kAmxCols * 2);
+      else
+        dequant_block(q, bits, scale[r * (K / group) + k / group], out + r * kAmxCols);
+    }
+  }
+#else
+  TORCH_CHECK(false, "amx_panel: no AMX on this build");
+#endif
+}
+
+void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld) {
+#ifdef HMOE_AMX
+  const int64_t token_blocks = (n + kTile - 1) / kTile, stride = (K / kAmxCols) * kBlock;
+  alignas(64) float tmp[4 * kBlock];
+  for (int64_t tb = 0; tb < token_blocks; tb += 2) {
+    const bool two = tb + 1 < token_blocks;
+    const uint32_t* x0 = x_packed + tb * stride;
+    if (two)
+      tile_block<true>(panel, K, x0, x0 + stride, tmp);
+    else
+      tile_block<false>(panel, K, x0, nullptr, tmp);
+    for (int64_t half = 0; half < (two ? 2 : 1); ++half)
+      for (int64_t j = 0; j < kTile && (tb + half) * kTile + j < n; ++j) {
+        float* o = out + ((tb + half) * kTile + j) * ld;
+        const float* s = tmp + half * 2 * kBlock + j;  // sums of rows 0-15, then (one block on) rows 16-31
+        for (int64_t r = 0; r < kTile; ++r) {
+          o[r] = s[r * kTile];
+          o[kTile + r] = s[kBlock + r * kTile];
+        }
+      }
+  }
+#else
+  TORCH_CHECK(false, "amx_rows: no AMX on this build");
+#endif
+}
+
+AmxTiles::AmxTiles() {  // the caller checked amx_available() on its own thread: nothing here may throw
+#ifdef HMOE_AMX
+  load_tiles();
+#endif
+}
+
+AmxTiles::~AmxTiles() {
+#ifdef HMOE_AMX
+  release_tiles();
+#endif
+}

@@ -1,0 +1,45 @@
+// The prefill route on CPUs with AMX (Intel Sapphire Rapids and later): 32 weight rows at a time times an expert's
+// tokens in bf16 tiles, fp32 sums. Why our own: oneDNN's bf16 GEMM reorders the whole weight for every call, which
+// at an expert's 16-128 tokens costs more than the multiply (benchmarks/RESULTS.md, 2026-11-26 afternoon); here the
+// weight rows are read as stored (or dequantised into an L2-sized panel) and only the few activation rows are
+// reordered, once per expert.
+#pragma once
+
+#include <cstdint>
+
+// True where the CPU has AMX-BF16 and the kernel granted this process the tile state (asked for on first call).
+bool amx_available();
+
+constexpr int64_t kAmxRows = 32;  // weight rows per amx_rows call: two tiles of 16
+constexpr int64_t kAmxCols = 32;  // K must be a multiple of this: one tile row of bf16
+
+// Size in uint32 of n activation rows of K columns packed for amx_rows.
+int64_t amx_packed_size(int64_t n, int64_t K);
+
+// Activation rows rows[0..n) (fp32, column c of K at rows[t][pos[c]]) rounded to bf16 (nearest even) and packed in
+// natural column order as AMX's second operand: blocks of 16 tokens x 32 columns, column pairs side by side, tokens
+// past n zero.
+void amx_pack(const float* const* rows, const int64_t* pos, int64_t n, int64_t K, uint32_t* dst);
+
+// Size in bf16 of a panel of kAmxRows weight rows of K columns.
+constexpr int64_t amx_panel_size(int64_t K) { return kAmxRows * K; }
+
+// kAmxRows rows of a bf16 (bits 16), int8 (bits 8) or packed int4 (bits 4, q + 8 in nibbles, low first) weight, row r
+// at data + r * row_bytes with scales scale + r * (K / group) (quantised only), as the bf16 panel amx_rows multiplies
+// (q * scale rounded to nearest even): by blocks of 32 columns, each its 32 rows' columns side by side, so that a
+// tile loads 1 KiB in a row (rows of a weight lie a page apart, and 16 of them per tile load thrash the TLB).
+void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64_t group, int bits, int64_t K,
+               uint16_t* dst);
+
+// out[t * ld + r] = sum_k W[r, k] * x[t, k] for r < kAmxRows, t < n: W an amx_panel, x packed by amx_pack. Call while
+// an AmxTiles lives on the same thread.
+void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld);
+
+// The tile configuration of amx_rows, loaded for this thread's lifetime of the object (the tile state is per thread).
+class AmxTiles {
+ public:
+  AmxTiles();
+  ~AmxTiles();
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
