@@ -112,6 +112,20 @@ def test_gemm_routes_match_float64(fmt, route, bf16_hidden):
     check_against_float64(fmt, operands, weights64, 70, route=GEMM_ROUTES[route], bf16_hidden=bf16_hidden)
 
 
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_amx_route_over_column_chunks_and_token_blocks(fmt):
+    """The AMX tiles where the token blocks pass the panel chunk by chunk: 320 / 288 columns (10 / 9 blocks of 32, two
+    chunks each) and 40-60 tokens an expert (3-4 blocks of 16, the last one partial), against float64."""
+    if not cpu_kernel.amx_fits(320, 288):
+        pytest.skip("no AMX on this CPU")
+    operands, (gate_up, down) = experts(fmt, 8, 320, 288)
+    hidden = torch.randn(100, 320, generator=torch.Generator().manual_seed(3)).bfloat16()
+    ids, weights = routing(100, 8, 4)
+    ref = reference(hidden, ids, weights, gate_up, down, fmt != "bfloat16")
+    out = run(operands, hidden, ids, weights, route=cpu_kernel.GemmRoute(16, "amx"))
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
 def test_amx_route_refuses_what_it_cannot_run():
     """A GEMM kernel the C++ side does not know, or the AMX tiles on experts whose sizes are not multiples of 32 (or
     on a CPU without AMX), is a clear error, never a silent other route."""

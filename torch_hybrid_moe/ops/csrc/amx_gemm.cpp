@@ -4,7 +4,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <immintrin.h>
@@ -51,17 +53,25 @@ const TileConfig& tile_config() {
 
 constexpr int64_t kBlocksAhead = 8;  // column blocks of a weight's rows prefetched ahead of the one laid out
 constexpr int64_t kPanelBlock = kAmxRows * kAmxCols;  // bf16 of one column block of a panel: its two weight tiles
+constexpr int64_t kChunkBlocks = 8;  // column blocks per chunk: 16 KiB of panel, kept in L1 while the tokens pass
 
-// One block of 16 (or, TWO, 32) tokens times the panel's 32 weight rows over all K columns, sums stored to
-// tmp [4][16][16].
-template <bool TWO>
-__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* panel, int64_t K, const uint32_t* x0,
-                                                             const uint32_t* x1, float* tmp) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t kb = 0; kb < K / kAmxCols; ++kb) {
+// One block of 16 (or, TWO, 32) tokens times the panel's 32 weight rows over column blocks [kb0, kb1), added to the
+// sums in acc [4][16][16] (LOAD; else acc is overwritten).
+template <bool TWO, bool LOAD>
+__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* panel, int64_t kb0, int64_t kb1,
+                                                             const uint32_t* x0, const uint32_t* x1, float* acc) {
+  if (LOAD) {
+    _tile_loadd(0, acc, kTileBytes);
+    _tile_loadd(2, acc + kBlock, kTileBytes);
+    _tile_loadd(1, acc + 2 * kBlock, kTileBytes);
+    _tile_loadd(3, acc + 3 * kBlock, kTileBytes);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     _tile_loadd(4, panel + kb * kPanelBlock, kTileBytes);
     _tile_loadd(6, x0 + kb * kBlock, kTileBytes);
     _tile_loadd(5, panel + kb * kPanelBlock + kPanelBlock / 2, kTileBytes);
@@ -73,11 +83,11 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* pan
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, tmp, kTileBytes);
-  _tile_stored(2, tmp + kBlock, kTileBytes);
+  _tile_stored(0, acc, kTileBytes);
+  _tile_stored(2, acc + kBlock, kTileBytes);
   if (TWO) {
-    _tile_stored(1, tmp + 2 * kBlock, kTileBytes);
-    _tile_stored(3, tmp + 3 * kBlock, kTileBytes);
+    _tile_stored(1, acc + 2 * kBlock, kTileBytes);
+    _tile_stored(3, acc + 3 * kBlock, kTileBytes);
   }
 }
 
@@ -151,16 +161,19 @@ __attribute__((target("avx512f,avx512bw,avx512bf16")))
 void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64_t group, int bits, int64_t K,
                uint16_t* dst) {
 #ifdef HMOE_AMX
-  for (int64_t k = 0; k < K; k += kAmxCols) {  // the panel written front to back, the rows read side by side
+  const int64_t groups = scale ? K / group : 0;  // no division in the loop: a division per block costs more than it
+  for (int64_t k = 0; k < K; k += kAmxCols) {    // the panel written front to back, the rows read side by side
     uint16_t* out = dst + k / kAmxCols * kPanelBlock;
-    for (int64_t r = 0; r < kAmxRows; ++r) {
-      const uint8_t* q = data + r * row_bytes + k * bits / 8;
-      if (k * bits % 512 == 0 && k + kBlocksAhead * kAmxCols < K)  // once per cache line of the row
-        _mm_prefetch(reinterpret_cast<const char*>(q + kBlocksAhead * kAmxCols * bits / 8), _MM_HINT_T0);
+    const uint8_t* column = data + k * bits / 8;
+    const float* scales = scale ? scale + k / group : nullptr;
+    const bool prefetch = k * bits % 512 == 0 && k + kBlocksAhead * kAmxCols < K;  // once per cache line of a row
+    for (int64_t r = 0; r < kAmxRows; ++r, out += kAmxCols) {
+      const uint8_t* q = column + r * row_bytes;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(q + kBlocksAhead * kAmxCols * bits / 8), _MM_HINT_T0);
       if (bits == 16)
-        std::memcpy(out + r * kAmxCols, q, kAmxCols * 2);
+        std::memcpy(out, q, kAmxCols * 2);
       else
-        dequant_block(q, bits, scale[r * (K / group) + k / group], out + r * kAmxCols);
+        dequant_block(q, bits, scales[r * groups], out);
     }
   }
 #else
@@ -170,24 +183,36 @@ void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64
 
 void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld) {
 #ifdef HMOE_AMX
-  const int64_t token_blocks = (n + kTile - 1) / kTile, stride = (K / kAmxCols) * kBlock;
-  alignas(64) float tmp[4 * kBlock];
-  for (int64_t tb = 0; tb < token_blocks; tb += 2) {
-    const bool two = tb + 1 < token_blocks;
-    const uint32_t* x0 = x_packed + tb * stride;
-    if (two)
-      tile_block<true>(panel, K, x0, x0 + stride, tmp);
-    else
-      tile_block<false>(panel, K, x0, nullptr, tmp);
-    for (int64_t half = 0; half < (two ? 2 : 1); ++half)
-      for (int64_t j = 0; j < kTile && (tb + half) * kTile + j < n; ++j) {
-        float* o = out + ((tb + half) * kTile + j) * ld;
-        const float* s = tmp + half * 2 * kBlock + j;  // sums of rows 0-15, then (one block on) rows 16-31
-        for (int64_t r = 0; r < kTile; ++r) {
-          o[r] = s[r * kTile];
-          o[kTile + r] = s[kBlock + r * kTile];
-        }
+  const int64_t token_blocks = (n + kTile - 1) / kTile, blocks = K / kAmxCols, stride = blocks * kBlock;
+  // With more than one pass of token blocks over the panel, the passes go a chunk of columns at a time, so that
+  // the panel's chunk is read from L1 by every pass (one pass: the whole K at once, nothing to keep).
+  const int64_t chunk = token_blocks > 2 ? kChunkBlocks : blocks;
+  thread_local std::vector<float> sums;
+  sums.resize((token_blocks + 1) / 2 * 4 * kBlock);
+  for (int64_t kb = 0; kb < blocks; kb += chunk)
+    for (int64_t tb = 0; tb < token_blocks; tb += 2) {
+      const uint32_t* x0 = x_packed + tb * stride;
+      float* acc = sums.data() + tb / 2 * 4 * kBlock;
+      const int64_t kb1 = std::min(blocks, kb + chunk);
+      if (tb + 1 < token_blocks) {
+        if (kb)
+          tile_block<true, true>(panel, kb, kb1, x0, x0 + stride, acc);
+        else
+          tile_block<true, false>(panel, kb, kb1, x0, x0 + stride, acc);
+      } else if (kb) {
+        tile_block<false, true>(panel, kb, kb1, x0, nullptr, acc);
+      } else {
+        tile_block<false, false>(panel, kb, kb1, x0, nullptr, acc);
       }
+    }
+  for (int64_t t = 0; t < n; ++t) {
+    float* o = out + t * ld;
+    // token t's sums: tile pair t / 32, block (t / 16) % 2 of it, column t % 16; rows 0-15, then rows 16-31
+    const float* s = sums.data() + t / (2 * kTile) * 4 * kBlock + (t / kTile) % 2 * 2 * kBlock + t % kTile;
+    for (int64_t r = 0; r < kTile; ++r) {
+      o[r] = s[r * kTile];
+      o[kTile + r] = s[kBlock + r * kTile];
+    }
   }
 #else
   TORCH_CHECK(false, "amx_rows: no AMX on this build");
