@@ -93,3 +93,15 @@ def test_a_truncated_pair_is_measured_again(tmp_path, monkeypatch):
     path = measured.routes_file()
     path.write_text(json.dumps({k: [16] for k in json.loads(path.read_text())}))
     assert _counting(calls, **pair)((8, 4), 8) == 16 and len(calls) == 2
+
+
+def test_a_stored_amx_route_is_measured_again_where_amx_is_unusable(monkeypatch):
+    """The routes file is keyed by CPU model: the same model under a Linux that refuses the tile state must not be
+    handed the AMX route it stored (the kernel would refuse it at the first prefill)."""
+    from torch_hybrid_moe.ops import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "amx_fits", lambda hidden_size, inter: False)
+    for stored in ("amx", "fastest", 1):
+        with pytest.raises(ValueError, match="not a GEMM kernel for this machine"):
+            cpu_kernel._stored_kernel(stored)
+    assert cpu_kernel._stored_kernel("bf16") == "bf16"

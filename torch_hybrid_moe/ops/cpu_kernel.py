@@ -98,8 +98,10 @@ def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
 
 
 def _stored_kernel(value: object) -> str:
-    if value not in GEMM_KERNELS:
-        raise ValueError(f"not a GEMM kernel: {value!r}")
+    """A stored route's kernel, or ValueError (measured again): unknown, or AMX where this process cannot use it (the
+    same CPU model under a kernel that refuses the tile state)."""
+    if value not in GEMM_KERNELS or (value == "amx" and not amx_fits(32, 32)):
+        raise ValueError(f"not a GEMM kernel for this machine: {value!r}")
     return str(value)
 
 

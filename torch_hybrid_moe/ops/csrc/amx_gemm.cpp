@@ -8,7 +8,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__)
+// AMX intrinsics need GCC 11 or clang 12; older compilers build the rest of the kernel without this route.
+#if defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : defined(__GNUC__) && __GNUC__ >= 11)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
