@@ -1,6 +1,7 @@
-"""Build the C++ CPU side: the expert kernel (`csrc/moe_cpu.cpp`), the table of layers whose experts all run on the
-CPU behind the `hybrid_moe::cpu_moe` op (`csrc/cpu_layers.cpp`), and the CUDA host-function bridge that runs the
-kernel from inside captured graphs (`csrc/host_bridge.cpp`).
+"""Build the C++ CPU side: the expert kernel (`csrc/moe_cpu.cpp`) with its AMX tiles for prefill
+(`csrc/amx_gemm.cpp`), the table of layers whose experts all run on the CPU behind the `hybrid_moe::cpu_moe` op
+(`csrc/cpu_layers.cpp`), and the CUDA host-function bridge that runs the kernel from inside captured graphs
+(`csrc/host_bridge.cpp`).
 
 The kernel is compiled on first use with torch's own extension builder (g++ and ninja; no CUDA toolkit),
 once per machine and torch version, and cached under torch's extensions directory. Where it cannot be
