@@ -1,8 +1,8 @@
 // The prefill route on CPUs with AMX (Intel Sapphire Rapids and later): 32 weight rows at a time times an expert's
-// tokens in bf16 tiles, fp32 sums. Why our own: oneDNN's bf16 GEMM reorders the whole weight for every call, which
-// at an expert's 16-128 tokens costs more than the multiply (benchmarks/RESULTS.md, 2026-11-26 afternoon); here the
-// weight rows are read as stored (or dequantised into an L2-sized panel) and only the few activation rows are
-// reordered, once per expert.
+// tokens in bf16 tiles, fp32 sums. Why our own: oneDNN's bf16 GEMM reorders the whole weight for every call, a cost
+// an expert's 16-128 tokens do not amortise, and int8 / int4 weights had to be dequantised whole before it could
+// start. Here 32 rows at a time are laid out (or dequantised) into an L2-sized panel and multiplied at once, and the
+// few activation rows are reordered once per expert (benchmarks/RESULTS.md, 2026-11-26 afternoon).
 #pragma once
 
 #include <cstdint>
