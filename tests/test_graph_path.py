@@ -58,6 +58,30 @@ def test_cpu_task_runs_the_kernel_on_its_buffers_each_submission():
 
 
 @needs_kernel
+@pytest.mark.parametrize("kernel", cpu_kernel.GEMM_KERNELS)
+def test_cpu_task_runs_each_gemm_kernel_on_its_worker(kernel):
+    """The measured prefill route reaches the worker thread: every expert over the route's token count takes the
+    GEMM kernel named (AMX tiles configured on the worker's own threads); a code the kernel does not know is refused
+    when the task is built, on the caller's thread."""
+    if kernel == "amx" and not cpu_kernel.amx_fits(64, 32):
+        pytest.skip("no AMX on this CPU")
+    gate_up, down = (w.bfloat16() for w in _experts(h=64, i=32))
+    hidden, (ids, weights), out = torch.randn(40, 64).bfloat16(), _routing(40, 2, 6), torch.zeros(40, 64)
+    route = cpu_kernel.GemmRoute(1, kernel)
+    task = cpu_kernel.extension().CpuTask(
+        hidden, ids, weights, gate_up, None, down, None, out, 2, route.tokens, route.code
+    )
+    task.submit()
+    task.wait()
+    assert cpu_kernel.extension().take_task_error() == ""
+    args = (hidden.double(), ids, weights.double(), gate_up.double(), down.double())
+    want = accumulate_experts_(torch.zeros(40, 64, dtype=torch.float64), *args)
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    with pytest.raises(RuntimeError, match="unknown GEMM kernel"):
+        cpu_kernel.extension().CpuTask(hidden, ids, weights, gate_up, None, down, None, out, 2, 1, 7)
+
+
+@needs_kernel
 def test_cpu_task_error_reaches_python_and_wait_without_submit_returns():
     gate_up, down = _experts()
     ids = torch.full((2, 2), 9)  # expert 9 of 6: the kernel refuses it on the worker thread
