@@ -2,6 +2,7 @@
 // functions with their own target attribute and run only where amx_available() said yes.
 #include "amx_gemm.h"
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -22,12 +23,6 @@ namespace {
 constexpr int64_t kTile = 16;              // tile rows; tokens per block of the packed activations
 constexpr int64_t kBlock = kTile * kTile;  // uint32 in one 16 x 32 block of packed activations
 constexpr int64_t kTileBytes = 64;         // bytes per tile row
-
-inline uint16_t bf16_nearest(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 #ifdef HMOE_AMX
 // Linux's tile-data permission: the kernel allocates the large XSAVE state only for processes that ask.
@@ -153,7 +148,8 @@ void amx_pack(const float* const* rows, const int64_t* pos, int64_t n, int64_t K
     uint32_t* base = dst + (t / kTile) * blocks * kBlock + t % kTile;
     for (int64_t p = 0; p < K / 2; ++p)  // pair p: row p % 16 of block p / 16, column t % 16
       base[(p / kTile) * kBlock + (p % kTile) * kTile] =
-          uint32_t(bf16_nearest(row[pos[2 * p]])) | uint32_t(bf16_nearest(row[pos[2 * p + 1]])) << 16;
+          uint32_t(c10::detail::round_to_nearest_even(row[pos[2 * p]])) |
+          uint32_t(c10::detail::round_to_nearest_even(row[pos[2 * p + 1]])) << 16;
   }
 }
 

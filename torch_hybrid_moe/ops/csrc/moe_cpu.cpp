@@ -553,6 +553,8 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
               kAmxRows, ": choose another gemm_kernel");
   const bool direct = bf16 && !amx && fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
   const bool panels = !large.empty() && !direct;
+  const std::vector<int64_t> none;
+  const std::vector<int64_t>& torch_gemm = amx ? none : large;  // the large experts torch's GEMM takes
 
   const Scratch scratch(T * H + P * I + P * H);
   float* const x = scratch.data();
@@ -582,9 +584,9 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
         const Matrix m = gu.expert(r.experts[large[j]]);
         thread_local std::vector<float> g_u;
         g_u.resize(2 * n * kAmxRows);
-        const float* u = g_u.data() + n * kAmxRows;
+        float* const u = g_u.data() + n * kAmxRows;
         amx_item(m, r0, packed[j], n, g_u.data(), kAmxRows);
-        amx_item(m, I + r0, packed[j], n, g_u.data() + n * kAmxRows, kAmxRows);
+        amx_item(m, I + r0, packed[j], n, u, kAmxRows);
         for (int64_t t = 0; t < n; ++t)
           for (int64_t c = 0; c < kAmxRows; ++c)
             h[(p0 + t) * I + h_pos[r0 + c]] = silu_mul(g_u[t * kAmxRows + c], u[t * kAmxRows + c]);
@@ -605,8 +607,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
     });
   }
   // torch's GEMM. bf16: the whole expert at once, y rows written here; fp32 panels: phase A, h rows written here.
-  for (const int64_t a : large) {
-    if (amx) break;
+  for (const int64_t a : torch_gemm) {
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
     if (direct) {
       const at::Tensor rows = at::tensor(at::ArrayRef<int64_t>(r.pair_token.data() + p0, n));
@@ -641,8 +642,8 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
       kern.matvec_block(dn.expert(r.experts[a]), r0, r1, h_of_pair.data() + p0, n, y + p0 * H + r0, H);
     });
   }
-  for (const int64_t a : large) {
-    if (direct || amx) continue;
+  for (const int64_t a : torch_gemm) {
+    if (direct) continue;
     const int64_t p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
     const at::Tensor ye = gemm_rows(kern, dn.expert(r.experts[a]), 0, H,
                                     at::from_blob(h + p0 * I, {n, I}, at::TensorOptions().dtype(at::kFloat)), bf16);
