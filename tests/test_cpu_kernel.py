@@ -150,8 +150,28 @@ def test_quantised_group_sizes_and_steps_with_tails(fmt, isa, group):
 def test_measured_route_is_one_of_the_routes():
     operands, weights64 = experts("bfloat16", 8, 64, 96)
     route = cpu_kernel.gemm_route(torch.zeros(70, 64, dtype=torch.bfloat16), operands[0], None)
-    assert route == cpu_kernel.MICRO_KERNELS or route.tokens in cpu_kernel.ROUTE_TOKENS
+    counts = cpu_kernel.ROUTE_TOKENS
+    assert route == cpu_kernel.MICRO_KERNELS or counts[0] <= route.tokens <= counts[-1]
     assert cpu_kernel.gemm_route(torch.zeros(15, 64), operands[0], None) == cpu_kernel.MICRO_KERNELS  # decode
+
+
+@pytest.mark.parametrize(
+    "margins, kernel, tokens",
+    [
+        ([-1, -1, -1, -1, -1], "amx", 16),  # wins from the first count on
+        ([1, -1, -1, -1, -1], "amx", 24),  # crosses half-way from 16 to 32
+        ([3, -1, -1, -1, -1], "amx", 28),  # three quarters of the way
+        ([-1, 1, 1, -1, -1], "amx", 96),  # a loss at 32 and 64 overrides the win at 16
+        ([-1, -1, -1, -1, 1], None, None),  # loses at the largest count: micro-kernels throughout
+    ],
+)
+def test_route_starts_where_the_measured_times_cross(margins, kernel, tokens):
+    """The start count is the linear crossing of the GEMM's and the micro-kernels' times, each count measured: a
+    route that starts at a measured count half a factor-2 step early or late costs a tenth of a layer's time."""
+    micro = [float(n) for n in cpu_kernel.ROUTE_TOKENS]
+    gemm = [[m + 2.0, m + d] for m, d in zip(micro, margins, strict=True)]  # "bf16" always loses to "amx"
+    route = cpu_kernel._crossover(micro, gemm, ["bf16", "amx"])
+    assert route == (cpu_kernel.MICRO_KERNELS if kernel is None else cpu_kernel.GemmRoute(tokens, kernel))
 
 
 @pytest.mark.parametrize("hidden_size, inter", [(40, 24), (7, 5), (100, 33)])

@@ -3,6 +3,8 @@ shape, and its dense matrix-vector products."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernel_build import best_isa, extension
-from .measured import count, measured
+from .measured import count, last_level_cache_bytes, measured
 from .quantize import kernel_operands, to_cpu_format
 
 
@@ -49,6 +51,7 @@ class GemmRoute:
 UNLIMITED = 2**62  # a token count no input reaches
 MICRO_KERNELS = GemmRoute(UNLIMITED)  # no expert reaches the GEMM
 ROUTE_TOKENS = (16, 32, 64, 128, 256)  # tokens per expert at which the routes are compared
+COLD_BYTES = 2**30  # at most this much memory for the copies that keep a route's measurement out of the caches
 ROUTE_INTER = 512  # time scales with an expert's rows: wider experts are timed on this many intermediate columns
 
 
@@ -127,36 +130,57 @@ def _measure_route(
     down = torch.randn(2, hidden_size, inter, generator=g) * inter**-0.5
     if group:  # int8, or int4 packed in uint8
         fmt = "int8" if stored == torch.int8 else "int4"
-        (gu, gus), (dn, dns) = (kernel_operands(to_cpu_format(w, fmt, group)) for w in (gate_up, down))
+        operands = [t for w in (gate_up, down) for t in kernel_operands(to_cpu_format(w, fmt, group))]
     else:
-        (gu, gus), (dn, dns) = (gate_up.to(stored), None), (down.to(stored), None)
+        operands = [gate_up.to(stored), None, down.to(stored), None]
+    # A layer's experts stream from DRAM, which favours the routes that read each weight once: each call takes the
+    # next pair of copies, spread over twice the largest cache (tiles that win on cached weights can lose here).
+    pair_bytes = sum(t.numel() * t.element_size() for t in operands if t is not None)
+    pairs = max(1, min(-(-2 * last_level_cache_bytes() // pair_bytes), COLD_BYTES // pair_bytes))
+    gu, gus, dn, dns = (None if t is None else t.repeat(pairs, *[1] * (t.dim() - 1)) for t in operands)
+    turn = itertools.count()
     gemms = [GemmRoute(1, "fp32")]
     if activations == torch.bfloat16 and (stored == torch.bfloat16 or group):  # bf16 holds them, or they are rounded
         gemms.append(GemmRoute(1, "bf16"))
         if amx_fits(hidden_size, inter):
             gemms.append(GemmRoute(1, "amx"))
-    wins: list[tuple[int, GemmRoute | None]] = []  # per token count: the fastest GEMM, or None where it loses
+    micro: list[float] = []  # per token count: the micro-kernels' seconds, and each GEMM's
+    gemm: list[list[float]] = []
     for n in ROUTE_TOKENS:
         hidden = torch.randn(n, hidden_size, generator=g).to(activations)
-        ids, weights = torch.tensor([[0, 1]]).expand(n, 2).contiguous(), torch.full((n, 2), 0.5)
-        out = torch.zeros(n, hidden_size)
+        ids = [torch.tensor([[2 * p, 2 * p + 1]]).expand(n, 2).contiguous() for p in range(pairs)]
+        weights, out = torch.full((n, 2), 0.5), torch.zeros(n, hidden_size)
         seconds = interleaved_medians(
             [
                 lambda r=r, x=hidden, i=ids, w=weights, o=out: extension().moe_experts(
-                    x, i, w, gu, gus, dn, dns, best_isa(), r.tokens, r.code, o
+                    x, i[next(turn) % pairs], w, gu, gus, dn, dns, best_isa(), r.tokens, r.code, o
                 )
                 for r in (MICRO_KERNELS, *gemms)
             ],
             repeats,
         )
-        fastest = min(range(len(gemms)), key=lambda i: seconds[i + 1])
-        wins.append((n, gemms[fastest] if seconds[fastest + 1] < seconds[0] else None))
-    if wins[-1][1] is None:
+        micro.append(seconds[0])
+        gemm.append(seconds[1:])
+    return _crossover(micro, gemm, [r.kernel for r in gemms])
+
+
+def _crossover(micro: Sequence[float], gemm: Sequence[Sequence[float]], kernels: Sequence[str]) -> GemmRoute:
+    """The route from measured seconds per `ROUTE_TOKENS` count: the GEMM fastest at the largest count, from the
+    smallest count from which it beats the micro-kernels at every larger one. Between a losing and a winning count
+    the start is where the two times cross, linearly interpolated: the counts are a factor 2 apart, and a layer's
+    experts spread around its mean count, so half a step is a tenth of the layer's time."""
+    k = min(range(len(kernels)), key=lambda i: gemm[-1][i])
+    margin = [g[k] - m for m, g in zip(micro, gemm, strict=True)]  # < 0 where the GEMM wins
+    if margin[-1] >= 0:
         return MICRO_KERNELS
-    start = len(wins) - 1  # the GEMM route from the smallest count from which it wins at every larger one
-    while start > 0 and wins[start - 1][1] is not None:
+    start = len(margin) - 1
+    while start > 0 and margin[start - 1] < 0:
         start -= 1
-    return GemmRoute(wins[start][0], wins[-1][1].kernel)
+    tokens = ROUTE_TOKENS[start]
+    if start > 0:
+        low, lose, win = ROUTE_TOKENS[start - 1], margin[start - 1], margin[start]
+        tokens = low + math.ceil((tokens - low) * lose / (lose - win))
+    return GemmRoute(tokens, kernels[k])
 
 
 def interleaved_medians(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:

@@ -25,7 +25,7 @@ import torch
 
 from .kernel_build import ISA_NAMES, best_isa, source_digest
 
-FORMAT = 1  # bump when what a cached route means changes
+FORMAT = 2  # bump when what a cached route means changes
 T = TypeVar("T")
 
 
@@ -43,6 +43,22 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (Linux sysfs), or 256 MiB where it cannot be read: a measurement that must see
+    weights streamed from DRAM, as a real layer's are, spreads them over more than this."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = entry.read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=256 * 2**20)
 
 
 def routes_file() -> Path:
