@@ -13,10 +13,12 @@ from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
+from torch_hybrid_moe.ops.placement_walks import queue_search
 from torch_hybrid_moe.ops.row_copy import copy_rows_
 from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo, Registry
 from torch_hybrid_moe.policies.device_caching import admissions
 from torch_hybrid_moe.policies.prefetching import Router
+from torch_hybrid_moe.policies.schedulers import StepTimer, local_search
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.runtime.costs import IdleLink
 from torch_hybrid_moe.runtime.graph_path import Part
@@ -220,10 +222,54 @@ def test_tensor_form_schedulers_place_like_the_python_ones(name):
             )
             assert {e for e, on in enumerate(got.tolist()) if on} == set(want.accelerator), (counts, resident, slots)
             tried.add((bool(want.fetch), bool(want.cpu), any(resident[e] for e in want.cpu)))
-    if name in ("on_demand", "fiddler", "dali_greedy", "hybrimoe"):
+    if name in ("on_demand", "fiddler", "dali_greedy", "hybrimoe", "queue_aware"):
         assert (True, True, False) in tried  # some steps both fetched and left experts on the CPU
-    if name in ("dali_greedy", "hybrimoe"):
+    if name in ("dali_greedy", "hybrimoe", "queue_aware"):
         assert any(t[2] for t in tried)  # and some sent a cached expert to the CPU
+
+
+def _queue_search_case(rng: random.Random, costs: CostModel) -> tuple:
+    """A random step and three random start sets: the Python search's best start and end, and the tensor form's
+    arguments."""
+    experts, slots = rng.randint(1, 10), rng.randint(0, 6)
+    counts = [rng.choice([0, 1, 2, 5, 20, 60]) for _ in range(experts)]
+    resident = [rng.random() < 0.5 for _ in range(experts)][:experts]
+    while sum(resident) > slots:
+        resident[resident.index(True)] = False
+    active = [e for e, n in enumerate(counts) if n]
+    room = slots - sum(resident[e] for e in active)
+    starts = [{e for e in active if rng.random() < 0.5} for _ in range(3)]
+    starts = [s if sum(not resident[e] for e in s) <= room else {e for e in s if resident[e]} for s in starts]
+    timer = StepTimer(counts, resident, costs, IdleLink())
+    start = min(starts, key=timer)
+    want = local_search(timer, start, room)[1]
+    t = torch.tensor
+    n = t(counts, dtype=torch.float32)
+    args = (
+        n > 0,
+        t(resident),
+        t([costs.t_cpu(c) for c in counts], dtype=torch.float64),
+        t([costs.t_gpu(c) for c in counts], dtype=torch.float64),
+        t([[e in s for e in range(experts)] for s in starts]),
+        t(room),
+        costs.t_transfer(),
+    )
+    return start, want, args
+
+
+def test_queue_search_flips_as_the_python_local_search():
+    """From random (often poor) start sets, so that the flips run: the tensor form's search ends on the Python
+    search's GPU set; ties and the 1e-9 margin hinge on float64 sums in the same order."""
+    rng = random.Random(5)
+    flipped = 0
+    for preset in ("dali", "rtx5090"):
+        costs = CostModel(HARDWARE[preset], EXPERT_SHAPES["deepseek-v2-lite"])
+        for _ in range(200):
+            start, want, args = _queue_search_case(rng, costs)
+            got = queue_search(*args)
+            assert {e for e, on in enumerate(got.tolist()) if on} == want
+            flipped += want != start
+    assert flipped > 100
 
 
 def test_tensor_form_of_an_offline_policy_is_refused():
@@ -657,7 +703,7 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
 
     router = Router(torch.randn(8, 2), 2)
     configs = (
-        thm.HybridMoEConfig(scheduler="queue_aware", hardware="dali"),
+        thm.HybridMoEConfig(scheduler="oracle", hardware="dali"),
         thm.HybridMoEConfig(scheduler="optimal", hardware="dali"),
         thm.HybridMoEConfig(prefetcher="impact", hardware="dali"),
     )

@@ -2,7 +2,10 @@
 under Triton's interpreter on CPU tensors against the torch form it stands in for. Skipped where Triton is
 not installed (the CPU wheel of torch does not bring it)."""
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ def _interpreted(build, monkeypatch):
 def test_kernels_compile_for_an_h100():
     from triton.backends.compiler import GPUTarget
 
-    dali, hybrimoe = placement_walks._kernels()
+    dali, hybrimoe, queue = placement_walks._kernels()
     f64, i8, i64 = "*fp64", "*i8", "*i64"
     cases = (
         (
@@ -59,6 +62,22 @@ def test_kernels_compile_for_an_h100():
                 "size": "i32",
             },
             {"steps": 6},
+        ),
+        (
+            queue,
+            {
+                "active_ptr": i8,
+                "res_ptr": i8,
+                "cpu_ptr": f64,
+                "gpu_ptr": f64,
+                "starts_ptr": i8,
+                "room_ptr": i64,
+                "transfer_ptr": f64,
+                "take_ptr": i8,
+                "size": "i32",
+                "BLOCK": "constexpr",
+            },
+            {"BLOCK": 8},
         ),
     )
     for bits, data in ((0, "*bf16"), (8, "*i8"), (4, "*u8")):
@@ -103,7 +122,7 @@ def test_kernels_compile_for_an_h100():
 
 
 def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
-    dali, hybrimoe = _interpreted(placement_walks._kernels, monkeypatch)
+    dali, hybrimoe, _ = _interpreted(placement_walks._kernels, monkeypatch)
     rng = random.Random(0)
     sent = 0
     for _ in range(200):
@@ -130,6 +149,47 @@ def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
             assert torch.equal(take.bool(), want)
             sent += int(want.sum())
     assert sent > 100  # the walks sent experts both ways
+
+
+_QUEUE_CHECK = """
+import random, torch
+from torch_hybrid_moe.ops import placement_walks
+queue = placement_walks._kernels()[2]
+assert "Interpreted" in type(queue).__name__
+rng = random.Random(1)
+moved = 0
+for _ in range(150):
+    size = rng.randint(1, 9)
+    active = torch.tensor([rng.random() < 0.8 for _ in range(size)])
+    resident = torch.tensor([rng.random() < 0.4 for _ in range(size)])
+    cpu, gpu = torch.rand(size, dtype=torch.float64), torch.rand(size, dtype=torch.float64) * 0.3
+    starts = (torch.rand(3, size) < 0.5) & active & resident  # fetch-free starts fit any room
+    room, transfer = torch.tensor(rng.randint(0, 3)), rng.random() * 0.5
+    want = placement_walks.queue_search(active, resident, cpu, gpu, starts, room, transfer)
+    take = torch.zeros(size, dtype=torch.int8)
+    bits = [t.to(torch.int8) for t in (active, resident)]
+    block = max(4, 1 << (size - 1).bit_length())
+    queue[(1,)](*bits, cpu, gpu, starts.to(torch.int8), room, torch.tensor(transfer, dtype=torch.float64), take,
+                size, block)
+    assert torch.equal(take.bool(), want), (active, resident, cpu, gpu, starts, room, transfer, take, want)
+    moved += not any(torch.equal(want, s) for s in starts)
+print(moved)
+"""
+
+
+def test_queue_kernel_searches_as_the_torch_loop():
+    """Random steps (padding experts included) and start sets: the kernel ends on the torch loop's GPU set. In a
+    fresh process: the kernel's reductions call Triton's own jitted combine functions, which run interpreted only
+    when TRITON_INTERPRET is set before Triton is imported."""
+    run = subprocess.run(
+        [sys.executable, "-c", _QUEUE_CHECK],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) > 50  # the searches flipped experts beyond their starts
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])

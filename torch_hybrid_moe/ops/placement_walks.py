@@ -7,9 +7,14 @@ Triton program walks the whole list in a single kernel; elsewhere a torch loop d
 times in the same order as the Python schedulers, so their choices agree exactly (tests/test_graph_path.py;
 the kernels against the torch loops under Triton's interpreter in tests/test_triton_kernels.py).
 
-Inputs, in walk order: token counts `n`, `resident` (bool), per-expert CPU and GPU seconds (float64; for DALI
-the GPU time includes the copy of a missing expert), and `room`, the fetches allowed (0-d int64). Returns the
-bool mask of experts sent to the GPU, in the same order.
+The third program is queue-aware placement's local search (`queue_search`): from the best of three start
+placements, flip the one expert that shortens the step most until none does, timing each trial as the Python
+`StepTimer` does with the link idle: the CPU's experts back to back, the GPU's resident ones first, then each
+fetch after the copies queued before it.
+
+Inputs of the walks, in walk order: token counts `n`, `resident` (bool), per-expert CPU and GPU seconds (float64;
+for DALI the GPU time includes the copy of a missing expert), and `room`, the fetches allowed (0-d int64). Returns
+the bool mask of experts sent to the GPU, in the same order.
 """
 
 from __future__ import annotations
@@ -90,6 +95,81 @@ def hybrimoe_walk(
     return take
 
 
+def queue_search(
+    active: torch.Tensor,
+    resident: torch.Tensor,
+    cpu: torch.Tensor,
+    gpu: torch.Tensor,
+    starts: torch.Tensor,
+    room: torch.Tensor,
+    transfer: float,
+) -> torch.Tensor:
+    """Queue-aware placement over the step's experts in id order (`active` marks them; the others are padding):
+    the fastest of the `starts` GPU sets [3, n] (the first on a tie), then single flips, each time the one that
+    shortens the step most (the lowest id on a tie), while it beats the best time by a relative 1e-9, never with
+    more than `room` fetches, and at most as many flips as active experts (`schedulers.local_search`'s bound).
+    Times as `_set_times`; returns the GPU set as a bool mask."""
+    if active.is_cuda:
+        size = len(active)
+        take = torch.zeros(size, dtype=torch.int8, device=active.device)
+        transfer_t = torch.full((), transfer, dtype=torch.float64, device=active.device)
+        block = max(4, 1 << (size - 1).bit_length())
+        _kernels()[2][(1,)](
+            active.to(torch.int8),
+            resident.to(torch.int8),
+            cpu,
+            gpu,
+            starts.to(torch.int8).contiguous(),
+            room,
+            transfer_t,
+            take,
+            size,
+            block,
+            num_warps=1,
+        )
+        return take.bool()
+    times = _set_times(starts, active, resident, cpu, gpu, transfer)
+    first = torch.argmin(times)  # the first of equal times, as Python's min() over the starts
+    take, best = starts[first], times[first]
+    fetches = (take & ~resident).sum()
+    flips = torch.eye(len(active), dtype=torch.bool, device=active.device)
+    for flip in range(len(active)):
+        trials = take[None, :] ^ flips
+        change = torch.where(resident, 0, torch.where(take, -1, 1))
+        allowed = active & (fetches + change <= room)
+        times = torch.where(allowed, _set_times(trials, active, resident, cpu, gpu, transfer), float("inf"))
+        i = torch.argmin(times)  # the lowest id among equal times
+        better = (times[i] < best * (1 - 1e-9)) & (flip < active.sum())
+        take = torch.where(better, trials[i], take)
+        fetches = fetches + torch.where(better, change[i], 0)
+        best = torch.where(better, times[i], best)
+    return take
+
+
+def _set_times(
+    sets: torch.Tensor,
+    active: torch.Tensor,
+    resident: torch.Tensor,
+    cpu: torch.Tensor,
+    gpu: torch.Tensor,
+    transfer: float,
+) -> torch.Tensor:
+    """The step time of each GPU set (rows of `sets`), summed in the Python timer's order so ties break alike:
+    the CPU's experts in id order; on the GPU the resident ones in id order, then the missing ones in id order,
+    each after its copy, queued behind the copies before it on an idle link."""
+    rows = sets.shape[0]
+    cpu_t = torch.zeros(rows, dtype=torch.float64, device=sets.device)
+    gpu_t, link = torch.zeros_like(cpu_t), torch.zeros_like(cpu_t)
+    for j in range(sets.shape[1]):
+        cpu_t = cpu_t + torch.where(active[j] & ~sets[:, j], cpu[j], 0.0)
+        gpu_t = gpu_t + torch.where(sets[:, j] & resident[j], gpu[j], 0.0)
+    for j in range(sets.shape[1]):
+        fetch = sets[:, j] & ~resident[j]
+        link = torch.where(fetch, link + transfer, link)
+        gpu_t = torch.where(fetch, torch.maximum(gpu_t, link) + gpu[j], gpu_t)
+    return torch.maximum(cpu_t, gpu_t)
+
+
 @functools.cache
 def _kernels():
     """Built on first CUDA use (Triton comes with CUDA builds of torch, not with the CPU wheel)."""
@@ -140,4 +220,57 @@ def _kernels():
             head = head + to_gpu.to(tl.int64)
             tail = tail - to_cpu.to(tl.int64)
 
-    return dali_kernel, hybrimoe_kernel
+    @triton.jit
+    def queue_kernel(
+        active_ptr, res_ptr, cpu_ptr, gpu_ptr, starts_ptr, room_ptr, transfer_ptr, take_ptr, size, BLOCK: tl.constexpr
+    ):
+        # one row of trials per lane, timed as `_set_times`: round 0 times the three start sets, every later round
+        # the current set with lane r's own expert flipped
+        lanes = tl.arange(0, BLOCK)
+        inside = lanes < size
+        transfer = tl.load(transfer_ptr)
+        room = tl.load(room_ptr)
+        active = tl.load(active_ptr + lanes, mask=inside, other=0) != 0
+        res = tl.load(res_ptr + lanes, mask=inside, other=0) != 0
+        rounds = tl.sum(active.to(tl.int32))
+        take = tl.zeros((BLOCK,), tl.int32)
+        best = tl.full((), float("inf"), tl.float64)
+        fetches = tl.full((), 0, tl.int32)
+        better = tl.full((), 1, tl.int1)
+        r = tl.full((), 0, tl.int32)
+        while better & (r <= rounds):
+            cpu_t = tl.zeros((BLOCK,), tl.float64)
+            gpu_t = tl.zeros((BLOCK,), tl.float64)
+            link = tl.zeros((BLOCK,), tl.float64)
+            for j in range(size):
+                start = tl.load(starts_ptr + lanes * size + j, mask=lanes < tl.where(r == 0, 3, 0), other=0) != 0
+                flipped = (tl.sum(tl.where(lanes == j, take, 0)) != 0) ^ (lanes == j)
+                in_set = tl.where(r == 0, start, flipped)
+                act = tl.load(active_ptr + j) != 0
+                cpu_t = cpu_t + tl.where(act & ~in_set, tl.load(cpu_ptr + j), 0.0)
+                gpu_t = gpu_t + tl.where(in_set & (tl.load(res_ptr + j) != 0), tl.load(gpu_ptr + j), 0.0)
+            for j in range(size):
+                start = tl.load(starts_ptr + lanes * size + j, mask=lanes < tl.where(r == 0, 3, 0), other=0) != 0
+                flipped = (tl.sum(tl.where(lanes == j, take, 0)) != 0) ^ (lanes == j)
+                fetch = tl.where(r == 0, start, flipped) & (tl.load(res_ptr + j) == 0)
+                link = tl.where(fetch, link + transfer, link)
+                gpu_t = tl.where(fetch, tl.maximum(gpu_t, link) + tl.load(gpu_ptr + j), gpu_t)
+            change = tl.where(res, 0, tl.where(take != 0, -1, 1))
+            allowed = tl.where(r == 0, lanes < 3, inside & active & (fetches + change <= room))
+            times = tl.where(allowed, tl.maximum(cpu_t, gpu_t), float("inf"))
+            low = tl.min(times)
+            i = tl.min(tl.where(times == low, lanes, BLOCK))  # the first row of the least time
+            if r == 0:
+                take = tl.load(starts_ptr + i * size + lanes, mask=inside, other=0).to(tl.int32)
+                fetches = tl.sum(tl.where((take != 0) & ~res, 1, 0))
+                best = low
+            else:
+                better = low < best * (1 - 1e-9)
+                if better:
+                    take = tl.where(lanes == i, 1 - take, take)
+                    fetches = fetches + tl.sum(tl.where(lanes == i, change, 0))
+                    best = low
+            r += 1
+        tl.store(take_ptr + lanes, take.to(tl.int8), mask=inside)
+
+    return dali_kernel, hybrimoe_kernel, queue_kernel

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..cost_model import CostModel, Terms
-from ..ops.placement_walks import dali_walk, hybrimoe_walk
+from ..ops.placement_walks import dali_walk, hybrimoe_walk, queue_search
 from .schedulers import SCHEDULERS
 
 
@@ -121,9 +121,41 @@ class HybriMoEForm(CostAwareForm):
         return torch.zeros_like(take).scatter_(0, order, take)
 
 
+class QueueAwareForm(CostAwareForm):
+    """Ours: the best of the cached set and the DALI and HybriMoE forms' sets, then local search on the step's time
+    (`ops.placement_walks.queue_search`), on the step's active experts in id order (`max_active` of them at most),
+    with the link idle at the step's start as live layers see it."""
+
+    residents_on_accelerator = False  # the search may move a cached expert to an idle CPU
+
+    def __init__(self, costs: CostModel) -> None:
+        super().__init__(costs)
+        self.starts = (DaliGreedyForm(costs), HybriMoEForm(costs))
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        c = self.costs
+        active = counts > 0
+        sets = [active & resident] + [s.place(counts, resident, num_slots, max_active) for s in self.starts]
+        size = min(max_active, len(counts))
+        order = torch.sort((~active).to(torch.uint8), stable=True).indices[:size]  # the active experts in id order
+        n = counts[order]
+        take = queue_search(
+            active[order],
+            resident[order],
+            _time(c.cpu, n),
+            _time(c.gpu, n),
+            torch.stack([s[order] for s in sets]),
+            _room(counts, resident, num_slots),
+            c.t_transfer(),
+        )
+        return torch.zeros_like(active).scatter_(0, order, take)
+
+
 SCHEDULERS.add_tensor_form("cached_on_accelerator", lambda s: CachedOnAcceleratorForm())
 SCHEDULERS.add_tensor_form("all_cpu", lambda s: AllOnCPUForm())
 SCHEDULERS.add_tensor_form("on_demand", lambda s: OnDemandForm())
 SCHEDULERS.add_tensor_form("fiddler", lambda s: FiddlerForm(s.costs))
 SCHEDULERS.add_tensor_form("dali_greedy", lambda s: DaliGreedyForm(s.costs))
-SCHEDULERS.add_tensor_form("hybrimoe", lambda s: HybriMoEForm(s.costs))  # live layers' link is the idle one it assumes
+# the last two plan around the link: live layers' link is the idle one they assume
+SCHEDULERS.add_tensor_form("hybrimoe", lambda s: HybriMoEForm(s.costs))
+SCHEDULERS.add_tensor_form("queue_aware", lambda s: QueueAwareForm(s.costs))

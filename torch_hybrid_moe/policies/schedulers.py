@@ -271,10 +271,11 @@ def exhaustive_optimum(counts: Sequence[int], resident: Sequence[bool], room: in
 
 def local_search(timer: StepTimer, gpu: set[int], room: int) -> tuple[float, set[int]]:
     """From the GPU set `gpu`, flip the single expert that shortens the step's time most until none does
-    (never more than `room` missing experts on the GPU); returns (time, GPU set)."""
+    (never more than `room` missing experts on the GPU), at most as many flips as active experts (the bound the
+    tensor form, `ops.placement_walks.queue_search`, runs under); returns (time, GPU set)."""
     missing = sum(not timer.resident[e] for e in gpu)
     best = timer(gpu)
-    while True:
+    for _ in timer.active:
         trials = []
         for e in timer.active:
             change = 0 if timer.resident[e] else (-1 if e in gpu else 1)
@@ -287,6 +288,7 @@ def local_search(timer: StepTimer, gpu: set[int], room: int) -> tuple[float, set
         if t >= best * (1 - 1e-9):
             return best, gpu
         best, gpu, missing = t, flipped, missing + change
+    return best, gpu
 
 
 @SCHEDULERS.register("queue_aware")
