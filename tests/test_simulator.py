@@ -538,3 +538,23 @@ def test_realistic_traces_have_the_statistics_real_models_show():
     assert routing_statistics(shuffled) == pytest.approx(stats)
     with pytest.raises(ValueError, match="top_k <= num_experts / 3"):
         realistic_trace(num_experts=8, top_k=3)
+
+
+def test_judged_rank_places_the_pick_among_the_candidates_on_the_judged_trace():
+    """The tuner's report: the pick's rank among the tried candidates on the judged trace, against a sort of their
+    speeds there."""
+    from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.stacks import PAPERS
+    from torch_hybrid_moe.simulator.tuning import judged_rank
+
+    trace = Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")
+    calibration = Calibration.from_trace(trace, Trace.load(TRACES / "mixtral-tiny-heldout-at512.safetensors"))
+    costs = CostModel(HARDWARE["dali"], EXPERT_SHAPES["mixtral-8x7b"])
+    tried = [(STACKS[name], []) for name in PAPERS]
+    speeds = {name: simulate(trace, STACKS[name], costs, 4, 0.25, calibration).decode_tok_s for name in PAPERS}
+    order = sorted(PAPERS, key=lambda n: -speeds[n])
+    assert len(set(speeds.values())) > 3  # the stacks differ on this trace
+    for name in PAPERS:
+        rank, count, of_best = judged_rank(trace, STACKS[name], tried, costs, 4, 0.25, calibration)
+        assert (rank, count) == (order.index(name) + 1, len(PAPERS))
+        assert of_best == pytest.approx(speeds[name] / speeds[order[0]])

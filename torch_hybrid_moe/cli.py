@@ -308,7 +308,7 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.simulator.bound import bound
     from torch_hybrid_moe.simulator.calibration import Calibration
     from torch_hybrid_moe.simulator.stacks import PAPERS
-    from torch_hybrid_moe.simulator.tuning import oracle, ours, tune
+    from torch_hybrid_moe.simulator.tuning import judged_rank, oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
 
     trace = Trace.load(args.trace)
@@ -318,10 +318,13 @@ def simulate(args: argparse.Namespace) -> int:
         costs = _local_profile(args).cost_model()
     else:
         costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
+    ranked = None  # where a calibration trace tuned ours: its pick's rank on this trace among the candidates
     if args.ours:
         mine = ours(*args.ours)
     else:
-        mine, _ = tune(held or trace, costs, args.batch, args.cache_ratio, calibration)
+        mine, tried = tune(held or trace, costs, args.batch, args.cache_ratio, calibration)
+        if held is not None:
+            ranked = judged_rank(trace, mine, tried, costs, args.batch, args.cache_ratio, calibration)
     ceiling = oracle(trace, mine, costs, args.batch, args.cache_ratio, calibration)
     limit, _ = bound(trace, costs, args.batch, args.cache_ratio, calibration)
     events: dict[str, list] = {}
@@ -351,6 +354,14 @@ def simulate(args: argparse.Namespace) -> int:
     best_paper = max(papers, key=lambda r: r.decode_tok_s)
     if args.json:
         records = [asdict(r) | {"bound_tok_s": bound_tok_s, "x_bound": x_bound(r.decode_tok_s)} for r in results]
+        if ranked is not None:
+            rank, candidates, of_best = ranked
+            records = [
+                r | {"tuning_rank": rank, "tuning_candidates": candidates, "x_best_candidate": of_best}
+                if r["stack"] == "ours"
+                else r
+                for r in records
+            ]
         print(json.dumps(records + [{"stack": k, "skipped": v} for k, v in skipped.items()], indent=1))
         for path in plots:
             print(f"wrote {path}", file=sys.stderr)
@@ -364,6 +375,9 @@ def simulate(args: argparse.Namespace) -> int:
         "given by --ours" if args.ours else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
     )
     print(f"ours: {mine.description} ({tuned_on}); oracle: {ceiling.description}")
+    if ranked is not None:
+        rank, candidates, of_best = ranked
+        print(f"ours' pick on this trace: rank {rank} of {candidates} candidates tuned, {of_best:.3f} x the fastest")
     print(f"bound: {limit.description} (the fastest future-aware stack of simulator/bound.py)")
     print(
         f"{'stack':<15} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "

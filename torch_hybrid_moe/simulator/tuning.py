@@ -102,6 +102,23 @@ def tune(
     return ranked()[0][0], tried
 
 
+def judged_rank(
+    trace: Trace,
+    picked: Stack,
+    tried: list[tuple[Stack, list[SimResult]]],
+    costs: CostModel,
+    batch: int,
+    cache_ratio: float,
+    calibration: Calibration,
+) -> tuple[int, int, float]:
+    """How the tuned pick does on the trace it is judged on, among every candidate `tune` tried: (its rank, 1 the
+    fastest; the candidates; its decode speed over the fastest's). Candidates within a percent of each other on the
+    calibration halves often swap places here: this says what that costs."""
+    speeds = [simulate(trace, s, costs, batch, cache_ratio, calibration).decode_tok_s for s, _ in tried]
+    mine = speeds[[s for s, _ in tried].index(picked)]
+    return 1 + sum(v > mine for v in speeds), len(speeds), mine / max(speeds) if max(speeds) else 1.0
+
+
 def consistency(results: list[SimResult], everyone: list[list[SimResult]]) -> tuple[float, float]:
     """(worst, mean) over the halves of decode speed relative to the fastest of `everyone` on that half."""
     ratios = [r.decode_tok_s / max(other[i].decode_tok_s for other in everyone) for i, r in enumerate(results)]
