@@ -7,7 +7,8 @@ plus % of fp32's), side by side in one run: a per-expert torch loop, our kernel 
 with bf16, int8 and int4 weights, and KTransformers' CPU MoE when `kt-kernel` is installed. Every
 repetition draws fresh routing and hidden states and runs every implementation on them; medians are
 reported. Each implementation is first checked against a float64 reference of the weights it holds
-(dequantised ones for int8 / int4).
+(dequantised ones for int8 / int4). Prefill is also put against F.linear's rate on one expert's projections at
+the rows an expert gets, its weights either kept in the caches or streamed from DRAM as a layer's are.
 
     python benchmarks/cpu_moe.py [--shape deepseek-v2-lite] [--repeats 7] [--json]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -81,21 +83,34 @@ def matmul_tflops(repeats: int, dtype: torch.dtype, n: int = 2048) -> float:
     return 2 * n**3 / _median_seconds(lambda: F.linear(a, b), repeats) / 1e12
 
 
-def linear_tflops(shape: Shape, tokens: int, dtype: torch.dtype, repeats: int) -> float:
+def linear_tflops(
+    shape: Shape,
+    tokens: int,
+    dtype: torch.dtype,
+    repeats: int,
+    experts: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> float:
     """F.linear's rate on one expert's two projections at `tokens` rows (the rows an expert gets in a prefill of this
-    shape): the GEMM rate the CPU reaches on these matrices, the bar for the kernel's prefill route."""
+    shape): the GEMM rate the CPU reaches on these matrices, the bar for the kernel's prefill route. With `experts`
+    (the layer's gate_up and down), each call takes the next expert's weights, streamed from DRAM as a real layer
+    streams them; without, one expert's weights stay in the caches."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, shape.hidden, generator=gen).to(dtype)
     h = torch.randn(tokens, shape.inter, generator=gen).to(dtype)
-    gate_up = torch.randn(2 * shape.inter, shape.hidden, generator=gen).to(dtype)
-    down = torch.randn(shape.hidden, shape.inter, generator=gen).to(dtype)
+    if experts is None:
+        gate_up = torch.randn(1, 2 * shape.inter, shape.hidden, generator=gen).to(dtype)
+        down = torch.randn(1, shape.hidden, shape.inter, generator=gen).to(dtype)
+    else:
+        gate_up, down = (w.to(dtype) for w in experts)
+    turn = itertools.count()
 
     def run() -> None:
-        F.linear(x, gate_up)
-        F.linear(h, down)
+        e = next(turn) % gate_up.shape[0]
+        F.linear(x, gate_up[e])
+        F.linear(h, down[e])
 
     run()
-    return 2 * 3 * shape.hidden * shape.inter * tokens / _median_seconds(run, repeats) / 1e12
+    return 2 * 3 * shape.hidden * shape.inter * tokens / _median_seconds(run, max(repeats, 2 * gate_up.shape[0])) / 1e12
 
 
 def torch_loop(
@@ -259,24 +274,27 @@ def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm
         del impls
         gc.collect()  # ends kt-kernel's worker pool before the next shape
     per_expert = 512 * shape.top_k // shape.experts  # rows an expert gets in the 512-token prefill, on average
-    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        records.append(
-            {
-                "shape": shape.name,
-                "regime": "prefill",
-                "tokens": 512,
-                "impl": "linear",
-                "dtype": name,
-                "expert_tokens": per_expert,
-                "tflops": linear_tflops(shape, per_expert, dtype, repeats),
-            }
-        )
-    best = max(r["tflops"] for r in records if r["impl"] == "linear")
-    for r in records:
-        if r["regime"] == "prefill" and r["impl"] != "linear":
-            r["pct_of_linear"] = 100 * r["tflops"] / best
-    order = {(r["impl"], r["dtype"]): i for i, r in enumerate(records)}
-    return sorted(records, key=lambda r: (r["tokens"], order[(r["impl"], r["dtype"])]))
+    for weights, experts in (("cached", None), ("streamed", (gate_up, down))):
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            records.append(
+                {
+                    "shape": shape.name,
+                    "regime": "prefill",
+                    "tokens": 512,
+                    "impl": "linear",
+                    "dtype": name,
+                    "weights": weights,
+                    "expert_tokens": per_expert,
+                    "tflops": linear_tflops(shape, per_expert, dtype, repeats, experts),
+                }
+            )
+    for weights in ("cached", "streamed"):
+        best = max(r["tflops"] for r in records if r["impl"] == "linear" and r["weights"] == weights)
+        for r in records:
+            if r["regime"] == "prefill" and r["impl"] != "linear":
+                r[f"pct_of_{weights}_linear"] = 100 * r["tflops"] / best
+    order = {(r["impl"], r["dtype"], r.get("weights")): i for i, r in enumerate(records)}
+    return sorted(records, key=lambda r: (r["tokens"], order[(r["impl"], r["dtype"], r.get("weights"))]))
 
 
 def main() -> None:
@@ -310,14 +328,19 @@ def main() -> None:
         if r["impl"] == "linear":
             print(
                 f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {'':>21} "
-                f"{r['tflops']:>8.4f}   (one expert's projections at {r['expert_tokens']} rows)"
+                f"{r['tflops']:>8.4f}   (an expert's projections at {r['expert_tokens']} rows, {r['weights']} weights)"
             )
             continue
         print(
             f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {r['impl']:<11} {r['dtype']:<5} {r['ms']:>9.2f} "
             f"{r['gb_per_s']:>6.1f} {r['pct_of_bandwidth']:>4.0f} {r['tflops']:>8.4f} {r['pct_of_matmul']:>5.0f} "
             f"{r['pct_of_fp32_matmul']:>5.0f} {r['x_torch_loop']:>6.2f}"
-            + (f" {r['pct_of_linear']:>5.0f}% of F.linear" if "pct_of_linear" in r else "")
+            + (
+                f" {r['pct_of_cached_linear']:>4.0f}% / {r['pct_of_streamed_linear']:>3.0f}%"
+                " of F.linear cached / streamed"
+                if "pct_of_cached_linear" in r
+                else ""
+            )
         )
 
 
