@@ -80,6 +80,31 @@ def test_unknown_policy_and_field():
 
 
 @pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"window": 4}, ValueError, r"takes no option\(s\) \['window'\]; its options: decay, u_size, w_size"),
+        ({"alpha": 0.3}, ValueError, r"takes no option\(s\) \['alpha'\]"),  # MRS's, not the window's
+        ((("decay", 0.5), ("decay", 0.8)), ValueError, "names an option twice"),
+        (7, TypeError, "must be a dict"),
+        ({"decay": 1.5}, ValueError, "0 <= decay < 1"),  # a name it takes, a value it refuses: when patching
+    ],
+)
+def test_bad_cache_options(options, error, match):
+    model = tiny_model("mixtral")
+    before = snapshot(model)
+    with pytest.raises(error, match=match):
+        thm.patch_model(model, cache_policy="dali_window", cache_options=options)
+    assert_untouched(model, before)
+
+
+def test_cache_options_reach_the_layers_cache_policy():
+    options = {"w_size": 8, "decay": 0.5}
+    model = thm.patch_model(tiny_model("mixtral"), cache_policy="dali_window", cache_options=options)
+    caches = [layer.cache_policy for layer in thm.runtime.model_layers(model).values()]
+    assert caches and all((c.w_size, c.u_size, c.decay) == (8, 1, 0.5) for c in caches)  # u_size: its default
+
+
+@pytest.mark.parametrize(
     "overrides, match",
     [
         (dict(prefetch_size=2), "needs a prefetcher"),  # the default prefetcher, 'none', would ignore it

@@ -177,11 +177,13 @@ def test_copy_rows_copies_only_rows_with_a_source():
         copy_rows_(dst, torch.tensor([0]), src[:, :2], torch.tensor([0]))
 
 
-@pytest.mark.parametrize("name", CACHE_POLICIES.graph_names())
-def test_tensor_form_ranks_like_the_python_policy(name):
+@pytest.mark.parametrize(
+    "name, options", [(name, {}) for name in CACHE_POLICIES.graph_names()] + [("dali_window", {"decay": 0.5})]
+)
+def test_tensor_form_ranks_like_the_python_policy(name, options):
     rng = random.Random(0)
     info = LayerInfo(0, 8, 3, 1)
-    policy = CACHE_POLICIES.create(name, info=info)
+    policy = CACHE_POLICIES.create(name, info=info, **options)
     ranking = CACHE_POLICIES.tensor_form(name)(policy, 8, torch.device("cpu"))
     for _ in range(20):
         counts = [rng.choice([0, 0, 1, 3]) for _ in range(8)]

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import numbers
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,9 @@ class HybridMoEConfig:
         together as a size with a unit ("6GiB", "512MB", "2048B"). A bare number over 1 is refused, not read as bytes.
     device: "auto" (CUDA when present, else the CPU stands in for the accelerator), "cuda" or "cpu".
     scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries.
+    cache_options: the cache policy's own parameters, by name (a dict, kept as sorted pairs): e.g. the window cache
+        ours tunes, `cache_policy="dali_window", cache_options={"w_size": 8, "u_size": 1, "decay": 0.8}`; MRS's
+        `alpha`. A name the policy does not take is refused here; a value it refuses, when the model is patched.
     hardware: the cost model that cost-aware schedulers (fiddler, dali_greedy, optimal, hybrimoe, queue_aware)
         weigh placements with: a `cost_model.HARDWARE` preset, or "local" (this machine's measured profile,
         `profiling.py`, cached on disk); "" (the default) gives none, and those schedulers are refused.
@@ -88,6 +92,7 @@ class HybridMoEConfig:
     device: str = "auto"
     scheduler: str = "cached_on_accelerator"
     cache_policy: str = "lru"
+    cache_options: Mapping[str, object] | tuple[tuple[str, object], ...] = ()
     prefetcher: str = "none"
     hardware: str = ""
     expert_shape: str = ""
@@ -140,6 +145,26 @@ class HybridMoEConfig:
         SCHEDULERS.check(self.scheduler)
         CACHE_POLICIES.check(self.cache_policy)
         PREFETCHERS.check(self.prefetcher)
+        self._check_cache_options()
+
+    def _check_cache_options(self) -> None:
+        options = self.cache_options
+        pairs = list(options.items()) if isinstance(options, Mapping) else options
+        if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+        ):
+            raise TypeError(f"cache_options must be a dict of parameter names to values, got {options!r}")
+        names = [k for k, _ in pairs]
+        allowed = CACHE_POLICIES.options(self.cache_policy)
+        unknown = sorted(set(names) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"cache policy {self.cache_policy!r} takes no option(s) {unknown}; its options: "
+                f"{', '.join(allowed) or 'none'}"
+            )
+        if len(set(names)) < len(names):
+            raise ValueError(f"cache_options names an option twice: {names}")
+        object.__setattr__(self, "cache_options", tuple(sorted(pairs, key=lambda p: p[0])))
 
     def _check_mode(self) -> None:
         if self.mode not in MODES:

@@ -71,12 +71,13 @@ class MRSRanking(DeviceRanking):
 
 
 class WindowRanking(DeviceRanking):
-    """DALI's window: tokens summed over a tumbling window of `w_size` steps; when it closes, they become the
-    values and the slots may change (at most `u_size` copies: `admissions` takes min(fills, u_size))."""
+    """DALI's window: tokens summed over a tumbling window of `w_size` steps; when it closes, they and `decay` times
+    the previous values become the values and the slots may change (at most `u_size` copies: `admissions` takes
+    min(fills, u_size))."""
 
-    def __init__(self, num_experts: int, device: torch.device, w_size: int, u_size: int) -> None:
+    def __init__(self, num_experts: int, device: torch.device, w_size: int, u_size: int, decay: float = 0.0) -> None:
         super().__init__(num_experts, device)
-        self.w_size, self.max_fills = w_size, u_size
+        self.w_size, self.max_fills, self.decay = w_size, u_size, decay
         self.window = torch.zeros(num_experts, dtype=torch.float32, device=device)
 
     def candidates(self, active: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,7 @@ class WindowRanking(DeviceRanking):
         self.step += 1
         self.window += counts
         closes = self.step % self.w_size == 0
-        self.values.copy_(torch.where(closes, self.window, self.values))
+        self.values.copy_(torch.where(closes, self.window + self.decay * self.values, self.values))
         self.window.mul_((~closes).float())
         return closes
 
@@ -95,7 +96,8 @@ CACHE_POLICIES.add_tensor_form("lru", lambda policy, num_experts, device: LRURan
 CACHE_POLICIES.add_tensor_form("lfu", lambda policy, num_experts, device: LFURanking(num_experts, device))
 CACHE_POLICIES.add_tensor_form("mrs", lambda policy, num_experts, device: MRSRanking(num_experts, device, policy.alpha))
 CACHE_POLICIES.add_tensor_form(
-    "dali_window", lambda policy, num_experts, device: WindowRanking(num_experts, device, policy.w_size, policy.u_size)
+    "dali_window",
+    lambda policy, num_experts, device: WindowRanking(num_experts, device, policy.w_size, policy.u_size, policy.decay),
 )
 
 

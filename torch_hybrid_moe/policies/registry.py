@@ -7,6 +7,8 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+# what callers offer every policy (`create`'s context), as opposed to a policy's own parameters (`options`)
+CONTEXT = frozenset({"info", "costs", "timeline", "router", "size", "future", "request", "popularity", "residual"})
 
 
 class Registry(Generic[T]):
@@ -56,6 +58,13 @@ class Registry(Generic[T]):
     def check(self, name: str) -> None:
         if name not in self._factories:
             raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}")
+
+    def options(self, name: str) -> list[str]:
+        """The parameters of `name` a user may set (`HybridMoEConfig.cache_options`): its own, not the context."""
+        self.check(name)
+        params = inspect.signature(self._factories[name]).parameters
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return sorted(n for n, p in params.items() if n not in CONTEXT and p.kind in keyword)
 
     def create(self, name: str, **context: object) -> T:
         """Build `name` from the context on offer (layer info, costs, timeline, future routing, request

@@ -26,7 +26,7 @@ def build_policies(
     steps captured as CUDA graphs), does one without a tensor form."""
     policies = LayerPolicies(
         SCHEDULERS.create(config.scheduler, **context),
-        CACHE_POLICIES.create(config.cache_policy, **context),
+        CACHE_POLICIES.create(config.cache_policy, **context, **dict(config.cache_options)),
         PREFETCHERS.create(config.prefetcher, **context),
         streaming,
     )
