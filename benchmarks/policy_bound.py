@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.simulator import STACKS, simulate
+from torch_hybrid_moe.simulator import STACKS
 from torch_hybrid_moe.simulator.bound import bound
 from torch_hybrid_moe.simulator.calibration import Calibration
 from torch_hybrid_moe.simulator.replay import simulate_runnable
@@ -66,8 +66,7 @@ def main() -> None:
             for ratio in args.ratios:
                 for batch in args.batches:
                     mine, tried = tune(held, costs, batch, ratio, calibration)
-                    ours = simulate(trace, mine, costs, batch, ratio, calibration).decode_tok_s
-                    rank, candidates, of_best = judged_rank(trace, mine, tried, costs, batch, ratio, calibration)
+                    rank, candidates, ours, of_best = judged_rank(trace, mine, tried, costs, batch, ratio, calibration)
                     papers = {
                         p: simulate_runnable(trace, STACKS[p], costs, batch, ratio, calibration)[1].decode_tok_s
                         for p in PAPERS

@@ -235,7 +235,7 @@ def _queue_search_case(rng: random.Random, costs: CostModel) -> tuple:
     arguments."""
     experts, slots = rng.randint(1, 10), rng.randint(0, 6)
     counts = [rng.choice([0, 1, 2, 5, 20, 60]) for _ in range(experts)]
-    resident = [rng.random() < 0.5 for _ in range(experts)][:experts]
+    resident = [rng.random() < 0.5 for _ in range(experts)]
     while sum(resident) > slots:
         resident[resident.index(True)] = False
     active = [e for e, n in enumerate(counts) if n]

@@ -555,6 +555,6 @@ def test_judged_rank_places_the_pick_among_the_candidates_on_the_judged_trace():
     order = sorted(PAPERS, key=lambda n: -speeds[n])
     assert len(set(speeds.values())) > 3  # the stacks differ on this trace
     for name in PAPERS:
-        rank, count, of_best = judged_rank(trace, STACKS[name], tried, costs, 4, 0.25, calibration)
-        assert (rank, count) == (order.index(name) + 1, len(PAPERS))
+        rank, count, tok_s, of_best = judged_rank(trace, STACKS[name], tried, costs, 4, 0.25, calibration)
+        assert (rank, count, tok_s) == (order.index(name) + 1, len(PAPERS), speeds[name])
         assert of_best == pytest.approx(speeds[name] / speeds[order[0]])

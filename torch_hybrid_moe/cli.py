@@ -355,7 +355,7 @@ def simulate(args: argparse.Namespace) -> int:
     if args.json:
         records = [asdict(r) | {"bound_tok_s": bound_tok_s, "x_bound": x_bound(r.decode_tok_s)} for r in results]
         if ranked is not None:
-            rank, candidates, of_best = ranked
+            rank, candidates, _, of_best = ranked
             records = [
                 r | {"tuning_rank": rank, "tuning_candidates": candidates, "x_best_candidate": of_best}
                 if r["stack"] == "ours"
@@ -376,7 +376,7 @@ def simulate(args: argparse.Namespace) -> int:
     )
     print(f"ours: {mine.description} ({tuned_on}); oracle: {ceiling.description}")
     if ranked is not None:
-        rank, candidates, of_best = ranked
+        rank, candidates, _, of_best = ranked
         print(f"ours' pick on this trace: rank {rank} of {candidates} candidates tuned, {of_best:.3f} x the fastest")
     print(f"bound: {limit.description} (the fastest future-aware stack of simulator/bound.py)")
     print(

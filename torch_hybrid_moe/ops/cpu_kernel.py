@@ -148,7 +148,7 @@ def _measure_route(
     gemm: list[list[float]] = []
     for n in ROUTE_TOKENS:
         hidden = torch.randn(n, hidden_size, generator=g).to(activations)
-        ids = [torch.tensor([[2 * p, 2 * p + 1]]).expand(n, 2).contiguous() for p in range(pairs)]
+        ids = (2 * torch.arange(pairs)[:, None, None] + torch.tensor([0, 1])).expand(pairs, n, 2).contiguous()
         weights, out = torch.full((n, 2), 0.5), torch.zeros(n, hidden_size)
         seconds = interleaved_medians(
             [
