@@ -9,13 +9,23 @@ Rows, each on a freshly built model (patching moves its experts into pinned host
   deferred CPU experts overlap the next block inside the graph;
 - dali: the same with DALI's greedy placement (`dali_greedy`, costs profiled on this machine): a missing expert
   is fetched and run on the GPU when that finishes the layer sooner, decided on the device inside the graph;
+- hybrimoe: HybriMoE's placement and MRS cache (`hybrimoe` + `mrs`, local costs), inside the graph;
+- ours: our stack (`queue_aware` placement + window cache with decay, local costs), inside the graph;
 - all-cpu: budget 0, every routed expert on the CPU (the Fiddler / KTransformers layout), graph on and off;
 - on-demand: every missing expert fetched into a slot before it runs (MoE-Infinity's GPU-centric placement),
   graph on and off;
 - no-stream: the hybrid row with the prefill staging ring off (`staging_slots=0`): every expert not in a slot is
   computed on the CPU at prefill; the other rows stream the heaviest through the ring (runtime/staging_ring.py);
 - accelerate: transformers + accelerate `device_map` offload (the routed experts' modules on "cpu", their
-  weights streamed to the GPU at every forward).
+  weights streamed to the GPU at every forward);
+- gpu: the whole model on the GPU, no offload, compiled by transformers' own generate (static cache): the
+  ceiling a budget of 1.0 is held to.
+
+Every row's model has the same weights (one seeded pool), so greedy decoding routes alike in every exact row.
+`--trace PATH` records that routing (the unpatched model on the GPU, the decode run's prompt and length) for
+`hybrid-moe simulate --trace PATH --profile FILE`, with FILE the cost profile the rows measured here (in the
+cache folder, `profile-deepseek-v2-lite-*.json`): the simulator's prediction for each live row, next to what the
+row measured.
 
 The model is DeepSeek-V2-Lite-shaped with random bf16 weights at full size by default (27 layers, 64 routed
 experts of 2048 x 1408, top-6, 2 shared experts, MLA attention; ~16 B parameters, ~31 GiB in host memory).
@@ -28,8 +38,9 @@ better of two: every routed expert copied to the GPU once at the measured pinned
 the CPU at the host's copy rate; the prefill column's share of it is printed beside it.
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
-        [--rows hybrid prefetch prefetch-1 deferral dali all-cpu on-demand no-stream accelerate]
-        [--graph off on] [--tokens 32] [--prompt 512] [--cpu-threads N] [--json] [--profile DIR]
+        [--rows hybrid prefetch prefetch-1 deferral dali hybrimoe ours all-cpu on-demand no-stream accelerate gpu]
+        [--graph off on] [--tokens 32] [--prompt 512 [4096 ...]] [--cpu-threads N] [--json] [--profile DIR]
+        [--trace PATH]
 """
 
 from __future__ import annotations
@@ -48,13 +59,33 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 
 import torch_hybrid_moe as thm
 
-ROWS = ("hybrid", "prefetch", "prefetch-1", "deferral", "dali", "all-cpu", "on-demand", "no-stream", "accelerate")
+ROWS = (
+    "hybrid",
+    "prefetch",
+    "prefetch-1",
+    "deferral",
+    "dali",
+    "hybrimoe",
+    "ours",
+    "all-cpu",
+    "on-demand",
+    "no-stream",
+    "accelerate",
+    "gpu",
+)
 VARIANTS = {
     "hybrid": {},
     "prefetch": {"prefetcher": "gate"},
     "prefetch-1": {"prefetcher": "gate", "prefetch_size": 1},
     "deferral": {"mode": "expert_deferral", "deferred_experts": 2},
     "dali": {"scheduler": "dali_greedy", "hardware": "local"},
+    "hybrimoe": {"scheduler": "hybrimoe", "cache_policy": "mrs", "hardware": "local"},
+    "ours": {
+        "scheduler": "queue_aware",
+        "cache_policy": "dali_window",
+        "cache_options": {"w_size": 8, "u_size": 1, "decay": 0.8},
+        "hardware": "local",
+    },
     "on-demand": {"scheduler": "on_demand"},
     "no-stream": {"staging_slots": 0},
 }
@@ -85,16 +116,17 @@ def lite_config(layers: int) -> DeepseekV2Config:
         topk_group=1,
         routed_scaling_factor=1.0,
         norm_topk_prob=False,
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,  # room for a 4096-token prefill and its decode
     )
 
 
 def random_model(config: DeepseekV2Config) -> torch.nn.Module:
-    """bf16 weights drawn cheaply: every tensor is filled from one random pool at its own offset."""
+    """bf16 weights drawn cheaply: every tensor is filled from one seeded random pool at its own offset, so every
+    call gives the same weights."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.to_empty(device="cpu")
-    pool = torch.randn(1 << 24, dtype=torch.bfloat16) * 0.02
+    pool = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16) * 0.02
     for i, t in enumerate([*model.parameters(), *model.buffers()]):
         if not t.is_floating_point():
             continue
@@ -190,20 +222,42 @@ def build(row: dict, config: DeepseekV2Config) -> torch.nn.Module:
     model = random_model(config)
     if row["row"] == "accelerate":
         return accelerate_offload(model, torch.device("cuda", 0))
-    return thm.patch_model(model, device="cuda", **{k: v for k, v in row.items() if k != "row"})
+    if row["row"] == "gpu":
+        return model.cuda()
+    # one expert shape for every cost the patch measures (placement, staging): the profile simulate reads
+    settings = {"expert_shape": "deepseek-v2-lite"} | {k: v for k, v in row.items() if k != "row"}
+    return thm.patch_model(model, device="cuda", **settings)
+
+
+def record(config: DeepseekV2Config, prompt: torch.Tensor, tokens: int, path: Path) -> None:
+    """The routing every exact row's decode run follows, recorded on the unpatched model on the GPU."""
+    from torch_hybrid_moe.traces import record_trace
+
+    model = random_model(config).cuda()
+    with torch.no_grad():
+        trace = record_trace(model, [prompt[0]], tokens + 1, f"deepseek-v2-lite-random-{config.num_hidden_layers}l")
+    trace.save(path)
+    del model
+    release()
+    print(f"wrote {path}: {trace.tokens.numel()} token rows x {len(trace.layers)} MoE layers", flush=True)
 
 
 def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandwidth: float, pcie: float) -> dict:
     model = build(row, config)
-    patched = row["row"] != "accelerate"
-    prompt = torch.randint(3, config.vocab_size, (1, args.prompt), device="cuda")
-    short = prompt[:, :16]
-    # Only the patched model is auto-compiled (transformers skips offloaded ones): it gets the static cache.
-    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens + 2) if patched else None
+    patched = row["row"] not in ("accelerate", "gpu")
+    prompts = [prompt_ids(config, n) for n in args.prompt]
+    short = prompts[0][:, :16]
+    # Offloaded models are not auto-compiled by transformers: the others (patched, or all on the GPU) get the static
+    # cache that compiles them.
+    cache = (
+        StaticCache(config=model.config, max_cache_len=max(args.prompt) + args.tokens + 2)
+        if row["row"] != "accelerate"
+        else None
+    )
     with torch.no_grad():
-        for ids in (short, prompt):  # compile (both prefill shapes) and capture
+        for ids in (short, *prompts):  # compile (every prefill shape) and capture
             generate_s(model, ids, args.tokens, cache)
-        prefill, decode, hits, misses = [], [], [], []
+        prefill, decode, hits, misses = {n: [] for n in args.prompt}, [], [], []
         for _ in range(args.repeats):
             counts = []
             for tokens in (1, args.tokens + 1):
@@ -215,9 +269,10 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
             decode.append((many - one) / args.tokens)
             hits.append(many_hits - one_hits)
             misses.append(many_misses - one_misses)  # the decode steps' experts computed on the CPU
-            prefill.append(args.prompt / generate_s(model, prompt, 1, cache))
+            for n, ids in zip(args.prompt, prompts):
+                prefill[n].append(n / generate_s(model, ids, 1, cache))
         if args.profile:
-            profile(model, short, prompt, args.tokens, cache, args.profile / label(row))
+            profile(model, short, prompts[0], args.tokens, cache, args.profile / label(row))
     expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
     # On-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model.
     on_cpu = row.get("scheduler") != "on_demand"
@@ -228,11 +283,17 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
     return {
         **row,
         "decode_tok_s": 1 / statistics.median(decode),
-        "prefill_tok_s": statistics.median(prefill),
+        "prefill_tok_s": {n: statistics.median(p) for n, p in prefill.items()},
         "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)) if patched else None,
         "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else None,
-        "prefill_floor_tok_s": args.prompt * max(pcie, bandwidth) * 1e9 / all_experts,
+        "prefill_floor_tok_s": {n: n * max(pcie, bandwidth) * 1e9 / all_experts for n in args.prompt},
     }
+
+
+def prompt_ids(config: DeepseekV2Config, n: int) -> torch.Tensor:
+    """The first n tokens of one seeded random prompt: every row and prompt length starts alike."""
+    ids = torch.randint(3, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    return ids.cuda()
 
 
 def label(row: dict) -> str:
@@ -305,9 +366,15 @@ def main() -> None:
         help="decode step uncaptured, as one CUDA graph, or both (rows other than accelerate)",
     )
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--prompt", type=int, nargs="+", default=[512], help="prefill lengths timed (the first >= 16)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="also print each row's record as a JSON line when it ends")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="PATH",
+        help="first record the routing of the decode run (on the unpatched model) to PATH",
+    )
     p.add_argument(
         "--cpu-threads",
         type=int,
@@ -325,9 +392,12 @@ def main() -> None:
     args.graph = [g == "on" for g in args.graph]
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode.py needs a CUDA GPU")
+    if min(args.prompt) < 16:
+        raise SystemExit("--prompt lengths must be at least 16 (the decode run's prompt is the first 16 tokens)")
     config = lite_config(args.layers)
+    if args.trace:
+        record(config, prompt_ids(config, 16), args.tokens, args.trace)
     bandwidth, pcie = host_bandwidth_gb_s(), pcie_gb_s()
-    results = []
     for row in rows_of(args):
         try:
             r = measure(row, args, config, bandwidth, pcie)
@@ -337,16 +407,20 @@ def main() -> None:
         if r is None:  # released outside the handler: the traceback's frames hold the failed row's model
             release()
             continue
-        results.append(r)
         extra = {k: v for k, v in row.items() if k not in ("row", "cuda_graph")}
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         print(
             f"{row['row']:10s} {extra!s:45s} graph {'on ' if row.get('cuda_graph') else 'off'}  decode "
-            f"{r['decode_tok_s']:7.2f} tok/s  prefill {r['prefill_tok_s']:8.1f} tok/s "
-            f"({r['prefill_tok_s'] / r['prefill_floor_tok_s']:4.0%} of {r['prefill_floor_tok_s']:.0f})  hit "
-            f"{fmt(r['hit_rate'], '.3f')}  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s",
+            f"{r['decode_tok_s']:7.2f} tok/s  prefill "
+            + "  ".join(
+                f"{n}: {v:8.1f} tok/s ({v / r['prefill_floor_tok_s'][n]:4.0%} of {r['prefill_floor_tok_s'][n]:.0f})"
+                for n, v in r["prefill_tok_s"].items()
+            )
+            + f"  hit {fmt(r['hit_rate'], '.3f')}  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s",
             flush=True,
         )
+        if args.json:
+            print(json.dumps(r), flush=True)
     meta = {
         "device": torch.cuda.get_device_name(),
         "cpu": platform.processor() or platform.machine(),
@@ -359,7 +433,7 @@ def main() -> None:
         "repeats": args.repeats,
     }
     if args.json:
-        print(json.dumps({"meta": meta, "rows": results}, indent=1))
+        print(json.dumps({"meta": meta}))
     print(meta)
 
 

@@ -135,10 +135,20 @@ def test_graph_replay_with_gate_prefetch_matches_reference():
     assert stats[0].prefetch_calls == 0 and all(s.prefetch_calls == 32 for s in stats[1:])  # + prefill's
 
 
-@pytest.mark.parametrize("scheduler", ["on_demand", "dali_greedy"])
-def test_graph_replay_with_fetching_schedulers_matches_reference(scheduler):
-    """Placement and on-demand copies are decided on the device at every replay (policies/device_scheduling.py)."""
-    model = _replays_match_reference(scheduler=scheduler, hardware="rtx5090", expert_shape="deepseek-v2-lite")
+@pytest.mark.parametrize(
+    "policies",
+    [
+        dict(scheduler="on_demand"),
+        dict(scheduler="dali_greedy"),
+        dict(scheduler="hybrimoe", cache_policy="mrs"),
+        dict(scheduler="queue_aware", cache_policy="dali_window", cache_options=dict(w_size=4, u_size=1, decay=0.5)),
+    ],
+    ids=["on_demand", "dali_greedy", "hybrimoe", "ours"],
+)
+def test_graph_replay_with_fetching_schedulers_matches_reference(policies):
+    """Placement and on-demand copies are decided on the device at every replay (policies/device_scheduling.py);
+    ours is queue-aware placement over the window cache, both in tensor form."""
+    model = _replays_match_reference(**policies, hardware="rtx5090", expert_shape="deepseek-v2-lite")
     stats = thm.stats(model).values()
     on_gpu, hits = sum(s.accelerator_experts for s in stats), sum(s.hits for s in stats)
     cpu, misses = sum(s.cpu_experts for s in stats), sum(s.misses for s in stats)
