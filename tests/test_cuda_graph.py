@@ -152,7 +152,9 @@ def test_graph_replay_with_fetching_schedulers_matches_reference(policies):
     stats = thm.stats(model).values()
     on_gpu, hits = sum(s.accelerator_experts for s in stats), sum(s.hits for s in stats)
     cpu, misses = sum(s.cpu_experts for s in stats), sum(s.misses for s in stats)
-    assert on_gpu + cpu == hits + misses and cpu < misses  # some missed experts were fetched and ran on the GPU
+    streamed = sum(s.streamed_experts for s in stats)  # prefill's, through the staging ring
+    assert on_gpu + cpu + streamed == hits + misses
+    assert on_gpu > hits  # some missed experts were fetched and ran on the GPU
 
 
 @pytest.mark.parametrize(

@@ -39,10 +39,11 @@ from .cost_model import (
 )
 from .ops.measured import cache_dir, cpu_model
 
-FORMAT = 1  # bump when what a cached measurement means changes
+FORMAT = 2  # bump when what a cached measurement means changes (2: GPU experts timed inside a CUDA graph)
 DEFAULT_TOKENS = (1, 4, 16, 64)
 DEFAULT_PRESET = "rtx4090"  # GPU and link figures where this machine has no CUDA device
 POOL_BYTES = 256 * 2**20  # experts cycled through per measurement, so that their weights come from DRAM, not cache
+GRAPH_EXPERTS = 64  # at most this many experts of the pool in one timed CUDA graph, computed in turn
 SMALL_COPY = 64 * 2**10  # bytes of the second, latency-bound copy that separates the link's latency from its rate
 
 
@@ -304,8 +305,12 @@ def measure_gpu(
     expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int, bar: tqdm | None = None
 ) -> tuple[dict[int, float], float, float]:
     """On CUDA device 0: median seconds of one expert for n tokens with the runtime's GPU expert math, and of
-    copying one expert's bytes and SMALL_COPY bytes from pinned host memory (CUDA events)."""
-    from .ops.expert_math import accumulate_experts_
+    copying one expert's bytes and SMALL_COPY bytes from pinned host memory (CUDA events).
+
+    The experts run as the decode step runs them, inside a CUDA graph: one captured graph computes GRAPH_EXPERTS
+    experts of the pool in turn, and a replay's time is divided among them. Timed eagerly, Python's launches
+    (~0.3 ms an expert on an H100) would make every GPU expert look dearer than a CPU one."""
+    from .ops.expert_math import expert_into_
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
@@ -323,12 +328,25 @@ def measure_gpu(
 
     def experts(n: int) -> float:  # the pool is freed on return, before the copies are timed
         gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
-        count = gate_up.shape[0]
         hidden = torch.randn(n, expert.hidden, device="cuda", dtype=torch.bfloat16)
-        ids = [torch.full((n, 1), e, dtype=torch.long, device="cuda") for e in range(count)]
-        weights = torch.ones(n, 1, device="cuda")
+        tokens = torch.arange(n, device="cuda")
+        weights = torch.ones(n, device="cuda")
         acc = torch.zeros(n, expert.hidden, device="cuda")
-        return timed(lambda i: accumulate_experts_(acc, hidden, ids[i % count], weights, gate_up, down))
+        chain = range(min(GRAPH_EXPERTS, gate_up.shape[0]))  # distinct experts: each one's weights read from memory
+
+        def run() -> None:
+            for e in chain:
+                expert_into_(acc, hidden, tokens, weights, gate_up[e], down[e], False)
+
+        side = torch.cuda.Stream()  # warm-up (library handles, workspaces) off the capture, as torch asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return timed(lambda i: graph.replay()) / len(chain)
 
     gpu: dict[int, float] = {}
     for n in tokens:

@@ -222,10 +222,20 @@ def _kernels():
 
     @triton.jit
     def queue_kernel(
-        active_ptr, res_ptr, cpu_ptr, gpu_ptr, starts_ptr, room_ptr, transfer_ptr, take_ptr, size, BLOCK: tl.constexpr
+        active_ptr,
+        res_ptr,
+        cpu_ptr,
+        gpu_ptr,
+        starts_ptr,
+        room_ptr,
+        transfer_ptr,
+        take_ptr,
+        size: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # one row of trials per lane, timed as `_set_times`: round 0 times the three start sets, every later round
-        # the current set with lane r's own expert flipped
+        # the current set with lane r's own expert flipped. `size` (the step's most active experts, a few) is a
+        # compile-time constant: Triton 3.6's interpreter cannot loop over a range of a runtime value.
         lanes = tl.arange(0, BLOCK)
         inside = lanes < size
         transfer = tl.load(transfer_ptr)
