@@ -24,4 +24,4 @@ timeout "${MAIN_S:-250}" python benchmarks/gpu_decode.py "${common[@]}" --rows g
     --budgets 0.25 0.5 1.0 --trace "$out/trace.pt" 2>&1 | tee "$out/main.txt" | grep -v -e "^{" -e Warn
 timeout "${PAPERS_S:-120}" python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 2>&1 | tee "$out/papers.txt" | grep -v -e "^{" -e Warn
-cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-*.json "$out"/  # the cost profile the rows measured, for simulate
+cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile

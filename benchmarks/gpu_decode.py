@@ -235,7 +235,9 @@ def record(config: DeepseekV2Config, prompt: torch.Tensor, tokens: int, path: Pa
 
     model = random_model(config).cuda()
     with torch.no_grad():
-        trace = record_trace(model, [prompt[0]], tokens + 1, f"deepseek-v2-lite-random-{config.num_hidden_layers}l")
+        # no gate inputs: the random model is not saved, so the simulator could not load its routers to use them
+        name = f"deepseek-v2-lite-random-{config.num_hidden_layers}l"
+        trace = record_trace(model, [prompt[0]], tokens + 1, name, hidden_every=0)
     trace.save(path)
     del model
     release()

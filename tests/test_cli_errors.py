@@ -276,3 +276,32 @@ def test_convert_trace_refuses_bad_rows(line, match, tmp_path, capsys):
         match,
     )
     assert not (tmp_path / "t.safetensors").exists()
+
+
+def test_simulate_with_a_profile_from_another_machine(tmp_path, monkeypatch, capsys):
+    """A profile cached on another machine (the GPU box a trace came from) replays that machine's costs for its own
+    expert shape, as `--hardware local` does there; a file that is not such a profile, one of another format, or
+    --profile beside --hardware is refused in one line."""
+    expert = EXPERT_SHAPES["mixtral-8x7b"]
+    monkeypatch.setattr(profiling, "measure", lambda e, tokens, *a, **k: synthetic_measurements(e, tokens))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = profiling.profile_hardware(expert).path
+    trace = tmp_path / "synthetic.safetensors"
+    synthetic_trace(1.0, 0.4, num_experts=8, top_k=2, sequences=1, prompt_tokens=8, new_tokens=8).save(trace)
+    argv = ["simulate", "--trace", str(trace), "--ours", "2,1,0.5,0"]
+    assert main([*argv, "--profile", str(path), "--json"]) == 0
+    elsewhere = {r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r}
+    assert main([*argv, "--hardware", "local", "--expert-shape", "mixtral-8x7b", "--json"]) == 0
+    local = {r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r}
+    assert elsewhere == local and elsewhere["ours"] > 0
+    assert main([*argv, "--profile", str(path)]) == 0
+    assert f"profile {path}" in capsys.readouterr().out
+    old = tmp_path / "old.json"
+    data = json.loads(path.read_text())
+    data["key"]["format"] = profiling.FORMAT - 1
+    old.write_text(json.dumps(data))
+    (tmp_path / "x.json").write_text("{}")
+    one_line_error(capsys, [*argv, "--profile", str(tmp_path / "x.json")], "is not a readable cost profile")
+    one_line_error(capsys, [*argv, "--profile", str(tmp_path / "missing.json")], "is not a readable cost profile")
+    one_line_error(capsys, [*argv, "--profile", str(old)], f"is a cost profile of format {profiling.FORMAT - 1}")
+    one_line_error(capsys, [*argv, "--profile", str(path), "--hardware", "rtx4090"], "not allowed with argument")

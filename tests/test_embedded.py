@@ -82,6 +82,24 @@ def test_perplexity_harness_against_hand_computation():
     assert windows(ids, 3).tolist() == [ids[0:4].tolist(), ids[3:7].tolist()]
 
 
+def test_trace_of_routing_alone(tmp_path):
+    """hidden_every=0 records no gate inputs: the same routing as a trace with them, and a calibration learnt from it
+    needs no routers (so none is loaded by the model name, which need not exist)."""
+    from torch_hybrid_moe.simulator.calibration import Calibration
+
+    model = tiny_model("deepseek_v3")
+    prompts = [torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(0))]
+    full = record_trace(model, prompts, max_new_tokens=4, model_name="tiny:deepseek_v3", hidden_every=1)
+    bare = record_trace(model, prompts, max_new_tokens=4, model_name="no-such-model", hidden_every=0)
+    bare.save(tmp_path / "t.safetensors")
+    back = Trace.load(tmp_path / "t.safetensors")
+    for idx, layer in full.layers.items():
+        assert torch.equal(back.layers[idx].topk_ids, layer.topk_ids)
+        assert layer.hidden.shape[0] == layer.topk_ids.shape[0]  # every row's gate input where asked for
+        assert back.layers[idx].hidden.shape[0] == back.layers[idx].hidden_rows.numel() == 0
+    assert Calibration.from_trace(back).routers == {}
+
+
 def test_trace_round_trip_and_matches_direct_routing(tmp_path):
     model = tiny_model("deepseek_v3")
     prompts = [torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(s)) for s in range(2)]

@@ -357,6 +357,27 @@ def test_replay_safe_path_matches_reference_model(reference_models, arch, budget
 
 
 @needs_kernel
+@pytest.mark.parametrize("scheduler", ["all_cpu", "queue_aware"])
+def test_full_budget_step_runs_no_cpu_task(reference_models, scheduler):
+    """At a full budget the graph step computes every expert from its slot and launches no CPU task, whatever the
+    scheduler would place (all_cpu: everything on the CPU; queue_aware: an idle CPU may take cached experts)."""
+    ref = reference_models["deepseek_v2"]
+    model = thm.patch_model(copy.deepcopy(ref), expert_budget=1.0, device="cpu", scheduler=scheduler, hardware="dali")
+    layers = model_layers(model).values()
+    launched = []
+    for layer in layers:
+        layer.graph_mode = True
+        path = layer.graph_path()
+        path._launch = lambda task, what: launched.append(what)  # a spy: every launch is recorded
+    x = torch.randint(3, 96, (2, 6))
+    with torch.no_grad():
+        want, got = ref(x).logits.double(), model(x).logits.double()
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+    stats = thm.stats(model).values()
+    assert launched == [] and all(s.cpu_experts == 0 and s.accelerator_experts > 0 for s in stats)
+
+
+@needs_kernel
 @pytest.mark.parametrize("prefetch_size, size", [(0, 2), (1, 1), (3, 3)])  # 0: the gate's default, 2 of top-4
 def test_replay_safe_prefetch_makes_the_python_prefetchers_choice(prefetch_size, size):
     """The gate prefetch as tensors: the experts GatePrefetch.select names (as many as prefetch_size asks)

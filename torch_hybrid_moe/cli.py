@@ -314,7 +314,11 @@ def simulate(args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
     calibration = Calibration.from_trace(trace, held)
-    if args.hardware == "local":
+    if args.profile:
+        from torch_hybrid_moe.profiling import load_profile
+
+        costs = load_profile(args.profile, args.gpu_preset).cost_model()
+    elif args.hardware == "local":
         costs = _local_profile(args).cost_model()
     else:
         costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
@@ -366,9 +370,10 @@ def simulate(args: argparse.Namespace) -> int:
         for path in plots:
             print(f"wrote {path}", file=sys.stderr)
         return 0
-    print(f"trace {args.trace} ({trace.meta['model']}), hardware {args.hardware}: {costs.hardware.description}")
+    where = f"profile {args.profile}" if args.profile else f"hardware {args.hardware}"
+    print(f"trace {args.trace} ({trace.meta['model']}), {where}: {costs.hardware.description}")
     print(
-        f"experts sized as {args.expert_shape}; batch {args.batch}; cache ratio {args.cache_ratio}"
+        f"experts sized as {costs.expert.name}; batch {args.batch}; cache ratio {args.cache_ratio}"
         f"{f'; calibrated on {args.calibration}' if args.calibration else ''}"
     )
     tuned_on = (
@@ -721,11 +726,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=[*sorted(HARDWARE), "local"],
         help="a preset, or local: this machine, measured (cached) by a short warm-up profile",
     )
-    s.add_argument(
+    costs = s.add_mutually_exclusive_group()
+    costs.add_argument(
         "--hardware",
         default="dali",
         choices=[*sorted(HARDWARE), "local"],
         help="a preset, or local: this machine, measured (cached) by a short warm-up profile",
+    )
+    costs.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="a cost profile measured on another machine (a profile-*.json that `hybrid-moe profile` cached there, "
+        "e.g. on the GPU machine a trace came from); its expert shape replaces --expert-shape",
     )
     for p in (s, pr):
         p.add_argument(
@@ -776,7 +789,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--offset", type=_bounded(int, 0), default=0, help="token offset of each prompt in its held-out slice"
     )
     t.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64)
-    t.add_argument("--hidden-every", type=_bounded(int, 1), default=1)
+    t.add_argument(
+        "--hidden-every",
+        type=_bounded(int, 0),
+        default=1,
+        help="record the gate input of every N-th token row (for gate-based prefetchers; 0: none)",
+    )
     args = parser.parse_args(argv)
     commands = {
         "generate": generate,

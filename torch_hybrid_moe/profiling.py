@@ -37,6 +37,7 @@ from .cost_model import (
     ExpertShape,
     Hardware,
 )
+from .errors import InputError
 from .ops.measured import cache_dir, cpu_model
 
 FORMAT = 2  # bump when what a cached measurement means changes (2: GPU experts timed inside a CUDA graph)
@@ -438,6 +439,23 @@ def profile_hardware(
         warnings.warn(f"profile not cached: cannot write {path} ({err}); it is used for this run only", stacklevel=2)
         result.path = None
     return result
+
+
+def load_profile(path: Path, preset: str = DEFAULT_PRESET) -> HardwareProfile:
+    """A profile measured elsewhere (a cache file `profile_hardware` wrote, e.g. on the GPU machine a trace was
+    recorded on), for its expert shape: so that machine's costs can be replayed here. One-line InputError if the
+    file is not such a profile."""
+    try:
+        m = Measurements.from_json(json.loads(Path(path).read_text()))
+        expert = ExpertShape(**m.key["expert"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InputError(f"{path} is not a readable cost profile ({err}); `hybrid-moe profile` writes one") from None
+    if m.key.get("format") != FORMAT:
+        raise InputError(
+            f"{path} is a cost profile of format {m.key.get('format')}, not {FORMAT}: measure it again with "
+            "`hybrid-moe profile --refresh` on its machine"
+        )
+    return HardwareProfile(expert, m, preset, cached=True, path=Path(path))
 
 
 FIT_TOLERANCE = 0.25  # a fitted curve further than this from a measured point means the times were disturbed

@@ -251,7 +251,8 @@ def record_trace(
     model_name: str,
     hidden_every: int = 4,
 ) -> Trace:
-    """Greedy-generate each prompt (1-D token ids) alone and record every MoE layer's routing."""
+    """Greedy-generate each prompt (1-D token ids) alone and record every MoE layer's routing, and the gate input of
+    every `hidden_every`-th row (0: none, for a model whose routers the simulator cannot load again)."""
     from .model_patches import ARCHITECTURES
 
     spec = ARCHITECTURES[model.config.model_type]
@@ -305,7 +306,7 @@ def record_trace(
     )
     for idx in moe:
         topk, score_ids, scores, hidden = (torch.cat(parts) for parts in zip(*rows[idx]))
-        keep = torch.arange(0, hidden.shape[0], hidden_every)
+        keep = torch.arange(0, hidden.shape[0], hidden_every) if hidden_every else torch.zeros(0, dtype=torch.long)
         trace.layers[idx] = LayerTrace(
             topk.to(torch.int16),
             score_ids.to(torch.int16),

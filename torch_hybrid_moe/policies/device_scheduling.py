@@ -21,7 +21,6 @@ class DeviceScheduler:
     synchronisation; `max_active` bounds the experts one step activates (min(E, routed pairs): a static shape)."""
 
     fetches = True  # may put a missing expert on the accelerator (the step then copies it into a slot first)
-    residents_on_accelerator = True  # a resident expert always runs from its slot (no CPU task at a full budget)
 
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         raise NotImplementedError
@@ -61,7 +60,7 @@ class CachedOnAcceleratorForm(DeviceScheduler):
 
 
 class AllOnCPUForm(DeviceScheduler):
-    fetches = residents_on_accelerator = False
+    fetches = False
 
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         return torch.zeros_like(resident)
@@ -84,8 +83,6 @@ class FiddlerForm(CostAwareForm):
 class DaliGreedyForm(CostAwareForm):
     """DALI's greedy: the step's experts in the Python form's order, walked by `ops.placement_walks`."""
 
-    residents_on_accelerator = False  # a heavy step may send a cached expert to an idle CPU
-
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         c = self.costs
         # (most tokens, resident first, lowest id) as one descending stable sort; inactive experts sort last
@@ -99,8 +96,6 @@ class DaliGreedyForm(CostAwareForm):
 class HybriMoEForm(CostAwareForm):
     """HybriMoE's two-ended queue (GPU from the head, CPU from the tail), walked by `ops.placement_walks`, with
     the link idle at the step's start as live layers see it."""
-
-    residents_on_accelerator = False  # the CPU may take light cached experts from the tail
 
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         c = self.costs
@@ -125,8 +120,6 @@ class QueueAwareForm(CostAwareForm):
     """Ours: the best of the cached set and the DALI and HybriMoE forms' sets, then local search on the step's time
     (`ops.placement_walks.queue_search`), on the step's active experts in id order (`max_active` of them at most),
     with the link idle at the step's start as live layers see it."""
-
-    residents_on_accelerator = False  # the search may move a cached expert to an idle CPU
 
     def __init__(self, costs: CostModel) -> None:
         super().__init__(costs)

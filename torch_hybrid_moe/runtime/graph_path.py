@@ -218,11 +218,20 @@ class GraphPath:
         weights = topk_weights.flatten().float() * valid.flatten()
         scores = torch.zeros_like(counts).scatter_add_(0, expert.flatten(), weights)
         resident = self.expert_slot >= 0
-        on_accelerator = self.scheduler.place(counts, resident, self.num_slots, min(self.num_experts, ids.numel()))
+        # A full budget runs every expert from its slot, with no CPU task in the step: a cost-aware form could send
+        # a resident expert to an idle CPU, but the task's host round trips cost more per layer than a decode
+        # step's experts on the GPU (ours decoded 166 tok/s with them at budget 1.0 on an H200, the default 247-256
+        # without them on an H100; RESULTS.md, 2026-11-26).
+        full = self.num_slots >= self.num_experts
+        on_accelerator = (
+            counts > 0
+            if full
+            else self.scheduler.place(counts, resident, self.num_slots, min(self.num_experts, ids.numel()))
+        )
         on_slot = valid & on_accelerator[expert]
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         buf = None
-        if self.num_slots < self.num_experts or not self.scheduler.residents_on_accelerator:
+        if not full:
             buf = self._task_buffers(hidden, ids, part)
             buf.hidden.copy_(hidden, non_blocking=True)
             buf.ids.copy_(torch.where(on_slot, -1, ids), non_blocking=True)

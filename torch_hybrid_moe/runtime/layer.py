@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ class RoutingRule:
 
 
 _OWNERS = itertools.count(1)  # numbers of the layers published in the C++ table (csrc/cpu_layers.cpp)
+_CPU_SHARE = ThreadPoolExecutor(1, thread_name_prefix="hybrid-moe-cpu-share")  # prefill CPU shares beside a ring
 
 
 class HybridMoELayer:
@@ -227,12 +229,18 @@ class HybridMoELayer:
                     store.slot_down,
                     rounded=store.rounds_inputs,
                 )
+        if cpu:
+            cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
+            args = (host_hidden, cpu_ids, host_weights, torch.get_num_threads())
+        # With a ring to queue (a Python loop over the streamed experts), the CPU share starts first, on the worker
+        # thread, so that the two overlap: the kernel runs without the GIL.
+        share = _CPU_SHARE.submit(self._cpu_share, *args) if cpu and streamed else None
         if streamed:
             ring = ring_for(store, self.config.staging_slots)
             self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
         if cpu:
-            cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
-            acc += self._cpu_share(host_hidden, cpu_ids, host_weights).to(acc.device, non_blocking=True)
+            out = share.result() if share is not None else self._cpu_share(*args)
+            acc += out.to(acc.device, non_blocking=True)
 
         s = self.counters
         s.accelerator_experts += len(plan.accelerator)
@@ -285,8 +293,13 @@ class HybridMoELayer:
         self.counters.add_cpu_steps(1, hidden.shape[0], active)
         return acc
 
-    def _cpu_share(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The fp32 sum of the pairs whose id is >= 0, computed from the host masters by the CPU kernel."""
+    def _cpu_share(
+        self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, threads: int | None = None
+    ) -> torch.Tensor:
+        """The fp32 sum of the pairs whose id is >= 0, computed from the host masters by the CPU kernel; with
+        `threads` threads where given (a worker thread's own count is OpenMP's default, not the caller's)."""
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         out = torch.zeros(hidden.shape, dtype=torch.float32)
         gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
         down, down_scale = kernel_operands(self.store.host_down)

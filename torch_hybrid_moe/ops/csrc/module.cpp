@@ -11,7 +11,9 @@ TORCH_LIBRARY_IMPL(hybrid_moe, CPU, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output; active experts");
+  // without the GIL: a prefill's CPU share runs on a worker thread while Python queues the staging ring
+  m.def("moe_experts", &moe_experts, "Accumulate routed SiLU-gated experts into an fp32 output; active experts",
+        py::call_guard<py::gil_scoped_release>());
   m.def("publish_cpu_layer", &publish_cpu_layer, "Publish a layer's host experts under its handle for cpu_moe");
   m.def("forget_cpu_handle", &forget_cpu_handle, "Publish nothing under a handle (it names a layer with slots)");
   m.def("drop_cpu_layer", &drop_cpu_layer, "Drop a layer (by owner) under every handle it was published under");
