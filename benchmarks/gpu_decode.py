@@ -31,9 +31,9 @@ The model is DeepSeek-V2-Lite-shaped with random bf16 weights at full size by de
 experts of 2048 x 1408, top-6, 2 shared experts, MLA attention; ~16 B parameters, ~31 GiB in host memory).
 Each row warms up (compilation, graph capture) with both prompt lengths, then times generate(): prefill = the
 prompt's tokens over the time of a 1-token generate; decode = the extra tokens over the extra time of a longer
-generate. Medians of --repeats. The floor is the time to stream the experts the CPU computed per token
-(measured misses) at the host's measured copy rate (bytes read plus written, an upper bound on what reads
-alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU. The prefill floor is the
+generate. Medians of --repeats. The floor is the time to stream the experts the CPU computed per token (measured:
+the layers' `cpu_experts` counts) at the host's measured copy rate (bytes read plus written, an upper bound on what
+reads alone reach): a ceiling on tok/s for any layout that computes those experts on this CPU. The prefill floor is the
 better of two: every routed expert copied to the GPU once at the measured pinned copy rate (PCIe), or read once by
 the CPU at the host's copy rate; the prefill column's share of it is printed beside it.
 
@@ -46,6 +46,7 @@ the CPU at the host's copy rate; the prefill column's share of it is printed bes
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import platform
@@ -123,8 +124,8 @@ def lite_config(layers: int) -> DeepseekV2Config:
 def random_model(config: DeepseekV2Config) -> torch.nn.Module:
     """bf16 weights drawn cheaply: every tensor is filled from one seeded random pool at its own offset, so every
     call gives the same weights."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device("meta"):  # a config of its own: patching marks the model's config as patched
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     model.to_empty(device="cpu")
     pool = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16) * 0.02
     for i, t in enumerate([*model.parameters(), *model.buffers()]):
@@ -192,10 +193,11 @@ def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: St
     return time.perf_counter() - start
 
 
-def expert_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """Activated experts found in slots and computed on the CPU, summed over layers since the last reset."""
+def expert_counts(model: torch.nn.Module) -> tuple[int, int, int]:
+    """Activated experts found in slots, not found there, and computed on the CPU (a cost-aware scheduler may send
+    a slot's expert to the CPU and fetch a missing one), summed over layers since the last reset."""
     stats = thm.stats(model).values()
-    return sum(s.hits for s in stats), sum(s.misses for s in stats)
+    return sum(s.hits for s in stats), sum(s.misses for s in stats), sum(s.cpu_experts for s in stats)
 
 
 def accelerate_offload(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -259,26 +261,25 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
     with torch.no_grad():
         for ids in (short, *prompts):  # compile (every prefill shape) and capture
             generate_s(model, ids, args.tokens, cache)
-        prefill, decode, hits, misses = {n: [] for n in args.prompt}, [], [], []
+        prefill, decode, hits, misses, on_cpu = {n: [] for n in args.prompt}, [], [], [], []
         for _ in range(args.repeats):
             counts = []
             for tokens in (1, args.tokens + 1):
                 if patched:
                     thm.reset_stats(model)
                 seconds = generate_s(model, short, tokens, cache)
-                counts.append((seconds, *(expert_counts(model) if patched else (0, 0))))
-            (one, one_hits, one_misses), (many, many_hits, many_misses) = counts
+                counts.append((seconds, *(expert_counts(model) if patched else (0, 0, 0))))
+            (one, *one_counts), (many, *many_counts) = counts
             decode.append((many - one) / args.tokens)
-            hits.append(many_hits - one_hits)
-            misses.append(many_misses - one_misses)  # the decode steps' experts computed on the CPU
+            for kept, a, b in zip((hits, misses, on_cpu), one_counts, many_counts):
+                kept.append(b - a)  # the decode steps' own
             for n, ids in zip(args.prompt, prompts):
                 prefill[n].append(n / generate_s(model, ids, 1, cache))
         if args.profile:
             profile(model, short, prompts[0], args.tokens, cache, args.profile / label(row))
     expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
-    # On-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model.
-    on_cpu = row.get("scheduler") != "on_demand"
-    cpu_bytes_per_token = statistics.median(misses) / args.tokens * expert_bytes if on_cpu else 0
+    # (on-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model)
+    cpu_bytes_per_token = statistics.median(on_cpu) / args.tokens * expert_bytes
     all_experts = (config.num_hidden_layers - config.first_k_dense_replace) * config.n_routed_experts * expert_bytes
     del model, cache
     release()
@@ -287,6 +288,7 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
         "decode_tok_s": 1 / statistics.median(decode),
         "prefill_tok_s": {n: statistics.median(p) for n, p in prefill.items()},
         "hit_rate": sum(hits) / max(1, sum(hits) + sum(misses)) if patched else None,
+        "cpu_experts_per_token": statistics.median(on_cpu) / args.tokens if patched else None,
         "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else None,
         "prefill_floor_tok_s": {n: n * max(pcie, bandwidth) * 1e9 / all_experts for n in args.prompt},
     }
@@ -299,8 +301,13 @@ def prompt_ids(config: DeepseekV2Config, n: int) -> torch.Tensor:
 
 
 def label(row: dict) -> str:
-    """A file-name-safe name for one row's settings."""
-    return "-".join(f"{v}" for k, v in row.items() if k != "hardware").replace("/", "_")
+    """A file-name-safe name for one row's settings (a dict of options as its name=value pairs)."""
+    values = [
+        "-".join(f"{n}={x}" for n, x in v.items()) if isinstance(v, dict) else f"{v}"
+        for k, v in row.items()
+        if k != "hardware"
+    ]
+    return "-".join(values).replace("/", "_")
 
 
 def profile(
@@ -418,7 +425,8 @@ def main() -> None:
                 f"{n}: {v:8.1f} tok/s ({v / r['prefill_floor_tok_s'][n]:4.0%} of {r['prefill_floor_tok_s'][n]:.0f})"
                 for n, v in r["prefill_tok_s"].items()
             )
-            + f"  hit {fmt(r['hit_rate'], '.3f')}  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s",
+            + f"  hit {fmt(r['hit_rate'], '.3f')}  CPU experts/token {fmt(r['cpu_experts_per_token'], '.1f')}"
+            + f"  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s",
             flush=True,
         )
         if args.json:

@@ -149,12 +149,14 @@ def test_graph_replay_with_fetching_schedulers_matches_reference(policies):
     """Placement and on-demand copies are decided on the device at every replay (policies/device_scheduling.py);
     ours is queue-aware placement over the window cache, both in tensor form."""
     model = _replays_match_reference(**policies, hardware="rtx5090", expert_shape="deepseek-v2-lite")
+    # the replays' own on-demand copies, on the device counters before stats() folds them in
+    paths = [layer.graph_path() for layer in model_layers(model).values()]
+    assert sum(int(p.counters[GraphPath.COUNTERS.index("fetched")]) for p in paths) > 0
     stats = thm.stats(model).values()
     on_gpu, hits = sum(s.accelerator_experts for s in stats), sum(s.hits for s in stats)
     cpu, misses = sum(s.cpu_experts for s in stats), sum(s.misses for s in stats)
     streamed = sum(s.streamed_experts for s in stats)  # prefill's, through the staging ring
     assert on_gpu + cpu + streamed == hits + misses
-    assert on_gpu > hits  # some missed experts were fetched and ran on the GPU
 
 
 @pytest.mark.parametrize(

@@ -308,9 +308,11 @@ def measure_gpu(
     """On CUDA device 0: median seconds of one expert for n tokens with the runtime's GPU expert math, and of
     copying one expert's bytes and SMALL_COPY bytes from pinned host memory (CUDA events).
 
-    The experts run as the decode step runs them, inside a CUDA graph: one captured graph computes GRAPH_EXPERTS
-    experts of the pool in turn, and a replay's time is divided among them. Timed eagerly, Python's launches
-    (~0.3 ms an expert on an H100) would make every GPU expert look dearer than a CPU one."""
+    The experts run inside a CUDA graph, so the time is the GPU's, not Python's launches: one captured graph
+    computes up to GRAPH_EXPERTS experts of the pool in turn (the per-expert math of the staging ring and the
+    eager path; the decode graph batches its slot experts, `slot_experts_`), and a replay's time is divided among
+    them. Timed eagerly, the launches (~0.34 ms an expert on an H100) made every GPU expert look dearer than a
+    CPU one."""
     from .ops.expert_math import expert_into_
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

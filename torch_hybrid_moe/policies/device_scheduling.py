@@ -4,6 +4,7 @@ A replayed graph runs no Python, so the placement of a captured decode step is d
 device: from the step's token count per expert and the slot map, which activated experts run on the
 accelerator (a missing one after an on-demand copy inside the step) and which on the CPU. Each form makes the
 same choice as its Python scheduler in `schedulers.py` (compared on random steps in tests/test_graph_path.py);
+at a full budget the graph step does not ask it (every expert runs from its slot: runtime/graph_path.py);
 the cost-aware ones evaluate the same `CostModel` terms in float64, in the same order, so ties break alike.
 """
 

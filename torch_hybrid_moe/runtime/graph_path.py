@@ -17,6 +17,9 @@ but not what comes after.
 The fill stream reads copies of its inputs made on the compute stream: Inductor reuses a buffer as soon as
 its last op in the graph returns, without asking the allocator, so `record_stream` alone would not keep the
 original alive. No decision that depends on routing is taken in Python, so none is frozen at capture.
+At a full budget every expert is in a slot, and the step runs them all from there with no CPU task, whatever
+the scheduler: the uncaptured path (prefill) still follows the scheduler, which may send resident experts to an
+idle CPU when their many tokens make that pay.
 
 Without CUDA the same code runs eagerly (host functions called directly, torch indexing for the copies), which
 is how the CPU-only test suite checks this path against the reference model.
@@ -218,10 +221,9 @@ class GraphPath:
         weights = topk_weights.flatten().float() * valid.flatten()
         scores = torch.zeros_like(counts).scatter_add_(0, expert.flatten(), weights)
         resident = self.expert_slot >= 0
-        # A full budget runs every expert from its slot, with no CPU task in the step: a cost-aware form could send
-        # a resident expert to an idle CPU, but the task's host round trips cost more per layer than a decode
-        # step's experts on the GPU (ours decoded 166 tok/s with them at budget 1.0 on an H200, the default 247-256
-        # without them on an H100; RESULTS.md, 2026-11-26).
+        # A full budget runs every expert from its slot, with no CPU task in the step (module docstring): a
+        # cost-aware form could send a resident expert to an idle CPU, but the task's host round trips cost more
+        # per layer than a decode step's few experts on the GPU (not measured alone; RESULTS.md, 2026-11-26).
         full = self.num_slots >= self.num_experts
         on_accelerator = (
             counts > 0

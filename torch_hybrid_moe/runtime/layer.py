@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from ..config import HybridMoEConfig
+from ..ops import cpu_kernel
 from ..ops.expert_math import accumulate_experts_
 from ..ops.kernel_build import extension
 from ..ops.library import cpu_experts_into
@@ -231,15 +232,24 @@ class HybridMoELayer:
                 )
         if cpu:
             cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
-            args = (host_hidden, cpu_ids, host_weights, torch.get_num_threads())
-        # With a ring to queue (a Python loop over the streamed experts), the CPU share starts first, on the worker
-        # thread, so that the two overlap: the kernel runs without the GIL.
-        share = _CPU_SHARE.submit(self._cpu_share, *args) if cpu and streamed else None
+        share = None
+        if cpu and streamed:
+            # With a ring to queue (a Python loop over the streamed experts), the CPU share starts first, on the
+            # worker thread, so that the two overlap (the kernel runs without the GIL). A route not yet measured
+            # for this shape is measured here first, not beside the ring's work.
+            gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
+            if cpu_kernel.best_isa() >= 0:
+                cpu_kernel.gemm_route(host_hidden, gate_up, gate_up_scale)
+            share = _CPU_SHARE.submit(self._cpu_share, host_hidden, cpu_ids, host_weights)
         if streamed:
             ring = ring_for(store, self.config.staging_slots)
-            self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
+            try:
+                self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
+            finally:  # the worker's share is done before anything else happens, even when the ring failed
+                if share is not None:
+                    wait([share])
         if cpu:
-            out = share.result() if share is not None else self._cpu_share(*args)
+            out = share.result() if share is not None else self._cpu_share(host_hidden, cpu_ids, host_weights)
             acc += out.to(acc.device, non_blocking=True)
 
         s = self.counters
@@ -293,13 +303,9 @@ class HybridMoELayer:
         self.counters.add_cpu_steps(1, hidden.shape[0], active)
         return acc
 
-    def _cpu_share(
-        self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, threads: int | None = None
-    ) -> torch.Tensor:
-        """The fp32 sum of the pairs whose id is >= 0, computed from the host masters by the CPU kernel; with
-        `threads` threads where given (a worker thread's own count is OpenMP's default, not the caller's)."""
-        if threads is not None and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+    def _cpu_share(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The fp32 sum of the pairs whose id is >= 0, computed from the host masters by the CPU kernel (on the
+        worker thread too, with torch's thread count: ATen gives every thread the count set for the process)."""
         out = torch.zeros(hidden.shape, dtype=torch.float32)
         gate_up, gate_up_scale = kernel_operands(self.store.host_gate_up)
         down, down_scale = kernel_operands(self.store.host_down)
