@@ -75,3 +75,53 @@ def test_cuda_ring_reuses_a_buffer_only_after_its_compute():
         down.double(),
     )
     torch.testing.assert_close(out.double().cpu(), 2 * want, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_slot_experts_replay_under_new_routing():
+    """The decode graph's slot share on bf16 slots (grouped GEMMs reading each used slot in place), captured once
+    and replayed under fresh routing each time, against a float64 loop; pairs off the slots (-1) left out."""
+    from torch_hybrid_moe.ops.expert_math import _grouped_slots, accumulate_experts_, slot_experts_
+
+    slots, h, i, tokens, k = 8, 64, 48, 3, 4
+    gate_up = (torch.randn(slots, 2 * i, h) / h**0.5).to("cuda", torch.bfloat16)
+    down = (torch.randn(slots, h, i) / i**0.5).to("cuda", torch.bfloat16)
+    assert _grouped_slots(gate_up)
+    hidden = torch.empty(tokens, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.empty(tokens, k, device="cuda", dtype=torch.long)
+    weights, out = torch.empty(tokens, k, device="cuda"), torch.empty(tokens, h, device="cuda")
+
+    def draw() -> None:
+        hidden.copy_(torch.randn(tokens, h))
+        routed = torch.stack([torch.randperm(slots)[:k] for _ in range(tokens)])
+        routed[torch.rand(routed.shape) < 0.3] = -1
+        ids.copy_(routed)
+        weights.copy_(torch.rand(tokens, k))
+        out.fill_(float("nan"))
+
+    def run() -> None:
+        out.zero_()
+        slot_experts_(out, hidden, ids, weights, gate_up, down)
+
+    draw()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        draw()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = accumulate_experts_(
+            torch.zeros(tokens, h, dtype=torch.float64),
+            hidden.double().cpu(),
+            ids.cpu(),
+            weights.double().cpu(),
+            gate_up.double().cpu(),
+            down.double().cpu(),
+        )
+        assert torch.isfinite(out).all()
+        assert ((out.double().cpu() - want).norm() / want.norm()).item() < 1e-2
