@@ -81,6 +81,7 @@ def test_grouped_slot_experts_replay_under_new_routing():
     """The decode graph's slot share on bf16 slots (grouped GEMMs reading each used slot in place), captured once
     and replayed under fresh routing each time, against a float64 loop; pairs off the slots (-1) left out."""
     from torch_hybrid_moe.ops.expert_math import _grouped_slots, accumulate_experts_, slot_experts_
+    from torch_hybrid_moe.profiling import captured
 
     slots, h, i, tokens, k = 8, 64, 48, 3, 4
     gate_up = (torch.randn(slots, 2 * i, h) / h**0.5).to("cuda", torch.bfloat16)
@@ -103,14 +104,7 @@ def test_grouped_slot_experts_replay_under_new_routing():
         slot_experts_(out, hidden, ids, weights, gate_up, down)
 
     draw()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = captured(run)
     for _ in range(3):
         draw()
         graph.replay()

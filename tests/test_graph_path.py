@@ -368,8 +368,9 @@ def test_replay_safe_path_matches_reference_model(reference_models, arch, budget
 @needs_kernel
 @pytest.mark.parametrize("scheduler", ["all_cpu", "queue_aware"])
 def test_full_budget_step_runs_no_cpu_task(reference_models, scheduler):
-    """At a full budget the graph step computes every expert from its slot and launches no CPU task, whatever the
-    scheduler would place (all_cpu: everything on the CPU; queue_aware: an idle CPU may take cached experts)."""
+    """At a full budget the graph step computes every expert from its slot, launches no CPU task and queues no
+    admission, whatever the scheduler would place (all_cpu: everything on the CPU; queue_aware: an idle CPU may take
+    cached experts)."""
     ref = reference_models["deepseek_v2"]
     model = thm.patch_model(copy.deepcopy(ref), expert_budget=1.0, device="cpu", scheduler=scheduler, hardware="dali")
     layers = model_layers(model).values()
@@ -378,6 +379,7 @@ def test_full_budget_step_runs_no_cpu_task(reference_models, scheduler):
         layer.graph_mode = True
         path = layer.graph_path()
         path._launch = lambda task, what: launched.append(what)  # a spy: every launch is recorded
+        path._admit = lambda counts, scores: launched.append("admit")
     x = torch.randint(3, 96, (2, 6))
     with torch.no_grad():
         want, got = ref(x).logits.double(), model(x).logits.double()

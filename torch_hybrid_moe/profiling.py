@@ -302,6 +302,20 @@ def measure_cpu(
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
+def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`run` as one CUDA graph, captured after a warm-up run on a side stream (library handles and workspaces are
+    created outside the capture, as torch asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 def measure_gpu(
     expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int, bar: tqdm | None = None
 ) -> tuple[dict[int, float], float, float]:
@@ -341,14 +355,7 @@ def measure_gpu(
             for e in chain:
                 expert_into_(acc, hidden, tokens, weights, gate_up[e], down[e], False)
 
-        side = torch.cuda.Stream()  # warm-up (library handles, workspaces) off the capture, as torch asks
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        graph = captured(run)
         return timed(lambda i: graph.replay()) / len(chain)
 
     gpu: dict[int, float] = {}

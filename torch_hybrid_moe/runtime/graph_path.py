@@ -17,8 +17,8 @@ but not what comes after.
 The fill stream reads copies of its inputs made on the compute stream: Inductor reuses a buffer as soon as
 its last op in the graph returns, without asking the allocator, so `record_stream` alone would not keep the
 original alive. No decision that depends on routing is taken in Python, so none is frozen at capture.
-At a full budget every expert is in a slot, and the step runs them all from there with no CPU task, whatever
-the scheduler: the uncaptured path (prefill) still follows the scheduler, which may send resident experts to an
+At a full budget every expert is in a slot, and the step runs them all from there with no CPU task and no
+admission, whatever the scheduler: the uncaptured path (prefill) still follows the scheduler, which may send resident experts to an
 idle CPU when their many tokens make that pay.
 
 Without CUDA the same code runs eagerly (host functions called directly, torch indexing for the copies), which
@@ -125,6 +125,7 @@ class GraphPath:
         store = layer.store
         self.device = store.device
         self.num_experts, self.num_slots = store.num_experts, store.num_slots
+        self.full = self.num_slots >= self.num_experts  # every expert in a slot: no CPU task, nothing to admit
         self.fills = min(layer.config.fills_per_step, self.num_slots)
         config = layer.config
         self.ranking: DeviceRanking = CACHE_POLICIES.tensor_form(config.cache_policy)(
@@ -224,16 +225,15 @@ class GraphPath:
         # A full budget runs every expert from its slot, with no CPU task in the step (module docstring): a
         # cost-aware form could send a resident expert to an idle CPU, but the task's host round trips cost more
         # per layer than a decode step's few experts on the GPU (not measured alone; RESULTS.md, 2026-11-26).
-        full = self.num_slots >= self.num_experts
         on_accelerator = (
             counts > 0
-            if full
+            if self.full
             else self.scheduler.place(counts, resident, self.num_slots, min(self.num_experts, ids.numel()))
         )
         on_slot = valid & on_accelerator[expert]
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         buf = None
-        if not full:
+        if not self.full:
             buf = self._task_buffers(hidden, ids, part)
             buf.hidden.copy_(hidden, non_blocking=True)
             buf.ids.copy_(torch.where(on_slot, -1, ids), non_blocking=True)
@@ -269,14 +269,14 @@ class GraphPath:
                 active = counts > 0
             self._count(steps=1, tokens=ids.shape[0], hits=(active & resident).sum(), misses=(active & ~resident).sum())
             if part == Part.PLAIN:
-                self._on_fill_stream(self._admit, counts, scores)
+                self._admit_later(counts, scores)
             else:
                 self._unadmitted = counts, scores
         elif part == Part.AHEAD:
             self._ahead = counts, scores
         elif self._unadmitted is not None:  # BEHIND: its slot reads are queued, the copies may follow
             unadmitted, self._unadmitted = self._unadmitted, None
-            self._on_fill_stream(self._admit, *unadmitted)
+            self._admit_later(*unadmitted)
         self._pending[part] = buf
         return acc
 
@@ -369,6 +369,11 @@ class GraphPath:
             work(*tensors)
             self._ready = torch.cuda.Event()
             self._ready.record(stream)
+
+    def _admit_later(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        """The step's ranking update and admissions, on the fill stream; none at a full budget."""
+        if not self.full:
+            self._on_fill_stream(self._admit, counts, scores)
 
     def _admit(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
         """The ranking update and slot fills of one layer step (counts and summed scores per expert)."""
