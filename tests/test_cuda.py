@@ -118,4 +118,4 @@ def test_grouped_slot_experts_replay_under_new_routing():
             down.double().cpu(),
         )
         assert torch.isfinite(out).all()
-        assert ((out.double().cpu() - want).norm() / want.norm()).item() < 1e-2
+        assert (out.double().cpu() - want).norm() <= 1e-2 * want.norm() + 1e-12  # all pairs may be off the slots

@@ -170,7 +170,8 @@ def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, dty
     )
     out = torch.full((tokens, 32), 0.5)  # accumulated into, not overwritten
     got = slot_experts_(out, hidden, ids, weights, gate_up, down) - 0.5
-    assert torch.isfinite(got).all() and ((got.double() - want).norm() / want.norm()).item() < tolerance
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).norm() <= tolerance * want.norm() + 1e-12  # every pair may be dropped: want 0
 
 
 def test_copy_rows_copies_only_rows_with_a_source():
