@@ -18,8 +18,8 @@ The fill stream reads copies of its inputs made on the compute stream: Inductor 
 its last op in the graph returns, without asking the allocator, so `record_stream` alone would not keep the
 original alive. No decision that depends on routing is taken in Python, so none is frozen at capture.
 At a full budget every expert is in a slot, and the step runs them all from there with no CPU task and no
-admission, whatever the scheduler: the uncaptured path (prefill) still follows the scheduler, which may send resident experts to an
-idle CPU when their many tokens make that pay.
+admission, whatever the scheduler: the uncaptured path (prefill) still follows the scheduler, which may send
+resident experts to an idle CPU when their many tokens make that pay.
 
 Without CUDA the same code runs eagerly (host functions called directly, torch indexing for the copies), which
 is how the CPU-only test suite checks this path against the reference model.
