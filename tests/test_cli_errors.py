@@ -82,6 +82,7 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["simulate", "--trace", str(TRACE), "--cache-ratio", "1.5"], "--cache-ratio: must be in [0.0, 1.0], got 1.5"),
         (["simulate", "--trace", str(TRACE), "--cache-ratio", "nan"], "--cache-ratio: must be in [0.0, 1.0]"),
         (["simulate", "--trace", str(TRACE), "--plot-dir", "{json}"], "is not a writable directory"),
+        (["simulate", "--trace", str(TRACE), "--dense-us", "-1"], "--dense-us: must be >= 0.0, got -1"),
         (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
         (["trace", "--out", "{tmp}"], "is a directory; give a file name"),
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
@@ -305,3 +306,19 @@ def test_simulate_with_a_profile_from_another_machine(tmp_path, monkeypatch, cap
     one_line_error(capsys, [*argv, "--profile", str(tmp_path / "missing.json")], "is not a readable cost profile")
     one_line_error(capsys, [*argv, "--profile", str(old)], f"is a cost profile of format {profiling.FORMAT - 1}")
     one_line_error(capsys, [*argv, "--profile", str(path), "--hardware", "rtx4090"], "not allowed with argument")
+
+
+def test_simulate_with_a_measured_dense_time(tmp_path, capsys):
+    """--dense-us prices every decoder block's non-MoE work at a measured time: the all-CPU stack's decode steps,
+    which have nothing to overlap it with, each grow by exactly that much per layer over the estimate."""
+    path = tmp_path / "synthetic.safetensors"
+    trace = synthetic_trace(1.0, 0.4, num_experts=8, top_k=2, sequences=1, prompt_tokens=8, new_tokens=8)
+    trace.save(path)
+    argv = ["simulate", "--trace", str(path), "--ours", "2,1,0.5,0", "--json"]
+    rates = []
+    for extra in ([], ["--dense-us", "500"]):
+        assert main([*argv, *extra]) == 0
+        rates.append({r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r})
+    costs = CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])
+    grown = len(trace.layers) * (500e-6 - costs.t_dense(1))  # per decode step (one token at batch 1)
+    assert 1 / rates[1]["ktransformers"] == pytest.approx(1 / rates[0]["ktransformers"] + grown)

@@ -2,6 +2,7 @@
 
 import itertools
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,21 @@ def test_all_cpu_stack_time_is_the_sum_of_cpu_expert_times():
     assert r.decode_tok_s == pytest.approx(3 / want_decode)
     assert r.prefill_tok_s == pytest.approx(3 / want_prefill)
     assert r.pcie_gb == 0 and r.hit_rate == 0
+
+
+def test_measured_dense_time_replaces_the_blocks_fixed_cost():
+    """`dense_us` (a block's non-MoE time at one token, measured on a real step) is t_dense at one token, more
+    tokens add what the estimate adds (none where the shape has no dense work), and the all-CPU stack's decode
+    steps take it in full."""
+    measured = replace(COSTS, dense_us=300.0)
+    assert measured.t_dense(1) == pytest.approx(300e-6) and measured.t_dense(0) == 0.0
+    assert measured.t_dense(512) - measured.t_dense(1) == pytest.approx(COSTS.t_dense(512) - COSTS.t_dense(1))
+    assert COSTS.t_dense(512) > COSTS.t_dense(1)  # the growth is not nothing
+    plain = replace(CostModel(HARDWARE["dali"], ExpertShape("x", 64, 32)), dense_us=300.0)
+    assert plain.t_dense(1) == plain.t_dense(512) == pytest.approx(300e-6)
+    trace = tiny_trace([[0, 0, 1], [2], [2], [3]])
+    r = simulate(trace, STACKS["ktransformers"], measured)
+    assert r.decode_tok_s == pytest.approx(3 / (3 * (measured.t_dense(1) + COSTS.t_cpu(1))))
 
 
 def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():

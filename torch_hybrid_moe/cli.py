@@ -299,7 +299,7 @@ def _ours_spec(text: str) -> tuple[int, int, float, int]:
 def simulate(args: argparse.Namespace) -> int:
     """Replay a trace through every policy stack on a hardware preset; one row per stack."""
     import json
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from torch_hybrid_moe.cost_model import CostModel
     from torch_hybrid_moe.policies.prefetching import MissingRouter
@@ -322,6 +322,8 @@ def simulate(args: argparse.Namespace) -> int:
         costs = _local_profile(args).cost_model()
     else:
         costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
+    if args.dense_us is not None:
+        costs = replace(costs, dense_us=args.dense_us)
     ranked = None  # where a calibration trace tuned ours: its pick's rank on this trace among the candidates
     if args.ours:
         mine = ours(*args.ours)
@@ -753,6 +755,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             choices=sorted(HARDWARE),
             help="with local hardware and no CUDA device: the preset the GPU and link figures come from",
         )
+    s.add_argument(
+        "--dense-us",
+        type=_bounded(float, 0.0),
+        metavar="US",
+        help="a decoder block's fixed non-MoE time at decode, measured on a real step (e.g. gpu_decode.py's whole-GPU "
+        "row: its time per token over its layers); default: the estimate from the expert shape",
+    )
     s.add_argument("--batch", type=_bounded(int, 1), default=1)
     s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)
     s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")

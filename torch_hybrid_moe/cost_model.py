@@ -125,10 +125,14 @@ class Terms(NamedTuple):
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds for one expert of `expert` size: t_cpu(tokens), t_gpu(tokens), t_transfer()."""
+    """Seconds for one expert of `expert` size: t_cpu(tokens), t_gpu(tokens), t_transfer(); and of the rest of a
+    decoder block, t_dense(tokens). `dense_us`: that block's time at one token, measured on a real step (attention,
+    norms, router: dozens of small kernels, which `expert.dense` routed experts' worth of work underprices); more
+    tokens add what the estimate adds. None keeps the estimate."""
 
     hardware: Hardware
     expert: ExpertShape
+    dense_us: float | None = None
 
     def _terms(self, bandwidth_gb_s: float, tflops: float, overhead_us: float, experts: float = 1.0) -> Terms:
         read = experts * self.expert.nbytes / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
@@ -154,9 +158,14 @@ class CostModel:
         """GPU time of the rest of one decoder block (attention, shared experts) for `tokens` tokens; the KV
         cache's reads, which grow with the context, are left out."""
         h = self.hardware
-        if self.expert.dense <= 0:
-            return 0.0
-        return self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, self.expert.dense).time(tokens)
+        terms = self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, self.expert.dense)
+
+        def estimate(n: int) -> float:
+            return terms.time(n) if self.expert.dense > 0 else 0.0
+
+        if self.dense_us is None or tokens <= 0:
+            return estimate(tokens)
+        return self.dense_us * 1e-6 + estimate(tokens) - estimate(1)
 
     def t_transfer(self) -> float:
         h = self.hardware
