@@ -214,40 +214,25 @@ class HybridMoELayer:
         host_ids, host_weights = (topk_ids.cpu(), topk_weights.cpu()) if plan.cpu else (topk_ids, topk_weights)
         host_hidden = hidden.cpu() if cpu else hidden
 
-        acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        if plan.accelerator:
-            store.wait_for_copies()
-            slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in plan.accelerator})
-            if store.device.type == "cpu" and not store.rounds_inputs:  # the CPU standing in for the accelerator
-                cpu_experts_into(hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc)
-            else:
-                accumulate_experts_(
-                    acc,
-                    hidden,
-                    slot_ids,
-                    topk_weights,
-                    store.slot_gate_up,
-                    store.slot_down,
-                    rounded=store.rounds_inputs,
-                )
+        share = None
         if cpu:
             cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
-        share = None
-        if cpu and streamed:
-            # With a ring to queue (a Python loop over the streamed experts), the CPU share starts first, on the
-            # worker thread, so that the two overlap (the kernel runs without the GIL). A route not yet measured
-            # for this shape is measured here first, not beside the ring's work.
+        if cpu and (streamed or hidden.device.type == "cuda"):
+            # The CPU share starts first, on the worker thread, so that it overlaps the Python that queues the
+            # accelerator's share and the staging ring (the kernel runs without the GIL). A route not yet measured
+            # for this shape is measured here first, not beside that work.
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             if cpu_kernel.best_isa() >= 0:
                 cpu_kernel.gemm_route(host_hidden, gate_up, gate_up_scale)
             share = _CPU_SHARE.submit(self._cpu_share, host_hidden, cpu_ids, host_weights)
-        if streamed:
-            ring = ring_for(store, self.config.staging_slots)
-            try:
+        try:
+            acc = self._accelerator_share(hidden, topk_ids, topk_weights, plan.accelerator)
+            if streamed:
+                ring = ring_for(store, self.config.staging_slots)
                 self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
-            finally:  # the worker's share is done before anything else happens, even when the ring failed
-                if share is not None:
-                    wait([share])
+        finally:  # the worker's share is done before anything else happens, even when the accelerator's failed
+            if share is not None:
+                wait([share])
         if cpu:
             out = share.result() if share is not None else self._cpu_share(host_hidden, cpu_ids, host_weights)
             acc += out.to(acc.device, non_blocking=True)
@@ -301,6 +286,24 @@ class HybridMoELayer:
         acc = self._cpu_share(hidden, topk_ids, topk_weights)
         active = int(torch.bincount(topk_ids.reshape(-1) + 1, minlength=self.store.num_experts + 1)[1:].count_nonzero())
         self.counters.add_cpu_steps(1, hidden.shape[0], active)
+        return acc
+
+    def _accelerator_share(
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: list[int]
+    ) -> torch.Tensor:
+        """The fp32 sum of the pairs of `experts` (each in a slot), on the accelerator."""
+        store = self.store
+        acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        if not experts:
+            return acc
+        store.wait_for_copies()
+        slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in experts})
+        if store.device.type == "cpu" and not store.rounds_inputs:  # the CPU standing in for the accelerator
+            cpu_experts_into(hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc)
+        else:
+            accumulate_experts_(
+                acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, rounded=store.rounds_inputs
+            )
         return acc
 
     def _cpu_share(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
