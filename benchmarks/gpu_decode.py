@@ -291,6 +291,9 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
         "cpu_experts_per_token": statistics.median(on_cpu) / args.tokens if patched else None,
         "floor_tok_s": bandwidth * 1e9 / cpu_bytes_per_token if cpu_bytes_per_token else None,
         "prefill_floor_tok_s": {n: n * max(pcie, bandwidth) * 1e9 / all_experts for n in args.prompt},
+        # the whole-GPU row's time a token over its layers: `hybrid-moe simulate --dense-us` (an upper estimate of a
+        # block's non-MoE time: it includes the routed experts and the head)
+        "block_us": 1e6 * statistics.median(decode) / config.num_hidden_layers if row["row"] == "gpu" else None,
     }
 
 
@@ -426,7 +429,8 @@ def main() -> None:
                 for n, v in r["prefill_tok_s"].items()
             )
             + f"  hit {fmt(r['hit_rate'], '.3f')}  CPU experts/token {fmt(r['cpu_experts_per_token'], '.1f')}"
-            + f"  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s",
+            + f"  floor {fmt(r['floor_tok_s'], '7.2f')} tok/s"
+            + (f"  {r['block_us']:.0f} us a layer (simulate --dense-us)" if r["block_us"] else ""),
             flush=True,
         )
         if args.json:
