@@ -79,37 +79,6 @@ def _grouped_slots(slot_gate_up: torch.Tensor) -> bool:
     )
 
 
-def _grouped_slot_experts_(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    slot_ids: torch.Tensor,
-    weights: torch.Tensor,
-    slot_gate_up: torch.Tensor,
-    slot_down: torch.Tensor,
-    rounded: bool,
-) -> torch.Tensor:
-    """`slot_experts_` through grouped GEMMs: the (token, k) pairs sorted by slot (pairs off the slots last, past
-    the last group, where the GEMMs leave their rows unwritten and the sum leaves them out), then summed per token
-    over k in a fixed order."""
-    num_tokens, num_k = slot_ids.shape
-    num_slots = slot_gate_up.shape[0]
-    flat = slot_ids.reshape(-1)
-    on_slot = flat >= 0
-    key, perm = torch.sort(torch.where(on_slot, flat, num_slots), stable=True)
-    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = torch.cumsum(counts[:num_slots], 0, dtype=torch.int32)  # each slot's end among the sorted pairs
-    x = _rounded(hidden, rounded)[perm // num_k].to(slot_gate_up.dtype)
-    gate, up = torch._grouped_mm(x, slot_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-    h = _rounded(F.silu(gate) * up, rounded)
-    y = torch._grouped_mm(h, slot_down.transpose(-2, -1), offs=offs).float()
-    sorted_weights = weights.reshape(-1)[perm].float().unsqueeze(-1)
-    contribution = torch.where(on_slot[perm].unsqueeze(-1), y * sorted_weights, 0.0)  # unwritten rows: not read
-    pairs = torch.empty_like(contribution).index_copy_(0, perm, contribution)  # back in (token, k) order
-    out += pairs.view(num_tokens, num_k, -1).sum(dim=1)
-    return out
-
-
 def _rounded(x: torch.Tensor, rounds: bool) -> torch.Tensor:
     """x as an int8 / int4 expert multiplies it (rounded per 32 columns), in x's dtype; else x."""
     return quantize_activations(x).to(x.dtype) if rounds else x
@@ -133,10 +102,26 @@ def slot_experts_(
     whose weight is zero), each on all T tokens, from a gathered copy of their weights: at decode that reads and
     writes the used experts' weights once more. `rounded`: as in `accumulate_experts_`.
     """
-    if _grouped_slots(slot_gate_up):
-        return _grouped_slot_experts_(out, hidden, slot_ids, weights, slot_gate_up, slot_down, rounded)
     num_tokens, num_k = slot_ids.shape
     num_slots = slot_gate_up.shape[0]
+    if _grouped_slots(slot_gate_up):
+        # the (token, k) pairs sorted by slot; pairs off the slots last, past the last group, where the GEMMs
+        # leave their rows unwritten and the sum leaves them out; then summed per token over k in a fixed order
+        flat = slot_ids.reshape(-1)
+        on_slot = flat >= 0
+        key, perm = torch.sort(torch.where(on_slot, flat, num_slots), stable=True)
+        counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+        offs = torch.cumsum(counts[:num_slots], 0, dtype=torch.int32)  # each slot's end among the sorted pairs
+        x = _rounded(hidden, rounded)[perm // num_k].to(slot_gate_up.dtype)
+        gate, up = torch._grouped_mm(x, slot_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        h = _rounded(F.silu(gate) * up, rounded)
+        y = torch._grouped_mm(h, slot_down.transpose(-2, -1), offs=offs).float()
+        sorted_weights = weights.reshape(-1)[perm].float().unsqueeze(-1)
+        contribution = torch.where(on_slot[perm].unsqueeze(-1), y * sorted_weights, 0.0)  # unwritten rows: unread
+        pairs = torch.empty_like(contribution).index_copy_(0, perm, contribution)  # back in (token, k) order
+        out += pairs.view(num_tokens, num_k, -1).sum(dim=1)
+        return out
     valid = slot_ids >= 0
     columns = torch.where(valid, slot_ids, num_slots).long()
     dense = torch.zeros(num_tokens, num_slots + 1, dtype=torch.float32, device=hidden.device)
