@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -139,10 +140,57 @@ bool amx_available() {
 
 int64_t amx_packed_size(int64_t n, int64_t K) { return (n + kTile - 1) / kTile * (K / kAmxCols) * kBlock; }
 
+#ifdef HMOE_AMX
+namespace {
+
+// Lane i of a tile row's 16 lanes: row i of the block (stride kTile uint32), for scatters and gathers.
+__attribute__((target("avx512f"))) inline __m512i tile_rows() {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(int(kTile)));
+}
+
+// amx_pack for one token whose row holds each 32-column block in natural order or (`pairs`) as its 16 even columns,
+// then its 16 odd ones: a block's 16 pairs rounded with one instruction and scattered down its packed block's rows.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void pack_row(const float* row, bool pairs, int64_t K,
+                                                                     uint32_t* base) {
+  static const auto words = [] {  // word 2i: the even column i (word i), word 2i + 1: the odd one (word 16 + i)
+    std::array<uint16_t, 32> w{};
+    for (int i = 0; i < 32; ++i) w[i] = uint16_t(i % 2 * 16 + i / 2);
+    return w;
+  }();
+  const __m512i interleave = _mm512_loadu_si512(words.data());
+  const __m512i down = tile_rows();
+  for (int64_t k = 0; k < K; k += kAmxCols, base += kBlock) {
+    __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k));
+    if (pairs) v = _mm512_permutexvar_epi16(interleave, v);
+    _mm512_i32scatter_epi32(base, down, v, 4);
+  }
+}
+
+// The layout of pos, if pack_row reads it: 0 natural, 1 pairs, -1 neither.
+int packed_layout(const int64_t* pos, int64_t K) {
+  bool natural = true, pairs = true;
+  for (int64_t c = 0; c < K; ++c) {
+    const int64_t j = c % kAmxCols;
+    natural &= pos[c] == c;
+    pairs &= pos[c] == c - j + (j % 2) * (kAmxCols / 2) + j / 2;
+  }
+  return natural ? 0 : pairs ? 1 : -1;
+}
+
+}  // namespace
+#endif
+
 void amx_pack(const float* const* rows, const int64_t* pos, int64_t n, int64_t K, uint32_t* dst) {
   TORCH_CHECK(K % kAmxCols == 0, "amx_pack: K must be a multiple of ", kAmxCols);
   const int64_t blocks = K / kAmxCols;
   std::memset(dst, 0, amx_packed_size(n, K) * sizeof(uint32_t));
+#ifdef HMOE_AMX
+  if (const int layout = amx_available() ? packed_layout(pos, K) : -1; layout >= 0) {
+    for (int64_t t = 0; t < n; ++t) pack_row(rows[t], layout == 1, K, dst + (t / kTile) * blocks * kBlock + t % kTile);
+    return;
+  }
+#endif
   for (int64_t t = 0; t < n; ++t) {
     const float* row = rows[t];
     uint32_t* base = dst + (t / kTile) * blocks * kBlock + t % kTile;
@@ -179,6 +227,9 @@ void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64
 #endif
 }
 
+#ifdef HMOE_AMX
+__attribute__((target("avx512f")))
+#endif
 void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld) {
 #ifdef HMOE_AMX
   const int64_t token_blocks = (n + kTile - 1) / kTile, blocks = K / kAmxCols, stride = blocks * kBlock;
@@ -203,14 +254,13 @@ void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_
         tile_block<false, false>(panel, kb, kb1, x0, nullptr, acc);
       }
     }
+  const __m512i down = tile_rows();
   for (int64_t t = 0; t < n; ++t) {
     float* o = out + t * ld;
     // token t's sums: tile pair t / 32, block (t / 16) % 2 of it, column t % 16; rows 0-15, then rows 16-31
     const float* s = sums.data() + t / (2 * kTile) * 4 * kBlock + (t / kTile) % 2 * 2 * kBlock + t % kTile;
-    for (int64_t r = 0; r < kTile; ++r) {
-      o[r] = s[r * kTile];
-      o[kTile + r] = s[kBlock + r * kTile];
-    }
+    _mm512_storeu_ps(o, _mm512_i32gather_ps(down, s, 4));
+    _mm512_storeu_ps(o + kTile, _mm512_i32gather_ps(down, s + kBlock, 4));
   }
 #else
   TORCH_CHECK(false, "amx_rows: no AMX on this build");

@@ -8,7 +8,7 @@
 //
 // Three phases:
 //   A  gu[p, :] = gate_up[e] . x[token(p)]            every active expert, for its pairs p
-//      h[p, :]  = silu(gu[p, :I]) * gu[p, I:]          (ATen, vectorised)
+//      h[p, :]  = silu(gu[p, :I]) * gu[p, I:]          (silu_rows; torch's bf16 route: ATen)
 //   B  y[p, :]  = down[e] . h[p]
 //   C  out[t, :] += sum_k weight[t, k] * y[pair(t, k)]   (k in order)
 // An expert takes one of two routes. Few tokens (decode, bandwidth-bound): the micro-kernels of rows_kernel.h
@@ -229,6 +229,13 @@ void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
   }
 }
 
+// Where column c of a K-column activation row sits in the layout format f's kernels read (see pairs_layout).
+inline int64_t layout_pos(int64_t c, int64_t K, Fmt f, int64_t step) {
+  if (!pairs_layout(f) || c >= K / step * step) return c;
+  const int64_t j = c % step;
+  return c - j + (j % 2) * (step / 2) + j / 2;
+}
+
 namespace level0 {
 #define HMOE_VBYTES 16
 #define HMOE_LEVEL 0
@@ -267,14 +274,21 @@ struct Kernels {
   void (*matvec_block)(const Matrix&, int64_t, int64_t, const void* const*, int64_t, float*, int64_t);
   void (*dequant_rows)(const Matrix&, int64_t, int64_t, float*);
   void (*dequant_rows_bf16)(const Matrix&, int64_t, int64_t, uint16_t*);
+  void (*quantise_rows)(const float*, int64_t, Fmt, uint8_t*, float*);
+  void (*silu_rows)(const float*, const float*, int64_t, float*);
 };
 
 Kernels kernels_for(Isa isa) {
 #ifdef HMOE_X86
-  if (isa == AVX512) return {level2::kStep, level2::matvec_block, level2::dequant_rows, level2::dequant_rows_bf16};
-  if (isa == AVX2) return {level1::kStep, level1::matvec_block, level1::dequant_rows, level1::dequant_rows_bf16};
+  if (isa == AVX512)
+    return {level2::kStep,         level2::matvec_block, level2::dequant_rows, level2::dequant_rows_bf16,
+            level2::quantise_rows, level2::silu_rows};
+  if (isa == AVX2)
+    return {level1::kStep,         level1::matvec_block, level1::dequant_rows, level1::dequant_rows_bf16,
+            level1::quantise_rows, level1::silu_rows};
 #endif
-  return {level0::kStep, level0::matvec_block, level0::dequant_rows, level0::dequant_rows_bf16};
+  return {level0::kStep,         level0::matvec_block, level0::dequant_rows, level0::dequant_rows_bf16,
+          level0::quantise_rows, level0::silu_rows};
 }
 
 // Pairs grouped by expert (in token order within an expert), and each token's pairs in k order.
@@ -325,13 +339,6 @@ void parallel_items(int64_t n, const Fn& item) {
   });
 }
 
-// Where column c of a K-column activation row sits in the layout format f's kernels read (see pairs_layout).
-inline int64_t layout_pos(int64_t c, int64_t K, Fmt f, int64_t step) {
-  if (!pairs_layout(f) || c >= K / step * step) return c;
-  const int64_t j = c % step;
-  return c - j + (j % 2) * (step / 2) + j / 2;
-}
-
 template <typename T, typename ToFloat>
 void lay_out_rows(const T* src, int64_t rows, int64_t K, Fmt f, int64_t step, ToFloat to_float, float* dst) {
   for (int64_t r = 0; r < rows; ++r)
@@ -366,21 +373,13 @@ inline Fmt written_layout(Fmt f) { return quantised(f) ? Fmt::F32 : f; }
 // values in the layout: both routes compute one product.
 class KernelInputs {
  public:
-  KernelInputs(float* rows, int64_t n, int64_t K, Fmt f, int64_t step, bool for_gemm) : rows_(rows), K_(K) {
+  KernelInputs(float* rows, int64_t n, int64_t K, Fmt f, const Kernels& kern, bool for_gemm) : rows_(rows), K_(K) {
     if (!quantised(f)) return;
     bytes_ = record_bytes(K);
     records_.resize(n * bytes_);
     at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-      std::vector<float> natural(for_gemm ? K : 0);
-      for (int64_t r = r0; r < r1; ++r) {
-        float* x = rows + r * K;
-        uint8_t* rec = records_.data() + r * bytes_;
-        quantise_row(x, K, f, rec);
-        if (!for_gemm) continue;
-        const QuantRecord q(rec, K);
-        for (int64_t c = 0; c < K; ++c) natural[c] = float(q.q[record_pos(c, K, f)]) * q.scale[c / 32];
-        for (int64_t c = 0; c < K; ++c) x[layout_pos(c, K, f, step)] = natural[c];
-      }
+      for (int64_t r = r0; r < r1; ++r)
+        kern.quantise_rows(rows + r * K, K, f, records_.data() + r * bytes_, for_gemm ? rows + r * K : nullptr);
     });
   }
   const void* row(int64_t r) const {
@@ -394,7 +393,15 @@ class KernelInputs {
   std::vector<uint8_t> records_;
 };
 
-inline float silu_mul(float g, float u) { return g / (1.f + std::exp(-g)) * u; }
+// Columns [c0, c0 + n) of one pair's h row, silu(g) * u, at h_pos (null: in natural order).
+void gate_into(const Kernels& kern, const float* g, const float* u, int64_t n, float* h_row, int64_t c0,
+               const int64_t* h_pos) {
+  if (!h_pos) return kern.silu_rows(g, u, n, h_row + c0);
+  thread_local std::vector<float> gated;
+  gated.resize(n);
+  kern.silu_rows(g, u, n, gated.data());
+  for (int64_t c = 0; c < n; ++c) h_row[h_pos[c0 + c]] = gated[c];
+}
 
 // Rows [r0, r1) of expert matrix m times the n activation rows xs (fp32, m's layout), by panels of rows converted
 // to fp32, or (`bf16`) to bf16 a row at a time (through an fp32 row in L1: no fp32 panel goes through the caches),
@@ -561,11 +568,12 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   float* const h = x + T * H;
   float* const y = h + P * I;
   activations(hidden, written_layout(fmt), kern.step, x);
-  const KernelInputs x_in(x, T, H, fmt, kern.step, panels);
+  const KernelInputs x_in(x, T, H, fmt, kern, panels);
   std::vector<const void*> x_of_pair(P), h_of_pair(P);
   for (int64_t p = 0; p < P; ++p) x_of_pair[p] = x_in.row(r.pair_token[p]);
   std::vector<int64_t> h_pos(I);  // h is written straight into the layout the down projection reads
   for (int64_t c = 0; c < I; ++c) h_pos[c] = layout_pos(c, I, written_layout(fmt), kern.step);
+  const int64_t* const h_at = pairs_layout(written_layout(fmt)) ? h_pos.data() : nullptr;
 
   // Phase A, micro-kernel route. Item i = row block (i / n) of small expert (i % n): all experts stream at
   // once, so an expert with more tokens does not leave one thread working alone at the end. On the AMX route the
@@ -588,8 +596,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
         amx_item(m, r0, packed[j], n, g_u.data(), kAmxRows);
         amx_item(m, I + r0, packed[j], n, u, kAmxRows);
         for (int64_t t = 0; t < n; ++t)
-          for (int64_t c = 0; c < kAmxRows; ++c)
-            h[(p0 + t) * I + h_pos[r0 + c]] = silu_mul(g_u[t * kAmxRows + c], u[t * kAmxRows + c]);
+          gate_into(kern, g_u.data() + t * kAmxRows, u + t * kAmxRows, kAmxRows, h + (p0 + t) * I, r0, h_at);
         return;
       }
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
@@ -601,8 +608,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
         kern.matvec_block(m, r0, r1, x_of_pair.data() + p0 + t0, nt, g.data(), nr);
         kern.matvec_block(m, I + r0, I + r1, x_of_pair.data() + p0 + t0, nt, u.data(), nr);
         for (int64_t t = 0; t < nt; ++t)
-          for (int64_t c = 0; c < nr; ++c)
-            h[(p0 + t0 + t) * I + h_pos[r0 + c]] = silu_mul(g[t * nr + c], u[t * nr + c]);
+          gate_into(kern, g.data() + t * nr, u.data() + t * nr, nr, h + (p0 + t0 + t) * I, r0, h_at);
       }
     });
   }
@@ -619,13 +625,12 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
         gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I, gather_rows(x, H, r.pair_token.data() + p0, n), bf16);
     const float* gp = g_u.data_ptr<float>();
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t)
-        for (int64_t c = 0; c < I; ++c) h[(p0 + t) * I + h_pos[c]] = silu_mul(gp[t * 2 * I + c], gp[t * 2 * I + I + c]);
+      for (int64_t t = b; t < e; ++t) gate_into(kern, gp + t * 2 * I, gp + t * 2 * I + I, I, h + (p0 + t) * I, 0, h_at);
     });
   }
 
   // Phase B: y[p] = down[e] . h[p].
-  const KernelInputs h_in(h, P, I, fmt, kern.step, panels);
+  const KernelInputs h_in(h, P, I, fmt, kern, panels);
   for (int64_t p = 0; p < P; ++p) h_of_pair[p] = h_in.row(p);
   const int64_t small_b = n_small ? (H + block_b - 1) / block_b * n_small : 0;
   if (n_amx) packed = amx_pack_experts(r, large, I, fmt, kern.step, [&](int64_t p) { return h + p * I; });
@@ -681,7 +686,7 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
   const Kernels kern = kernels_for(isa);
   std::vector<float> xs(T * K);
   activations(x, written_layout(fmt), kern.step, xs.data());
-  const KernelInputs in(xs.data(), T, K, fmt, kern.step, false);
+  const KernelInputs in(xs.data(), T, K, fmt, kern, false);
   std::vector<const void*> rows(T);
   for (int64_t t = 0; t < T; ++t) rows[t] = in.row(t);
   int64_t total = 0;

@@ -508,3 +508,84 @@ void dequant_rows_bf16(const Matrix& m, int64_t r0, int64_t r1, uint16_t* dst) {
     }
   }
 }
+
+// Activation row x (K fp32, natural column order) made ready for int8 / int4 weights: its QuantRecord at rec
+// (quantise_row) and, where the GEMM route reads it too (gemm not null; may be x itself), its quantised values in
+// this level's layout at gemm. The AVX-512 level quantises a 32-column block per step with the same operations as
+// quantise_row (max |x|, one division, products rounded to nearest even), so its records are the same bytes: on a
+// 512-token prefill the scalar form took a tenth of an int8 layer (benchmarks/RESULTS.md, 2026-11-26 night).
+void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) {
+#if HMOE_LEVEL == 2
+  static_assert(kStep == 32, "a step is one quantisation block");
+  int8_t* q = reinterpret_cast<int8_t*>(rec);
+  float* scale = reinterpret_cast<float*>(rec + K);
+  float* sum = scale + K / 32;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+    scale[b] = s;
+    sum[b] = s * float(_mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1)));
+    if (f == Fmt::I4) {  // the record's and the layout's order: the block's even columns, then its odd ones
+      const __m512i e = _mm512_permutex2var_epi32(v0, even, v1), o = _mm512_permutex2var_epi32(v0, odd, v1);
+      v0 = e;
+      v1 = o;
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + record_pos(32 * b, K, f)), _mm512_cvtepi32_epi8(v0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + record_pos(32 * b + (f == Fmt::I4 ? 1 : 16), K, f)),
+                     _mm512_cvtepi32_epi8(v1));
+    if (gemm) {
+      const __m512 vs = _mm512_set1_ps(s);
+      _mm512_storeu_ps(gemm + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(v0), vs));
+      _mm512_storeu_ps(gemm + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v1), vs));
+    }
+  }
+#else
+  quantise_row(x, K, f, rec);
+  if (!gemm) return;
+  const QuantRecord r(rec, K);
+  std::vector<float> natural(K);
+  for (int64_t c = 0; c < K; ++c) natural[c] = float(r.q[record_pos(c, K, f)]) * r.scale[c / 32];
+  for (int64_t c = 0; c < K; ++c) gemm[layout_pos(c, K, f, kStep)] = natural[c];
+#endif
+}
+
+#if HMOE_LEVEL == 2
+// e^x in every lane, within 2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes'
+// coefficients), times 2^n by scalef (which saturates to inf / 0 as expf does).
+inline __m512 exp_lanes(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// h[c] = silu(g[c]) * u[c] for c < n: the gated activation between an expert's two projections. Every element takes
+// the same operations wherever it falls in a run (the AVX-512 level masks its last vector rather than finishing in
+// scalar code), so a pair's h does not depend on which route or work item computed it. The scalar expf calls took
+// a tenth of an int8 prefill layer (benchmarks/RESULTS.md, 2026-11-26 night).
+void silu_rows(const float* g, const float* u, int64_t n, float* h) {
+#if HMOE_LEVEL == 2
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = n - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - c)) - 1);
+    const __m512 gv = _mm512_maskz_loadu_ps(m, g + c), uv = _mm512_maskz_loadu_ps(m, u + c);
+    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_mask_storeu_ps(h + c, m, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv));
+  }
+#else
+  for (int64_t c = 0; c < n; ++c) h[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];
+#endif
+}
