@@ -51,12 +51,12 @@ const TileConfig& tile_config() {
 
 constexpr int64_t kBlocksAhead = 8;  // column blocks of a weight's rows prefetched ahead of the one laid out
 constexpr int64_t kPanelBlock = kAmxRows * kAmxCols;  // bf16 of one column block of a panel: its two weight tiles
-constexpr int64_t kChunkBlocks = 8;  // column blocks per chunk: 16 KiB of panel, kept in L1 while the tokens pass
+constexpr int64_t kChunkBlocks = 8;  // column blocks per chunk: 16 KiB of weights, kept in L1 while the tokens pass
 
-// One block of 16 (or, TWO, 32) tokens times the panel's 32 weight rows over column blocks [kb0, kb1), added to the
-// sums in acc [4][16][16] (LOAD; else acc is overwritten).
+// One block of 16 (or, TWO, 32) tokens times the weight's 32 rows over column blocks [kb0, kb1), added to the sums
+// in acc [4][16][16] (LOAD; else acc is overwritten).
 template <bool TWO, bool LOAD>
-__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* panel, int64_t kb0, int64_t kb1,
+__attribute__((target("amx-tile,amx-bf16"))) void tile_block(const AmxWeights& w, int64_t kb0, int64_t kb1,
                                                              const uint32_t* x0, const uint32_t* x1, float* acc) {
   if (LOAD) {
     _tile_loadd(0, acc, kTileBytes);
@@ -70,9 +70,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void tile_block(const uint16_t* pan
     _tile_zero(3);
   }
   for (int64_t kb = kb0; kb < kb1; ++kb) {
-    _tile_loadd(4, panel + kb * kPanelBlock, kTileBytes);
+    _tile_loadd(4, w.data + kb * w.block, w.stride);
     _tile_loadd(6, x0 + kb * kBlock, kTileBytes);
-    _tile_loadd(5, panel + kb * kPanelBlock + kPanelBlock / 2, kTileBytes);
+    _tile_loadd(5, w.data + kb * w.block + w.half, w.stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
     if (TWO) {
@@ -207,19 +207,17 @@ __attribute__((target("avx512f,avx512bw,avx512bf16")))
 void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64_t group, int bits, int64_t K,
                uint16_t* dst) {
 #ifdef HMOE_AMX
-  const int64_t groups = scale ? K / group : 0;  // no division in the loop: a division per block costs more than it
-  for (int64_t k = 0; k < K; k += kAmxCols) {    // the panel written front to back, the rows read side by side
+  TORCH_CHECK(bits == 8 || bits == 4, "amx_panel: int8 or int4 weights");
+  const int64_t groups = K / group;            // no division in the loop: a division per block costs more than it
+  for (int64_t k = 0; k < K; k += kAmxCols) {  // the panel written front to back, the rows read side by side
     uint16_t* out = dst + k / kAmxCols * kPanelBlock;
     const uint8_t* column = data + k * bits / 8;
-    const float* scales = scale ? scale + k / group : nullptr;
+    const float* scales = scale + k / group;
     const bool prefetch = k * bits % 512 == 0 && k + kBlocksAhead * kAmxCols < K;  // once per cache line of a row
     for (int64_t r = 0; r < kAmxRows; ++r, out += kAmxCols) {
       const uint8_t* q = column + r * row_bytes;
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(q + kBlocksAhead * kAmxCols * bits / 8), _MM_HINT_T0);
-      if (bits == 16)
-        std::memcpy(out, q, kAmxCols * 2);
-      else
-        dequant_block(q, bits, scales[r * groups], out);
+      dequant_block(q, bits, scales[r * groups], out);
     }
   }
 #else
@@ -230,11 +228,11 @@ void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64
 #ifdef HMOE_AMX
 __attribute__((target("avx512f")))
 #endif
-void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld) {
+void amx_rows(const AmxWeights& w, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld) {
 #ifdef HMOE_AMX
   const int64_t token_blocks = (n + kTile - 1) / kTile, blocks = K / kAmxCols, stride = blocks * kBlock;
-  // With more than one pass of token blocks over the panel, the passes go a chunk of columns at a time, so that
-  // the panel's chunk is read from L1 by every pass (one pass: the whole K at once, nothing to keep).
+  // With more than one pass of token blocks over the weight, the passes go a chunk of columns at a time, so that
+  // the weight's chunk is read from L1 by every pass (one pass: the whole K at once, nothing to keep).
   const int64_t chunk = token_blocks > 2 ? kChunkBlocks : blocks;
   thread_local std::vector<float> sums;
   sums.resize((token_blocks + 1) / 2 * 4 * kBlock);
@@ -245,13 +243,13 @@ void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_
       const int64_t kb1 = std::min(blocks, kb + chunk);
       if (tb + 1 < token_blocks) {
         if (kb)
-          tile_block<true, true>(panel, kb, kb1, x0, x0 + stride, acc);
+          tile_block<true, true>(w, kb, kb1, x0, x0 + stride, acc);
         else
-          tile_block<true, false>(panel, kb, kb1, x0, x0 + stride, acc);
+          tile_block<true, false>(w, kb, kb1, x0, x0 + stride, acc);
       } else if (kb) {
-        tile_block<false, true>(panel, kb, kb1, x0, nullptr, acc);
+        tile_block<false, true>(w, kb, kb1, x0, nullptr, acc);
       } else {
-        tile_block<false, false>(panel, kb, kb1, x0, nullptr, acc);
+        tile_block<false, false>(w, kb, kb1, x0, nullptr, acc);
       }
     }
   const __m512i down = tile_rows();

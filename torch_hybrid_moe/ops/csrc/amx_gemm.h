@@ -1,8 +1,8 @@
 // The prefill route on CPUs with AMX (Intel Sapphire Rapids and later): 32 weight rows at a time times an expert's
 // tokens in bf16 tiles, fp32 sums. Why our own: oneDNN's bf16 GEMM reorders the whole weight for every call, a cost
 // an expert's 16-128 tokens do not amortise, and int8 / int4 weights had to be dequantised whole before it could
-// start. Here 32 rows at a time are laid out (or dequantised) into an L2-sized panel and multiplied at once, and the
-// few activation rows are reordered once per expert (benchmarks/RESULTS.md, 2026-11-26 afternoon).
+// start. Here the tiles read 32 bf16 rows at a time in place, or int8 / int4 rows dequantised into an L2-sized panel,
+// and the few activation rows are reordered once per expert (benchmarks/RESULTS.md, 2026-11-26 afternoon and night).
 #pragma once
 
 #include <cstdint>
@@ -24,16 +24,28 @@ void amx_pack(const float* const* rows, const int64_t* pos, int64_t n, int64_t K
 // Size in bf16 of a panel of kAmxRows weight rows of K columns.
 constexpr int64_t amx_panel_size(int64_t K) { return kAmxRows * K; }
 
-// kAmxRows rows of a bf16 (bits 16), int8 (bits 8) or packed int4 (bits 4, q + 8 in nibbles, low first) weight, row r
-// at data + r * row_bytes with scales scale + r * (K / group) (quantised only), as the bf16 panel amx_rows multiplies
-// (q * scale rounded to nearest even): by blocks of 32 columns, each its 32 rows' columns side by side, so that a
-// tile loads 1 KiB in a row (rows of a weight lie a page apart, and 16 of them per tile load thrash the TLB).
+// kAmxRows rows of an int8 (bits 8) or packed int4 (bits 4, q + 8 in nibbles, low first) weight, row r at
+// data + r * row_bytes with scales scale + r * (K / group), as the bf16 panel amx_rows multiplies (q * scale rounded
+// to nearest even): by blocks of 32 columns, each its 32 rows' columns side by side, so that a tile loads 1 KiB in a
+// row (rows of a weight lie a page apart, and 16 of them per tile load thrash the TLB).
 void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64_t group, int bits, int64_t K,
                uint16_t* dst);
 
-// out[t * ld + r] = sum_k W[r, k] * x[t, k] for r < kAmxRows, t < n: W an amx_panel, x packed by amx_pack. Call while
-// an AmxTiles lives on the same thread.
-void amx_rows(const uint16_t* panel, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld);
+// The weight operand of amx_rows: kAmxRows rows of K bf16 columns, where tiles load them from. A bf16 weight's own
+// rows need no panel: its tiles read them in place, and the rows' reads from DRAM overlap the tiles' products, where a
+// panel copied first made the two take turns (2026-11-26 night: 15-33% less time on streamed bf16 experts).
+struct AmxWeights {
+  const uint16_t* data;
+  int64_t block;   // bf16 from one block of 32 columns to the next
+  int64_t half;    // bf16 from rows 0-15 to rows 16-31
+  int64_t stride;  // bytes from one row of a tile to the next
+  static AmxWeights panel(const uint16_t* p) { return {p, kAmxRows * kAmxCols, kAmxRows * kAmxCols / 2, 2 * kAmxCols}; }
+  static AmxWeights rows(const uint16_t* first, int64_t K) { return {first, kAmxCols, 16 * K, 2 * K}; }
+};
+
+// out[t * ld + r] = sum_k W[r, k] * x[t, k] for r < kAmxRows, t < n: x packed by amx_pack. Call while an AmxTiles
+// lives on the same thread.
+void amx_rows(const AmxWeights& w, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld);
 
 // The tile configuration of amx_rows, loaded for this thread's lifetime of the object (the tile state is per thread).
 class AmxTiles {

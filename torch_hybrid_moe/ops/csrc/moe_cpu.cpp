@@ -17,8 +17,9 @@
 // caller): torch's GEMM (oneDNN / MKL) on blocks of rows converted to fp32 panels, or (`Gemm::BF16`) in bf16 as
 // transformers computes a bf16 model: on the expert's weights as stored (bf16 weights and activations), or on
 // panels of int8 / int4 rows dequantised to bf16. On CPUs with native bf16 arithmetic (AVX512-BF16, AMX) bf16 GEMM
-// runs several times the fp32 rate. On AMX CPUs (`Gemm::AMX`, amx_gemm.h) our own tiles multiply bf16 panels of 32
-// rows by the expert's tokens, the panels' work items shared with the micro-kernels' in one pass of the threads.
+// runs several times the fp32 rate. On AMX CPUs (`Gemm::AMX`, amx_gemm.h) our own tiles multiply 32 bf16 rows at a time
+// (int8 / int4: dequantised into a panel) by the expert's tokens, these work items shared with the micro-kernels' in
+// one pass of the threads.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count nor on which other tokens share the batch.
 
@@ -507,14 +508,18 @@ std::vector<std::vector<uint32_t>> amx_pack_experts(const Routing& r, const std:
   return packed;
 }
 
-// Rows [r0, r0 + kAmxRows) of m times a large expert's n packed activation rows, out[t * ld + r]: the rows laid out
-// (int8 / int4: dequantised) as a bf16 panel in this thread's L2, then AMX tiles.
+// Rows [r0, r0 + kAmxRows) of m times a large expert's n packed activation rows, out[t * ld + r]: AMX tiles on bf16
+// rows in place, or on int8 / int4 rows dequantised into a bf16 panel in this thread's L2.
 void amx_item(const Matrix& m, int64_t r0, const std::vector<uint32_t>& x, int64_t n, float* out, int64_t ld) {
   thread_local std::vector<uint16_t> panel;
-  panel.resize(amx_panel_size(m.K));
-  amx_panel(m.row(r0), m.row_bytes, m.row_scale(r0), m.group, int(bits_of(m.fmt)), m.K, panel.data());
+  AmxWeights w = AmxWeights::rows(reinterpret_cast<const uint16_t*>(m.row(r0)), m.K);
+  if (m.fmt != Fmt::BF16) {
+    panel.resize(amx_panel_size(m.K));
+    amx_panel(m.row(r0), m.row_bytes, m.row_scale(r0), m.group, int(bits_of(m.fmt)), m.K, panel.data());
+    w = AmxWeights::panel(panel.data());
+  }
   const AmxTiles tiles;
-  amx_rows(panel.data(), m.K, x.data(), n, out, ld);
+  amx_rows(w, m.K, x.data(), n, out, ld);
 }
 
 }  // namespace
