@@ -32,8 +32,9 @@ GEMM_KERNELS = ("fp32", "bf16", "amx")  # the C++ kernel's gemm_kernel codes, in
 class GemmRoute:
     """Where an expert leaves the micro-kernels for a GEMM (from `tokens` tokens on), and which: torch's on fp32
     panels ("fp32"), torch's in bf16 on bf16 weights as stored or int8 / int4 weights dequantised to bf16 ("bf16"),
-    or our AMX tiles on bf16 panels ("amx", csrc/amx_gemm.h). Which is fastest depends on the CPU (native bf16
-    arithmetic, AMX, VNNI for the integer micro-kernels) and the shape: measured, not assumed."""
+    or our AMX tiles on bf16 rows in place or int8 / int4 rows dequantised to bf16 panels ("amx",
+    csrc/amx_gemm.h). Which is fastest depends on the CPU (native bf16 arithmetic, AMX, VNNI for the integer
+    micro-kernels) and the shape: measured, not assumed."""
 
     tokens: int
     kernel: str = "fp32"
@@ -109,7 +110,7 @@ def _stored_kernel(value: object) -> str:
 
 
 def amx_fits(hidden_size: int, inter: int) -> bool:
-    """Whether the AMX tiles can take experts of this shape on this CPU (32-row panels of both projections)."""
+    """Whether the AMX tiles can take experts of this shape on this CPU (32 rows of both projections at a time)."""
     ext = extension()
     return ext is not None and bool(ext.amx_available()) and hidden_size % 32 == 0 and inter % 32 == 0
 

@@ -51,7 +51,9 @@ const TileConfig& tile_config() {
 
 constexpr int64_t kBlocksAhead = 8;  // column blocks of a weight's rows prefetched ahead of the one laid out
 constexpr int64_t kPanelBlock = kAmxRows * kAmxCols;  // bf16 of one column block of a panel: its two weight tiles
-constexpr int64_t kChunkBlocks = 8;  // column blocks per chunk: 16 KiB of weights, kept in L1 while the tokens pass
+// Column blocks per chunk: 16 KiB of a panel, kept in L1 while the token blocks pass (rows read in place may map to
+// few L1 sets, when their stride is a multiple of 4 KiB: those passes read L2).
+constexpr int64_t kChunkBlocks = 8;
 
 // One block of 16 (or, TWO, 32) tokens times the weight's 32 rows over column blocks [kb0, kb1), added to the sums
 // in acc [4][16][16] (LOAD; else acc is overwritten).
@@ -121,7 +123,7 @@ __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 bool amx_available() {
 #ifdef HMOE_AMX
   static const bool available = [] {
-    __builtin_cpu_init();  // the panels' conversions need AVX512-BF16, which every AMX CPU has; checked anyway
+    __builtin_cpu_init();  // panels and packing need AVX512-BF16 / BW, which every AMX CPU has; checked anyway
     if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512bf16")) return false;
     unsigned int eax, ebx, ecx, edx;
     // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.

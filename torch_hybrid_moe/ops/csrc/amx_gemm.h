@@ -33,14 +33,17 @@ void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64
 
 // The weight operand of amx_rows: kAmxRows rows of K bf16 columns, where tiles load them from. A bf16 weight's own
 // rows need no panel: its tiles read them in place, and the rows' reads from DRAM overlap the tiles' products, where a
-// panel copied first made the two take turns (2026-11-26 night: 15-33% less time on streamed bf16 experts).
+// panel copied first made the two take turns (2026-11-26 night: 11-16% less time a bf16 prefill layer). Its rows lie a
+// page apart, which the host store's huge pages keep from thrashing the TLB.
 struct AmxWeights {
   const uint16_t* data;
   int64_t block;   // bf16 from one block of 32 columns to the next
   int64_t half;    // bf16 from rows 0-15 to rows 16-31
   int64_t stride;  // bytes from one row of a tile to the next
   static AmxWeights panel(const uint16_t* p) { return {p, kAmxRows * kAmxCols, kAmxRows * kAmxCols / 2, 2 * kAmxCols}; }
-  static AmxWeights rows(const uint16_t* first, int64_t K) { return {first, kAmxCols, 16 * K, 2 * K}; }
+  static AmxWeights rows(const uint16_t* first, int64_t row_bytes) {
+    return {first, kAmxCols, 16 * row_bytes / 2, row_bytes};
+  }
 };
 
 // out[t * ld + r] = sum_k W[r, k] * x[t, k] for r < kAmxRows, t < n: x packed by amx_pack. Call while an AmxTiles

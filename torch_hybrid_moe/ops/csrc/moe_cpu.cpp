@@ -512,12 +512,12 @@ std::vector<std::vector<uint32_t>> amx_pack_experts(const Routing& r, const std:
 // rows in place, or on int8 / int4 rows dequantised into a bf16 panel in this thread's L2.
 void amx_item(const Matrix& m, int64_t r0, const std::vector<uint32_t>& x, int64_t n, float* out, int64_t ld) {
   thread_local std::vector<uint16_t> panel;
-  AmxWeights w = AmxWeights::rows(reinterpret_cast<const uint16_t*>(m.row(r0)), m.K);
   if (m.fmt != Fmt::BF16) {
     panel.resize(amx_panel_size(m.K));
     amx_panel(m.row(r0), m.row_bytes, m.row_scale(r0), m.group, int(bits_of(m.fmt)), m.K, panel.data());
-    w = AmxWeights::panel(panel.data());
   }
+  const AmxWeights w = m.fmt == Fmt::BF16 ? AmxWeights::rows(reinterpret_cast<const uint16_t*>(m.row(r0)), m.row_bytes)
+                                          : AmxWeights::panel(panel.data());
   const AmxTiles tiles;
   amx_rows(w, m.K, x.data(), n, out, ld);
 }
@@ -557,7 +557,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
     (r.offsets[a + 1] - r.offsets[a] >= gemm_tokens ? large : small).push_back(a);
   // bf16 GEMM (torch's or AMX tiles), for weights bf16 holds exactly or that are approximate already (int8 / int4;
   // fp32 and fp16 weights keep fp32 panels): torch's on the stored weights where they and the activations are bf16
-  // (`direct`), else on panels; AMX tiles on panels.
+  // (`direct`), else on panels; AMX tiles on bf16 rows in place or on int8 / int4 panels.
   const bool bf16 = gemm != Gemm::F32 && (fmt == Fmt::BF16 || quantised(fmt));
   const bool amx = gemm == Gemm::AMX && bf16;
   TORCH_CHECK(!amx || (amx_available() && H % kAmxRows == 0 && I % kAmxRows == 0),

@@ -5,7 +5,8 @@
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0. An expert with at least
 // gemm_tokens tokens takes the GEMM route with gemm_kernel: 0 torch's on fp32 panels, 1 torch's in bf16 (for bf16 /
-// int8 / int4 weights), 2 AMX tiles on bf16 panels (amx_gemm.h). Returns how many experts were active.
+// int8 / int4 weights), 2 AMX tiles (on bf16 rows in place, on int8 / int4 rows dequantised
+// into bf16 panels; amx_gemm.h). Returns how many experts were active.
 int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
                     const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_scale, const at::Tensor& down,
                     const c10::optional<at::Tensor>& down_scale, int64_t isa_level, int64_t gemm_tokens,

@@ -1,7 +1,7 @@
 // The micro-kernels, written once with GCC vector extensions and included by moe_cpu.cpp once per ISA level,
 // each time inside its own namespace, under `#pragma GCC target`, with HMOE_VBYTES (vector bytes) and HMOE_LEVEL
-// set: the same source becomes SSE2, AVX2 or AVX-512 code. Needs Fmt, Matrix, QuantRecord, weight_at and
-// <cstring> in scope.
+// set: the same source becomes SSE2, AVX2 or AVX-512 code. Needs Fmt, Matrix, QuantRecord, weight_at, pairs_layout,
+// record_pos, layout_pos, quantise_row, <cmath>, <cstring> and <vector> in scope.
 
 constexpr int W = HMOE_VBYTES / 4;  // fp32 lanes per vector
 constexpr int kStep = 2 * W;        // columns per inner step: two vectors
@@ -512,8 +512,9 @@ void dequant_rows_bf16(const Matrix& m, int64_t r0, int64_t r1, uint16_t* dst) {
 // Activation row x (K fp32, natural column order) made ready for int8 / int4 weights: its QuantRecord at rec
 // (quantise_row) and, where the GEMM route reads it too (gemm not null; may be x itself), its quantised values in
 // this level's layout at gemm. The AVX-512 level quantises a 32-column block per step with the same operations as
-// quantise_row (max |x|, one division, products rounded to nearest even), so its records are the same bytes: on a
-// 512-token prefill the scalar form took a tenth of an int8 layer (benchmarks/RESULTS.md, 2026-11-26 night).
+// quantise_row (max |x|, one division, products rounded to nearest even), so a finite row's record is the same
+// bytes, and the GEMM values are read back from the stored int8: on a 512-token prefill the scalar form took a tenth
+// of an int8 layer (benchmarks/RESULTS.md, 2026-11-26 night).
 void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) {
 #if HMOE_LEVEL == 2
   static_assert(kStep == 32, "a step is one quantisation block");
@@ -538,17 +539,20 @@ void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + record_pos(32 * b, K, f)), _mm512_cvtepi32_epi8(v0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + record_pos(32 * b + (f == Fmt::I4 ? 1 : 16), K, f)),
                      _mm512_cvtepi32_epi8(v1));
-    if (gemm) {
+    if (gemm) {  // from the int8 values as stored, as the scalar form reads them back
       const __m512 vs = _mm512_set1_ps(s);
-      _mm512_storeu_ps(gemm + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(v0), vs));
-      _mm512_storeu_ps(gemm + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(v1), vs));
+      const __m512i q0 = _mm512_cvtepi8_epi32(_mm512_cvtepi32_epi8(v0)),
+                    q1 = _mm512_cvtepi8_epi32(_mm512_cvtepi32_epi8(v1));
+      _mm512_storeu_ps(gemm + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), vs));
+      _mm512_storeu_ps(gemm + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), vs));
     }
   }
 #else
   quantise_row(x, K, f, rec);
   if (!gemm) return;
   const QuantRecord r(rec, K);
-  std::vector<float> natural(K);
+  thread_local std::vector<float> natural;
+  natural.resize(K);
   for (int64_t c = 0; c < K; ++c) natural[c] = float(r.q[record_pos(c, K, f)]) * r.scale[c / 32];
   for (int64_t c = 0; c < K; ++c) gemm[layout_pos(c, K, f, kStep)] = natural[c];
 #endif
@@ -556,8 +560,10 @@ void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) 
 
 #if HMOE_LEVEL == 2
 // e^x in every lane, within 2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes'
-// coefficients), times 2^n by scalef (which saturates to inf / 0 as expf does).
+// coefficients), times 2^n by scalef. x is first clamped to [-104, 89], where e^x is already 0 / inf in fp32, so that
+// infinities saturate as expf's do instead of turning the reduction into inf - inf.
 inline __m512 exp_lanes(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
