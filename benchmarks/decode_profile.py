@@ -69,6 +69,11 @@ def main() -> None:
         short_s, short = profiled(model, ids, 2)
         long_s, long = profiled(model, ids, 2 + args.tokens)
     per_token = (long_s - short_s) / args.tokens
+    if per_token <= 0:  # the prompt's prefill, in both runs, varied by more than the decode steps took
+        sys.exit(
+            f"decode_profile: {args.tokens} decode steps took no measurable time beside the prefill's noise "
+            f"({(long_s - short_s) * 1e3:.1f} ms); rerun with more --tokens (32 or more)"
+        )
     rows = sorted(
         (
             (long[k][0] - short.get(k, (0.0, 0))[0]) / args.tokens,
