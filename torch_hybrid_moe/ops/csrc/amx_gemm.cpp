@@ -51,9 +51,7 @@ const TileConfig& tile_config() {
 
 constexpr int64_t kBlocksAhead = 8;  // column blocks of a weight's rows prefetched ahead of the one laid out
 constexpr int64_t kPanelBlock = kAmxRows * kAmxCols;  // bf16 of one column block of a panel: its two weight tiles
-// Column blocks per chunk: 16 KiB of a panel, kept in L1 while the token blocks pass (rows read in place may map to
-// few L1 sets, when their stride is a multiple of 4 KiB: those passes read L2).
-constexpr int64_t kChunkBlocks = 8;
+constexpr int64_t kChunkBlocks = 8;  // column blocks per chunk: 16 KiB of a panel, kept in L1 while the tokens pass
 
 // One block of 16 (or, TWO, 32) tokens times the weight's 32 rows over column blocks [kb0, kb1), added to the sums
 // in acc [4][16][16] (LOAD; else acc is overwritten).
@@ -233,9 +231,12 @@ __attribute__((target("avx512f")))
 void amx_rows(const AmxWeights& w, int64_t K, const uint32_t* x_packed, int64_t n, float* out, int64_t ld) {
 #ifdef HMOE_AMX
   const int64_t token_blocks = (n + kTile - 1) / kTile, blocks = K / kAmxCols, stride = blocks * kBlock;
-  // With more than one pass of token blocks over the weight, the passes go a chunk of columns at a time, so that
-  // the weight's chunk is read from L1 by every pass (one pass: the whole K at once, nothing to keep).
-  const int64_t chunk = token_blocks > 2 ? kChunkBlocks : blocks;
+  // With more than one pass of token blocks over a panel, the passes go a chunk of columns at a time, so that the
+  // panel's chunk is read from L1 by every pass. Rows read in place pass the whole K at once: rows whose stride is a
+  // multiple of 4 KiB share L1 sets, so their chunks come from L2 anyway, and the chunks' reloads of the sums cost
+  // more than they kept (benchmarks/RESULTS.md, 2026-11-26 night).
+  const bool panel = w.stride == AmxWeights::panel(nullptr).stride;
+  const int64_t chunk = panel && token_blocks > 2 ? kChunkBlocks : blocks;
   thread_local std::vector<float> sums;
   sums.resize((token_blocks + 1) / 2 * 4 * kBlock);
   for (int64_t kb = 0; kb < blocks; kb += chunk)
