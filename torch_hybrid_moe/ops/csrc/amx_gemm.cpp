@@ -235,7 +235,7 @@ void amx_rows(const AmxWeights& w, int64_t K, const uint32_t* x_packed, int64_t 
   // panel's chunk is read from L1 by every pass. Rows read in place pass the whole K at once: rows whose stride is a
   // multiple of 4 KiB share L1 sets, so their chunks come from L2 anyway, and the chunks' reloads of the sums cost
   // more than they kept (benchmarks/RESULTS.md, 2026-11-26 night).
-  const bool panel = w.stride == AmxWeights::panel(nullptr).stride;
+  const bool panel = w.block == kPanelBlock;  // rows in place step kAmxCols from one block to the next
   const int64_t chunk = panel && token_blocks > 2 ? kChunkBlocks : blocks;
   thread_local std::vector<float> sums;
   sums.resize((token_blocks + 1) / 2 * 4 * kBlock);

@@ -33,7 +33,7 @@ void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64
 
 // The weight operand of amx_rows: kAmxRows rows of K bf16 columns, where tiles load them from. A bf16 weight's own
 // rows need no panel: its tiles read them in place, and the rows' reads from DRAM overlap the tiles' products, where a
-// panel copied first made the two take turns (2026-11-26 night: 11-16% less time a bf16 prefill layer). Its rows lie a
+// panel copied first made the two take turns (2026-11-26 night: 10-18% less time a bf16 prefill layer). Its rows lie a
 // page apart, which the host store's huge pages keep from thrashing the TLB.
 struct AmxWeights {
   const uint16_t* data;
