@@ -2,8 +2,9 @@
 through `hybrid_moe::matvecs` (the op a compiled decode step calls), one MoE layer step through the raw C++ kernel,
 the `hybrid_moe::cpu_moe` op (what a compiled step calls for a layer with all experts on the CPU), the
 `hybrid_moe::cpu_experts` op and the `hybrid_moe::dispatch` op (all experts on the CPU), and one token's attention
-through torch's SDPA and the CPU decode attention (model_patches/cpu_attention.py). Medians, interleaved; the CPU is
-printed.
+through torch's SDPA, the decode attention op's torch form compiled (the math a compiled step ran before the op) and
+the `hybrid_moe::decode_attention` op (model_patches/cpu_attention.py), in a static cache filled or not. Medians,
+interleaved; the CPU is printed.
 
     python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41]
 """
@@ -24,6 +25,7 @@ import torch_hybrid_moe  # noqa: F401  (registers torch.ops.hybrid_moe)
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.model_patches.cpu_attention import cpu_attention_forward
 from torch_hybrid_moe.ops import cpu_kernel, host_memory, kernel_build
+from torch_hybrid_moe.ops.decode_attention import decode_attention_math
 from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
 
 # Qwen3-30B-A3B at decode: LM head, q / kv / o projections; its MoE layer: 128 experts of 2048 x 768, top-8
@@ -142,25 +144,26 @@ def main() -> None:
         f"op {t['op'] * 1e6:.0f} us"
     )
 
-    # Attention of one decode token: 32 query heads over 4 key / value heads of 128, 160 cached positions (bf16).
-    q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 4, 160, 128, dtype=torch.bfloat16) for _ in range(2))
-    mask = torch.ones(1, 1, 1, 160, dtype=torch.bool)
+    # Attention of one decode token: 32 query heads over 4 key / value heads of 128 (bf16), in a static cache of
+    # `length` positions whose first `filled` are written (generate() sizes the cache for the whole generation).
     module = torch.nn.Module()
     module.num_key_value_groups = 8
-    compiled = torch.compile(cpu_attention_forward, fullgraph=True)
-    t = medians(
-        {
-            "SDPA": lambda: sdpa_attention_forward(module, q, k, v, mask),
-            "ours, eager": lambda: cpu_attention_forward(module, q, k, v, mask),
-            "ours, compiled": lambda: compiled(module, q, k, v, mask),
-        },
-        args.repeats,
-    )
-    print(
-        "\nattention of one decode token (32 / 4 heads of 128, 160 positions): "
-        + ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in t.items())
-    )
+    compiled_math = torch.compile(decode_attention_math, fullgraph=True, dynamic=False)
+    print("\nattention of one decode token (32 / 4 heads of 128), ms:")
+    print(f"{'filled / cache':>16} {'SDPA':>7} {'torch form, compiled':>21} {'op':>7}")
+    for filled, length in ((160, 160), (160, 1152), (1024, 1152)):
+        q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 4, length, 128, dtype=torch.bfloat16) for _ in range(2))
+        mask = (torch.arange(length) < filled).view(1, 1, 1, length)
+        t = medians(
+            {
+                "SDPA": lambda: sdpa_attention_forward(module, q, k, v, mask),
+                "math": lambda: compiled_math(q, k, v, mask, 128**-0.5),
+                "op": lambda: cpu_attention_forward(module, q, k, v, mask),
+            },
+            args.repeats,
+        )
+        print(f"{f'{filled} / {length}':>16} {t['SDPA'] * 1e3:7.3f} {t['math'] * 1e3:21.3f} {t['op'] * 1e3:7.3f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The CPU decode attention against torch's SDPA in float64, and when patching switches a model to it."""
+"""The CPU decode attention (its op, its kernel at each ISA level, its torch form) against torch's SDPA in float64,
+and when patching switches a model to it."""
 
 import pytest
 import torch
@@ -6,6 +7,8 @@ import torch.nn.functional as F
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.model_patches.cpu_attention import NAME, cpu_attention_forward
+from torch_hybrid_moe.ops.decode_attention import decode_attention_math
+from torch_hybrid_moe.ops.kernel_build import best_isa, extension
 from torch_hybrid_moe.tiny_models import tiny_model
 
 
@@ -21,24 +24,93 @@ def reference(query, key, value, mask, scaling):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-@pytest.mark.parametrize("heads, kv_heads, dv", [(8, 2, 16), (4, 4, 24)])  # grouped-query; MLA-like value width
-def test_one_query_matches_sdpa(mask_kind, heads, kv_heads, dv):
+def _levels() -> list[int]:
+    return list(range(best_isa() + 1))
+
+
+def _implementations() -> list[str]:
+    """The op as the attention function calls it, its kernel at each ISA level this CPU runs, and its torch form."""
+    return ["op", *(f"level {level}" for level in _levels()), "torch form"]
+
+
+def attend(impl: str, query, key, value, mask, scaling):
+    """Decode attention through one implementation, [B, 1, Hq, Dv]."""
+    if impl == "op":
+        out, weights = cpu_attention_forward(_Module(), query, key, value, mask, scaling=scaling)
+        assert weights is None
+        return out
+    if impl == "torch form":
+        return decode_attention_math(query, key, value, mask, scaling)
+    return extension().decode_attention_at(query, key, value, mask, scaling, int(impl.split()[1]))
+
+
+@pytest.mark.parametrize("impl", _implementations())
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "per head"])
+@pytest.mark.parametrize("heads, kv_heads, d, dv", [(8, 2, 16, 16), (4, 4, 40, 24), (12, 4, 128, 128)])
+def test_one_query_matches_sdpa(impl, mask_kind, heads, kv_heads, d, dv):
+    """Grouped-query and MLA-like value widths, head widths off the vector width, against float64 SDPA."""
     g = torch.Generator().manual_seed(0)
-    b, s, d = 2, 11, 16
+    b, s = 2, 37
     query = torch.randn(b, heads, 1, d, generator=g)
     key = torch.randn(b, kv_heads, s, d, generator=g)
     value = torch.randn(b, kv_heads, s, dv, generator=g)
-    valid = torch.arange(s) < torch.tensor([[7], [11]])  # batch row 0: a static cache filled to 7 positions
+    valid = torch.arange(s) < torch.tensor([[7], [37]])  # batch row 0: a static cache filled to 7 positions
+    hidden_from_odd_heads = valid[:, None, :] & ((torch.arange(heads)[:, None] % 2 == 0) | (torch.arange(s) < 3))
     mask = {
         "none": None,
         "bool": valid[:, None, None, :],
         "additive": torch.where(valid, 0.0, float("-inf"))[:, None, None, :],
+        "per head": hidden_from_odd_heads[:, :, None, :],
     }[mask_kind]
-    out, weights = cpu_attention_forward(_Module(), query, key, value, mask, scaling=0.3)
-    assert weights is None and out.shape == (b, 1, heads, dv)
+    out = attend(impl, query, key, value, mask, 0.3)
+    assert out.shape == (b, 1, heads, dv) and out.dtype == query.dtype
     ref_mask = None if mask is None else (mask if mask.dtype == torch.bool else mask.double())
     torch.testing.assert_close(out.double(), reference(query, key, value, ref_mask, 0.3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", _implementations())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_rounds_once(impl, dtype):
+    """bf16 / fp16 caches over many positions, a key view with strided positions: within one rounding of the output
+    (plus the half-precision inputs' own products, exact in fp32) of float64 SDPA on the same values."""
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 16, 1, 64, generator=g).to(dtype)
+    key = torch.randn(1, 300, 2, 64, generator=g).to(dtype).transpose(1, 2)  # [B, Hkv, S, D], not contiguous
+    value = torch.randn(1, 2, 300, 64, generator=g).to(dtype)
+    mask = (torch.arange(300) < 290).view(1, 1, 1, 300)
+    out = attend(impl, query, key, value, mask, 0.125)
+    ref = reference(query, key, value, mask, 0.125)
+    eps = torch.finfo(dtype).eps
+    assert ((out.double() - ref).abs() <= eps * ref.abs() + 1e-3 * eps).all()
+
+
+@pytest.mark.parametrize("impl", _implementations())
+def test_a_query_that_sees_nothing_is_nan(impl):
+    """As softmax over nothing but -inf is; the other heads of its group are unaffected."""
+    query, key, value = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    mask = torch.tensor([True, False]).view(1, 2, 1, 1).expand(1, 2, 1, 5)
+    out = attend(impl, query, key, value, mask, 1.0)
+    assert out[0, 0, 1].isnan().all()
+    torch.testing.assert_close(
+        out[0, 0, 0].double(), reference(query, key, value, None, 1.0)[0, 0, 0], rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("impl", ["level 0", "torch form"])
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((1, 3, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), "do not divide|dividing"),
+        (((1, 2, 2, 8), (1, 2, 5, 8), (1, 2, 5, 8)), "expected query"),
+        (((1, 2, 1, 8), (1, 2, 5, 8)[:3], (1, 2, 5, 8)), "expected query"),
+    ],
+)
+def test_bad_shapes_are_refused(impl, shapes, message):
+    if impl == "level 0" and extension() is None:
+        pytest.skip("the kernel module is not built here")
+    tensors = [torch.randn(*shape) for shape in shapes]
+    with pytest.raises(RuntimeError, match=message):
+        attend(impl, *tensors, None, 1.0)
 
 
 def test_prompts_keep_sdpa(monkeypatch):

@@ -1,13 +1,11 @@
-"""Attention of a CPU model's decode steps as plain tensor ops, which Inductor fuses into the compiled step.
+"""Attention of a CPU model's decode steps through `hybrid_moe::decode_attention` (ops/decode_attention.py).
 
-torch's SDPA on the CPU runs its flash kernel also for one query. Called alone it is quick (0.11 ms for a
-Qwen3-30B-A3B layer at 160 cached positions, 2 threads of an AVX-512 EPYC, `benchmarks/cpu_decode_costs.py`), but
-inside the compiled decode step, between the expert kernel's and the linears' thread pools, the step with it is
-~0.65 ms a layer slower than with this function
-(`benchmarks/end_to_end.py --rows ours,ours-sdpa`): ~30 ms a token over 48 layers. Prompts (more than one query)
-keep SDPA, which never builds the [queries x keys] matrix. The math is transformers' eager attention (fp32
-softmax), with the query heads of a key / value head multiplied together instead of copying the cache per head
-(grouped-query attention); masks are SDPA's (boolean, or additive), made by the same mask function as for SDPA.
+torch's SDPA on the CPU runs its flash kernel also for one query, and transformers' eager attention runs two small
+batched GEMMs through oneDNN with the softmax between them: either costs 0.2-0.4 ms a layer at a few hundred cached
+positions (`benchmarks/cpu_decode_costs.py`), several ms of every token at 48 layers, for a few hundred KB of cache
+read. The op reads each key / value head's cache once for the query heads that share it (grouped-query attention)
+and skips the positions the mask hides. Prompts (more than one query) keep SDPA. Masks are SDPA's (boolean, or
+additive), made by the same mask function as for SDPA.
 """
 
 from __future__ import annotations
@@ -16,6 +14,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from ..ops import decode_attention  # noqa: F401  (registers torch.ops.hybrid_moe.decode_attention)
+from ..ops.kernel_build import extension
 
 NAME = "hybrid_moe_cpu"
 
@@ -32,22 +33,15 @@ def cpu_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, Hq, Q, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] ->
-    ([B, Q, Hq, Dv], None). One query on the CPU, outside training: eager math; otherwise SDPA."""
-    if query.shape[2] != 1 or query.device.type != "cpu" or (module.training and dropout):
+    ([B, Q, Hq, Dv], None). One query on the CPU, without dropout or gradients: the decode attention op (which has
+    no backward); otherwise SDPA."""
+    grads = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if query.shape[2] != 1 or query.device.type != "cpu" or (module.training and dropout) or grads:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    b, hq, _, d = query.shape
-    hkv = key.shape[1]
-    scale = d**-0.5 if scaling is None else scaling
-    q = query.reshape(b, hkv, hq // hkv, d)  # the one query of each head, grouped under its key / value head
-    scores = torch.matmul(q, key.transpose(2, 3)) * scale  # [B, Hkv, groups, S]
-    if attention_mask is not None:  # [B or 1, 1, 1, S]
-        mask = attention_mask
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    out = torch.matmul(probs, value)  # [B, Hkv, groups, Dv]
-    return out.reshape(b, hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.hybrid_moe.decode_attention(query, key, value, attention_mask, scale), None
 
 
 def use_cpu_attention(model: torch.nn.Module) -> bool:
@@ -56,6 +50,7 @@ def use_cpu_attention(model: torch.nn.Module) -> bool:
     config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
+    extension()  # loads the op's C++ kernel (without it the op runs its torch form)
     AttentionInterface.register(NAME, cpu_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     config._attn_implementation = NAME

@@ -1,4 +1,5 @@
-// The Python module of the CPU side: expert kernel, the CPU-only layers' table, the CUDA host-function bridge.
+// The Python module of the CPU side: expert kernel, decode attention, the CPU-only layers' table, the CUDA
+// host-function bridge.
 #include "moe_cpu.h"
 
 #include <torch/library.h>
@@ -8,6 +9,7 @@
 TORCH_LIBRARY_IMPL(hybrid_moe, CPU, m) {
   m.impl("matvecs", &matvecs);
   m.impl("cpu_moe", &cpu_moe);
+  m.impl("decode_attention", &decode_attention);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -20,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_cpu_layer_counts", &take_cpu_layer_counts,
         "A layer's (steps, tokens, active experts) since the last take");
   m.def("dense_matvec", &dense_matvec, "Dense [N, K] weight times a few activation rows, fp32 out");
+  m.def("decode_attention_at", &decode_attention_at, "The decode_attention op's kernel at a given ISA level");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");
   m.def("amx_available", &amx_available, "Whether the AMX GEMM kernel runs here (AMX-BF16, tile state granted)");
   bind_host_bridge(m);

@@ -22,6 +22,9 @@
 // one pass of the threads.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count nor on which other tokens share the batch.
+//
+// The decode attention kernel (attention_kernel.h) shares the ISA levels and the threads' work items; its op's entry
+// is here too.
 
 #include "moe_cpu.h"
 
@@ -65,6 +68,29 @@ struct Matrix {
   Fmt fmt;
   const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
   const float* row_scale(int64_t r) const { return scale ? scale + r * (K / group) : nullptr; }
+};
+
+// One work item of decode attention (attention_kernel.h): the G query heads sharing one key / value head, one query
+// each, over S cached positions. Strides are in bytes, the mask's in elements (0 where it broadcasts).
+struct Attend {
+  Fmt fmt;  // of q, k, v and out: fp32, bf16 or fp16
+  const uint8_t* q;
+  int64_t q_stride;  // between query heads
+  const uint8_t* k;
+  int64_t k_stride;  // between positions
+  const uint8_t* v;
+  int64_t v_stride;
+  uint8_t* out;
+  int64_t out_stride;  // between query heads
+  int64_t G, D, Dv, S;
+  float scale;
+  const bool* mask_bool;  // true: may see; or
+  const float* mask_add;  // added to the scaled scores (-inf: may not see); neither: every position
+  int64_t mask_head, mask_pos;
+  float bias(int64_t h, int64_t s) const {
+    if (mask_bool) return mask_bool[h * mask_head + s * mask_pos] ? 0.f : -INFINITY;
+    return mask_add ? mask_add[h * mask_head + s * mask_pos] : 0.f;
+  }
 };
 
 // A layer's weight: every expert's Matrix is a fixed stride apart.
@@ -241,6 +267,7 @@ namespace level0 {
 #define HMOE_VBYTES 16
 #define HMOE_LEVEL 0
 #include "rows_kernel.h"
+#include "attention_kernel.h"
 #undef HMOE_VBYTES
 #undef HMOE_LEVEL
 }  // namespace level0
@@ -252,6 +279,7 @@ namespace level1 {
 #define HMOE_VBYTES 32
 #define HMOE_LEVEL 1
 #include "rows_kernel.h"
+#include "attention_kernel.h"
 #undef HMOE_VBYTES
 #undef HMOE_LEVEL
 }  // namespace level1
@@ -263,6 +291,7 @@ namespace level2 {
 #define HMOE_VBYTES 64
 #define HMOE_LEVEL 2
 #include "rows_kernel.h"
+#include "attention_kernel.h"
 #undef HMOE_VBYTES
 #undef HMOE_LEVEL
 }  // namespace level2
@@ -277,19 +306,20 @@ struct Kernels {
   void (*dequant_rows_bf16)(const Matrix&, int64_t, int64_t, uint16_t*);
   void (*quantise_rows)(const float*, int64_t, Fmt, uint8_t*, float*);
   void (*silu_rows)(const float*, const float*, int64_t, float*);
+  void (*attend)(const Attend&);
 };
 
 Kernels kernels_for(Isa isa) {
 #ifdef HMOE_X86
   if (isa == AVX512)
     return {level2::kStep,         level2::matvec_block, level2::dequant_rows, level2::dequant_rows_bf16,
-            level2::quantise_rows, level2::silu_rows};
+            level2::quantise_rows, level2::silu_rows,    level2::attend};
   if (isa == AVX2)
     return {level1::kStep,         level1::matvec_block, level1::dequant_rows, level1::dequant_rows_bf16,
-            level1::quantise_rows, level1::silu_rows};
+            level1::quantise_rows, level1::silu_rows,    level1::attend};
 #endif
   return {level0::kStep,         level0::matvec_block, level0::dequant_rows, level0::dequant_rows_bf16,
-          level0::quantise_rows, level0::silu_rows};
+          level0::quantise_rows, level0::silu_rows,    level0::attend};
 }
 
 // Pairs grouped by expert (in token order within an expert), and each token's pairs in k order.
@@ -793,6 +823,82 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
     }
   });
   return results;
+}
+
+at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level) {
+  TORCH_CHECK(isa_level >= GENERIC && isa_level <= best_isa(), "decode_attention: ISA level ", isa_level,
+              " not available here");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(2) == 1,
+              "decode_attention: expected query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv]");
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "decode_attention: query, key and value must be CPU tensors");
+  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(3);
+  const int64_t Hkv = key.size(1), S = key.size(2), Dv = value.size(3);
+  TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == S &&
+                  key.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 64,
+              "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with Hkv dividing Hq, at most "
+              "64 query heads a key / value head");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "decode_attention: query, key and value must share one dtype");
+  const Fmt fmt = format_of(query);
+  TORCH_CHECK(fmt == Fmt::F32 || fmt == Fmt::BF16 || fmt == Fmt::F16, "decode_attention: fp32, bf16 or fp16 only");
+  const at::Tensor q = query.contiguous();
+  const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
+  at::Tensor m;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 4 && mask->size(2) == 1 && mask->size(3) == S && mask->device().is_cpu(),
+                "decode_attention: the mask must be a CPU [B or 1, 1 or Hq, 1, S] tensor");
+    TORCH_CHECK(mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type()),
+                "decode_attention: the mask must be boolean or additive (floating)");
+    m = (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat)).expand({B, Hq, 1, S});
+  }
+  at::Tensor out = at::empty({B, 1, Hq, Dv}, q.options());
+  const int64_t es = q.element_size(), G = Hq / Hkv;
+  const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const auto* kp = static_cast<const uint8_t*>(k.data_ptr());
+  const auto* vp = static_cast<const uint8_t*>(v.data_ptr());
+  auto* op = static_cast<uint8_t*>(out.data_ptr());
+  const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
+  parallel_items(B * Hkv, [&](int64_t i) {
+    const int64_t b = i / Hkv, g = i % Hkv;
+    Attend a{fmt,
+             qp + (b * Hq + g * G) * D * es,
+             D * es,
+             kp + (b * k.stride(0) + g * k.stride(1)) * es,
+             k.stride(2) * es,
+             vp + (b * v.stride(0) + g * v.stride(1)) * es,
+             v.stride(2) * es,
+             op + (b * Hq + g * G) * Dv * es,
+             Dv * es,
+             G,
+             D,
+             Dv,
+             S,
+             float(scale),
+             nullptr,
+             nullptr,
+             0,
+             0};
+    if (m.defined()) {
+      const int64_t first = b * m.stride(0) + g * G * m.stride(1);
+      if (m.scalar_type() == at::kBool)
+        a.mask_bool = m.data_ptr<bool>() + first;
+      else
+        a.mask_add = m.data_ptr<float>() + first;
+      a.mask_head = m.stride(1);
+      a.mask_pos = m.stride(3);
+    }
+    kern.attend(a);
+  });
+  return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const c10::optional<at::Tensor>& mask, double scale) {
+  static const int64_t isa = best_isa();
+  return decode_attention_at(query, key, value, mask, scale, isa);
 }
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.

@@ -23,6 +23,16 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
                                 const c10::List<c10::optional<at::Tensor>>& scales,
                                 const c10::List<c10::optional<at::Tensor>>& biases);
 
+// Attention of one query per head (decode) over a key / value cache, the `hybrid_moe::decode_attention` op's CPU
+// kernel: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (one dtype: fp32, bf16 or fp16), mask None,
+// boolean (true: may see) or additive, broadcastable as [B, Hq, 1, S]. Scores and softmax in fp32, the output
+// [B, 1, Hq, Dv] rounded once to the query's dtype. Positions a key / value head's queries may not see are not read.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const c10::optional<at::Tensor>& mask, double scale);
+// The same at a given ISA level (for tests).
+at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
+
 // Layers whose experts all run on the CPU, by handle (cpu_layers.cpp): Python publishes a layer (its `owner` number)
 // under each handle that names it, forgets a handle that comes to name a layer with slots, drops a layer when it
 // dies, and takes its step, token and active-expert counts. `cpu_moe` is the `hybrid_moe::cpu_moe` op's CPU kernel:
