@@ -29,8 +29,10 @@ def _levels() -> list[int]:
 
 
 def _implementations() -> list[str]:
-    """The op as the attention function calls it, its kernel at each ISA level this CPU runs, and its torch form."""
-    return ["op", *(f"level {level}" for level in _levels()), "torch form"]
+    """The op as the attention function calls it, its kernel at each ISA level this CPU runs (scores in fp32; and by
+    AVX512-BF16 dot products where the CPU has them), and its torch form."""
+    dots = ["level 2 bf16 dots"] if best_isa() == 2 and extension().bf16_dots_available() else []
+    return ["op", *(f"level {level}" for level in _levels()), *dots, "torch form"]
 
 
 def attend(impl: str, query, key, value, mask, scaling):
@@ -41,7 +43,7 @@ def attend(impl: str, query, key, value, mask, scaling):
         return out
     if impl == "torch form":
         return decode_attention_math(query, key, value, mask, scaling)
-    return extension().decode_attention_at(query, key, value, mask, scaling, int(impl.split()[1]))
+    return extension().decode_attention_at(query, key, value, mask, scaling, int(impl.split()[1]), "dots" in impl)
 
 
 @pytest.mark.parametrize("impl", _implementations())

@@ -70,6 +70,31 @@ inline void head_dots(const float* q, int64_t D, const uint8_t* row, Fmt f, floa
   }
 }
 
+#ifdef HMOE_BF16_DOTS
+// head_dots for bf16 query and key rows on AVX512-BF16 CPUs: one instruction multiplies 32 bf16 pairs (products exact
+// in fp32) and sums them in fp32, where widening the key row and multiplying in fp32 took three times as many.
+template <int NH>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void head_dots_bf16(const uint16_t* q, int64_t D,
+                                                                                    const uint16_t* key, float* out) {
+  __m512 acc[NH];
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= D; i += 32) {
+    const __m512bh k = __m512bh(_mm512_loadu_si512(key + i));
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) acc[h] = _mm512_dpbf16_ps(acc[h], __m512bh(_mm512_loadu_si512(q + h * D + i)), k);
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < NH; ++h) {
+    out[h] = _mm512_reduce_add_ps(acc[h]);
+    for (int64_t c = i; c < D; ++c)
+      out[h] += float(c10::BFloat16(q[h * D + c], c10::BFloat16::from_bits())) *
+                float(c10::BFloat16(key[c], c10::BFloat16::from_bits()));
+  }
+}
+#endif
+
 // Vectors of a column slice summed in registers over a chunk's rows (as many as the register file holds beside them).
 constexpr int kSliceVectors = HMOE_VBYTES >= 64 ? 8 : 4;
 
@@ -153,7 +178,17 @@ void attend(const Attend& a) {
     float dots[4];
     for (int64_t h = 0; h < G; h += 4) {
       const int64_t nh = std::min<int64_t>(4, G - h);
-      if (nh == 4)
+#ifdef HMOE_BF16_DOTS
+      if (a.bf16_dots) {
+        const uint16_t* qh = reinterpret_cast<const uint16_t*>(a.q + h * a.q_stride);
+        const uint16_t* k16 = reinterpret_cast<const uint16_t*>(key);
+        if (nh == 4)
+          head_dots_bf16<4>(qh, D, k16, dots);
+        else
+          for (int64_t i = 0; i < nh; ++i) head_dots_bf16<1>(qh + i * D, D, k16, dots + i);
+      } else
+#endif
+          if (nh == 4)
         head_dots<4>(q + h * D, D, key, a.fmt, dots);
       else
         for (int64_t i = 0; i < nh; ++i) head_dots<1>(q + (h + i) * D, D, key, a.fmt, dots + i);
