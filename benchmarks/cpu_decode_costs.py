@@ -2,8 +2,9 @@
 through `hybrid_moe::matvecs` (the op a compiled decode step calls), one MoE layer step through the raw C++ kernel,
 the `hybrid_moe::cpu_moe` op (what a compiled step calls for a layer with all experts on the CPU), the
 `hybrid_moe::cpu_experts` op and the `hybrid_moe::dispatch` op (all experts on the CPU), and one token's attention
-through torch's SDPA, the decode attention op's torch form compiled (the math a compiled step ran before the op) and
-the `hybrid_moe::decode_attention` op (model_patches/cpu_attention.py), in a static cache filled or not. Medians,
+through torch's SDPA, the decode attention op's torch form compiled (its fallback where the kernel module cannot be
+built: the same math in fp32) and the `hybrid_moe::decode_attention` op (model_patches/cpu_attention.py), in a static
+cache filled or not. Medians,
 interleaved; the CPU is printed.
 
     python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41]

@@ -72,13 +72,14 @@ def test_one_query_matches_sdpa(impl, mask_kind, heads, kv_heads, d, dv):
 
 @pytest.mark.parametrize("impl", _implementations())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_rounds_once(impl, dtype):
-    """bf16 / fp16 caches over many positions, a key view with strided positions: within one rounding of the output
-    (plus the half-precision inputs' own products, exact in fp32) of float64 SDPA on the same values."""
+@pytest.mark.parametrize("heads, kv_heads, d", [(16, 2, 64), (6, 2, 40), (3, 1, 16)])  # groups of 8, 3, 3
+def test_half_precision_rounds_once(impl, dtype, heads, kv_heads, d):
+    """bf16 / fp16 caches over many positions, a key view with strided positions, head widths shorter than or off
+    the dot products' 32 columns: within one rounding of the output of float64 SDPA on the same values."""
     g = torch.Generator().manual_seed(1)
-    query = torch.randn(1, 16, 1, 64, generator=g).to(dtype)
-    key = torch.randn(1, 300, 2, 64, generator=g).to(dtype).transpose(1, 2)  # [B, Hkv, S, D], not contiguous
-    value = torch.randn(1, 2, 300, 64, generator=g).to(dtype)
+    query = torch.randn(1, heads, 1, d, generator=g).to(dtype)
+    key = torch.randn(1, 300, kv_heads, d, generator=g).to(dtype).transpose(1, 2)  # [B, Hkv, S, D], not contiguous
+    value = torch.randn(1, kv_heads, 300, 64, generator=g).to(dtype)
     mask = (torch.arange(300) < 290).view(1, 1, 1, 300)
     out = attend(impl, query, key, value, mask, 0.125)
     ref = reference(query, key, value, mask, 0.125)
@@ -98,21 +99,56 @@ def test_a_query_that_sees_nothing_is_nan(impl):
     )
 
 
+@pytest.mark.parametrize("impl", _implementations())
+def test_nan_in_a_visible_key_shows_and_a_hidden_one_does_not(impl):
+    """A NaN score is not softened away (the vectorised exp passes NaN); a hidden position is -inf whatever its key
+    holds, also for a head whose group-mate sees it."""
+    query, key, value = torch.randn(1, 2, 1, 32), torch.randn(1, 1, 6, 32), torch.randn(1, 1, 6, 32)
+    key[0, 0, 5] = float("nan")
+    hidden = torch.ones(1, 2, 1, 6, dtype=torch.bool)
+    hidden[0, 0, 0, 5] = False  # head 0 may not see the NaN key; head 1 may
+    out = attend(impl, query, key, value, hidden, 0.5)
+    assert out[0, 0, 1].isnan().all()
+    ref = reference(query[:, :1], key[:, :, :5], value[:, :, :5], None, 0.5)
+    torch.testing.assert_close(out[0, 0, 0].double(), ref[0, 0, 0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", _implementations())
+def test_broadcast_masks(impl):
+    """A mask of one position or one batch row broadcasts as SDPA's does."""
+    query, key, value = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    for mask in (torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.zeros(2, 1, 1, 1)):
+        out = attend(impl, query, key, value, mask, 1.0)
+        torch.testing.assert_close(out.double(), reference(query, key, value, None, 1.0), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("impl", ["level 0", "torch form"])
 @pytest.mark.parametrize(
-    "shapes, message",
+    "shapes, mask, message",
     [
-        (((1, 3, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), "do not divide|dividing"),
-        (((1, 2, 2, 8), (1, 2, 5, 8), (1, 2, 5, 8)), "expected query"),
-        (((1, 2, 1, 8), (1, 2, 5, 8)[:3], (1, 2, 5, 8)), "expected query"),
+        (((1, 3, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), None, "do not divide|dividing"),
+        (((1, 2, 2, 8), (1, 2, 5, 8), (1, 2, 5, 8)), None, "expected query"),
+        (((1, 2, 1, 8), (1, 2, 5), (1, 2, 5, 8)), None, "expected query"),
+        (((1, 2, 1, 8), (1, 2, 0, 8), (1, 2, 0, 8)), None, "S >= 1"),
+        (((1, 4, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), (1, 2, 1, 5), "broadcastable"),  # per key / value head
+        (((1, 2, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), (1, 1, 1, 4), "broadcastable"),
     ],
 )
-def test_bad_shapes_are_refused(impl, shapes, message):
+def test_bad_shapes_are_refused(impl, shapes, mask, message):
     if impl == "level 0" and extension() is None:
         pytest.skip("the kernel module is not built here")
     tensors = [torch.randn(*shape) for shape in shapes]
     with pytest.raises(RuntimeError, match=message):
-        attend(impl, *tensors, None, 1.0)
+        attend(impl, *tensors, None if mask is None else torch.ones(*mask, dtype=torch.bool), 1.0)
+
+
+def test_other_dtypes_keep_sdpa():
+    """float64 (which the op does not take) goes to SDPA, with the same result."""
+    query, key, value = torch.randn(1, 4, 1, 8).double(), torch.randn(1, 2, 5, 8).double(), torch.randn(1, 2, 5, 8)
+    module = _Module()
+    module.num_key_value_groups = 2
+    out, _ = cpu_attention_forward(module, query, key, value.double(), None)
+    torch.testing.assert_close(out, reference(query, key, value.double(), None, 8**-0.5))
 
 
 def test_prompts_keep_sdpa(monkeypatch):

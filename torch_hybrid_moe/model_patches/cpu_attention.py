@@ -1,10 +1,10 @@
 """Attention of a CPU model's decode steps through `hybrid_moe::decode_attention` (ops/decode_attention.py).
 
 torch's SDPA on the CPU runs its flash kernel also for one query, and transformers' eager attention runs two small
-batched GEMMs through oneDNN with the softmax between them: either costs 0.2-0.4 ms a layer at a few hundred cached
-positions (`benchmarks/cpu_decode_costs.py`), several ms of every token at 48 layers, for a few hundred KB of cache
-read. The op reads each key / value head's cache once for the query heads that share it (grouped-query attention)
-and skips the positions the mask hides. Prompts (more than one query) keep SDPA. Masks are SDPA's (boolean, or
+batched GEMMs through oneDNN with the softmax between them: 0.19 and 0.36 ms a layer at 160 cached positions
+(`benchmarks/cpu_decode_costs.py`, AMX Xeon), for about 300 KB of cache read. The op reads each key / value head's
+cache once for the query heads that share it (grouped-query attention) and skips the positions the mask hides.
+Prompts (more than one query), and dtypes other than fp32 / bf16 / fp16, keep SDPA. Masks are SDPA's (boolean, or
 additive), made by the same mask function as for SDPA.
 """
 
@@ -15,7 +15,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..ops import decode_attention  # noqa: F401  (registers torch.ops.hybrid_moe.decode_attention)
+from ..ops.decode_attention import DTYPES  # (and registers torch.ops.hybrid_moe.decode_attention)
 from ..ops.kernel_build import extension
 
 NAME = "hybrid_moe_cpu"
@@ -33,10 +33,11 @@ def cpu_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, Hq, Q, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] ->
-    ([B, Q, Hq, Dv], None). One query on the CPU, without dropout or gradients: the decode attention op (which has
-    no backward); otherwise SDPA."""
+    ([B, Q, Hq, Dv], None). One fp32 / bf16 / fp16 query on the CPU, without dropout or gradients: the decode
+    attention op (which has no backward); otherwise SDPA."""
     grads = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if query.shape[2] != 1 or query.device.type != "cpu" or (module.training and dropout) or grads:
+    other = query.shape[2] != 1 or query.device.type != "cpu" or query.dtype not in DTYPES
+    if other or (module.training and dropout) or grads:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )

@@ -1,15 +1,17 @@
 """`hybrid_moe::decode_attention`: one query per head (a decode step) attending over a key / value cache on the CPU.
 
-A decode step's attention reads a few hundred KB of cache per layer, yet through torch it costs 0.2-0.4 ms a layer
-(small batched GEMMs, each through oneDNN's primitive set-up, and the softmax between them; SDPA's flash kernel,
-called for one query, costs about as much): at 48 layers, several ms of every token. The op's CPU kernel is C++
-(csrc/attention_kernel.h, registered when the kernel module loads): one pass over each key / value head's cached
-rows for all the query heads that share it, skipping the positions the mask hides (a static cache's unfilled tail).
-Where the kernel module cannot be built the same math runs in torch (`decode_attention_math`).
+A decode step's attention reads a few hundred KB of cache per layer. Through torch it cost 0.19 ms a layer at 160
+cached positions with SDPA's flash kernel and 0.36 ms with transformers' eager math compiled (two small batched GEMMs
+through oneDNN, the softmax between them; `benchmarks/cpu_decode_costs.py`, AMX Xeon, before this op): at 48 layers,
+10-17 ms of every token. The op's CPU kernel is C++ (csrc/attention_kernel.h, registered when the kernel module
+loads): one pass over each key / value head's cached rows for all the query heads that share them, skipping the
+positions the mask hides (a static cache's unfilled tail). Where the kernel module cannot be built the same math runs
+in torch (`decode_attention_math`).
 
-Contract: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] in one dtype; mask None, boolean (True: may
-see) or additive, broadcastable as [B, Hq, 1, S]; scores and softmax in fp32, the output [B, 1, Hq, Dv] in the query's
-dtype. A query that may see no position gets NaN, as softmax over nothing but -inf does.
+Contract: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (S >= 1, Hkv dividing Hq) in one dtype, fp32,
+bf16 or fp16; mask None, boolean (True: may see) or additive, broadcastable as [B, Hq, 1, S]; scores and softmax in
+fp32, the output [B, 1, Hq, Dv] in the query's dtype. A query that may see no position gets NaN, as softmax over
+nothing but -inf does.
 """
 
 from __future__ import annotations
@@ -24,28 +26,49 @@ _LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
 _LIB.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor")
 
 
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    mask: torch.Tensor | None,
     check: Callable[[bool, Callable[[], str]], None] = require,
 ) -> None:
-    """The op's shape contract (the C++ kernel checks the same); the fake implementation passes torch._check."""
+    """The op's contract, as the C++ kernel checks it; the fake implementation passes torch._check."""
     check(
         query.dim() == 4 and key.dim() == 4 and value.dim() == 4 and query.shape[2] == 1,
         lambda: "decode_attention: expected query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv]",
     )
+    b, hq, _, d = query.shape
+    hkv, s = key.shape[1], key.shape[2]
     check(
-        query.shape[1] % key.shape[1] == 0,
-        lambda: f"decode_attention: {key.shape[1]} key / value heads do not divide {query.shape[1]} query heads",
+        key.shape[0] == b and tuple(value.shape[:3]) == (b, hkv, s) and key.shape[3] == d and s >= 1,
+        lambda: "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with S >= 1",
     )
+    check(hq % hkv == 0, lambda: f"decode_attention: {hkv} key / value heads do not divide {hq} query heads")
+    check(
+        query.dtype in DTYPES and key.dtype == query.dtype and value.dtype == query.dtype,
+        lambda: "decode_attention: query, key and value must share one dtype: fp32, bf16 or fp16",
+    )
+    if mask is not None:
+        check(
+            mask.dim() == 4
+            and mask.shape[0] in (1, b)
+            and mask.shape[1] in (1, hq)
+            and mask.shape[2] == 1
+            and mask.shape[3] in (1, s)
+            and (mask.dtype == torch.bool or mask.is_floating_point()),
+            lambda: "decode_attention: the mask must be boolean or additive, broadcastable as [B, Hq, 1, S]",
+        )
 
 
 @torch.library.register_fake("hybrid_moe::decode_attention", lib=_LIB)
 def _(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
-    _check(query, key, value, torch._check)
+    _check(query, key, value, mask, torch._check)
     return query.new_empty((query.shape[0], 1, query.shape[1], value.shape[3]))
 
 
@@ -55,13 +78,13 @@ def decode_attention_math(
 ) -> torch.Tensor:
     """The op in torch, for machines without the kernel module (its CPU kernel, once loaded, takes precedence): the
     query heads of a key / value head multiplied together, in fp32."""
-    _check(query, key, value)
+    _check(query, key, value, mask)
     b, hq, _, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, hq // hkv, d).float()
     scores = torch.matmul(q, key.float().transpose(2, 3)) * scale  # [B, Hkv, groups, S]
     if mask is not None:  # [B or 1, 1 or Hq, 1, S] -> [B, Hkv, groups, S]
-        mask = mask.expand(b, hq, 1, mask.shape[-1]).reshape(b, hkv, hq // hkv, -1)
+        mask = mask.expand(b, hq, 1, key.shape[2]).reshape(b, hkv, hq // hkv, -1)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
     out = torch.matmul(torch.softmax(scores, dim=-1), value.float())  # [B, Hkv, groups, Dv]
     return out.reshape(b, 1, hq, value.shape[-1]).to(query.dtype)

@@ -5,8 +5,6 @@
 // Each cached key and value row is read once for the whole group of query heads, and positions every head of the
 // group is masked from are not read at all: a static cache's unfilled tail costs nothing.
 
-typedef uint16_t vh __attribute__((vector_size(HMOE_VBYTES / 2)));
-
 // n values of a row in fmt (fp32, bf16 or fp16) as fp32.
 inline void row_to_float(const uint8_t* src, Fmt f, int64_t n, float* dst) {
   if (f == Fmt::F32) {
@@ -70,7 +68,7 @@ inline void head_dots(const float* q, int64_t D, const uint8_t* row, Fmt f, floa
   }
 }
 
-#ifdef HMOE_BF16_DOTS
+#if HMOE_LEVEL == 2 && defined(HMOE_BF16_DOTS)
 // head_dots for bf16 query and key rows on AVX512-BF16 CPUs: one instruction multiplies 32 bf16 pairs (products exact
 // in fp32) and sums them in fp32, where widening the key row and multiplying in fp32 took three times as many.
 template <int NH>
@@ -169,8 +167,8 @@ void attend(const Attend& a) {
       }
   const int64_t n = int64_t(seen.size()), G = a.G, D = a.D, Dv = a.Dv;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (4 * Dv));
-  std::unique_ptr<float[]> buf(new float[G * D + G * Dv + G * n + std::min(chunk, n) * Dv]);
-  float *q = buf.get(), *acc = q + G * D, *scores = acc + G * Dv, *rows = scores + G * n;
+  std::unique_ptr<float[]> buf(new float[G * D + G * Dv + G + G * n + std::min(chunk, n) * Dv]);
+  float *q = buf.get(), *acc = q + G * D, *total = acc + G * Dv, *scores = total + G, *rows = scores + G * n;
   std::fill(acc, acc + G * Dv, 0.f);
   for (int64_t h = 0; h < G; ++h) row_to_float(a.q + h * a.q_stride, a.fmt, D, q + h * D);
   for (int64_t j = 0; j < n; ++j) {
@@ -178,8 +176,8 @@ void attend(const Attend& a) {
     float dots[4];
     for (int64_t h = 0; h < G; h += 4) {
       const int64_t nh = std::min<int64_t>(4, G - h);
-#ifdef HMOE_BF16_DOTS
-      if (a.bf16_dots) {
+#if HMOE_LEVEL == 2 && defined(HMOE_BF16_DOTS)
+      if (a.bf16_dots) {  // the query heads as given, in bf16 (a.q_stride: D of them apart, as head_dots_bf16 reads)
         const uint16_t* qh = reinterpret_cast<const uint16_t*>(a.q + h * a.q_stride);
         const uint16_t* k16 = reinterpret_cast<const uint16_t*>(key);
         if (nh == 4)
@@ -192,10 +190,12 @@ void attend(const Attend& a) {
         head_dots<4>(q + h * D, D, key, a.fmt, dots);
       else
         for (int64_t i = 0; i < nh; ++i) head_dots<1>(q + (h + i) * D, D, key, a.fmt, dots + i);
-      for (int64_t i = 0; i < nh; ++i) scores[(h + i) * n + j] = dots[i] * a.scale + a.bias(h + i, seen[j]);
+      for (int64_t i = 0; i < nh; ++i) {  // a hidden position is -inf whatever its key holds (inf, NaN)
+        const float bias = a.bias(h + i, seen[j]);
+        scores[(h + i) * n + j] = bias == -INFINITY ? -INFINITY : dots[i] * a.scale + bias;
+      }
     }
   }
-  float total[64];  // G <= 64, checked by the caller
   for (int64_t h = 0; h < G; ++h) total[h] = exp_shifted(scores + h * n, n, row_max(scores + h * n, n));
   for (int64_t j0 = 0; j0 < n; j0 += chunk) {
     const int64_t m = std::min(chunk, n - j0);

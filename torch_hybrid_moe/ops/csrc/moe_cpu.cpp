@@ -43,8 +43,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define HMOE_X86 1
-// AVX512-BF16 intrinsics need GCC 10 or clang 9; older compilers score bf16 attention in fp32 (attention_kernel.h).
-#if defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10
+// AVX512-BF16 dot products need the compilers amx_gemm.cpp needs; older ones score bf16 attention in fp32
+// (attention_kernel.h).
+#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
 #define HMOE_BF16_DOTS 1
 #endif
 #endif
@@ -841,20 +842,23 @@ at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, c
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(3);
   const int64_t Hkv = key.size(1), S = key.size(2), Dv = value.size(3);
   TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == S &&
-                  key.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 64,
-              "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with Hkv dividing Hq, at most "
-              "64 query heads a key / value head");
+                  key.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && S > 0,
+              "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with S >= 1 and Hkv dividing Hq");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
               "decode_attention: query, key and value must share one dtype");
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "decode_attention: fp32, bf16 or fp16 only, got ", dtype);
   const Fmt fmt = format_of(query);
-  TORCH_CHECK(fmt == Fmt::F32 || fmt == Fmt::BF16 || fmt == Fmt::F16, "decode_attention: fp32, bf16 or fp16 only");
   const at::Tensor q = query.contiguous();
   const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
   at::Tensor m;
   if (mask.has_value()) {
-    TORCH_CHECK(mask->dim() == 4 && mask->size(2) == 1 && mask->size(3) == S && mask->device().is_cpu(),
-                "decode_attention: the mask must be a CPU [B or 1, 1 or Hq, 1, S] tensor");
+    TORCH_CHECK(mask->dim() == 4 && mask->device().is_cpu() && (mask->size(0) == 1 || mask->size(0) == B) &&
+                    (mask->size(1) == 1 || mask->size(1) == Hq) && mask->size(2) == 1 &&
+                    (mask->size(3) == 1 || mask->size(3) == S),
+                "decode_attention: the mask must be a CPU tensor broadcastable as [B, Hq, 1, S]");
     TORCH_CHECK(mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type()),
                 "decode_attention: the mask must be boolean or additive (floating)");
     m = (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat)).expand({B, Hq, 1, S});

@@ -10,6 +10,7 @@ constexpr int kTok = HMOE_VBYTES >= 64 ? 4 : 2;
 
 typedef float vf __attribute__((vector_size(HMOE_VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(HMOE_VBYTES)));
+typedef uint16_t vh __attribute__((vector_size(HMOE_VBYTES / 2)));
 
 template <typename V>
 inline V load(const void* p) {
@@ -489,7 +490,6 @@ void dequant_rows(const Matrix& m, int64_t r0, int64_t r1, float* dst) {
 // Rows [r0, r1) dequantised as dequant_rows does, then rounded to bf16 (nearest even; the weights are finite) a
 // vector at a time: the bf16 GEMM route's panels, with the fp32 row only in L1.
 void dequant_rows_bf16(const Matrix& m, int64_t r0, int64_t r1, uint16_t* dst) {
-  typedef uint16_t vh __attribute__((vector_size(HMOE_VBYTES / 2)));
   std::vector<float> row(m.K);
   for (int64_t r = r0; r < r1; ++r) {
     dequant_rows(m, r, r + 1, row.data());
@@ -561,9 +561,10 @@ void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) 
 #if HMOE_LEVEL == 2
 // e^x in every lane, within 2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-7 polynomial (Cephes'
 // coefficients), times 2^n by scalef. x is first clamped to [-104, 89], where e^x is already 0 / inf in fp32, so that
-// infinities saturate as expf's do instead of turning the reduction into inf - inf.
+// infinities saturate as expf's do instead of turning the reduction into inf - inf; NaN passes the clamp (max / min
+// return their second operand when either is NaN) and comes out NaN, as from expf.
 inline __m512 exp_lanes(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(89.f));
+  x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
