@@ -29,10 +29,8 @@ def _levels() -> list[int]:
 
 
 def _implementations() -> list[str]:
-    """The op as the attention function calls it, its kernel at each ISA level this CPU runs (scores in fp32; and by
-    AVX512-BF16 dot products where the CPU has them), and its torch form."""
-    dots = ["level 2 bf16 dots"] if best_isa() == 2 and extension().bf16_dots_available() else []
-    return ["op", *(f"level {level}" for level in _levels()), *dots, "torch form"]
+    """The op as the attention function calls it, its kernel at each ISA level this CPU runs, and its torch form."""
+    return ["op", *(f"level {level}" for level in _levels()), "torch form"]
 
 
 def attend(impl: str, query, key, value, mask, scaling):
@@ -43,7 +41,7 @@ def attend(impl: str, query, key, value, mask, scaling):
         return out
     if impl == "torch form":
         return decode_attention_math(query, key, value, mask, scaling)
-    return extension().decode_attention_at(query, key, value, mask, scaling, int(impl.split()[1]), "dots" in impl)
+    return extension().decode_attention_at(query, key, value, mask, scaling, int(impl.split()[1]))
 
 
 @pytest.mark.parametrize("impl", _implementations())
@@ -75,7 +73,7 @@ def test_one_query_matches_sdpa(impl, mask_kind, heads, kv_heads, d, dv):
 @pytest.mark.parametrize("heads, kv_heads, d", [(16, 2, 64), (6, 2, 40), (3, 1, 16)])  # groups of 8, 3, 3
 def test_half_precision_rounds_once(impl, dtype, heads, kv_heads, d):
     """bf16 / fp16 caches over many positions, a key view with strided positions, head widths shorter than or off
-    the dot products' 32 columns: within one rounding of the output of float64 SDPA on the same values."""
+    the kernels' vector steps: within one rounding of the output of float64 SDPA on the same values."""
     g = torch.Generator().manual_seed(1)
     query = torch.randn(1, heads, 1, d, generator=g).to(dtype)
     key = torch.randn(1, 300, kv_heads, d, generator=g).to(dtype).transpose(1, 2)  # [B, Hkv, S, D], not contiguous

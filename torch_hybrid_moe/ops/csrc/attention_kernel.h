@@ -1,30 +1,10 @@
 // Decode attention of one (batch row, key / value head): the query heads that share that key / value head, one
 // query each, over the cached positions its mask lets them see. Included by moe_cpu.cpp once per ISA level after
-// rows_kernel.h (its vf, W, load, lane_sum and, at level 2, exp_lanes), like it; needs Attend and Fmt in scope.
+// rows_kernel.h (its load_step, dequant_rows, lane_sum and, at level 2, exp_lanes), like it; needs Attend, Matrix,
+// and layout_pos in scope.
 //
 // Each cached key and value row is read once for the whole group of query heads, and positions every head of the
 // group is masked from are not read at all: a static cache's unfilled tail costs nothing.
-
-// n values of a row in fmt (fp32, bf16 or fp16) as fp32.
-inline void row_to_float(const uint8_t* src, Fmt f, int64_t n, float* dst) {
-  if (f == Fmt::F32) {
-    std::memcpy(dst, src, n * 4);
-  } else if (f == Fmt::BF16) {
-    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-    int64_t i = 0;
-    for (; i + W <= n; i += W) {
-      const vu bits = __builtin_convertvector(load<vh>(s + i), vu) << 16;
-      std::memcpy(dst + i, &bits, sizeof(vu));
-    }
-    for (; i < n; ++i) {
-      const uint32_t bits = uint32_t(s[i]) << 16;
-      std::memcpy(dst + i, &bits, 4);
-    }
-  } else {
-    const c10::Half* s = reinterpret_cast<const c10::Half*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = float(s[i]);
-  }
-}
 
 inline float vector_sum(vf v) {
 #if HMOE_LEVEL == 2
@@ -34,64 +14,24 @@ inline float vector_sum(vf v) {
 #endif
 }
 
-// W values of a row in fmt from column i, as fp32 (fp32 and bf16: one or two instructions; fp16 through a copy).
-inline vf row_vector(const uint8_t* src, Fmt f, int64_t i) {
-  if (f == Fmt::BF16) {
-    const vu bits = __builtin_convertvector(load<vh>(src + 2 * i), vu) << 16;
-    vf v;
-    std::memcpy(&v, &bits, sizeof(v));
-    return v;
-  }
-  if (f == Fmt::F32) return load<vf>(src + 4 * i);
-  float tmp[W];
-  row_to_float(src + 2 * i, f, W, tmp);
-  return load<vf>(tmp);
-}
-
-// out[h] = q[h] . row for h < NH (query heads D apart, in fp32; the row in fmt): NH independent chains over the one
-// row, which is read and widened once for all of them.
-template <int NH>
-inline void head_dots(const float* q, int64_t D, const uint8_t* row, Fmt f, float* out) {
+// out[h] = q[h] . key for h < NH: the query heads D apart in fp32, laid out as dequant_rows lays out a row of F
+// (pairs_layout); the key row widened a step at a time by load_step, once for all NH chains.
+template <Fmt F, int NH>
+inline void head_dots(const float* q, int64_t D, const uint8_t* key, float* out) {
   vf acc[NH] = {};
-  int64_t i = 0;
-  for (; i + W <= D; i += W) {
-    const vf r = row_vector(row, f, i);
+  const int64_t full = D / kStep * kStep;
+  for (int64_t k = 0; k < full; k += kStep) {
+    vf lo, hi;
+    load_step<F>(key, k, lo, hi);
 #pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) acc[h] += load<vf>(q + h * D + i) * r;
+    for (int h = 0; h < NH; ++h) acc[h] += load<vf>(q + h * D + k) * lo + load<vf>(q + h * D + k + W) * hi;
   }
-  float tail[W];
-  row_to_float(row + i * (f == Fmt::F32 ? 4 : 2), f, D - i, tail);
 #pragma GCC unroll 4
   for (int h = 0; h < NH; ++h) {
     out[h] = vector_sum(acc[h]);
-    for (int64_t c = i; c < D; ++c) out[h] += q[h * D + c] * tail[c - i];
+    for (int64_t k = full; k < D; ++k) out[h] += q[h * D + k] * weight_at_fmt<F>(key, k, 1.f);
   }
 }
-
-#if HMOE_LEVEL == 2 && defined(HMOE_BF16_DOTS)
-// head_dots for bf16 query and key rows on AVX512-BF16 CPUs: one instruction multiplies 32 bf16 pairs (products exact
-// in fp32) and sums them in fp32, where widening the key row and multiplying in fp32 took three times as many.
-template <int NH>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void head_dots_bf16(const uint16_t* q, int64_t D,
-                                                                                    const uint16_t* key, float* out) {
-  __m512 acc[NH];
-#pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= D; i += 32) {
-    const __m512bh k = __m512bh(_mm512_loadu_si512(key + i));
-#pragma GCC unroll 4
-    for (int h = 0; h < NH; ++h) acc[h] = _mm512_dpbf16_ps(acc[h], __m512bh(_mm512_loadu_si512(q + h * D + i)), k);
-  }
-#pragma GCC unroll 4
-  for (int h = 0; h < NH; ++h) {
-    out[h] = _mm512_reduce_add_ps(acc[h]);
-    for (int64_t c = i; c < D; ++c)
-      out[h] += float(c10::BFloat16(q[h * D + c], c10::BFloat16::from_bits())) *
-                float(c10::BFloat16(key[c], c10::BFloat16::from_bits()));
-  }
-}
-#endif
 
 // Vectors of a column slice summed in registers over a chunk's rows (as many as the register file holds beside them).
 constexpr int kSliceVectors = HMOE_VBYTES >= 64 ? 8 : 4;
@@ -156,7 +96,8 @@ inline float exp_shifted(float* s, int64_t n, float top) {
 // each head's pass over them was bound by L2's bandwidth).
 constexpr int64_t kChunkBytes = 16384;
 
-void attend(const Attend& a) {
+template <Fmt F>
+void attend_as(const Attend& a) {
   std::vector<int64_t> seen;  // positions some head of the group may see
   seen.reserve(a.S);
   for (int64_t s = 0; s < a.S; ++s)
@@ -170,26 +111,18 @@ void attend(const Attend& a) {
   std::unique_ptr<float[]> buf(new float[G * D + G * Dv + G + G * n + std::min(chunk, n) * Dv]);
   float *q = buf.get(), *acc = q + G * D, *total = acc + G * Dv, *scores = total + G, *rows = scores + G * n;
   std::fill(acc, acc + G * Dv, 0.f);
-  for (int64_t h = 0; h < G; ++h) row_to_float(a.q + h * a.q_stride, a.fmt, D, q + h * D);
+  // Query and value rows widened to fp32 as the expert kernel widens weight rows: in pairs_layout's column order.
+  const Matrix queries{a.q, nullptr, a.q_stride, D, D, F}, values{a.v, nullptr, a.v_stride, Dv, Dv, F};
+  dequant_rows(queries, 0, G, q);
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* key = a.k + seen[j] * a.k_stride;
     float dots[4];
     for (int64_t h = 0; h < G; h += 4) {
       const int64_t nh = std::min<int64_t>(4, G - h);
-#if HMOE_LEVEL == 2 && defined(HMOE_BF16_DOTS)
-      if (a.bf16_dots) {  // the query heads as given, in bf16 (a.q_stride: D of them apart, as head_dots_bf16 reads)
-        const uint16_t* qh = reinterpret_cast<const uint16_t*>(a.q + h * a.q_stride);
-        const uint16_t* k16 = reinterpret_cast<const uint16_t*>(key);
-        if (nh == 4)
-          head_dots_bf16<4>(qh, D, k16, dots);
-        else
-          for (int64_t i = 0; i < nh; ++i) head_dots_bf16<1>(qh + i * D, D, k16, dots + i);
-      } else
-#endif
-          if (nh == 4)
-        head_dots<4>(q + h * D, D, key, a.fmt, dots);
+      if (nh == 4)
+        head_dots<F, 4>(q + h * D, D, key, dots);
       else
-        for (int64_t i = 0; i < nh; ++i) head_dots<1>(q + (h + i) * D, D, key, a.fmt, dots + i);
+        for (int64_t i = 0; i < nh; ++i) head_dots<F, 1>(q + (h + i) * D, D, key, dots + i);
       for (int64_t i = 0; i < nh; ++i) {  // a hidden position is -inf whatever its key holds (inf, NaN)
         const float bias = a.bias(h + i, seen[j]);
         scores[(h + i) * n + j] = bias == -INFINITY ? -INFINITY : dots[i] * a.scale + bias;
@@ -199,21 +132,28 @@ void attend(const Attend& a) {
   for (int64_t h = 0; h < G; ++h) total[h] = exp_shifted(scores + h * n, n, row_max(scores + h * n, n));
   for (int64_t j0 = 0; j0 < n; j0 += chunk) {
     const int64_t m = std::min(chunk, n - j0);
-    for (int64_t j = 0; j < m; ++j) row_to_float(a.v + seen[j0 + j] * a.v_stride, a.fmt, Dv, rows + j * Dv);
+    for (int64_t j = 0; j < m; ++j) dequant_rows(values, seen[j0 + j], seen[j0 + j] + 1, rows + j * Dv);
     for (int64_t h = 0; h < G; ++h) add_weighted(acc + h * Dv, scores + h * n + j0, rows, m, Dv);
   }
-  // Normalised and rounded once; a head that may see no position gets 0 / 0 = NaN, as softmax over -inf gives.
+  // Normalised, back in column order, and rounded once; a head that may see no position gets 0 / 0 = NaN, as softmax
+  // over -inf gives.
   for (int64_t h = 0; h < G; ++h) {
     const float inv = 1.f / total[h];
     uint8_t* out = a.out + h * a.out_stride;
     for (int64_t c = 0; c < Dv; ++c) {
-      const float x = n ? acc[h * Dv + c] * inv : NAN;
-      if (a.fmt == Fmt::F32)
+      const float x = n ? acc[h * Dv + layout_pos(c, Dv, F, kStep)] * inv : NAN;
+      if constexpr (F == Fmt::F32)
         reinterpret_cast<float*>(out)[c] = x;
-      else if (a.fmt == Fmt::BF16)
+      else if constexpr (F == Fmt::BF16)
         reinterpret_cast<c10::BFloat16*>(out)[c] = c10::BFloat16(x);
       else
         reinterpret_cast<c10::Half*>(out)[c] = c10::Half(x);
     }
   }
+}
+
+void attend(const Attend& a) {
+  if (a.fmt == Fmt::F32) return attend_as<Fmt::F32>(a);
+  if (a.fmt == Fmt::BF16) return attend_as<Fmt::BF16>(a);
+  attend_as<Fmt::F16>(a);
 }

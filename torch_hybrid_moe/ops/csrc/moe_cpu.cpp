@@ -43,11 +43,6 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define HMOE_X86 1
-// AVX512-BF16 dot products need the compilers amx_gemm.cpp needs; older ones score bf16 attention in fp32
-// (attention_kernel.h).
-#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
-#define HMOE_BF16_DOTS 1
-#endif
 #endif
 
 namespace {
@@ -89,7 +84,6 @@ struct Attend {
   int64_t out_stride;  // between query heads
   int64_t G, D, Dv, S;
   float scale;
-  bool bf16_dots;         // bf16 q / k (q heads D apart) scored by AVX512-BF16 dot products
   const bool* mask_bool;  // true: may see; or
   const float* mask_add;  // added to the scaled scores (-inf: may not see); neither: every position
   int64_t mask_head, mask_pos;
@@ -832,7 +826,7 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
 }
 
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level, bool bf16_dots) {
+                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level) {
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= best_isa(), "decode_attention: ISA level ", isa_level,
               " not available here");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(2) == 1,
@@ -870,7 +864,6 @@ at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, c
   const auto* vp = static_cast<const uint8_t*>(v.data_ptr());
   auto* op = static_cast<uint8_t*>(out.data_ptr());
   const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
-  const bool dots = bf16_dots && fmt == Fmt::BF16 && isa_level == AVX512 && bf16_dots_available();
   parallel_items(B * Hkv, [&](int64_t i) {
     const int64_t b = i / Hkv, g = i % Hkv;
     Attend a{fmt,
@@ -887,7 +880,6 @@ at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, c
              Dv,
              S,
              float(scale),
-             dots,
              nullptr,
              nullptr,
              0,
@@ -909,19 +901,7 @@ at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, c
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const c10::optional<at::Tensor>& mask, double scale) {
   static const int64_t isa = best_isa();
-  return decode_attention_at(query, key, value, mask, scale, isa, true);
-}
-
-bool bf16_dots_available() {
-#ifdef HMOE_BF16_DOTS
-  static const bool available = [] {
-    __builtin_cpu_init();
-    return bool(__builtin_cpu_supports("avx512bf16"));
-  }();
-  return available;
-#else
-  return false;
-#endif
+  return decode_attention_at(query, key, value, mask, scale, isa);
 }
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.

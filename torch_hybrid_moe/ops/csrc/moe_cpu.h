@@ -29,11 +29,9 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
 // [B, 1, Hq, Dv] rounded once to the query's dtype. Positions a key / value head's queries may not see are not read.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const c10::optional<at::Tensor>& mask, double scale);
-// The same at a given ISA level, bf16 scores by AVX512-BF16 dot products where bf16_dots and the CPU has them (the
-// op: both); for tests.
+// The same at a given ISA level (for tests).
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level, bool bf16_dots);
-bool bf16_dots_available();
+                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
 
 // Layers whose experts all run on the CPU, by handle (cpu_layers.cpp): Python publishes a layer (its `owner` number)
 // under each handle that names it, forgets a handle that comes to name a layer with slots, drops a layer when it

@@ -10,7 +10,6 @@ constexpr int kTok = HMOE_VBYTES >= 64 ? 4 : 2;
 
 typedef float vf __attribute__((vector_size(HMOE_VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(HMOE_VBYTES)));
-typedef uint16_t vh __attribute__((vector_size(HMOE_VBYTES / 2)));
 
 template <typename V>
 inline V load(const void* p) {
@@ -490,6 +489,7 @@ void dequant_rows(const Matrix& m, int64_t r0, int64_t r1, float* dst) {
 // Rows [r0, r1) dequantised as dequant_rows does, then rounded to bf16 (nearest even; the weights are finite) a
 // vector at a time: the bf16 GEMM route's panels, with the fp32 row only in L1.
 void dequant_rows_bf16(const Matrix& m, int64_t r0, int64_t r1, uint16_t* dst) {
+  typedef uint16_t vh __attribute__((vector_size(HMOE_VBYTES / 2)));
   std::vector<float> row(m.K);
   for (int64_t r = r0; r < r1; ++r) {
     dequant_rows(m, r, r + 1, row.data());
