@@ -7,8 +7,9 @@ plus % of fp32's), side by side in one run: a per-expert torch loop, our kernel 
 with bf16, int8 and int4 weights, and KTransformers' CPU MoE when `kt-kernel` is installed. Every
 repetition draws fresh routing and hidden states and runs every implementation on them; medians are
 reported. Each implementation is first checked against a float64 reference of the weights it holds
-(dequantised ones for int8 / int4). Prefill is also put against F.linear's rate on one expert's projections at
-the rows an expert gets, its weights either kept in the caches or streamed from DRAM as a layer's are.
+(dequantised ones for int8 / int4). Prefill is also put against F.linear alone on the projections of the experts
+each routing activates, at the rows it gives each, timed in the same turns (this host's speed moves between
+minutes): each expert's own weights streamed from DRAM as a layer's are, or one expert's every time (cached).
 
     python benchmarks/cpu_moe.py [--shape deepseek-v2-lite] [--repeats 7] [--json]
 """
@@ -16,8 +17,8 @@ the rows an expert gets, its weights either kept in the caches or streamed from 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import itertools
 import json
 import statistics
 import sys
@@ -83,34 +84,26 @@ def matmul_tflops(repeats: int, dtype: torch.dtype, n: int = 2048) -> float:
     return 2 * n**3 / _median_seconds(lambda: F.linear(a, b), repeats) / 1e12
 
 
-def linear_tflops(
-    shape: Shape,
-    tokens: int,
-    dtype: torch.dtype,
-    repeats: int,
-    experts: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> float:
-    """F.linear's rate on one expert's two projections at `tokens` rows (the rows an expert gets in a prefill of this
-    shape): the GEMM rate the CPU reaches on these matrices, the bar for the kernel's prefill route. With `experts`
-    (the layer's gate_up and down), each call takes the next expert's weights, streamed from DRAM as a real layer
-    streams them; without, one expert's weights stay in the caches."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, shape.hidden, generator=gen).to(dtype)
-    h = torch.randn(tokens, shape.inter, generator=gen).to(dtype)
-    if experts is None:
-        gate_up = torch.randn(1, 2 * shape.inter, shape.hidden, generator=gen).to(dtype)
-        down = torch.randn(1, shape.hidden, shape.inter, generator=gen).to(dtype)
-    else:
-        gate_up, down = (w.to(dtype) for w in experts)
-    turn = itertools.count()
+def linear_bars(gate_up: torch.Tensor, down: torch.Tensor, tokens: int) -> list[Bar]:
+    """F.linear alone on each active expert's two projections at the rows a routing of `tokens` tokens gives it: no
+    gather, SiLU or scatter; the GEMM rate the CPU reaches on these matrices, the bar for the kernel's prefill route.
+    Weights in bf16 and in fp32 (the faster on CPUs without native bf16 arithmetic); "streamed" takes each expert's
+    own weights, from DRAM as a layer does, "cached" expert 0's every time (in the caches where they fit)."""
+    gen = torch.Generator().manual_seed(1)
+    bars = []
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        gu, dn = gate_up.to(dtype), down.to(dtype)
+        x = torch.randn(tokens, gu.shape[2], generator=gen).to(dtype)
+        h = torch.randn(tokens, dn.shape[2], generator=gen).to(dtype)
 
-    def run() -> None:
-        e = next(turn) % gate_up.shape[0]
-        F.linear(x, gate_up[e])
-        F.linear(h, down[e])
+        def run(ids: torch.Tensor, cached: bool, gu=gu, dn=dn, x=x, h=h) -> None:
+            for e, n in zip(*ids.unique(return_counts=True), strict=True):
+                e = 0 if cached else int(e)
+                F.linear(x[:n], gu[e])
+                F.linear(h[:n], dn[e])
 
-    run()
-    return 2 * 3 * shape.hidden * shape.inter * tokens / _median_seconds(run, max(repeats, 2 * gate_up.shape[0])) / 1e12
+        bars += [Bar(name, w, functools.partial(run, cached=w == "cached")) for w in ("streamed", "cached")]
+    return bars
 
 
 def torch_loop(
@@ -136,6 +129,16 @@ class Impl:
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     expert_bytes: int
     reference_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Bar:
+    """F.linear on the experts a routing activates (`linear_bars`), timed in the same turns as the
+    implementations: this host's speed moves between minutes, so a bar timed apart says little."""
+
+    dtype: str
+    weights: str  # "streamed" or "cached"
+    run: Callable[[torch.Tensor], None]  # on a routing's expert ids
 
 
 def implementations(gate_up: torch.Tensor, down: torch.Tensor) -> list[Impl]:
@@ -219,20 +222,22 @@ def check(impl: Impl, shape: Shape, regime: str, tokens: int, gen: torch.Generat
 
 
 def median_ms(
-    impls: list[Impl], shape: Shape, tokens: int, repeats: int, gen: torch.Generator
-) -> tuple[list[float], float]:
-    """Median ms per implementation, every repetition running all of them on the same fresh inputs (interleaved,
-    so machine noise hits them alike), and the mean number of distinct experts the inputs activated."""
-    times: list[list[float]] = [[] for _ in impls]
+    impls: list[Impl], bars: list[Bar], shape: Shape, tokens: int, repeats: int, gen: torch.Generator
+) -> tuple[list[float], list[float], float]:
+    """Median ms per implementation and per F.linear bar, every repetition running all of them on the same fresh
+    routing (interleaved, so machine noise hits them alike), and the mean number of distinct experts it activated."""
+    runs = [impl.run for impl in impls] + [lambda h, i, w, bar=bar: bar.run(i) for bar in bars]
+    times: list[list[float]] = [[] for _ in runs]
     active = []
     for _ in range(repeats):
         inputs = routing(shape, tokens, gen)
         active.append(len(inputs[1].unique()))
-        for i, impl in enumerate(impls):
+        for i, run in enumerate(runs):
             start = time.perf_counter()
-            impl.run(*inputs)
+            run(*inputs)
             times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e3 for t in times], statistics.mean(active)
+    ms = [statistics.median(t) * 1e3 for t in times]
+    return ms[: len(impls)], ms[len(impls) :], statistics.mean(active)
 
 
 def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm_fp32: float) -> list[dict]:
@@ -249,12 +254,18 @@ def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm
         for regime, tokens in REGIMES:
             for impl in impls:
                 check(impl, shape, regime, tokens, gen)
+            bars = linear_bars(gate_up, down, tokens) if regime == "prefill" and group is groups[0] else []
             reps = repeats if regime == "decode" else max(3, repeats // 2)
-            ms, active = median_ms(impls, shape, tokens, reps, gen)
+            ms, bar_ms, active = median_ms(impls, bars, shape, tokens, reps, gen)
             loop_ms.setdefault(tokens, ms[0])
+            flop = 2 * 3 * shape.hidden * shape.inter * tokens * shape.top_k
+            best = {
+                w: max((flop / m / 1e9 for b, m in zip(bars, bar_ms) if b.weights == w), default=None)
+                for w in ("cached", "streamed")
+            }
             for impl, m in zip(impls, ms):
                 gb_s = active * impl.expert_bytes / m / 1e6
-                tflops = 2 * 3 * shape.hidden * shape.inter * tokens * shape.top_k / m / 1e9
+                tflops = flop / m / 1e9
                 records.append(
                     {
                         "shape": shape.name,
@@ -270,29 +281,24 @@ def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm
                         "pct_of_fp32_matmul": 100 * tflops / mm_fp32,
                         "x_torch_loop": loop_ms[tokens] / m,
                     }
+                    | {f"pct_of_{w}_linear": 100 * tflops / b for w, b in best.items() if b}
+                )
+            for bar, m in zip(bars, bar_ms):
+                records.append(
+                    {
+                        "shape": shape.name,
+                        "regime": regime,
+                        "tokens": tokens,
+                        "impl": "linear",
+                        "dtype": bar.dtype,
+                        "weights": bar.weights,
+                        "expert_tokens": tokens * shape.top_k / active,
+                        "ms": m,
+                        "tflops": flop / m / 1e9,
+                    }
                 )
         del impls
         gc.collect()  # ends kt-kernel's worker pool before the next shape
-    per_expert = 512 * shape.top_k // shape.experts  # rows an expert gets in the 512-token prefill, on average
-    for weights, experts in (("cached", None), ("streamed", (gate_up, down))):
-        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-            records.append(
-                {
-                    "shape": shape.name,
-                    "regime": "prefill",
-                    "tokens": 512,
-                    "impl": "linear",
-                    "dtype": name,
-                    "weights": weights,
-                    "expert_tokens": per_expert,
-                    "tflops": linear_tflops(shape, per_expert, dtype, repeats, experts),
-                }
-            )
-    for weights in ("cached", "streamed"):
-        best = max(r["tflops"] for r in records if r["impl"] == "linear" and r["weights"] == weights)
-        for r in records:
-            if r["regime"] == "prefill" and r["impl"] != "linear":
-                r[f"pct_of_{weights}_linear"] = 100 * r["tflops"] / best
     order = {(r["impl"], r["dtype"], r.get("weights")): i for i, r in enumerate(records)}
     return sorted(records, key=lambda r: (r["tokens"], order[(r["impl"], r["dtype"], r.get("weights"))]))
 
@@ -327,8 +333,9 @@ def main() -> None:
     for r in records[3:]:
         if r["impl"] == "linear":
             print(
-                f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {'':>21} "
-                f"{r['tflops']:>8.4f}   (an expert's projections at {r['expert_tokens']} rows, {r['weights']} weights)"
+                f"{r['shape']:<17} {r['regime']:<8} {r['tokens']:>4} {'F.linear':<11} {r['dtype']:<5} {r['ms']:>9.2f} "
+                f"{'':>11} {r['tflops']:>8.4f}   (the active experts' projections alone, "
+                f"{r['expert_tokens']:.0f} rows on average, {r['weights']} weights)"
             )
             continue
         print(
