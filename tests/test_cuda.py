@@ -86,7 +86,8 @@ def test_grouped_slot_experts_replay_under_new_routing():
     slots, h, i, tokens, k = 8, 64, 48, 3, 4
     gate_up = (torch.randn(slots, 2 * i, h) / h**0.5).to("cuda", torch.bfloat16)
     down = (torch.randn(slots, h, i) / i**0.5).to("cuda", torch.bfloat16)
-    assert _grouped_slots(gate_up)
+    if not _grouped_slots(gate_up):
+        pytest.skip("torch's grouped GEMM has no device kernel on this GPU: the gathered form runs instead")
     hidden = torch.empty(tokens, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.empty(tokens, k, device="cuda", dtype=torch.long)
     weights, out = torch.empty(tokens, k, device="cuda"), torch.empty(tokens, h, device="cuda")

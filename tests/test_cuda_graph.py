@@ -10,6 +10,7 @@ import torch
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
 from torch_hybrid_moe.embedded import load_model
+from torch_hybrid_moe.ops.expert_math import _grouped_slots
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.runtime.graph_path import GraphPath, Part
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
@@ -83,6 +84,32 @@ def test_graph_replay_matches_reference_for_32_steps(arch, budget):
         for buf in layer.graph_path()._buffers.values():
             # every replay and the warm-up fired both host functions, and the worker ran each submission
             assert buf.task.submits == buf.task.syncs == buf.task.runs == runner.replays + runner.captures
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("model", 3e-2), ("int8", 5e-2)])
+def test_bf16_graph_replay_matches_reference(fmt, tolerance):
+    """bf16 slots in the captured decode step: the grouped slot share on GPUs of compute capability 9.x / 10.x (the
+    gathered one elsewhere), with int8 CPU masters the slots' inputs rounded as the kernel rounds them. Each step's
+    logits against the unpatched bf16 model's on the same tokens, within bf16 (and int8) rounding."""
+    ref = load_model("deepseek-tiny", dtype=torch.bfloat16)[0].cuda()  # experts 32 wide: int8 groups of 32
+    model = thm.patch_model(
+        copy.deepcopy(ref).cpu(),
+        expert_budget=0.25,
+        device="cuda",
+        fills_per_step=2,
+        cpu_weight_dtype=fmt,
+        cpu_weight_group_size=32,
+    )
+    runner, _ = _spy(model)
+    x = torch.randint(3, 96, (2, 5), device="cuda")
+    with torch.no_grad():
+        tokens, logits = _generate(model, x, 16)
+        want = ref(tokens).logits[:, x.shape[1] - 1 : -1].double()  # the logits each new token was chosen from
+    assert runner.captures == 1 and runner.replays == 15
+    grouped = torch.cuda.get_device_capability()[0] in (9, 10)
+    assert all(_grouped_slots(layer.store.slot_gate_up) is grouped for layer in model_layers(model).values())
+    got = logits.transpose(0, 1)
+    assert ((got - want).abs().max() / want.abs().max()) < tolerance
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

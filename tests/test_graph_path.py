@@ -4,6 +4,7 @@ experts, masked row copies, and the cache policies' tensor forms against their P
 import copy
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,6 +148,45 @@ def test_host_function_launch_without_a_driver_is_a_clear_error():
         task.launch_submit(0)
 
 
+@pytest.mark.parametrize(
+    "capability, dtype, hidden, inter, grouped",
+    [
+        ((9, 0), torch.bfloat16, 64, 48, True),  # H100 / H200
+        ((10, 0), torch.bfloat16, 64, 48, True),  # B200
+        ((8, 0), torch.bfloat16, 64, 48, False),  # A100: torch's grouped GEMM syncs with the host there
+        ((8, 9), torch.bfloat16, 64, 48, False),  # RTX 4090
+        ((12, 0), torch.bfloat16, 64, 48, False),  # RTX 5090
+        ((9, 0), torch.float32, 64, 48, False),  # CUDA: bf16 only
+        ((9, 0), torch.bfloat16, 64, 44, False),  # rows of I not 16 bytes apart
+        ((9, 0), torch.bfloat16, 60, 48, False),  # rows of H not 16 bytes apart
+    ],
+)
+def test_grouped_slot_form_only_where_a_graph_can_capture_it(capability, dtype, hidden, inter, grouped, monkeypatch):
+    """The grouped form on CUDA only where torch has its device kernel (compute capability 9.x / 10.x, bf16) and the
+    rows are 16 bytes apart; every other case takes the gathered form (on other GPUs the grouped GEMM copies its
+    offsets to the host, which fails inside a CUDA graph capture)."""
+    from torch_hybrid_moe.ops import expert_math
+
+    slots = SimpleNamespace(  # what the gate reads of CUDA slots [S, 2I, H], on a machine without a GPU
+        shape=(4, 2 * inter, hidden),
+        dtype=dtype,
+        device=torch.device("cuda", 0),
+        dim=lambda: 3,
+        element_size=lambda: dtype.itemsize,
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert expert_math._grouped_slots(slots) is grouped
+
+
+def test_grouped_slot_form_on_the_cpu_needs_rows_16_bytes_apart():
+    from torch_hybrid_moe.ops import expert_math
+
+    assert expert_math._grouped_slots(torch.zeros(4, 2 * 8, 12))  # fp32: 8 and 12 columns are 32 and 48 bytes
+    assert not expert_math._grouped_slots(torch.zeros(4, 2 * 6, 12))  # I = 6: 24 bytes
+    assert not expert_math._grouped_slots(torch.zeros(4, 2 * 8, 12, dtype=torch.bfloat16))  # H = 12: 24 bytes
+    assert not expert_math._grouped_slots(torch.zeros(4, 8, 12, dtype=torch.float64))  # a dtype it lacks
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "gathered"])
 @pytest.mark.parametrize("tokens,k,slots", [(1, 2, 4), (3, 2, 4), (2, 2, 2), (4, 3, 8), (9, 2, 3)])
@@ -155,7 +195,7 @@ def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, dty
     with pairs off the slots (-1) left out: relative error of the whole output, bf16 within its rounding."""
     from torch_hybrid_moe.ops import expert_math
 
-    assert expert_math._grouped_slots(torch.zeros(1, dtype=dtype))  # the CPU has both forms
+    assert expert_math._grouped_slots(_experts(e=slots)[0].to(dtype))  # the CPU has both forms
     monkeypatch.setattr(expert_math, "_grouped_slots", lambda w: grouped)
     gate_up, down = (w.to(dtype) for w in _experts(e=slots))
     hidden = torch.randn(tokens, 32).to(dtype)

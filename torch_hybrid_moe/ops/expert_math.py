@@ -66,16 +66,22 @@ def expert_into_(
 
 
 def _grouped_slots(slot_gate_up: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM takes these slots: on the CPU (fp32, bf16, fp16), and for bf16 on CUDA GPUs
-    of compute capability 8.0 or later."""
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether torch's grouped GEMM takes these slots [S, 2I, H] with no host synchronisation: on the CPU (fp32,
+    bf16, fp16), and for bf16 on NVIDIA GPUs of compute capability 9.x and 10.x, the only ones with its device kernel.
+    On other GPUs it loops over the groups from a host copy of their offsets, which a CUDA graph cannot capture.
+    Its operands' rows must also start 16 bytes apart: H and I must be multiples of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or slot_gate_up.dim() != 3:
+        return False
+    _, two_inter, hidden = slot_gate_up.shape
+    if any(d * slot_gate_up.element_size() % 16 for d in (hidden, two_inter // 2)):
         return False
     if slot_gate_up.device.type == "cpu":
         return slot_gate_up.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return (
         slot_gate_up.device.type == "cuda"
+        and torch.version.hip is None  # ROCm reports 9.x for MI200 / MI300, where the loop runs too
         and slot_gate_up.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(slot_gate_up.device) >= (8, 0)
+        and torch.cuda.get_device_capability(slot_gate_up.device)[0] in (9, 10)
     )
 
 

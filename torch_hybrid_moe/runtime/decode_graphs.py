@@ -167,6 +167,9 @@ class DecodeGraphs:
                 layer.mode_counters.zero_()
 
     def _begin_step(self) -> None:
+        # The fill stream forks from the step's stream, so that inside a capture it is part of the graph even when
+        # no layer queues work on it (a full budget): the join at the step's end then never waits on work outside.
+        fill_stream(self.device).wait_stream(torch.cuda.current_stream(self.device))
         for layer in self.layers:
             layer.graph_path().begin_step()
 
