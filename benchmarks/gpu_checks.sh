@@ -4,9 +4,9 @@
 # budgets, with the routing trace and the local cost profile for `hybrid-moe simulate`), then the paper stacks'
 # live rows, then a profiled prefill with and without the staging ring. Logs and records go to $OUT (the device
 # tool's folder) or ./gpu-out: seven files. The default limits fit one 10-minute call (the first three steps
-# took 168 s and ~180 s on an H100, 2026-11-26).
+# took 168 s and ~180 s on an H100, 2026-11-26); a limit of 0 skips its step.
 #
-#     bash benchmarks/gpu_checks.sh          # LAYERS=8 TEST_S=190 MAIN_S=220 PAPERS_S=100 PREFILL_S=70
+#     bash benchmarks/gpu_checks.sh          # LAYERS=8 TEST_S=190 MAIN_S=220 PREFILL_S=70 PAPERS_S=100
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -20,13 +20,19 @@ common=(--layers "$layers" --graph on --tokens 32 --prompt 512 4096 --repeats 2 
     python -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
 } >"$out/machine.txt" 2>&1
 head -4 "$out/machine.txt"
-timeout "${TEST_S:-190}" python -m pytest -q -n 12 -p no:cacheprovider \
-    tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py 2>&1 | tee "$out/tests.txt" | tail -25
-timeout "${MAIN_S:-220}" python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
-    --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" 2>&1 | tee "$out/main.txt" | grep -v -e "^{" -e Warn
-timeout "${PAPERS_S:-100}" python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
-    --budgets 0.25 2>&1 | tee "$out/papers.txt" | grep -v -e "^{" -e Warn
-timeout "${PREFILL_S:-70}" python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 --prompt 512 4096 \
-    --repeats 1 --rows hybrid no-stream --budgets 0.25 --profile /tmp/gpu-checks-profile 2>&1 |
-    tee "$out/prefill.txt" | grep -E "tok/s|Error"
+step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: skip it), its output to $out/LOG
+    local limit=$1 log=$2
+    shift 2
+    [ "$limit" -gt 0 ] || return 0
+    timeout "$limit" "$@" 2>&1 | tee "$out/$log"
+}
+step "${TEST_S:-190}" tests.txt python -m pytest -q -n 12 -p no:cacheprovider \
+    tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py | tail -25
+step "${MAIN_S:-220}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
+    --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
+step "${PREFILL_S:-70}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
+    --prompt 512 4096 --repeats 1 --rows hybrid no-stream --budgets 0.25 --profile /tmp/gpu-checks-profile |
+    grep -E "tok/s|Error|^---|hybrid_moe::|Name"
+step "${PAPERS_S:-100}" papers.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
+    --budgets 0.25 | grep -v -e "^{" -e Warn

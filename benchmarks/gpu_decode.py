@@ -331,11 +331,18 @@ def profile(
         ("decode", short, tokens, "self_device_time_total"),
         ("prefill", prompt, 1, "self_cpu_time_total"),
     ):
+        thm.reset_stats(model)
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             generate_s(model, ids, n, cache)
         prof.export_chrome_trace(f"{path}-{what}.json")
-        print(f"--- {path.name} {what}: {n} token(s); trace {path}-{what}.json")
-        print(prof.key_averages().table(sort_by=key, row_limit=15), flush=True)
+        stats = thm.stats(model).values()
+        where = {k: sum(getattr(s, f"{k}_experts") for s in stats) for k in ("accelerator", "cpu", "streamed")}
+        print(f"--- {path.name} {what}: {n} token(s); trace {path}-{what}.json; experts in the layers' steps: {where}")
+        averages = prof.key_averages()
+        print(averages.table(sort_by=key, row_limit=15), flush=True)
+        for event in averages:  # the dispatch's named ranges (runtime/layer.py), host time with what they call
+            if event.key.startswith("hybrid_moe::"):
+                print(f"{event.key:34s} {event.count:5d} calls {event.cpu_time_total / 1e3:9.2f} ms", flush=True)
 
 
 def release() -> None:

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from ..config import HybridMoEConfig
 from ..ops import cpu_kernel
@@ -188,14 +189,17 @@ class HybridMoELayer:
             and self.streaming is None
         ):
             return self._all_on_cpu(hidden, topk_ids, topk_weights)
-        # Token counts and summed routing weights per expert, read back in one host synchronisation.
+        # Token counts and summed routing weights per expert, read back in one host synchronisation. The named
+        # ranges split a profiled step's host time (benchmarks/gpu_decode.py --profile): the wait for routing, the
+        # Python that queues the accelerator's share, and the wait for the CPU's.
         flat = topk_ids.reshape(-1) + 1  # -1 (computed by another dispatch) lands in bin 0, dropped below
-        counts_f, scores = torch.stack(
-            (
-                torch.bincount(flat, minlength=store.num_experts + 1).float(),
-                torch.bincount(flat, topk_weights.reshape(-1).float(), store.num_experts + 1),
-            )
-        )[:, 1:].tolist()
+        with record_function("hybrid_moe::wait_routing"):
+            counts_f, scores = torch.stack(
+                (
+                    torch.bincount(flat, minlength=store.num_experts + 1).float(),
+                    torch.bincount(flat, topk_weights.reshape(-1).float(), store.num_experts + 1),
+                )
+            )[:, 1:].tolist()
         counts = [int(c) for c in counts_f]
         if len(counts) > store.num_experts:
             raise ValueError(f"{self.name}: expert id {len(counts) - 1} >= num_experts {store.num_experts}")
@@ -226,13 +230,15 @@ class HybridMoELayer:
                 cpu_kernel.gemm_route(host_hidden, gate_up, gate_up_scale)
             share = _CPU_SHARE.submit(self._cpu_share, host_hidden, cpu_ids, host_weights)
         try:
-            acc = self._accelerator_share(hidden, topk_ids, topk_weights, plan.accelerator)
-            if streamed:
-                ring = ring_for(store, self.config.staging_slots)
-                self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
+            with record_function("hybrid_moe::queue_accelerator"):
+                acc = self._accelerator_share(hidden, topk_ids, topk_weights, plan.accelerator)
+                if streamed:
+                    ring = ring_for(store, self.config.staging_slots)
+                    self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
         finally:  # the worker's share is done before anything else happens, even when the accelerator's failed
             if share is not None:
-                wait([share])
+                with record_function("hybrid_moe::wait_cpu_share"):
+                    wait([share])
         if cpu:
             out = share.result() if share is not None else self._cpu_share(host_hidden, cpu_ids, host_weights)
             acc += out.to(acc.device, non_blocking=True)
