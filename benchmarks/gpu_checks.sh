@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device lease's GPU checks, most important first, each under its own time limit so a slow step costs only
 # itself: the CUDA tests, then gpu_decode.py's rows (the no-offload ceiling, the default and ours at three
-# budgets, with the routing trace and the local cost profile for `hybrid-moe simulate`), then the paper stacks'
-# live rows, then a profiled prefill with and without the staging ring. Logs and records go to $OUT (the device
-# tool's folder) or ./gpu-out: seven files. The default limits fit one 10-minute call (the first three steps
-# took 168 s and ~180 s on an H100, 2026-11-26); a limit of 0 skips its step.
+# budgets, with the routing trace and the local cost profile for `hybrid-moe simulate`), then a profiled prefill
+# of the default at budgets 0.25 and 1.0 (its host time split by the dispatch's named ranges), then the paper
+# stacks' live rows. Logs and records go to $OUT (the device tool's folder) or ./gpu-out: seven files. The default
+# limits fit one 10-minute call (the tests took over 150 s, the decode rows ~180 s, the profiled prefill rows ~60 s
+# on an H100, 2026-11-27); a limit of 0 skips its step.
 #
 #     bash benchmarks/gpu_checks.sh          # LAYERS=8 TEST_S=190 MAIN_S=220 PREFILL_S=70 PAPERS_S=100
 set -u -o pipefail
@@ -32,7 +33,7 @@ step "${MAIN_S:-220}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
 step "${PREFILL_S:-70}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
-    --prompt 512 4096 --repeats 1 --rows hybrid no-stream --budgets 0.25 --profile /tmp/gpu-checks-profile |
+    --prompt 512 4096 --repeats 1 --rows hybrid --budgets 0.25 1.0 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
 step "${PAPERS_S:-100}" papers.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn

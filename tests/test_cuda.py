@@ -80,13 +80,13 @@ def test_cuda_ring_reuses_a_buffer_only_after_its_compute():
 def test_grouped_slot_experts_replay_under_new_routing():
     """The decode graph's slot share on bf16 slots (grouped GEMMs reading each used slot in place), captured once
     and replayed under fresh routing each time, against a float64 loop; pairs off the slots (-1) left out."""
-    from torch_hybrid_moe.ops.expert_math import _grouped_slots, accumulate_experts_, slot_experts_
+    from torch_hybrid_moe.ops.expert_math import accumulate_experts_, grouped_slots, slot_experts_
     from torch_hybrid_moe.profiling import captured
 
     slots, h, i, tokens, k = 8, 64, 48, 3, 4
     gate_up = (torch.randn(slots, 2 * i, h) / h**0.5).to("cuda", torch.bfloat16)
     down = (torch.randn(slots, h, i) / i**0.5).to("cuda", torch.bfloat16)
-    if not _grouped_slots(gate_up):
+    if not grouped_slots(gate_up):
         pytest.skip("torch's grouped GEMM has no device kernel on this GPU: the gathered form runs instead")
     hidden = torch.empty(tokens, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.empty(tokens, k, device="cuda", dtype=torch.long)

@@ -10,7 +10,7 @@ import torch
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
 from torch_hybrid_moe.embedded import load_model
-from torch_hybrid_moe.ops.expert_math import _grouped_slots
+from torch_hybrid_moe.ops.expert_math import grouped_slots
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.runtime.graph_path import GraphPath, Part
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
@@ -107,7 +107,7 @@ def test_bf16_graph_replay_matches_reference(fmt, tolerance):
         want = ref(tokens).logits[:, x.shape[1] - 1 : -1].double()  # the logits each new token was chosen from
     assert runner.captures == 1 and runner.replays == 15
     grouped = torch.cuda.get_device_capability()[0] in (9, 10)
-    assert all(_grouped_slots(layer.store.slot_gate_up) is grouped for layer in model_layers(model).values())
+    assert all(grouped_slots(layer.store.slot_gate_up) is grouped for layer in model_layers(model).values())
     got = logits.transpose(0, 1)
     assert ((got - want).abs().max() / want.abs().max()) < tolerance
 

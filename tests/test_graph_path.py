@@ -175,28 +175,30 @@ def test_grouped_slot_form_only_where_a_graph_can_capture_it(capability, dtype, 
         element_size=lambda: dtype.itemsize,
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert expert_math._grouped_slots(slots) is grouped
+    assert expert_math.grouped_slots(slots) is grouped
 
 
 def test_grouped_slot_form_on_the_cpu_needs_rows_16_bytes_apart():
     from torch_hybrid_moe.ops import expert_math
 
-    assert expert_math._grouped_slots(torch.zeros(4, 2 * 8, 12))  # fp32: 8 and 12 columns are 32 and 48 bytes
-    assert not expert_math._grouped_slots(torch.zeros(4, 2 * 6, 12))  # I = 6: 24 bytes
-    assert not expert_math._grouped_slots(torch.zeros(4, 2 * 8, 12, dtype=torch.bfloat16))  # H = 12: 24 bytes
-    assert not expert_math._grouped_slots(torch.zeros(4, 8, 12, dtype=torch.float64))  # a dtype it lacks
+    assert expert_math.grouped_slots(torch.zeros(4, 2 * 8, 12))  # fp32: 8 and 12 columns are 32 and 48 bytes
+    assert not expert_math.grouped_slots(torch.zeros(4, 2 * 6, 12))  # I = 6: 24 bytes
+    assert not expert_math.grouped_slots(torch.zeros(4, 2 * 8, 12, dtype=torch.bfloat16))  # H = 12: 24 bytes
+    assert not expert_math.grouped_slots(torch.zeros(4, 8, 12, dtype=torch.float64))  # a dtype it lacks
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "gathered"])
+@pytest.mark.parametrize("counted", [False, True], ids=["static", "counted"])
 @pytest.mark.parametrize("tokens,k,slots", [(1, 2, 4), (3, 2, 4), (2, 2, 2), (4, 3, 8), (9, 2, 3)])
-def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, dtype, tolerance, monkeypatch):
+def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, counted, dtype, tolerance, monkeypatch):
     """Both forms (grouped GEMMs over the slots in place; the used slots' weights gathered) against a float64 loop,
-    with pairs off the slots (-1) left out: relative error of the whole output, bf16 within its rounding."""
+    with pairs off the slots (-1) left out: relative error of the whole output, bf16 within its rounding. `counted`:
+    told how many pairs are on slots, as an uncaptured step is (the grouped form then computes only those)."""
     from torch_hybrid_moe.ops import expert_math
 
-    assert expert_math._grouped_slots(_experts(e=slots)[0].to(dtype))  # the CPU has both forms
-    monkeypatch.setattr(expert_math, "_grouped_slots", lambda w: grouped)
+    assert expert_math.grouped_slots(_experts(e=slots)[0].to(dtype))  # the CPU has both forms
+    monkeypatch.setattr(expert_math, "grouped_slots", lambda w: grouped)
     gate_up, down = (w.to(dtype) for w in _experts(e=slots))
     hidden = torch.randn(tokens, 32).to(dtype)
     ids, weights = _routing(tokens, k, slots, drop=0.4)
@@ -209,7 +211,8 @@ def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, dty
         down.double(),
     )
     out = torch.full((tokens, 32), 0.5)  # accumulated into, not overwritten
-    got = slot_experts_(out, hidden, ids, weights, gate_up, down) - 0.5
+    on_slots = int((ids >= 0).sum()) if counted else None
+    got = slot_experts_(out, hidden, ids, weights, gate_up, down, on_slots=on_slots) - 0.5
     assert torch.isfinite(got).all()
     assert (got.double() - want).norm() <= tolerance * want.norm() + 1e-12  # every pair may be dropped: want 0
 

@@ -65,7 +65,7 @@ def expert_into_(
     out.index_add_(0, tokens, y.to(out.dtype) * weights.to(out.dtype).unsqueeze(-1))
 
 
-def _grouped_slots(slot_gate_up: torch.Tensor) -> bool:
+def grouped_slots(slot_gate_up: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these slots [S, 2I, H] with no host synchronisation: on the CPU (fp32,
     bf16, fp16), and for bf16 on NVIDIA GPUs of compute capability 9.x and 10.x, the only ones with its device kernel.
     On other GPUs it loops over the groups from a host copy of their offsets, which a CUDA graph cannot capture.
@@ -98,24 +98,29 @@ def slot_experts_(
     slot_gate_up: torch.Tensor,
     slot_down: torch.Tensor,
     rounded: bool = False,
+    on_slots: int | None = None,
 ) -> torch.Tensor:
     """out[t] += sum_k weights[t, k] * FFN_{slot_ids[t, k]}(hidden[t]) over pairs with slot id >= 0, with no host
     synchronisation and only static shapes, so a CUDA graph can replay it under any routing.
 
-    Where torch has a grouped GEMM for these weights (`_grouped_slots`), the pairs are sorted by slot and each
+    Where torch has a grouped GEMM for these weights (`grouped_slots`), the pairs are sorted by slot and each
     projection is one grouped GEMM over all slots, reading each used slot's weights in place (a slot no pair
     uses costs nothing). Elsewhere it runs min(T * K, S) slots, the used ones first (padded with unused slots
     whose weight is zero), each on all T tokens, from a gathered copy of their weights: at decode that reads and
-    writes the used experts' weights once more. `rounded`: as in `accumulate_experts_`.
+    writes the used experts' weights once more. `rounded`: as in `accumulate_experts_`. `on_slots`: how many pairs
+    have a slot id >= 0, where the caller has read it (an uncaptured step, such as a prefill): the grouped form then
+    computes those rows only, not every pair of the step.
     """
     num_tokens, num_k = slot_ids.shape
     num_slots = slot_gate_up.shape[0]
-    if _grouped_slots(slot_gate_up):
+    if grouped_slots(slot_gate_up):
         # the (token, k) pairs sorted by slot; pairs off the slots last, past the last group, where the GEMMs
         # leave their rows unwritten and the sum leaves them out; then summed per token over k in a fixed order
         flat = slot_ids.reshape(-1)
         on_slot = flat >= 0
         key, perm = torch.sort(torch.where(on_slot, flat, num_slots), stable=True)
+        if on_slots is not None:
+            key, perm = key[:on_slots], perm[:on_slots]
         counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=flat.device)
         counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
         offs = torch.cumsum(counts[:num_slots], 0, dtype=torch.int32)  # each slot's end among the sorted pairs
@@ -125,7 +130,8 @@ def slot_experts_(
         y = torch._grouped_mm(h, slot_down.transpose(-2, -1), offs=offs).float()
         sorted_weights = weights.reshape(-1)[perm].float().unsqueeze(-1)
         contribution = torch.where(on_slot[perm].unsqueeze(-1), y * sorted_weights, 0.0)  # unwritten rows: unread
-        pairs = torch.empty_like(contribution).index_copy_(0, perm, contribution)  # back in (token, k) order
+        pairs = contribution.new_zeros((flat.numel(), contribution.shape[1]))
+        pairs.index_copy_(0, perm, contribution)  # back in (token, k) order
         out += pairs.view(num_tokens, num_k, -1).sum(dim=1)
         return out
     valid = slot_ids >= 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from torch.profiler import record_function
 
 from ..config import HybridMoEConfig
 from ..ops import cpu_kernel
-from ..ops.expert_math import accumulate_experts_
+from ..ops.expert_math import accumulate_experts_, grouped_slots, slot_experts_
 from ..ops.kernel_build import extension
 from ..ops.library import cpu_experts_into
 from ..ops.quantize import kernel_operands
@@ -228,10 +229,12 @@ class HybridMoELayer:
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             if cpu_kernel.best_isa() >= 0:
                 cpu_kernel.gemm_route(host_hidden, gate_up, gate_up_scale)
-            share = _CPU_SHARE.submit(self._cpu_share, host_hidden, cpu_ids, host_weights)
+            threads = max(1, self.config.resolve_cpu_threads() - 1)
+            share = _CPU_SHARE.submit(_with_threads, threads, self._cpu_share, host_hidden, cpu_ids, host_weights)
         try:
             with record_function("hybrid_moe::queue_accelerator"):
-                acc = self._accelerator_share(hidden, topk_ids, topk_weights, plan.accelerator)
+                on_slots = sum(counts[e] for e in plan.accelerator)
+                acc = self._accelerator_share(hidden, topk_ids, topk_weights, plan.accelerator, on_slots)
                 if streamed:
                     ring = ring_for(store, self.config.staging_slots)
                     self.counters.bytes_transferred += ring.run(store, acc, hidden, host_ids, host_weights, streamed)
@@ -295,9 +298,9 @@ class HybridMoELayer:
         return acc
 
     def _accelerator_share(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: list[int]
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: list[int], pairs: int
     ) -> torch.Tensor:
-        """The fp32 sum of the pairs of `experts` (each in a slot), on the accelerator."""
+        """The fp32 sum of the `pairs` (token, expert) pairs of `experts` (each in a slot), on the accelerator."""
         store = self.store
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         if not experts:
@@ -306,6 +309,12 @@ class HybridMoELayer:
         slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in experts})
         if store.device.type == "cpu" and not store.rounds_inputs:  # the CPU standing in for the accelerator
             cpu_experts_into(hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc)
+        elif grouped_slots(store.slot_gate_up):
+            # one grouped GEMM per projection over the used slots: a prefill's Python loop over 16-64 experts cost
+            # ~0.3 ms of host time an expert on the H100 box, which bounded the step (benchmarks/RESULTS.md)
+            slot_experts_(
+                acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, store.rounds_inputs, pairs
+            )
         else:
             accumulate_experts_(
                 acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, rounded=store.rounds_inputs
@@ -346,3 +355,15 @@ class HybridMoELayer:
         fetch = set(plan.fetch)
         if any(not resident[e] and e not in fetch for e in plan.accelerator) or not fetch <= set(plan.accelerator):
             raise RuntimeError(f"{self.name}: scheduler put a non-resident expert on the accelerator without a fetch")
+
+
+def _with_threads(threads: int, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """fn(*args) with `threads` threads on this (worker) thread, its count restored after. A prefill's CPU share runs
+    one thread short so the thread that queues the accelerator's share keeps a core: with every core computing,
+    that queueing ran slower than the link on the H100 box and bounded the step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
