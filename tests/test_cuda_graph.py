@@ -86,11 +86,13 @@ def test_graph_replay_matches_reference_for_32_steps(arch, budget):
             assert buf.task.submits == buf.task.syncs == buf.task.runs == runner.replays + runner.captures
 
 
-@pytest.mark.parametrize("fmt, tolerance", [("model", 3e-2), ("int8", 5e-2)])
+@pytest.mark.parametrize("fmt, tolerance", [("model", 2e-2), ("int8", 3e-2)])
 def test_bf16_graph_replay_matches_reference(fmt, tolerance):
     """bf16 slots in the captured decode step: the grouped slot share on GPUs of compute capability 9.x / 10.x (the
     gathered one elsewhere), with int8 CPU masters the slots' inputs rounded as the kernel rounds them. Each step's
-    logits against the unpatched bf16 model's on the same tokens, within bf16 (and int8) rounding."""
+    logits against the same bf16 weights computed in fp32 on the same tokens. Not against the bf16 model itself:
+    its experts' sum, rounded to bf16 expert by expert, is the noisier of the two (on the 2-core dev box, 2026-11-27,
+    6.0e-2 off the fp32 result where the patched model is 0.5e-2 off, int8 0.6e-2)."""
     ref = load_model("deepseek-tiny", dtype=torch.bfloat16)[0].cuda()  # experts 32 wide: int8 groups of 32
     model = thm.patch_model(
         copy.deepcopy(ref).cpu(),
@@ -104,7 +106,8 @@ def test_bf16_graph_replay_matches_reference(fmt, tolerance):
     x = torch.randint(3, 96, (2, 5), device="cuda")
     with torch.no_grad():
         tokens, logits = _generate(model, x, 16)
-        want = ref(tokens).logits[:, x.shape[1] - 1 : -1].double()  # the logits each new token was chosen from
+        # the logits each new token was chosen from, as the bf16 weights compute them in fp32
+        want = ref.float()(tokens).logits[:, x.shape[1] - 1 : -1].double()
     assert runner.captures == 1 and runner.replays == 15
     grouped = torch.cuda.get_device_capability()[0] in (9, 10)
     assert all(grouped_slots(layer.store.slot_gate_up) is grouped for layer in model_layers(model).values())

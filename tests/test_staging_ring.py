@@ -165,3 +165,16 @@ def test_chunked_prefill_matches(reference_models, cpu_as_cuda):
         got = model.generate(x, prefill_chunk_size=32, **settings)
     assert torch.equal(got, want)
     assert all(s.streamed_experts > 0 for s in thm.stats(model).values())
+
+
+def test_with_threads_runs_at_the_count_given_and_restores_it():
+    """A prefill's CPU share beside the accelerator's runs one thread short (runtime/layer.py): the count applies to
+    the call alone, and comes back even when the call fails."""
+    from torch_hybrid_moe.runtime import layer
+
+    before = torch.get_num_threads()
+    assert layer._with_threads(1, torch.get_num_threads) == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(ZeroDivisionError):
+        layer._with_threads(1, lambda: 1 / 0)
+    assert torch.get_num_threads() == before

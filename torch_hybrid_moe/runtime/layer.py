@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch.profiler import record_function
@@ -40,6 +41,7 @@ class RoutingRule:
     renormalise: bool
 
 
+_T = TypeVar("_T")
 _OWNERS = itertools.count(1)  # numbers of the layers published in the C++ table (csrc/cpu_layers.cpp)
 _CPU_SHARE = ThreadPoolExecutor(1, thread_name_prefix="hybrid-moe-cpu-share")  # prefill CPU shares beside a ring
 
@@ -224,12 +226,13 @@ class HybridMoELayer:
             cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
         if cpu and (streamed or hidden.device.type == "cuda"):
             # The CPU share starts first, on the worker thread, so that it overlaps the Python that queues the
-            # accelerator's share and the staging ring (the kernel runs without the GIL). A route not yet measured
-            # for this shape is measured here first, not beside that work.
+            # accelerator's share and the staging ring (the kernel runs without the GIL), one thread short (see
+            # `_with_threads`). A route not yet measured for this shape and thread count is measured here first, not
+            # beside that work.
+            threads = max(1, self.config.resolve_cpu_threads() - 1)
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             if cpu_kernel.best_isa() >= 0:
-                cpu_kernel.gemm_route(host_hidden, gate_up, gate_up_scale)
-            threads = max(1, self.config.resolve_cpu_threads() - 1)
+                _with_threads(threads, cpu_kernel.gemm_route, host_hidden, gate_up, gate_up_scale)
             share = _CPU_SHARE.submit(_with_threads, threads, self._cpu_share, host_hidden, cpu_ids, host_weights)
         try:
             with record_function("hybrid_moe::queue_accelerator"):
@@ -357,8 +360,8 @@ class HybridMoELayer:
             raise RuntimeError(f"{self.name}: scheduler put a non-resident expert on the accelerator without a fetch")
 
 
-def _with_threads(threads: int, fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
-    """fn(*args) with `threads` threads on this (worker) thread, its count restored after. A prefill's CPU share runs
+def _with_threads(threads: int, fn: Callable[..., _T], *args: object) -> _T:
+    """fn(*args) with `threads` threads on the calling thread, its count restored after. A prefill's CPU share runs
     one thread short so the thread that queues the accelerator's share keeps a core: with every core computing,
     that queueing ran slower than the link on the H100 box and bounded the step."""
     before = torch.get_num_threads()
