@@ -21,9 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.policies import SCHEDULERS, LayerInfo, device_scheduling
+from torch_hybrid_moe.policies import SCHEDULERS, IdleLink, LayerInfo, device_scheduling
 from torch_hybrid_moe.policies.device_caching import fetch_admissions
-from torch_hybrid_moe.runtime.costs import IdleLink
 
 EXPERTS, TOP_K, SLOTS = 64, 6, 16
 

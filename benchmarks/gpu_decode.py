@@ -276,7 +276,7 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
             for n, ids in zip(args.prompt, prompts):
                 prefill[n].append(n / generate_s(model, ids, 1, cache))
         if args.profile:
-            profile(model, short, prompts[0], args.tokens, cache, args.profile / label(row))
+            profile(model, short, prompts, args.tokens, cache, args.profile / label(row))
     expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
     # (on-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model)
     cpu_bytes_per_token = statistics.median(on_cpu) / args.tokens * expert_bytes
@@ -316,21 +316,20 @@ def label(row: dict) -> str:
 def profile(
     model: torch.nn.Module,
     short: torch.Tensor,
-    prompt: torch.Tensor,
+    prompts: list[torch.Tensor],
     tokens: int,
     cache: StaticCache | None,
     path: Path,
 ) -> None:
-    """Chrome traces of one decode run and one prefill, with the top ops printed: device time for decode
-    (graph replays are traced kernel by kernel), host time for prefill (the CPU experts run on this thread)."""
+    """Chrome traces of one decode run and of a prefill of each prompt, with the top ops printed: device time for
+    decode (graph replays are traced kernel by kernel), host time for prefill (what queues the GPU's work)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    for what, ids, n, key in (
-        ("decode", short, tokens, "self_device_time_total"),
-        ("prefill", prompt, 1, "self_cpu_time_total"),
-    ):
+    runs = [("decode", short, tokens, "self_device_time_total")]
+    runs += [(f"prefill-{p.shape[1]}", p, 1, "self_cpu_time_total") for p in prompts]
+    for what, ids, n, key in runs:
         thm.reset_stats(model)
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             generate_s(model, ids, n, cache)

@@ -322,3 +322,54 @@ def test_simulate_with_a_measured_dense_time(tmp_path, capsys):
     costs = CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])
     grown = len(trace.layers) * (500e-6 - costs.t_dense(1))  # per decode step (one token at batch 1)
     assert 1 / rates[1]["ktransformers"] == pytest.approx(1 / rates[0]["ktransformers"] + grown)
+
+
+def test_simulate_graph_mode_prices_the_measured_placement(tmp_path, capsys):
+    """--graph replays decode steps as the CUDA graph runs them, each scheduler's tensor form at the profile's
+    measured device time: the all-CPU stack (no fills, no fetches, so nothing else changes) decodes exactly 1 ms a
+    layer step slower when its placement measured 1 ms. A profile with placement times but none of the GPU's is
+    refused in one line."""
+    expert = EXPERT_SHAPES["mixtral-8x7b"]
+    tokens = profiling.DEFAULT_TOKENS
+    costs = CostModel(HARDWARE["dali"], expert)
+    m = synthetic_measurements(expert, tokens)
+    m.gpu_s, m.transfer_s, m.small_transfer_s = {n: costs.t_gpu(n) for n in tokens}, costs.t_transfer(), 1e-5
+    m.placement_s = {"all_cpu": 1e-3}
+    profile = tmp_path / "gpu-profile.json"
+    profile.write_text(json.dumps(m.to_json()))
+    path = tmp_path / "synthetic.safetensors"
+    trace = synthetic_trace(1.0, 0.4, num_experts=8, top_k=2, sequences=1, prompt_tokens=8, new_tokens=8)
+    trace.save(path)
+    argv = ["simulate", "--trace", str(path), "--ours", "2,1,0.5,0", "--profile", str(profile)]
+    rates = []
+    for extra in ([], ["--graph"]):
+        assert main([*argv, *extra, "--json"]) == 0
+        rates.append({r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r})
+    assert 1 / rates[1]["ktransformers"] == pytest.approx(1 / rates[0]["ktransformers"] + len(trace.layers) * 1e-3)
+    assert main([*argv, "--graph"]) == 0
+    assert "placement as measured (all_cpu 1000 us)" in capsys.readouterr().out
+    m.gpu_s = m.transfer_s = m.small_transfer_s = None
+    profile.write_text(json.dumps(m.to_json()))
+    one_line_error(capsys, argv, "placement times without GPU times")
+
+
+def test_a_cached_gpu_profile_without_placement_times_is_measured_again(tmp_path, monkeypatch):
+    """Profiles cached on a GPU machine before the schedulers' placement was timed lack it: measured again there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    expert = EXPERT_SHAPES["qwen3-30b-a3b"]
+
+    def with_gpu(e, tokens, *args, **kwargs):
+        m, c = synthetic_measurements(e, tokens), CostModel(HARDWARE["dali"], e)
+        m.gpu_s, m.transfer_s, m.small_transfer_s = {n: c.t_gpu(n) for n in tokens}, c.t_transfer(), 1e-5
+        m.placement_s = {"all_cpu": 2e-5}
+        return m
+
+    monkeypatch.setattr(profiling, "measure", with_gpu)
+    first = profiling.profile_hardware(expert)
+    assert profiling.profile_hardware(expert).cached
+    data = json.loads(first.path.read_text())
+    del data["placement_s"]
+    first.path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="before the schedulers' placement was timed"):
+        again = profiling.profile_hardware(expert)
+    assert not again.cached and again.measured.placement_s == {"all_cpu": 2e-5}

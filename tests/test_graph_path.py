@@ -16,12 +16,11 @@ from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
 from torch_hybrid_moe.ops.placement_walks import queue_search
 from torch_hybrid_moe.ops.row_copy import copy_rows_
-from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo, Registry
+from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, IdleLink, LayerInfo, Registry
 from torch_hybrid_moe.policies.device_caching import admissions
 from torch_hybrid_moe.policies.prefetching import Router
 from torch_hybrid_moe.policies.schedulers import StepTimer, local_search
 from torch_hybrid_moe.runtime import model_layers
-from torch_hybrid_moe.runtime.costs import IdleLink
 from torch_hybrid_moe.runtime.graph_path import Part
 from torch_hybrid_moe.runtime.layer_policies import build_policies
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model

@@ -574,3 +574,61 @@ def test_judged_rank_places_the_pick_among_the_candidates_on_the_judged_trace():
         rank, count, tok_s, of_best = judged_rank(trace, STACKS[name], tried, costs, 4, 0.25, calibration)
         assert (rank, count, tok_s) == (order.index(name) + 1, len(PAPERS), speeds[name])
         assert of_best == pytest.approx(speeds[name] / speeds[order[0]])
+
+
+def test_graph_step_in_closed_form_charges_placement_and_ends_with_its_fills():
+    """The decode step as the CUDA graph runs it: the scheduler's tensor form costs its measured device time before
+    the shares start, and the step ends once the fill its cache admitted is copied (the graph joins the fill
+    stream). Slots hold experts 0 and 1; the prefill (uncaptured) sends expert 2 to the CPU and admits it; the
+    decode step sends expert 3 to the CPU and admits it too, behind the link's copy of 2."""
+    from torch_hybrid_moe.simulator.replay import GraphStep
+
+    trace = tiny_trace([[2], [3]])
+    placement = 50e-6
+    graph = GraphStep(placement_s={"cached_on_accelerator": placement, "all_cpu": 1.0})
+    r = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5, graph=graph)
+    t0 = COSTS.t_dense(1) + COSTS.t_cpu(1)  # the prefill, as without a graph
+    link_free = t0 + COSTS.t_transfer()  # expert 2's copy
+    end = t0 + COSTS.t_dense(1) + placement + COSTS.t_cpu(1)
+    assert r.decode_tok_s == pytest.approx(1 / (max(end, link_free) + COSTS.t_transfer() - t0))
+    assert r.prefill_tok_s == pytest.approx(1 / t0)
+    plain = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5)
+    assert plain.decode_tok_s == pytest.approx(1 / (end - placement - t0))
+    full = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0, graph=graph)  # a full budget asks no one
+    assert full.decode_tok_s == pytest.approx(simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0).decode_tok_s)
+
+
+def test_graph_step_caps_fills_and_starts_the_gpu_share_after_its_fetches():
+    """On a real-model trace: uncaptured, LRU admits several experts in some layer steps, and a fetching scheduler's
+    cached experts start before its fetches land; in the decode steps the graph runs, neither happens."""
+    from torch_hybrid_moe.simulator.replay import GraphStep, batched_steps
+
+    trace = Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")
+    decoding = {n for n, (prefill, _, _) in enumerate(batched_steps(trace, 1)) if not prefill}
+    fetching = Stack("fetching", "on_demand", "lru", True, "every expert on the GPU, fetched on demand")
+    for graph in (None, GraphStep(fills_per_step=1)):
+        events: list = []
+        simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.25, events=events, graph=graph)
+        admits: dict[tuple[int, int], int] = {}
+        for e in events:
+            if e.step in decoding and e.kind == "admit":
+                admits[e.step, e.layer] = admits.get((e.step, e.layer), 0) + 1
+        events = []
+        simulate(trace, fetching, COSTS, cache_ratio=0.25, events=events, graph=graph)
+        fetched: dict[tuple[int, int], float] = {}
+        for e in events:
+            if e.step in decoding and e.kind == "fetch":
+                fetched[e.step, e.layer] = max(fetched.get((e.step, e.layer), 0.0), e.end)
+        assert fetched
+        early = [
+            e
+            for e in events
+            if e.step in decoding
+            and e.lane == "gpu"
+            and e.kind == "expert"
+            and e.start < fetched.get((e.step, e.layer), 0)
+        ]
+        if graph is None:
+            assert max(admits.values()) > 1 and early
+        else:
+            assert max(admits.values()) == 1 and not early

@@ -307,6 +307,7 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.simulator import simulate as replay
     from torch_hybrid_moe.simulator.bound import bound
     from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.replay import GraphStep
     from torch_hybrid_moe.simulator.stacks import PAPERS
     from torch_hybrid_moe.simulator.tuning import judged_rank, oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
@@ -314,16 +315,22 @@ def simulate(args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
     calibration = Calibration.from_trace(trace, held)
+    profile = None
     if args.profile:
         from torch_hybrid_moe.profiling import load_profile
 
-        costs = load_profile(args.profile, args.gpu_preset).cost_model()
+        profile = load_profile(args.profile, args.gpu_preset)
     elif args.hardware == "local":
-        costs = _local_profile(args).cost_model()
-    else:
-        costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
+        profile = _local_profile(args)
+    costs = (
+        profile.cost_model()
+        if profile is not None
+        else CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
+    )
     if args.dense_us is not None:
         costs = replace(costs, dense_us=args.dense_us)
+    placement = profile.measured.placement_s if profile is not None else None
+    graph = GraphStep(placement_s=placement or {}) if args.graph else None
     ranked = None  # where a calibration trace tuned ours: its pick's rank on this trace among the candidates
     if args.ours:
         mine = ours(*args.ours)
@@ -340,7 +347,7 @@ def simulate(args: argparse.Namespace) -> int:
             events[stack.name] = []
         try:
             results.append(
-                replay(trace, stack, costs, args.batch, args.cache_ratio, calibration, events.get(stack.name))
+                replay(trace, stack, costs, args.batch, args.cache_ratio, calibration, events.get(stack.name), graph)
             )
             ran.append(stack)
         except MissingRouter:  # raised before the stack ran anything: nothing of the others is lost
@@ -386,6 +393,18 @@ def simulate(args: argparse.Namespace) -> int:
         rank, candidates, _, of_best = ranked
         print(f"ours' pick on this trace: rank {rank} of {candidates} candidates tuned, {of_best:.3f} x the fastest")
     print(f"bound: {limit.description} (the fastest future-aware stack of simulator/bound.py)")
+    if graph is not None:
+        print(
+            f"decode steps as the CUDA graph runs them: at most {graph.fills_per_step} fill(s) a layer step, joined at "
+            "the step's end; each layer's GPU share after its fetches; "
+            + (
+                "the schedulers' in-graph placement as measured ("
+                + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(graph.placement_s.items()))
+                + "); the bound and ours' tuning searched uncaptured"
+                if graph.placement_s
+                else "placement not measured in this profile (counted as 0: take the profile on a GPU machine)"
+            )
+        )
     print(
         f"{'stack':<15} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "
         f"{'prefetch acc':>12} {'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}"
@@ -761,6 +780,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="US",
         help="a decoder block's fixed non-MoE time at decode, measured on a real step (e.g. gpu_decode.py's whole-GPU "
         "row: its time per token over its layers); default: the estimate from the expert shape",
+    )
+    s.add_argument(
+        "--graph",
+        action="store_true",
+        help="replay decode steps as the live CUDA graph runs them: fills capped per layer step and joined at the "
+        "step's end, each layer's GPU share after its fetches, the schedulers' placement at the profile's measured "
+        "device time",
     )
     s.add_argument("--batch", type=_bounded(int, 1), default=1)
     s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)

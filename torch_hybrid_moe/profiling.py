@@ -46,6 +46,9 @@ DEFAULT_PRESET = "rtx4090"  # GPU and link figures where this machine has no CUD
 POOL_BYTES = 256 * 2**20  # experts cycled through per measurement, so that their weights come from DRAM, not cache
 GRAPH_EXPERTS = 64  # at most this many experts of the pool in one timed CUDA graph, computed in turn
 SMALL_COPY = 64 * 2**10  # bytes of the second, latency-bound copy that separates the link's latency from its rate
+# one layer step the schedulers' tensor forms are timed on: DeepSeek-V2-Lite's 64 experts, a quarter of them in
+# slots, the 6 of one token active (3 resident); PLACEMENT_CALLS such decisions in one timed CUDA graph
+PLACEMENT_EXPERTS, PLACEMENT_SLOTS, PLACEMENT_ACTIVE, PLACEMENT_CALLS = 64, 16, 6, 32
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,9 @@ class Measurements:
     small_transfer_s: float | None = None  # SMALL_COPY bytes, for the link's latency
     seconds: float = 0.0  # how long measuring took
     load: float | None = None  # 1-minute load average when measuring began (other work skews the times)
+    # device seconds of each graph-capable scheduler's tensor form deciding one layer step (`measure_placement`);
+    # None: no CUDA device, or a profile cached before these were measured
+    placement_s: dict[str, float] | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -131,11 +137,14 @@ class Measurements:
             data["small_transfer_s"],
             data["seconds"],
             data.get("load"),
+            None if data.get("placement_s") is None else {str(k): _duration(v) for k, v in data["placement_s"].items()},
         )
         if not m.cpu_s or (m.gpu_s is not None and set(m.gpu_s) != set(m.cpu_s)):
             raise ValueError("no CPU times, or GPU times at other token counts")
         if (m.gpu_s is None) != (m.transfer_s is None) or (m.transfer_s is None) != (m.small_transfer_s is None):
             raise ValueError("GPU times and link times must be present together")
+        if m.placement_s is not None and m.gpu_s is None:
+            raise ValueError("placement times without GPU times")
         if m.transfer_s is not None:
             m.transfer_s, m.small_transfer_s = _duration(m.transfer_s), _duration(m.small_transfer_s)
         return m
@@ -373,6 +382,43 @@ def measure_gpu(
     return gpu, copies[0], copies[1]
 
 
+def measure_placement(costs: CostModel, expert: ExpertShape, repeats: int) -> dict[str, float]:
+    """On CUDA device 0: median device seconds of each graph-capable scheduler's tensor form deciding one layer step
+    (`PLACEMENT_*`), as the decode graph replays it: PLACEMENT_CALLS decisions captured in one CUDA graph, its
+    replay's time divided among them. A cost-aware form's many small kernels are device time the step waits for
+    before either share starts, which the simulator adds in its graph mode (`simulator.replay.GraphStep`)."""
+    from .policies import SCHEDULERS, IdleLink, LayerInfo
+
+    g = torch.Generator().manual_seed(0)
+    active = torch.randperm(PLACEMENT_EXPERTS, generator=g)[:PLACEMENT_ACTIVE]
+    counts = torch.zeros(PLACEMENT_EXPERTS, device="cuda")
+    counts[active] = 1.0
+    resident = torch.zeros(PLACEMENT_EXPERTS, dtype=torch.bool)
+    resident[active[: PLACEMENT_ACTIVE // 2]] = True
+    resident[torch.randperm(PLACEMENT_EXPERTS, generator=g)[: PLACEMENT_SLOTS - PLACEMENT_ACTIVE // 2]] = True
+    resident = resident.cuda()
+    info = LayerInfo(0, PLACEMENT_EXPERTS, PLACEMENT_SLOTS, expert.nbytes)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    seconds = {}
+    for name in SCHEDULERS.graph_names():
+        form = SCHEDULERS.tensor_form(name)(SCHEDULERS.create(name, info=info, costs=costs, timeline=IdleLink()))
+
+        def run(place: Callable[..., torch.Tensor] = form.place) -> None:
+            for _ in range(PLACEMENT_CALLS):
+                place(counts, resident, PLACEMENT_SLOTS, PLACEMENT_ACTIVE)
+
+        graph = captured(run)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / PLACEMENT_CALLS)
+        seconds[name] = statistics.median(times)
+    return seconds
+
+
 def measure(
     expert: ExpertShape,
     tokens: Sequence[int] = DEFAULT_TOKENS,
@@ -395,6 +441,7 @@ def measure(
         m = Measurements(profile_key(expert, tokens), measure_cpu(expert, tokens, repeats, pool_bytes, bar))
         if cuda:
             m.gpu_s, m.transfer_s, m.small_transfer_s = measure_gpu(expert, tokens, repeats, pool_bytes, bar)
+            m.placement_s = measure_placement(HardwareProfile(expert, m).cost_model(), expert, repeats)
     m.seconds, m.load = time.perf_counter() - began, load
     return m
 
@@ -421,10 +468,12 @@ def profile_hardware(
     if not refresh and (path.exists() or path.is_symlink()):
         try:
             m = Measurements.from_json(json.loads(path.read_text()))
-            if m.key == key:
+            if m.key == key and (m.gpu_s is None or m.placement_s is not None):
                 return HardwareProfile(expert, m, preset, cached=True, path=path)
             warnings.warn(
-                f"cached profile {path} was measured for another machine or setting: measuring again", stacklevel=2
+                f"cached profile {path} was measured for another machine or setting, or before the schedulers' "
+                "placement was timed: measuring again",
+                stacklevel=2,
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             warnings.warn(f"cached profile {path} is unusable ({err}): measuring again", stacklevel=2)

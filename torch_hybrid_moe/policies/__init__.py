@@ -2,7 +2,7 @@
 
 # they register policies, and the tensor forms of those that run inside CUDA graphs
 from . import activation_matrices, device_caching, device_scheduling, sequence_allocation, static_placement
-from .base import CachePolicy, LayerInfo, Placement, Prefetcher, Scheduler, Timeline
+from .base import CachePolicy, IdleLink, LayerInfo, Placement, Prefetcher, Scheduler, Timeline
 from .caching import CACHE_POLICIES
 from .prefetching import PREFETCHERS
 from .registry import Registry
@@ -13,6 +13,7 @@ __all__ = [
     "PREFETCHERS",
     "SCHEDULERS",
     "CachePolicy",
+    "IdleLink",
     "LayerInfo",
     "Placement",
     "Prefetcher",

@@ -47,6 +47,17 @@ class Timeline(Protocol):
         """Seconds until a resident expert's slot copy is complete (0 when ready)."""
 
 
+class IdleLink:
+    """The `Timeline` live layers offer: eager steps do not time their copies (each step waits for the slot
+    fills it uses), so schedulers that plan around the link's queue see it free and every slot filled."""
+
+    def link_free_in(self) -> float:
+        return 0.0
+
+    def ready_in(self, expert: int) -> float:
+        return 0.0
+
+
 class Scheduler(Protocol):
     def place(self, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
         """Split the activated experts (counts[e] > 0) between accelerator and CPU."""

@@ -7,19 +7,8 @@ import functools
 
 from ..config import HybridMoEConfig
 from ..cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
-from ..policies import LayerInfo
+from ..policies import IdleLink, LayerInfo
 from ..policies.prefetching import Router
-
-
-class IdleLink:
-    """The `Timeline` live layers offer: eager steps do not time their copies (each step waits for the slot
-    fills it uses), so schedulers that plan around the link's queue see it free and every slot filled."""
-
-    def link_free_in(self) -> float:
-        return 0.0
-
-    def ready_in(self, expert: int) -> float:
-        return 0.0
 
 
 @functools.cache

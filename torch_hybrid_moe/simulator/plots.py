@@ -23,6 +23,7 @@ KIND_COLOURS = {
     "expert": "tab:blue",
     "deferred": "tab:cyan",
     "dense": "tab:gray",
+    "placement": "tab:purple",
     "fetch": "tab:red",
     "prefetch": "tab:orange",
     "admit": "tab:green",

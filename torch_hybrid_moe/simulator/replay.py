@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from ..config import HybridMoEConfig
 from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement, Prefetcher
 from ..policies.prefetching import MissingRouter
@@ -82,10 +83,27 @@ class Event:
     step: int
     layer: int
     lane: str
-    kind: str  # "expert" on cpu/gpu, "deferred" on cpu, "dense" on gpu; "fetch", "prefetch" or "admit" on pcie
+    # "expert" on cpu / gpu, "deferred" on cpu, "dense" or "placement" on gpu; "fetch", "prefetch" or "admit" on pcie
+    kind: str
     expert: int
     start: float
     end: float
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """How a decode step captured as one CUDA graph runs its layers, where that differs from the uncaptured step
+    the replay plays otherwise (runtime/graph_path.py, decode_graphs.py):
+    - the cache admits at most `fills_per_step` experts a layer step, and the step ends once they are copied (the
+      graph joins its fill stream at the end);
+    - the GPU share is one call queued after all of the layer's on-demand fetches, its cached experts too;
+    - the scheduler's tensor form runs before either share starts, costing `placement_s[scheduler]` seconds a layer
+      step (measured: `profiling.measure_placement`; a scheduler not in it costs nothing), except at a full budget,
+      where the graph does not ask it.
+    Prefill steps run uncaptured, as the replay plays them otherwise."""
+
+    fills_per_step: int = HybridMoEConfig.fills_per_step  # the live default
+    placement_s: dict[str, float] = field(default_factory=dict)
 
 
 def step_rows(trace: Trace, batch: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -236,10 +254,12 @@ def simulate(
     cache_ratio: float = 0.25,
     calibration: Calibration | None = None,
     events: list[Event] | None = None,
+    graph: GraphStep | None = None,
 ) -> SimResult:
     """Replay `trace` in batches of `batch` sequences with `cache_ratio` of each layer's experts in slots.
     `calibration`: what the policies learn beforehand (default: `Calibration.from_trace(trace)`, the trace
-    itself); `events`, when given, receives every busy interval of the CPU, GPU and link."""
+    itself); `events`, when given, receives every busy interval of the CPU, GPU and link; `graph`: decode steps as
+    the live CUDA graph runs them (None: as the uncaptured step)."""
     num_experts = trace.meta["num_experts"]
     steps = list(batched_steps(trace, batch))
     link = _Link(costs, events)
@@ -248,7 +268,7 @@ def simulate(
     slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
     layers, prefetchers = _build_layers(trace, stack, costs, slots, steps, calibration, request, link)
     _check_deferred(trace, stack)
-    replay = _Replay(trace, stack, costs, layers, prefetchers, request, link, events)
+    replay = _Replay(trace, stack, costs, layers, prefetchers, request, link, events, graph)
     for step_no, ((prefill, tokens, counts_by_layer), (_, rows)) in enumerate(zip(steps, step_rows(trace, batch))):
         replay.step(step_no, prefill, tokens, counts_by_layer, rows)
     return replay.result(batch, cache_ratio, len(steps))
@@ -307,8 +327,11 @@ class _Replay:
         request: RequestActivations,
         link: _Link,
         events: list[Event] | None,
+        graph: GraphStep | None = None,
     ) -> None:
         self.trace, self.stack, self.costs, self.events = trace, stack, costs, events
+        self.graph = graph
+        self.captured = False  # whether the step under way is one the graph runs (decode, with `graph`)
         self.layers, self.prefetchers, self.request, self.link = layers, prefetchers, request, link
         self.following = {prev: idx for prev, idx in zip(layers, list(layers)[1:]) if idx in prefetchers}
         self.gate_input = {prev: _gate_input_index(trace, prev) for prev in self.following}
@@ -333,6 +356,7 @@ class _Replay:
     ) -> None:
         """One forward step through every layer, its time and tokens booked to prefill or decode (the two rates)."""
         step_start = self.now
+        self.captured = self.graph is not None and not prefill
         if prefill:
             self.request.begin()
         self.pending = 0.0
@@ -345,6 +369,8 @@ class _Replay:
                 else None
             )
             self._layer_step(step_no, idx, layer, tokens, counts, scores, rows, later)
+        if self.captured:  # the graph's last node joins the fill stream: the step ends with its copies
+            self.now = max(self.now, self.link.free_at)
         self.phase_time[prefill] += self.now - step_start
         self.phase_tokens[prefill] += tokens
 
@@ -363,6 +389,8 @@ class _Replay:
         previous layer's deferred experts are done; its hits are counted on the slots it started with."""
         self._dense(step_no, idx, tokens)
         self.request.record(idx, counts)
+        if self.captured and layer.info.num_slots < layer.info.num_experts:
+            self._place_on_device(step_no, idx)
         self.link.now = self.now
         self.link.where = (step_no, idx)
         resident = layer.resident()
@@ -371,7 +399,8 @@ class _Replay:
             self._prefetch_next(step_no, idx, rows)
         cpu_start = max(self.now, self.cpu_free)
         cpu_time, deferred_time = self._cpu_share(step_no, idx, plan.cpu, counts, later, cpu_start)
-        gpu_end = self._gpu_share(step_no, idx, layer, plan.accelerator, counts)
+        after = max((layer.ready[e] for e in plan.fetch), default=self.now) if self.captured else self.now
+        gpu_end = self._gpu_share(step_no, idx, layer, plan.accelerator, counts, after)
         self.cpu_busy += cpu_time + deferred_time
         end = max(cpu_start + cpu_time, gpu_end, self.pending)
         self.cpu_free = cpu_start + cpu_time + deferred_time
@@ -390,6 +419,15 @@ class _Replay:
             self.events.append(Event(step_no, idx, "gpu", "dense", -1, self.now, self.now + dense))
         self.gpu_busy += dense
         self.now += dense
+
+    def _place_on_device(self, step_no: int, idx: int) -> None:
+        """The scheduler's tensor form inside the graph: device time before the layer's shares start."""
+        assert self.graph is not None
+        took = self.graph.placement_s.get(self.stack.scheduler, 0.0)
+        if self.events is not None and took:
+            self.events.append(Event(step_no, idx, "gpu", "placement", -1, self.now, self.now + took))
+        self.gpu_busy += took
+        self.now += took
 
     def _schedule(self, layer: _Layer, counts: list[int], resident: list[bool]) -> Placement:
         """The scheduler's split, and the copies of the accelerator's experts not in a slot, queued at the layer's
@@ -435,9 +473,12 @@ class _Replay:
                 deferred_time += t_def
         return cpu_time, deferred_time
 
-    def _gpu_share(self, step_no: int, idx: int, layer: _Layer, experts: Sequence[int], counts: list[int]) -> float:
-        """When the accelerator's share ends: its experts in the order their weights arrive, none before its copy."""
-        gpu_end = self.now
+    def _gpu_share(
+        self, step_no: int, idx: int, layer: _Layer, experts: Sequence[int], counts: list[int], after: float
+    ) -> float:
+        """When the accelerator's share ends: its experts in the order their weights arrive, none before its copy
+        nor before `after`."""
+        gpu_end = after
         for e in sorted(experts, key=lambda e: layer.ready[e]):
             start = max(gpu_end, layer.ready[e])
             gpu_end = start + self.costs.t_gpu(counts[e])
@@ -453,6 +494,9 @@ class _Replay:
         began = time.perf_counter()
         admissions = layer.cache.admit(counts, layer.resident(), scores)
         self.planning += time.perf_counter() - began
+        if self.captured:
+            assert self.graph is not None
+            admissions = admissions[: self.graph.fills_per_step]
         for e in admissions:
             admitted.add(e)
             if not layer.fill(e, keep=admitted):
