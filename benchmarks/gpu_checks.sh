@@ -4,10 +4,10 @@
 # budgets, with the routing trace and the local cost profile for `hybrid-moe simulate`), then a profiled prefill
 # of the default at budgets 0.25 and 1.0 (its host time split by the dispatch's named ranges), then the paper
 # stacks' live rows. Logs and records go to $OUT (the device tool's folder) or ./gpu-out: seven files. The default
-# limits add up to 650 s, one call of a 15-minute lease; a limit of 0 skips its step, to leave time for a second
-# call (on an H100, 2026-11-27: the tests over 170 s, the decode rows ~180 s, the profiled prefill rows ~80 s).
+# limits add up to 580 s, inside one 600-second device call; a limit of 0 skips its step, to leave time for a
+# second call (on an H100, 2026-11-27: the tests over 170 s, the decode rows ~180 s, the profiled prefill rows ~80 s).
 #
-#     bash benchmarks/gpu_checks.sh          # LAYERS=8 TEST_S=240 MAIN_S=220 PREFILL_S=90 PAPERS_S=100
+#     bash benchmarks/gpu_checks.sh          # LAYERS=8 TEST_S=240 MAIN_S=210 PREFILL_S=90 PAPERS_S=40
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -30,11 +30,11 @@ step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: s
 # -v names each test as it ends: a run cut short by its limit still says which failed (2026-11-27's did not)
 step "${TEST_S:-240}" tests.txt python -m pytest -v -n 12 -p no:cacheprovider \
     tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
-step "${MAIN_S:-220}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
+step "${MAIN_S:-210}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
 step "${PREFILL_S:-90}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
     --prompt 512 4096 --repeats 1 --rows hybrid --budgets 0.25 1.0 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
-step "${PAPERS_S:-100}" papers.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
+step "${PAPERS_S:-40}" papers.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn

@@ -323,6 +323,7 @@ def profile(
 ) -> None:
     """Chrome traces of one decode run and of a prefill of each prompt, with the top ops printed: device time for
     decode (graph replays are traced kernel by kernel), host time for prefill (what queues the GPU's work)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -340,7 +341,7 @@ def profile(
         averages = prof.key_averages()
         print(averages.table(sort_by=key, row_limit=15), flush=True)
         for event in averages:  # the dispatch's named ranges (runtime/layer.py), host time with what they call
-            if event.key.startswith("hybrid_moe::"):
+            if event.key.startswith("hybrid_moe::") and event.device_type == DeviceType.CPU:
                 print(f"{event.key:34s} {event.count:5d} calls {event.cpu_time_total / 1e3:9.2f} ms", flush=True)
 
 

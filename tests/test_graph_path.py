@@ -216,6 +216,37 @@ def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, cou
     assert (got.double() - want).norm() <= tolerance * want.norm() + 1e-12  # every pair may be dropped: want 0
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_uncaptured_slot_share_from_quantised_masters_takes_the_grouped_form(fmt):
+    """Slots holding dequantised int8 / int4 experts round their inputs, so the uncaptured step computes its slot share
+    in the grouped form (the CPU stands in for the accelerator), told how many of the step's pairs are on slots;
+    pairs marked -1 (another dispatch's) are left out. The whole step against the per-expert loop on the same
+    masters."""
+    from torch_hybrid_moe.ops import expert_math
+
+    model = thm.patch_model(
+        load_model("deepseek-tiny", dtype=torch.float32)[0],
+        expert_budget=0.5,
+        device="cpu",
+        cpu_weight_dtype=fmt,
+        cpu_weight_group_size=32,
+    )
+    layer = next(iter(model_layers(model).values()))
+    store = layer.store
+    assert store.rounds_inputs and expert_math.grouped_slots(store.slot_gate_up)
+    torch.manual_seed(0)
+    hidden = torch.randn(9, store.host_gate_up.shape[2])
+    ids, weights = _routing(9, 3, store.num_experts, drop=0.3)
+    got = layer.forward(hidden, ids, weights)
+    stats = layer.stats
+    assert stats.accelerator_experts > 0 and stats.cpu_experts > 0  # both shares ran
+    want = accumulate_experts_(
+        torch.zeros(9, hidden.shape[1], dtype=torch.float64), hidden, ids, weights, store.host_gate_up, store.host_down
+    )
+    assert (got.double() - want).norm() <= 1e-5 * want.norm()
+
+
 def test_copy_rows_copies_only_rows_with_a_source():
     src, dst = torch.randn(5, 3, 4), torch.randn(4, 3, 4)
     before = dst.clone()

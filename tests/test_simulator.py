@@ -577,10 +577,10 @@ def test_judged_rank_places_the_pick_among_the_candidates_on_the_judged_trace():
 
 
 def test_graph_step_in_closed_form_charges_placement_and_ends_with_its_fills():
-    """The decode step as the CUDA graph runs it: the scheduler's tensor form costs its measured device time before
-    the shares start, and the step ends once the fill its cache admitted is copied (the graph joins the fill
-    stream). Slots hold experts 0 and 1; the prefill (uncaptured) sends expert 2 to the CPU and admits it; the
-    decode step sends expert 3 to the CPU and admits it too, behind the link's copy of 2."""
+    """The decode step as the CUDA graph runs it: a layer step waits for its copies in flight, the scheduler's tensor
+    form costs its measured device time before the shares start, and the step ends once the fill its cache admitted
+    is copied (the graph joins the fill stream). Slots hold experts 0 and 1; the prefill (uncaptured) sends expert
+    2 to the CPU and admits it; the decode step waits for that copy, sends expert 3 to the CPU and admits it too."""
     from torch_hybrid_moe.simulator.replay import GraphStep
 
     trace = tiny_trace([[2], [3]])
@@ -588,14 +588,17 @@ def test_graph_step_in_closed_form_charges_placement_and_ends_with_its_fills():
     graph = GraphStep(placement_s={"cached_on_accelerator": placement, "all_cpu": 1.0})
     r = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5, graph=graph)
     t0 = COSTS.t_dense(1) + COSTS.t_cpu(1)  # the prefill, as without a graph
-    link_free = t0 + COSTS.t_transfer()  # expert 2's copy
-    end = t0 + COSTS.t_dense(1) + placement + COSTS.t_cpu(1)
-    assert r.decode_tok_s == pytest.approx(1 / (max(end, link_free) + COSTS.t_transfer() - t0))
+    copied = t0 + COSTS.t_transfer()  # expert 2's copy
+    end = max(t0 + COSTS.t_dense(1), copied) + placement + COSTS.t_cpu(1)
+    assert r.decode_tok_s == pytest.approx(1 / (end + COSTS.t_transfer() - t0))
     assert r.prefill_tok_s == pytest.approx(1 / t0)
     plain = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5)
-    assert plain.decode_tok_s == pytest.approx(1 / (end - placement - t0))
+    assert plain.decode_tok_s == pytest.approx(1 / (COSTS.t_dense(1) + COSTS.t_cpu(1)))
     full = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0, graph=graph)  # a full budget asks no one
     assert full.decode_tok_s == pytest.approx(simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0).decode_tok_s)
+    assert r.captured and not plain.captured
+    oracle = STACKS["oracle-cache"]  # Belady's cache has no tensor form: replayed as the uncaptured step
+    assert not oracle.capturable and not simulate(trace, oracle, COSTS, cache_ratio=0.5, graph=graph).captured
 
 
 def test_graph_step_caps_fills_and_starts_the_gpu_share_after_its_fetches():

@@ -167,14 +167,16 @@ def test_chunked_prefill_matches(reference_models, cpu_as_cuda):
     assert all(s.streamed_experts > 0 for s in thm.stats(model).values())
 
 
-def test_with_threads_runs_at_the_count_given_and_restores_it():
-    """A prefill's CPU share beside the accelerator's runs one thread short (runtime/layer.py): the count applies to
-    the call alone, and comes back even when the call fails."""
-    from torch_hybrid_moe.runtime import layer
+def test_cpu_share_worker_computes_with_its_own_thread_count():
+    """A CPU share beside the accelerator's runs one thread short (runtime/layer.py): on its worker, which keeps that
+    count for every share, while the thread that queues the accelerator's work keeps its own."""
+    from torch_hybrid_moe.runtime.layer import cpu_share_worker
 
     before = torch.get_num_threads()
-    assert layer._with_threads(1, torch.get_num_threads) == 1
-    assert torch.get_num_threads() == before
-    with pytest.raises(ZeroDivisionError):
-        layer._with_threads(1, lambda: 1 / 0)
-    assert torch.get_num_threads() == before
+    try:
+        worker = cpu_share_worker(1)
+        assert worker.submit(torch.get_num_threads).result() == 1
+        assert cpu_share_worker(1) is worker and worker.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == before
+    finally:  # ATen starts later threads with the worker's count: the rest of the suite's with this process's
+        torch.set_num_threads(before)

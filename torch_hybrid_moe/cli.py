@@ -394,16 +394,18 @@ def simulate(args: argparse.Namespace) -> int:
         print(f"ours' pick on this trace: rank {rank} of {candidates} candidates tuned, {of_best:.3f} x the fastest")
     print(f"bound: {limit.description} (the fastest future-aware stack of simulator/bound.py)")
     if graph is not None:
+        uncaptured = ", ".join(r.stack for r in results if not r.captured)
         print(
             f"decode steps as the CUDA graph runs them: at most {graph.fills_per_step} fill(s) a layer step, joined at "
-            "the step's end; each layer's GPU share after its fetches; "
+            "the step's end; each layer step after its own copies, its GPU share after its fetches; "
             + (
                 "the schedulers' in-graph placement as measured ("
                 + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in sorted(graph.placement_s.items()))
-                + "); the bound and ours' tuning searched uncaptured"
+                + ")"
                 if graph.placement_s
-                else "placement not measured in this profile (counted as 0: take the profile on a GPU machine)"
+                else "no placement times (counted as 0: a cost profile taken on a GPU machine has them)"
             )
+            + f". Replayed uncaptured, having no tensor form: {uncaptured or 'none'}; ours' tuning searched uncaptured"
         )
     print(
         f"{'stack':<15} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from torch.profiler import record_function
@@ -41,9 +40,19 @@ class RoutingRule:
     renormalise: bool
 
 
-_T = TypeVar("_T")
 _OWNERS = itertools.count(1)  # numbers of the layers published in the C++ table (csrc/cpu_layers.cpp)
-_CPU_SHARE = ThreadPoolExecutor(1, thread_name_prefix="hybrid-moe-cpu-share")  # prefill CPU shares beside a ring
+
+
+@functools.cache
+def cpu_share_worker(threads: int) -> ThreadPoolExecutor:
+    """The thread an uncaptured step's CPU share runs on beside the accelerator's, computing with `threads` threads:
+    one short of the configured count, so the thread that queues the accelerator's share keeps a core (with every
+    core computing, that queueing ran slower than the link on the H100 box and bounded the prefill step). The count
+    is set once, when the thread starts; ATen then also starts threads created later with it, as the decode graph's
+    CPU worker does (csrc/host_bridge.cpp)."""
+    return ThreadPoolExecutor(
+        1, thread_name_prefix=f"hybrid-moe-cpu-share-{threads}", initializer=torch.set_num_threads, initargs=(threads,)
+    )
 
 
 class HybridMoELayer:
@@ -225,15 +234,15 @@ class HybridMoELayer:
         if cpu:
             cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
         if cpu and (streamed or hidden.device.type == "cuda"):
-            # The CPU share starts first, on the worker thread, so that it overlaps the Python that queues the
-            # accelerator's share and the staging ring (the kernel runs without the GIL), one thread short (see
-            # `_with_threads`). A route not yet measured for this shape and thread count is measured here first, not
-            # beside that work.
-            threads = max(1, self.config.resolve_cpu_threads() - 1)
+            # The CPU share starts first, on a worker thread, so that it overlaps the Python that queues the
+            # accelerator's share and the staging ring (the kernel runs without the GIL), one thread short
+            # (`cpu_share_worker`). A route not yet measured for this shape and thread count is measured there
+            # first, waited for here, not beside that work.
+            worker = cpu_share_worker(max(1, self.config.resolve_cpu_threads() - 1))
             gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
             if cpu_kernel.best_isa() >= 0:
-                _with_threads(threads, cpu_kernel.gemm_route, host_hidden, gate_up, gate_up_scale)
-            share = _CPU_SHARE.submit(_with_threads, threads, self._cpu_share, host_hidden, cpu_ids, host_weights)
+                worker.submit(cpu_kernel.gemm_route, host_hidden, gate_up, gate_up_scale).result()
+            share = worker.submit(self._cpu_share, host_hidden, cpu_ids, host_weights)
         try:
             with record_function("hybrid_moe::queue_accelerator"):
                 on_slots = sum(counts[e] for e in plan.accelerator)
@@ -301,9 +310,14 @@ class HybridMoELayer:
         return acc
 
     def _accelerator_share(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: list[int], pairs: int
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        experts: list[int],
+        on_slots: int,
     ) -> torch.Tensor:
-        """The fp32 sum of the `pairs` (token, expert) pairs of `experts` (each in a slot), on the accelerator."""
+        """The fp32 sum of the `on_slots` (token, expert) pairs of `experts` (each in a slot), on the accelerator."""
         store = self.store
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         if not experts:
@@ -313,10 +327,11 @@ class HybridMoELayer:
         if store.device.type == "cpu" and not store.rounds_inputs:  # the CPU standing in for the accelerator
             cpu_experts_into(hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc)
         elif grouped_slots(store.slot_gate_up):
-            # one grouped GEMM per projection over the used slots: a prefill's Python loop over 16-64 experts cost
-            # ~0.3 ms of host time an expert on the H100 box, which bounded the step (benchmarks/RESULTS.md)
+            # one grouped GEMM per projection over the used slots, as the decode graph computes them: a prefill's
+            # Python loop over 16-64 experts cost ~0.4 ms of host time an expert on the H100 box, which bounded the
+            # step (benchmarks/RESULTS.md)
             slot_experts_(
-                acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, store.rounds_inputs, pairs
+                acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, store.rounds_inputs, on_slots
             )
         else:
             accumulate_experts_(
@@ -358,15 +373,3 @@ class HybridMoELayer:
         fetch = set(plan.fetch)
         if any(not resident[e] and e not in fetch for e in plan.accelerator) or not fetch <= set(plan.accelerator):
             raise RuntimeError(f"{self.name}: scheduler put a non-resident expert on the accelerator without a fetch")
-
-
-def _with_threads(threads: int, fn: Callable[..., _T], *args: object) -> _T:
-    """fn(*args) with `threads` threads on the calling thread, its count restored after. A prefill's CPU share runs
-    one thread short so the thread that queues the accelerator's share keeps a core: with every core computing,
-    that queueing ran slower than the link on the H100 box and bounded the step."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(before)

@@ -59,6 +59,7 @@ class SimResult:
     misses: int = 0
     prefetch_accuracy: float | None = None  # DALI's metric (`top_workload_overlap`); None without a prefetcher
     planning_us: float = 0.0  # wall time of the policies' decisions per layer step (this machine, Python)
+    captured: bool = False  # decode steps replayed as the live CUDA graph runs them (`GraphStep`)
 
 
 def top_workload_overlap(predicted: Sequence[int], counts: Sequence[int], k: int) -> tuple[int, int]:
@@ -97,9 +98,10 @@ class GraphStep:
     - the cache admits at most `fills_per_step` experts a layer step, and the step ends once they are copied (the
       graph joins its fill stream at the end);
     - the GPU share is one call queued after all of the layer's on-demand fetches, its cached experts too;
-    - the scheduler's tensor form runs before either share starts, costing `placement_s[scheduler]` seconds a layer
-      step (measured: `profiling.measure_placement`; a scheduler not in it costs nothing), except at a full budget,
-      where the graph does not ask it.
+    - a layer step first waits for its own copies in flight (prefetches), then the scheduler's tensor form runs
+      before either share starts, costing `placement_s[scheduler]` seconds (`profiling.measure_placement`, on one
+      64-expert layer step at batch 1, charged at every size and batch; a scheduler not in it costs nothing), except
+      at a full budget, where the graph does not ask it.
     Prefill steps run uncaptured, as the replay plays them otherwise."""
 
     fills_per_step: int = HybridMoEConfig.fills_per_step  # the live default
@@ -259,7 +261,9 @@ def simulate(
     """Replay `trace` in batches of `batch` sequences with `cache_ratio` of each layer's experts in slots.
     `calibration`: what the policies learn beforehand (default: `Calibration.from_trace(trace)`, the trace
     itself); `events`, when given, receives every busy interval of the CPU, GPU and link; `graph`: decode steps as
-    the live CUDA graph runs them (None: as the uncaptured step)."""
+    the live CUDA graph runs them, for a stack that can run in one (`Stack.capturable`; others, and None, replay
+    the uncaptured step)."""
+    graph = graph if stack.capturable else None
     num_experts = trace.meta["num_experts"]
     steps = list(batched_steps(trace, batch))
     link = _Link(costs, events)
@@ -389,8 +393,10 @@ class _Replay:
         previous layer's deferred experts are done; its hits are counted on the slots it started with."""
         self._dense(step_no, idx, tokens)
         self.request.record(idx, counts)
-        if self.captured and layer.info.num_slots < layer.info.num_experts:
-            self._place_on_device(step_no, idx)
+        if self.captured:
+            self.now = max(self.now, *layer.ready)  # the graph's layer step waits for the layer's copies first
+            if layer.info.num_slots < layer.info.num_experts:
+                self._place_on_device(step_no, idx)
         self.link.now = self.now
         self.link.where = (step_no, idx)
         resident = layer.resident()
@@ -522,4 +528,5 @@ class _Replay:
             misses=self.misses,
             prefetch_accuracy=self.predicted / self.out_of if self.out_of else None,
             planning_us=self.planning * 1e6 / max(steps * len(self.layers), 1),
+            captured=self.graph is not None,
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
+
 
 @dataclass(frozen=True)
 class Stack:
@@ -18,6 +20,16 @@ class Stack:
     # KTransformers' Expert Deferral (approximate): in decode, each token's `deferred` lowest-weight experts
     # finish on the CPU while the next block runs, and only that block's output waits for them
     deferred: int = 0
+
+    @property
+    def capturable(self) -> bool:
+        """Whether the live decode step can run this stack inside its CUDA graph: its scheduler, cache policy and
+        prefetcher all have tensor forms."""
+        return (
+            self.scheduler in SCHEDULERS.graph_names()
+            and self.cache_policy in CACHE_POLICIES.graph_names()
+            and self.prefetcher in PREFETCHERS.graph_names()
+        )
 
 
 STACKS: dict[str, Stack] = {
