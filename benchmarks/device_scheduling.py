@@ -5,8 +5,9 @@ device however small), so the figure that matters is the op count, side by side 
 `cached_on_accelerator` form. Counted on this machine by dispatching the real `place` (and, for schedulers that
 fetch, the slot assignment of their on-demand copies) on the CPU, for a DeepSeek-V2-Lite-shaped layer (64
 experts, top-6, a quarter of them in slots) at several decode batch sizes. DALI's and HybriMoE's sequential
-walks are counted twice: as the CPU's torch loop (a dozen ops per expert, what a graph would hold without the
-kernel) and as on CUDA, where one Triton program walks the list (the launch and its buffers).
+walks and ours' local search are counted twice: as the CPU's torch loop (a dozen ops per expert, what a graph
+would hold without the kernel) and as on CUDA, where one Triton program walks the list (the launch and its
+buffers).
 
     python benchmarks/device_scheduling.py [--batches 1 8 32] [--hardware rtx5090]
 """
@@ -28,8 +29,9 @@ EXPERTS, TOP_K, SLOTS = 64, 6, 16
 
 
 # What a walk costs on CUDA (placement_walks): the int8 copy of `resident`, the output buffer, the launch, the
-# bool view of the result, and for HybriMoE the float64 scalar of the copy time.
-WALK_OPS_ON_CUDA = {"dali_walk": 4, "hybrimoe_walk": 5}
+# bool view of the result, and for HybriMoE the float64 scalar of the copy time; ours' search also copies `active`
+# and the start sets to int8.
+WALK_OPS_ON_CUDA = {"dali_walk": 4, "hybrimoe_walk": 5, "queue_search": 7}
 
 
 class OpCounter(TorchDispatchMode):
@@ -96,7 +98,7 @@ def main() -> None:
     print(f"{'scheduler':34s}" + "".join(f"{f'batch {b}':>18s}" for b in args.batches))
     base = {b: ops_per_step("cached_on_accelerator", costs, b, cuda=False) for b in args.batches}
     for name in SCHEDULERS.graph_names():
-        walks = name in ("dali_greedy", "hybrimoe")
+        walks = name in ("dali_greedy", "hybrimoe", "queue_aware")
         for cuda in (False, True) if walks else (False,):
             cells = []
             for b in args.batches:
