@@ -33,6 +33,25 @@ class CostAwareForm(DeviceScheduler):
     def __init__(self, costs: CostModel) -> None:
         self.costs = costs
 
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        c = self.costs
+        cpu, gpu = _time(c.cpu, counts), _time(c.gpu, counts)
+        return self.place_timed(counts, resident, max_active, cpu, gpu, _room(counts, resident, num_slots))
+
+    def place_timed(
+        self,
+        counts: torch.Tensor,
+        resident: torch.Tensor,
+        max_active: int,
+        cpu: torch.Tensor,
+        gpu: torch.Tensor,
+        room: torch.Tensor,
+    ) -> torch.Tensor:
+        """`place`, given each expert's CPU and GPU time [E] (float64, id order) and the fetches the slots have room
+        for: computed once per step where one form builds on others (ours on DALI's and HybriMoE's), since every op
+        is a kernel node of the captured step (benchmarks/device_scheduling.py counts them)."""
+        raise NotImplementedError
+
 
 def _room(counts: torch.Tensor, resident: torch.Tensor, num_slots: int) -> torch.Tensor:
     """How many missing experts the step may fetch: slots not holding an active resident expert."""
@@ -74,23 +93,37 @@ class OnDemandForm(DeviceScheduler):
 
 
 class FiddlerForm(CostAwareForm):
-    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
-        c = self.costs
+    def place_timed(
+        self,
+        counts: torch.Tensor,
+        resident: torch.Tensor,
+        max_active: int,
+        cpu: torch.Tensor,
+        gpu: torch.Tensor,
+        room: torch.Tensor,
+    ) -> torch.Tensor:
         active = counts > 0
-        worth = _time(c.cpu, counts) > c.t_transfer() + _time(c.gpu, counts)
-        return (active & resident) | _heaviest(active & ~resident & worth, counts, _room(counts, resident, num_slots))
+        worth = cpu > self.costs.t_transfer() + gpu
+        return (active & resident) | _heaviest(active & ~resident & worth, counts, room)
 
 
 class DaliGreedyForm(CostAwareForm):
     """DALI's greedy: the step's experts in the Python form's order, walked by `ops.placement_walks`."""
 
-    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
-        c = self.costs
+    def place_timed(
+        self,
+        counts: torch.Tensor,
+        resident: torch.Tensor,
+        max_active: int,
+        cpu: torch.Tensor,
+        gpu: torch.Tensor,
+        room: torch.Tensor,
+    ) -> torch.Tensor:
         # (most tokens, resident first, lowest id) as one descending stable sort; inactive experts sort last
         order = torch.sort(counts.double() * 2 + resident, descending=True, stable=True).indices
         n, res = counts[order], resident[order]
-        gpu = _time(c.gpu, n) + (~res).double() * c.t_transfer()  # + 0.0 when resident, as in Python
-        take = dali_walk(n, res, _time(c.cpu, n), gpu, _room(counts, resident, num_slots), max_active)
+        fetched = gpu[order] + (~res).double() * self.costs.t_transfer()  # + 0.0 when resident, as in Python
+        take = dali_walk(n, res, cpu[order], fetched, room, max_active)
         return torch.zeros_like(take).scatter_(0, order, take)
 
 
@@ -98,21 +131,21 @@ class HybriMoEForm(CostAwareForm):
     """HybriMoE's two-ended queue (GPU from the head, CPU from the tail), walked by `ops.placement_walks`, with
     the link idle at the step's start as live layers see it."""
 
-    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
-        c = self.costs
+    def place_timed(
+        self,
+        counts: torch.Tensor,
+        resident: torch.Tensor,
+        max_active: int,
+        cpu: torch.Tensor,
+        gpu: torch.Tensor,
+        room: torch.Tensor,
+    ) -> torch.Tensor:
         active = counts > 0
         # the queue: active cached experts, then active missing ones, each by load descending, then id
         rank = torch.where(active, 1.0 + resident.double(), 0.0) * 2.0**32 + counts.double()
         order = torch.sort(rank, descending=True, stable=True).indices
-        n, res = counts[order], resident[order]
         take = hybrimoe_walk(
-            res,
-            _time(c.cpu, n),
-            _time(c.gpu, n),
-            _room(counts, resident, num_slots),
-            active.sum(),
-            c.t_transfer(),
-            max_active,
+            resident[order], cpu[order], gpu[order], room, active.sum(), self.costs.t_transfer(), max_active
         )
         return torch.zeros_like(take).scatter_(0, order, take)
 
@@ -126,21 +159,27 @@ class QueueAwareForm(CostAwareForm):
         super().__init__(costs)
         self.starts = (DaliGreedyForm(costs), HybriMoEForm(costs))
 
-    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
-        c = self.costs
+    def place_timed(
+        self,
+        counts: torch.Tensor,
+        resident: torch.Tensor,
+        max_active: int,
+        cpu: torch.Tensor,
+        gpu: torch.Tensor,
+        room: torch.Tensor,
+    ) -> torch.Tensor:
         active = counts > 0
-        sets = [active & resident] + [s.place(counts, resident, num_slots, max_active) for s in self.starts]
+        starts = [s.place_timed(counts, resident, max_active, cpu, gpu, room) for s in self.starts]
         size = min(max_active, len(counts))
         order = torch.sort((~active).to(torch.uint8), stable=True).indices[:size]  # the active experts in id order
-        n = counts[order]
         take = queue_search(
             active[order],
             resident[order],
-            _time(c.cpu, n),
-            _time(c.gpu, n),
-            torch.stack([s[order] for s in sets]),
-            _room(counts, resident, num_slots),
-            c.t_transfer(),
+            cpu[order],
+            gpu[order],
+            torch.stack([s[order] for s in [active & resident, *starts]]),
+            room,
+            self.costs.t_transfer(),
         )
         return torch.zeros_like(active).scatter_(0, order, take)
 
