@@ -10,6 +10,8 @@ the cost-aware ones evaluate the same `CostModel` terms in float64, in the same 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..cost_model import CostModel, Terms
@@ -27,6 +29,16 @@ class DeviceScheduler:
         raise NotImplementedError
 
 
+class StepTerms(NamedTuple):
+    """What a cost-aware form weighs a step with: each expert's CPU and GPU time [E] (float64, id order) and the
+    fetches the slots have room for. Computed once a step where one form builds on others (ours on DALI's and
+    HybriMoE's): every op is a kernel node of the captured step (benchmarks/device_scheduling.py counts them)."""
+
+    cpu: torch.Tensor
+    gpu: torch.Tensor
+    room: torch.Tensor
+
+
 class CostAwareForm(DeviceScheduler):
     """A form that weighs placements with its Python scheduler's cost model."""
 
@@ -35,21 +47,13 @@ class CostAwareForm(DeviceScheduler):
 
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         c = self.costs
-        cpu, gpu = _time(c.cpu, counts), _time(c.gpu, counts)
-        return self.place_timed(counts, resident, max_active, cpu, gpu, _room(counts, resident, num_slots))
+        terms = StepTerms(_time(c.cpu, counts), _time(c.gpu, counts), _room(counts, resident, num_slots))
+        return self.place_timed(counts, resident, max_active, terms)
 
     def place_timed(
-        self,
-        counts: torch.Tensor,
-        resident: torch.Tensor,
-        max_active: int,
-        cpu: torch.Tensor,
-        gpu: torch.Tensor,
-        room: torch.Tensor,
+        self, counts: torch.Tensor, resident: torch.Tensor, max_active: int, terms: StepTerms
     ) -> torch.Tensor:
-        """`place`, given each expert's CPU and GPU time [E] (float64, id order) and the fetches the slots have room
-        for: computed once per step where one form builds on others (ours on DALI's and HybriMoE's), since every op
-        is a kernel node of the captured step (benchmarks/device_scheduling.py counts them)."""
+        """`place`, given the step's `terms`."""
         raise NotImplementedError
 
 
@@ -94,36 +98,24 @@ class OnDemandForm(DeviceScheduler):
 
 class FiddlerForm(CostAwareForm):
     def place_timed(
-        self,
-        counts: torch.Tensor,
-        resident: torch.Tensor,
-        max_active: int,
-        cpu: torch.Tensor,
-        gpu: torch.Tensor,
-        room: torch.Tensor,
+        self, counts: torch.Tensor, resident: torch.Tensor, max_active: int, terms: StepTerms
     ) -> torch.Tensor:
         active = counts > 0
-        worth = cpu > self.costs.t_transfer() + gpu
-        return (active & resident) | _heaviest(active & ~resident & worth, counts, room)
+        worth = terms.cpu > self.costs.t_transfer() + terms.gpu
+        return (active & resident) | _heaviest(active & ~resident & worth, counts, terms.room)
 
 
 class DaliGreedyForm(CostAwareForm):
     """DALI's greedy: the step's experts in the Python form's order, walked by `ops.placement_walks`."""
 
     def place_timed(
-        self,
-        counts: torch.Tensor,
-        resident: torch.Tensor,
-        max_active: int,
-        cpu: torch.Tensor,
-        gpu: torch.Tensor,
-        room: torch.Tensor,
+        self, counts: torch.Tensor, resident: torch.Tensor, max_active: int, terms: StepTerms
     ) -> torch.Tensor:
         # (most tokens, resident first, lowest id) as one descending stable sort; inactive experts sort last
         order = torch.sort(counts.double() * 2 + resident, descending=True, stable=True).indices
         n, res = counts[order], resident[order]
-        fetched = gpu[order] + (~res).double() * self.costs.t_transfer()  # + 0.0 when resident, as in Python
-        take = dali_walk(n, res, cpu[order], fetched, room, max_active)
+        fetched = terms.gpu[order] + (~res).double() * self.costs.t_transfer()  # + 0.0 when resident, as in Python
+        take = dali_walk(n, res, terms.cpu[order], fetched, terms.room, max_active)
         return torch.zeros_like(take).scatter_(0, order, take)
 
 
@@ -132,20 +124,20 @@ class HybriMoEForm(CostAwareForm):
     the link idle at the step's start as live layers see it."""
 
     def place_timed(
-        self,
-        counts: torch.Tensor,
-        resident: torch.Tensor,
-        max_active: int,
-        cpu: torch.Tensor,
-        gpu: torch.Tensor,
-        room: torch.Tensor,
+        self, counts: torch.Tensor, resident: torch.Tensor, max_active: int, terms: StepTerms
     ) -> torch.Tensor:
         active = counts > 0
         # the queue: active cached experts, then active missing ones, each by load descending, then id
         rank = torch.where(active, 1.0 + resident.double(), 0.0) * 2.0**32 + counts.double()
         order = torch.sort(rank, descending=True, stable=True).indices
         take = hybrimoe_walk(
-            resident[order], cpu[order], gpu[order], room, active.sum(), self.costs.t_transfer(), max_active
+            resident[order],
+            terms.cpu[order],
+            terms.gpu[order],
+            terms.room,
+            active.sum(),
+            self.costs.t_transfer(),
+            max_active,
         )
         return torch.zeros_like(take).scatter_(0, order, take)
 
@@ -160,25 +152,19 @@ class QueueAwareForm(CostAwareForm):
         self.starts = (DaliGreedyForm(costs), HybriMoEForm(costs))
 
     def place_timed(
-        self,
-        counts: torch.Tensor,
-        resident: torch.Tensor,
-        max_active: int,
-        cpu: torch.Tensor,
-        gpu: torch.Tensor,
-        room: torch.Tensor,
+        self, counts: torch.Tensor, resident: torch.Tensor, max_active: int, terms: StepTerms
     ) -> torch.Tensor:
         active = counts > 0
-        starts = [s.place_timed(counts, resident, max_active, cpu, gpu, room) for s in self.starts]
+        starts = [s.place_timed(counts, resident, max_active, terms) for s in self.starts]
         size = min(max_active, len(counts))
         order = torch.sort((~active).to(torch.uint8), stable=True).indices[:size]  # the active experts in id order
         take = queue_search(
             active[order],
             resident[order],
-            cpu[order],
-            gpu[order],
+            terms.cpu[order],
+            terms.gpu[order],
             torch.stack([s[order] for s in [active & resident, *starts]]),
-            room,
+            terms.room,
             self.costs.t_transfer(),
         )
         return torch.zeros_like(active).scatter_(0, order, take)
