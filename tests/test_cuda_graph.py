@@ -86,15 +86,16 @@ def test_graph_replay_matches_reference_for_32_steps(arch, budget):
             assert buf.task.submits == buf.task.syncs == buf.task.runs == runner.replays + runner.captures
 
 
-@pytest.mark.parametrize("fmt, tolerance", [("model", 1e-2), ("int8", 1.5e-2)])
+@pytest.mark.parametrize("fmt, tolerance", [("model", 1.5e-2), ("int8", 2e-2)])
 def test_bf16_graph_replay_matches_reference(fmt, tolerance):
     """bf16 slots in the captured decode step: the grouped slot share on GPUs of compute capability 9.x / 10.x (the
     gathered one elsewhere), with int8 CPU masters the slots' inputs rounded as the kernel rounds them. Each step's
     logits against the same bf16 weights computed in fp32 on the same tokens, position by position. Where bf16
     rounding flips a routing decision against fp32, that position moves by a few 1e-2, whatever computes it: with
     the CPU standing in (2026-11-27, 8 seeds), the patched model's worst position was 0.4-5.8e-2 off and the bf16
-    model's own 0.5-6.0e-2, but at most 2 of 32 positions past 1e-2 and the median 0.3e-2. So the bound holds for
-    the median and all but an eighth of the positions: a wrong slot share moves most of them."""
+    model's own 0.5-6.0e-2, but at most 2 of 32 positions past 1e-2 and the median 0.3e-2. So the median is held
+    to half the bound, all but an eighth of the positions to the bound, and every one to 0.1: a wrong slot share
+    moves most of them (one off by half, planted on the CPU, put the median at 7e-2)."""
     ref = load_model("deepseek-tiny", dtype=torch.bfloat16)[0].cuda()  # experts 32 wide: int8 groups of 32
     model = thm.patch_model(
         copy.deepcopy(ref).cpu(),
@@ -115,7 +116,8 @@ def test_bf16_graph_replay_matches_reference(fmt, tolerance):
     grouped = torch.cuda.get_device_capability()[0] in (9, 10)
     assert all(grouped_slots(layer.store.slot_gate_up) is grouped for layer in model_layers(model).values())
     per_position = ((logits.transpose(0, 1) - want).abs().amax(-1) / want.abs().max()).flatten()
-    assert per_position.median() < tolerance and (per_position > tolerance).sum() <= len(per_position) // 8
+    bounded = per_position.median() < tolerance / 2 and per_position.max() < 0.1
+    assert bounded and (per_position > tolerance).sum() <= len(per_position) // 8, per_position
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
