@@ -119,9 +119,15 @@ def test_simulate_runs_every_stack_it_can_without_gate_inputs(tmp_path, capsys):
     assert {"ours", "oracle", "ktransformers", "lru-cache"} <= records.keys() - skipped
 
 
-def synthetic_measurements(expert, tokens):
+def synthetic_measurements(expert, tokens, placement_s=None):
+    """What a machine like the `dali` preset would measure; with `placement_s`, a GPU machine's profile (GPU, link
+    and the schedulers' placement times)."""
     c = CostModel(HARDWARE["dali"], expert)
-    return profiling.Measurements(profiling.profile_key(expert, tokens), {n: c.t_cpu(n) for n in tokens})
+    m = profiling.Measurements(profiling.profile_key(expert, tokens), {n: c.t_cpu(n) for n in tokens})
+    if placement_s is not None:
+        m.gpu_s, m.transfer_s, m.small_transfer_s = {n: c.t_gpu(n) for n in tokens}, c.t_transfer(), 1e-5
+        m.placement_s = placement_s
+    return m
 
 
 BAD_CPU_TIMES = {
@@ -330,11 +336,7 @@ def test_simulate_graph_mode_prices_the_measured_placement(tmp_path, capsys):
     layer step slower when its placement measured 1 ms. A profile with placement times but none of the GPU's is
     refused in one line."""
     expert = EXPERT_SHAPES["mixtral-8x7b"]
-    tokens = profiling.DEFAULT_TOKENS
-    costs = CostModel(HARDWARE["dali"], expert)
-    m = synthetic_measurements(expert, tokens)
-    m.gpu_s, m.transfer_s, m.small_transfer_s = {n: costs.t_gpu(n) for n in tokens}, costs.t_transfer(), 1e-5
-    m.placement_s = {"all_cpu": 1e-3}
+    m = synthetic_measurements(expert, profiling.DEFAULT_TOKENS, {"all_cpu": 1e-3})
     profile = tmp_path / "gpu-profile.json"
     profile.write_text(json.dumps(m.to_json()))
     path = tmp_path / "synthetic.safetensors"
@@ -358,13 +360,9 @@ def test_a_cached_gpu_profile_without_placement_times_is_measured_again(tmp_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     expert = EXPERT_SHAPES["qwen3-30b-a3b"]
 
-    def with_gpu(e, tokens, *args, **kwargs):
-        m, c = synthetic_measurements(e, tokens), CostModel(HARDWARE["dali"], e)
-        m.gpu_s, m.transfer_s, m.small_transfer_s = {n: c.t_gpu(n) for n in tokens}, c.t_transfer(), 1e-5
-        m.placement_s = {"all_cpu": 2e-5}
-        return m
-
-    monkeypatch.setattr(profiling, "measure", with_gpu)
+    monkeypatch.setattr(
+        profiling, "measure", lambda e, tokens, *a, **k: synthetic_measurements(e, tokens, {"all_cpu": 2e-5})
+    )
     first = profiling.profile_hardware(expert)
     assert profiling.profile_hardware(expert).cached
     data = json.loads(first.path.read_text())

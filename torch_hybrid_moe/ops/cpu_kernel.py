@@ -88,11 +88,16 @@ def moe_experts(
     )
 
 
+def routed(tokens: int) -> bool:
+    """Whether a batch of `tokens` rows can reach a GEMM route, so that its route is measured (decode's cannot)."""
+    return tokens >= ROUTE_TOKENS[0]
+
+
 def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> GemmRoute:
     """The prefill route measured fastest on this machine for experts shaped and stored like these (see `GemmRoute`),
     timed once per process and shape on experts of the same format; the micro-kernels for batches too small to
     reach any GEMM threshold (decode), which need no measurement."""
-    if hidden.shape[0] < ROUTE_TOKENS[0]:
+    if not routed(hidden.shape[0]):
         return MICRO_KERNELS
     hidden_size = hidden.shape[1]
     group = 0 if gate_up_scale is None else hidden_size // gate_up_scale.shape[-1]

@@ -237,10 +237,11 @@ class HybridMoELayer:
             # The CPU share starts first, on a worker thread, so that it overlaps the Python that queues the
             # accelerator's share and the staging ring (the kernel runs without the GIL), one thread short
             # (`cpu_share_worker`). A route not yet measured for this shape and thread count is measured there
-            # first, waited for here, not beside that work.
+            # first, waited for here, not beside that work (only for batches that can take one: the round trip costs
+            # ~40 us, per layer step of an uncaptured decode).
             worker = cpu_share_worker(max(1, self.config.resolve_cpu_threads() - 1))
-            gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
-            if cpu_kernel.best_isa() >= 0:
+            if cpu_kernel.best_isa() >= 0 and cpu_kernel.routed(host_hidden.shape[0]):
+                gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
                 worker.submit(cpu_kernel.gemm_route, host_hidden, gate_up, gate_up_scale).result()
             share = worker.submit(self._cpu_share, host_hidden, cpu_ids, host_weights)
         try:
