@@ -29,9 +29,8 @@ EXPERTS, TOP_K, SLOTS = 64, 6, 16
 
 
 # What a walk costs on CUDA (placement_walks): the int8 copy of `resident`, the output buffer, the launch, the
-# bool view of the result, and for HybriMoE the float64 scalar of the copy time; ours' search also copies `active`
-# and the start sets to int8.
-WALK_OPS_ON_CUDA = {"dali_walk": 4, "hybrimoe_walk": 5, "queue_search": 7}
+# bool view of the result, and for HybriMoE the float64 scalar of the copy time.
+WALK_OPS_ON_CUDA = {"dali_walk": 4, "hybrimoe_walk": 5}
 
 
 class OpCounter(TorchDispatchMode):
@@ -69,6 +68,21 @@ def walks_as_on_cuda(counter: OpCounter) -> Iterator[None]:
             setattr(device_scheduling, name, walk)
 
 
+class CountedLaunch:
+    """Stands in for a Triton program's launch: one kernel node; its outputs zeroed outside the count."""
+
+    def __init__(self, counter: OpCounter, output: int) -> None:
+        self.counter, self.output = counter, output
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch(*args: object, **kwargs: object) -> None:
+            with torch.utils._python_dispatch._disable_current_modes():
+                args[self.output].zero_()
+            self.counter.ops += 1
+
+        return launch
+
+
 def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
     python = SCHEDULERS.create(name, info=LayerInfo(0, EXPERTS, SLOTS, 1), costs=costs, timeline=IdleLink())
     form = SCHEDULERS.tensor_form(name)(python)
@@ -78,8 +92,13 @@ def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
     expert_slot = torch.full((EXPERTS,), -1)
     expert_slot[:SLOTS] = torch.arange(SLOTS)
     slot_expert, values = torch.arange(SLOTS), torch.rand(EXPERTS)
+    max_active = min(EXPERTS, ids.numel())
     with OpCounter() as counter, walks_as_on_cuda(counter) if cuda else contextlib.nullcontext():
-        on = form.place(counts, expert_slot >= 0, SLOTS, min(EXPERTS, ids.numel()))
+        resident = expert_slot >= 0
+        if cuda and isinstance(form, device_scheduling.QueueAwareForm):  # its CUDA path: one program
+            on = form.place_in_one_program(counts, resident, SLOTS, max_active, CountedLaunch(counter, output=2))
+        else:
+            on = form.place(counts, resident, SLOTS, max_active)
         if form.fetches:
             fetch_admissions(on & (expert_slot < 0), on, values, expert_slot, slot_expert, min(SLOTS, ids.numel()))
     return counter.ops

@@ -124,13 +124,12 @@ def test_grouped_slot_experts_replay_under_new_routing():
 
 def test_every_graph_scheduler_placement_is_timed_inside_a_graph():
     """The profile's placement times (`hybrid-moe simulate --graph` charges them): one positive device time per
-    graph-capable scheduler; ours' form (two walks, a search and their float64 cost terms) costs more than the cached
-    rule's one comparison."""
+    graph-capable scheduler (printed: ours' is one Triton program, the cached rule's one comparison)."""
     from torch_hybrid_moe import profiling
     from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
     from torch_hybrid_moe.policies import SCHEDULERS
 
     expert = EXPERT_SHAPES["deepseek-v2-lite"]
     seconds = profiling.measure_placement(CostModel(HARDWARE["rtx4090"], expert), expert, 3)
+    print({name: f"{s * 1e6:.1f} us" for name, s in seconds.items()})
     assert set(seconds) == set(SCHEDULERS.graph_names()) and all(0 < s < 0.01 for s in seconds.values())
-    assert seconds["queue_aware"] > seconds["cached_on_accelerator"]

@@ -27,7 +27,7 @@ def _interpreted(build, monkeypatch):
 def test_kernels_compile_for_an_h100():
     from triton.backends.compiler import GPUTarget
 
-    dali, hybrimoe, queue = placement_walks._kernels()
+    dali, hybrimoe, place = placement_walks._kernels()
     f64, i8, i64 = "*fp64", "*i8", "*i64"
     cases = (
         (
@@ -64,20 +64,17 @@ def test_kernels_compile_for_an_h100():
             {"steps": 6},
         ),
         (
-            queue,
+            place,
             {
-                "active_ptr": i8,
-                "res_ptr": i8,
-                "cpu_ptr": f64,
-                "gpu_ptr": f64,
-                "starts_ptr": i8,
-                "room_ptr": i64,
-                "transfer_ptr": f64,
+                "counts_ptr": "*fp32",
+                "res_ptr": "*u8",
                 "take_ptr": i8,
-                "size": "i32",
-                "BLOCK": "constexpr",
+                "scratch_ptr": f64,
+                "slots": "i32",
+                **dict.fromkeys(placement_walks._FLOAT_ARGS, i64),
+                **dict.fromkeys(("E", "BLOCK_E", "SIZE", "BLOCK"), "constexpr"),
             },
-            {"BLOCK": 8},
+            {"E": 160, "BLOCK_E": 256, "SIZE": 48, "BLOCK": 64},  # DeepSeek-V2's experts, a batch of 8
         ),
     )
     for bits, data in ((0, "*bf16"), (8, "*i8"), (4, "*u8")):
@@ -151,45 +148,66 @@ def test_walk_kernels_make_the_torch_walks_choices(monkeypatch):
     assert sent > 100  # the walks sent experts both ways
 
 
-_QUEUE_CHECK = """
-import random, torch
+_PLACE_CHECK = """
+import random, types, torch
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, Terms
 from torch_hybrid_moe.ops import placement_walks
-queue = placement_walks._kernels()[2]
-assert "Interpreted" in type(queue).__name__
-rng = random.Random(1)
-moved = 0
-for _ in range(150):
-    size = rng.randint(1, 9)
-    active = torch.tensor([rng.random() < 0.8 for _ in range(size)])
-    resident = torch.tensor([rng.random() < 0.4 for _ in range(size)])
-    cpu, gpu = torch.rand(size, dtype=torch.float64), torch.rand(size, dtype=torch.float64) * 0.3
-    starts = (torch.rand(3, size) < 0.5) & active & resident  # fetch-free starts fit any room
-    room, transfer = torch.tensor(rng.randint(0, 3)), rng.random() * 0.5
-    want = placement_walks.queue_search(active, resident, cpu, gpu, starts, room, transfer)
-    take = torch.zeros(size, dtype=torch.int8)
-    bits = [t.to(torch.int8) for t in (active, resident)]
-    block = max(4, 1 << (size - 1).bit_length())
-    queue[(1,)](*bits, cpu, gpu, starts.to(torch.int8), room, torch.tensor(transfer, dtype=torch.float64), take,
-                size, block)
-    assert torch.equal(take.bool(), want), (active, resident, cpu, gpu, starts, room, transfer, take, want)
-    moved += not any(torch.equal(want, s) for s in starts)
-print(moved)
+from torch_hybrid_moe.policies.device_scheduling import DaliGreedyForm, HybriMoEForm, QueueAwareForm
+kernel = placement_walks._kernels()[2]
+assert "Interpreted" in type(kernel).__name__
+rng = random.Random(0)
+
+def step():
+    experts, tokens = rng.choice([4, 6, 8, 12, 64, 160]), rng.randint(1, 4)
+    top = rng.randint(1, min(6, experts))
+    ids = torch.stack([torch.randperm(experts)[:top] for _ in range(tokens)])
+    resident = torch.rand(experts) < rng.random()
+    return torch.bincount(ids.flatten(), minlength=experts).float(), resident, rng.randint(0, experts), ids.numel()
+
+def terms():  # any shape of cost: the GPU slower than the CPU, overheads that dominate, no read floor
+    return Terms(rng.choice([0.0, rng.random()]), rng.random() * rng.choice([0.1, 1, 3]), rng.choice([1.0, 2.0]),
+                 rng.random(), rng.choice([0.3, 1.0, 4.0]))
+
+cases, searched = [], 0
+for _ in range(30):  # the presets' cost models
+    costs = CostModel(HARDWARE[rng.choice(sorted(HARDWARE))], EXPERT_SHAPES[rng.choice(sorted(EXPERT_SHAPES))])
+    cases.append((costs, *step()))
+for _ in range(3000):  # arbitrary ones, kept where the search moves off every start (the torch path is cheap)
+    costs = types.SimpleNamespace(cpu=terms(), gpu=terms(), t_transfer=lambda t=rng.random() * 3: t)
+    counts, resident, slots, pairs = step()
+    max_active = min(len(counts), pairs)
+    want = QueueAwareForm(costs).place(counts, resident, slots, max_active)
+    starts = [(counts > 0) & resident]
+    starts += [f(costs).place(counts, resident, slots, max_active) for f in (DaliGreedyForm, HybriMoEForm)]
+    if not any(torch.equal(want, s) for s in starts):
+        cases.append((costs, counts, resident, slots, pairs))
+        searched += 1
+        if searched == 12:
+            break
+for costs, counts, resident, slots, pairs in cases:
+    form, max_active = QueueAwareForm(costs), min(len(counts), pairs)
+    want = form.place(counts, resident, slots, max_active)
+    got = form.place_in_one_program(counts, resident, slots, max_active, kernel)
+    assert torch.equal(got, want), (costs, counts, resident, slots, got.nonzero(), want.nonzero())
+print(searched, len(cases))
 """
 
 
-def test_queue_kernel_searches_as_the_torch_loop():
-    """Random steps (padding experts included) and start sets: the kernel ends on the torch loop's GPU set. In a
-    fresh process: the kernel's reductions call Triton's own jitted combine functions, which run interpreted only
-    when TRITON_INTERPRET is set before Triton is imported."""
+def test_placement_program_places_as_the_torch_ops():
+    """Queue-aware placement as one program (times, the three starts, the search) against the composed torch form,
+    on the presets' cost models and on arbitrary ones where the search moves off every start. In a fresh process:
+    the kernel's reductions call Triton's own jitted combine functions, which run interpreted only when
+    TRITON_INTERPRET is set before Triton is imported."""
     run = subprocess.run(
-        [sys.executable, "-c", _QUEUE_CHECK],
+        [sys.executable, "-c", _PLACE_CHECK],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert int(run.stdout.split()[-1]) > 50  # the searches flipped experts beyond their starts
+    searched, cases = map(int, run.stdout.split()[-2:])
+    assert searched == 12 and cases == 42
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])

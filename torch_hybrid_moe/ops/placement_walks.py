@@ -7,10 +7,11 @@ Triton program walks the whole list in a single kernel; elsewhere a torch loop d
 times in the same order as the Python schedulers, so their choices agree exactly (tests/test_graph_path.py;
 the kernels against the torch loops under Triton's interpreter in tests/test_triton_kernels.py).
 
-The third program is queue-aware placement's local search (`queue_search`): from the best of three start
-placements, flip the one expert that shortens the step most until none does, timing each trial as the Python
-`StepTimer` does with the link idle: the CPU's experts back to back, the GPU's resident ones first, then each
-fetch after the copies queued before it.
+The third is queue-aware placement whole (`queue_place`): its per-expert times, the three start placements (the
+cached set, DALI's and HybriMoE's walks), then the local search, `queue_search`: from the fastest start, flip the
+one expert that shortens the step most until none does, timing each trial as the Python `StepTimer` does with
+the link idle (the CPU's experts back to back, the GPU's resident ones first, then each fetch after the copies
+queued before it). Composed of torch ops it is a hundred kernel nodes a layer step; as one program, one.
 
 Inputs of the walks, in walk order: token counts `n`, `resident` (bool), per-expert CPU and GPU seconds (float64;
 for DALI the GPU time includes the copy of a missing expert), and `room`, the fetches allowed (0-d int64). Returns
@@ -20,8 +21,12 @@ the bool mask of experts sent to the GPU, in the same order.
 from __future__ import annotations
 
 import functools
+import struct
+from typing import Any
 
 import torch
+
+from ..cost_model import Terms
 
 
 def dali_walk(
@@ -108,26 +113,8 @@ def queue_search(
     the fastest of the `starts` GPU sets [3, n] (the first on a tie), then single flips, each time the one that
     shortens the step most (the lowest id on a tie), while it beats the best time by a relative 1e-9, never with
     more than `room` fetches, and at most as many flips as active experts (`schedulers.local_search`'s bound).
-    Times as `_set_times`; returns the GPU set as a bool mask."""
-    if active.is_cuda:
-        size = len(active)
-        take = torch.zeros(size, dtype=torch.int8, device=active.device)
-        transfer_t = torch.full((), transfer, dtype=torch.float64, device=active.device)
-        block = max(4, 1 << (size - 1).bit_length())
-        _kernels()[2][(1,)](
-            active.to(torch.int8),
-            resident.to(torch.int8),
-            cpu,
-            gpu,
-            starts.to(torch.int8).contiguous(),
-            room,
-            transfer_t,
-            take,
-            size,
-            block,
-            num_warps=1,
-        )
-        return take.bool()
+    Times as `_set_times`; returns the GPU set as a bool mask. The torch loop: on CUDA `queue_place` runs it inside
+    its one program."""
     times = _set_times(starts, active, resident, cpu, gpu, transfer)
     first = torch.argmin(times)  # the first of equal times, as Python's min() over the starts
     take, best = starts[first], times[first]
@@ -144,6 +131,52 @@ def queue_search(
         fetches = fetches + torch.where(better, change[i], 0)
         best = torch.where(better, times[i], best)
     return take
+
+
+# place_kernel's float64 arguments, passed as their bits: not to be specialised on their values
+_FLOAT_ARGS = [f"{side}_{term}" for side in ("cpu", "gpu") for term in Terms._fields] + ["transfer_bits"]
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def queue_place(
+    counts: torch.Tensor,
+    resident: torch.Tensor,
+    num_slots: int,
+    max_active: int,
+    cpu: Terms,
+    gpu: Terms,
+    transfer: float,
+    kernel: Any = None,
+) -> torch.Tensor:
+    """Queue-aware placement of one layer step as one program: the experts' CPU and GPU times from `counts` [E]
+    (float) by the `cpu` / `gpu` terms, the fetch room the `num_slots` slots leave, DALI's and HybriMoE's walks
+    and the cached set as starts, then `queue_search` over the active experts (at most `max_active`, a static
+    bound). Returns the bool GPU set [E]. `kernel` stands in for the compiled program (the tests pass an
+    interpreted one); no op but the launch reaches the device, so a captured step holds one kernel node."""
+    experts = len(counts)
+    size = min(max_active, experts)
+    block = max(4, 1 << (size - 1).bit_length())
+    take = torch.empty(experts, dtype=torch.int8, device=counts.device)
+    scratch = torch.empty(7 * block, dtype=torch.float64, device=counts.device)
+    floats = [_bits(v) for terms in (cpu, gpu) for v in terms] + [_bits(transfer)]
+    (kernel or _kernels()[2])[(1,)](
+        counts,
+        resident.view(torch.uint8),
+        take,
+        scratch,
+        num_slots,
+        *floats,
+        E=experts,
+        BLOCK_E=max(4, 1 << (experts - 1).bit_length()),
+        SIZE=size,
+        BLOCK=block,
+        num_warps=1,
+        enable_fp_fusion=False,  # every product and sum rounded alone, as torch's ops round them
+    )
+    return take.view(torch.bool)
 
 
 def _set_times(
@@ -220,67 +253,168 @@ def _kernels():
             head = head + to_gpu.to(tl.int64)
             tail = tail - to_cpu.to(tl.int64)
 
-    @triton.jit
-    def queue_kernel(
-        active_ptr,
+    @triton.jit(do_not_specialize=_FLOAT_ARGS)
+    def place_kernel(
+        counts_ptr,
         res_ptr,
-        cpu_ptr,
-        gpu_ptr,
-        starts_ptr,
-        room_ptr,
-        transfer_ptr,
         take_ptr,
-        size: tl.constexpr,
+        scratch_ptr,
+        slots,
+        cpu_overhead,
+        cpu_read,
+        cpu_experts,
+        cpu_flops,
+        cpu_rate,
+        gpu_overhead,
+        gpu_read,
+        gpu_experts,
+        gpu_flops,
+        gpu_rate,
+        transfer_bits,
+        E: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        SIZE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # one row of trials per lane, timed as `_set_times`: round 0 times the three start sets, every later round
-        # the current set with lane r's own expert flipped. `size` (the step's most active experts, a few) is a
-        # compile-time constant: Triton 3.6's interpreter cannot loop over a range of a runtime value.
-        lanes = tl.arange(0, BLOCK)
-        inside = lanes < size
-        transfer = tl.load(transfer_ptr)
-        room = tl.load(room_ptr)
-        active = tl.load(active_ptr + lanes, mask=inside, other=0) != 0
+        # the step over all E experts, one lane each: times, fetch room, and the three starts
+        lanes = tl.arange(0, BLOCK_E)
+        inside = lanes < E
+        n = tl.load(counts_ptr + lanes, mask=inside, other=0).to(tl.float64)
         res = tl.load(res_ptr + lanes, mask=inside, other=0) != 0
-        rounds = tl.sum(active.to(tl.int32))
+        active = n > 0
+        # float64 arguments arrive as their bits (a Python float would reach the kernel as fp32)
+        c_overhead = cpu_overhead.to(tl.int64).to(tl.float64, bitcast=True)
+        c_read = cpu_read.to(tl.int64).to(tl.float64, bitcast=True)
+        c_experts = cpu_experts.to(tl.int64).to(tl.float64, bitcast=True)
+        c_flops = cpu_flops.to(tl.int64).to(tl.float64, bitcast=True)
+        c_rate = cpu_rate.to(tl.int64).to(tl.float64, bitcast=True)
+        g_overhead = gpu_overhead.to(tl.int64).to(tl.float64, bitcast=True)
+        g_read = gpu_read.to(tl.int64).to(tl.float64, bitcast=True)
+        g_experts = gpu_experts.to(tl.int64).to(tl.float64, bitcast=True)
+        g_flops = gpu_flops.to(tl.int64).to(tl.float64, bitcast=True)
+        g_rate = gpu_rate.to(tl.int64).to(tl.float64, bitcast=True)
+        transfer = transfer_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        # each side's time: `cost_model.Terms.time`, in its order of operations
+        cpu = tl.where(active, c_overhead + tl.maximum(c_experts * n * c_flops / c_rate, c_read), 0.0)
+        gpu = tl.where(active, g_overhead + tl.maximum(g_experts * n * g_flops / g_rate, g_read), 0.0)
+        room = slots - tl.sum((active & res).to(tl.int32))
+        # DALI's greedy: by (most tokens, resident first, lowest id), each to the side that ends no later with it
+        key = tl.where(active, n * 2.0 + res.to(tl.float64), -1.0)
+        left = active
+        dali = tl.zeros((BLOCK_E,), tl.int32)
+        cpu_t = tl.full((), 0.0, tl.float64)
+        gpu_t = tl.full((), 0.0, tl.float64)
+        r = room
+        for _ in range(SIZE):
+            top = tl.max(tl.where(left, key, -1.0))
+            i = tl.min(tl.where(left & (key == top), lanes, BLOCK_E))
+            at = lanes == i
+            valid = i < BLOCK_E
+            resident = tl.sum(tl.where(at & res, 1, 0)) != 0
+            c = tl.sum(tl.where(at, cpu, 0.0))
+            g = tl.sum(tl.where(at, gpu, 0.0))
+            fetched = tl.where(resident, g, g + transfer)
+            t = valid & (resident | (r > 0)) & (gpu_t + fetched <= cpu_t + c)
+            gpu_t = tl.where(t, gpu_t + fetched, gpu_t)
+            cpu_t = tl.where(t | ~valid, cpu_t, cpu_t + c)
+            r = r - (t & ~resident).to(tl.int32)
+            dali = tl.where(at & t, 1, dali)
+            left = left & ~at
+        # HybriMoE's queue (resident first, then most tokens, then lowest id): the GPU takes its head, the CPU
+        # its tail, whichever ends its next expert earlier; a missing head after its copy on the idle link
+        rank = tl.where(res, 2.0, 1.0) * 4294967296.0 + n
+        left = active
+        hyb = tl.zeros((BLOCK_E,), tl.int32)
+        cpu_t = tl.full((), 0.0, tl.float64)
+        gpu_t = tl.full((), 0.0, tl.float64)
+        link = tl.full((), 0.0, tl.float64)
+        r = room
+        for _ in range(SIZE):
+            live = tl.sum(left.to(tl.int32)) > 0
+            top = tl.max(tl.where(left, rank, -1.0))
+            at_h = lanes == tl.min(tl.where(left & (rank == top), lanes, BLOCK_E))
+            bottom = tl.min(tl.where(left, rank, float("inf")))
+            at_t = lanes == tl.max(tl.where(left & (rank == bottom), lanes, -1))
+            missing = tl.sum(tl.where(at_h & res, 1, 0)) == 0
+            ready = tl.where(missing, tl.where(r > 0, link + transfer, float("inf")), 0.0)
+            gpu_end = tl.maximum(gpu_t, ready) + tl.sum(tl.where(at_h, gpu, 0.0))
+            cpu_end = cpu_t + tl.sum(tl.where(at_t, cpu, 0.0))
+            to_gpu = live & (gpu_end <= cpu_end)
+            to_cpu = live & ~to_gpu
+            hyb = tl.where(at_h & to_gpu, 1, hyb)
+            left = left & ~((at_h & to_gpu) | (at_t & to_cpu))
+            gpu_t = tl.where(to_gpu, gpu_end, gpu_t)
+            cpu_t = tl.where(to_cpu, cpu_end, cpu_t)
+            link = tl.where(to_gpu & missing, ready, link)
+            r = r - (to_gpu & missing).to(tl.int32)
+        # the active experts packed in id order into the scratch rows the search reads: cpu, gpu, resident, the
+        # starts (cached, DALI, HybriMoE); zeros past them
+        active_n = tl.sum(active.to(tl.int32))
+        pos = tl.cumsum(active.to(tl.int32), 0) - 1
+        packed = tl.arange(0, BLOCK)
+        zero = tl.zeros((BLOCK,), tl.float64)
+        for row in range(6):
+            tl.store(scratch_ptr + row * BLOCK + packed, zero, mask=packed >= active_n)
+        at = scratch_ptr + pos
+        tl.store(at, cpu, mask=active)
+        tl.store(at + BLOCK, gpu, mask=active)
+        tl.store(at + 2 * BLOCK, res.to(tl.float64), mask=active)
+        tl.store(at + 3 * BLOCK, res.to(tl.float64), mask=active)
+        tl.store(at + 4 * BLOCK, dali.to(tl.float64), mask=active)
+        tl.store(at + 5 * BLOCK, hyb.to(tl.float64), mask=active)
+        tl.debug_barrier()
+        # the local search over packed lanes, one row of trials per lane, timed as `_set_times`: round 0 times the
+        # three starts, every later round the current set with lane q's own expert flipped
+        on = (packed < SIZE) & (packed < active_n)
+        p_res = tl.load(scratch_ptr + 2 * BLOCK + packed, volatile=True) != 0
         take = tl.zeros((BLOCK,), tl.int32)
         best = tl.full((), float("inf"), tl.float64)
         fetches = tl.full((), 0, tl.int32)
         better = tl.full((), 1, tl.int1)
-        r = tl.full((), 0, tl.int32)
-        while better & (r <= rounds):
-            cpu_t = tl.zeros((BLOCK,), tl.float64)
-            gpu_t = tl.zeros((BLOCK,), tl.float64)
-            link = tl.zeros((BLOCK,), tl.float64)
-            for j in range(size):
-                start = tl.load(starts_ptr + lanes * size + j, mask=lanes < tl.where(r == 0, 3, 0), other=0) != 0
-                flipped = (tl.sum(tl.where(lanes == j, take, 0)) != 0) ^ (lanes == j)
-                in_set = tl.where(r == 0, start, flipped)
-                act = tl.load(active_ptr + j) != 0
-                cpu_t = cpu_t + tl.where(act & ~in_set, tl.load(cpu_ptr + j), 0.0)
-                gpu_t = gpu_t + tl.where(in_set & (tl.load(res_ptr + j) != 0), tl.load(gpu_ptr + j), 0.0)
-            for j in range(size):
-                start = tl.load(starts_ptr + lanes * size + j, mask=lanes < tl.where(r == 0, 3, 0), other=0) != 0
-                flipped = (tl.sum(tl.where(lanes == j, take, 0)) != 0) ^ (lanes == j)
-                fetch = tl.where(r == 0, start, flipped) & (tl.load(res_ptr + j) == 0)
-                link = tl.where(fetch, link + transfer, link)
-                gpu_t = tl.where(fetch, tl.maximum(gpu_t, link) + tl.load(gpu_ptr + j), gpu_t)
-            change = tl.where(res, 0, tl.where(take != 0, -1, 1))
-            allowed = tl.where(r == 0, lanes < 3, inside & active & (fetches + change <= room))
-            times = tl.where(allowed, tl.maximum(cpu_t, gpu_t), float("inf"))
+        q = tl.full((), 0, tl.int32)
+        while better & (q <= active_n):
+            cpu_rows = tl.zeros((BLOCK,), tl.float64)
+            gpu_rows = tl.zeros((BLOCK,), tl.float64)
+            link_rows = tl.zeros((BLOCK,), tl.float64)
+            for j in range(SIZE):
+                start = tl.load(scratch_ptr + (3 + packed) * BLOCK + j, mask=packed < tl.where(q == 0, 3, 0), other=0)
+                flipped = (tl.sum(tl.where(packed == j, take, 0)) != 0) ^ (packed == j)
+                in_set = tl.where(q == 0, start, flipped.to(tl.float64)) != 0
+                act = j < active_n
+                resident = tl.load(scratch_ptr + 2 * BLOCK + j, volatile=True) != 0
+                cpu_rows = cpu_rows + tl.where(act & ~in_set, tl.load(scratch_ptr + j, volatile=True), 0.0)
+                gpu_rows = gpu_rows + tl.where(
+                    tl.where(resident, in_set, False), tl.load(scratch_ptr + BLOCK + j, volatile=True), 0.0
+                )
+            for j in range(SIZE):
+                start = tl.load(scratch_ptr + (3 + packed) * BLOCK + j, mask=packed < tl.where(q == 0, 3, 0), other=0)
+                flipped = (tl.sum(tl.where(packed == j, take, 0)) != 0) ^ (packed == j)
+                resident = tl.load(scratch_ptr + 2 * BLOCK + j, volatile=True) != 0
+                fetch = tl.where(resident, False, tl.where(q == 0, start, flipped.to(tl.float64)) != 0)
+                link_rows = tl.where(fetch, link_rows + transfer, link_rows)
+                gpu_rows = tl.where(
+                    fetch, tl.maximum(gpu_rows, link_rows) + tl.load(scratch_ptr + BLOCK + j, volatile=True), gpu_rows
+                )
+            change = tl.where(p_res, 0, tl.where(take != 0, -1, 1))
+            allowed = tl.where(q == 0, packed < 3, on & (fetches + change <= room))
+            times = tl.where(allowed, tl.maximum(cpu_rows, gpu_rows), float("inf"))
             low = tl.min(times)
-            i = tl.min(tl.where(times == low, lanes, BLOCK))  # the first row of the least time
-            if r == 0:
-                take = tl.load(starts_ptr + i * size + lanes, mask=inside, other=0).to(tl.int32)
-                fetches = tl.sum(tl.where((take != 0) & ~res, 1, 0))
+            i = tl.min(tl.where(times == low, packed, BLOCK))  # the first row of the least time
+            if q == 0:
+                take = tl.load(scratch_ptr + (3 + i) * BLOCK + packed, volatile=True).to(tl.int32)
+                fetches = tl.sum(tl.where((take != 0) & ~p_res, 1, 0))
                 best = low
             else:
                 better = low < best * (1 - 1e-9)
                 if better:
-                    take = tl.where(lanes == i, 1 - take, take)
-                    fetches = fetches + tl.sum(tl.where(lanes == i, change, 0))
+                    take = tl.where(packed == i, 1 - take, take)
+                    fetches = fetches + tl.sum(tl.where(packed == i, change, 0))
                     best = low
-            r += 1
-        tl.store(take_ptr + lanes, take.to(tl.int8), mask=inside)
+            q += 1
+        # back to expert ids, through a seventh row
+        tl.store(scratch_ptr + 6 * BLOCK + packed, take.to(tl.float64))
+        tl.debug_barrier()
+        chosen = tl.load(scratch_ptr + 6 * BLOCK + pos, mask=active, other=0.0, volatile=True) != 0
+        tl.store(take_ptr + lanes, (active & chosen).to(tl.int8), mask=inside)
 
-    return dali_kernel, hybrimoe_kernel, queue_kernel
+    return dali_kernel, hybrimoe_kernel, place_kernel

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..cost_model import CostModel, Terms
-from ..ops.placement_walks import dali_walk, hybrimoe_walk, queue_search
+from ..ops.placement_walks import dali_walk, hybrimoe_walk, queue_place, queue_search
 from .schedulers import SCHEDULERS
 
 
@@ -150,6 +150,19 @@ class QueueAwareForm(CostAwareForm):
     def __init__(self, costs: CostModel) -> None:
         super().__init__(costs)
         self.starts = (DaliGreedyForm(costs), HybriMoEForm(costs))
+
+    def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
+        if counts.is_cuda:
+            return self.place_in_one_program(counts, resident, num_slots, max_active)
+        return super().place(counts, resident, num_slots, max_active)
+
+    def place_in_one_program(
+        self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int, kernel: object = None
+    ) -> torch.Tensor:
+        """The CUDA path: the choice `place_timed` makes, as one Triton program (`ops.placement_walks.queue_place`),
+        one kernel node of a captured step instead of a hundred. `kernel`: an interpreted stand-in (tests)."""
+        c = self.costs
+        return queue_place(counts, resident, num_slots, max_active, c.cpu, c.gpu, c.t_transfer(), kernel)
 
     def place_timed(
         self, counts: torch.Tensor, resident: torch.Tensor, max_active: int, terms: StepTerms
