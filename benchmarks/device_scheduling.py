@@ -4,10 +4,10 @@ Inside a CUDA graph every aten op of the placement becomes a kernel node (a few 
 device however small), so the figure that matters is the op count, side by side with the default
 `cached_on_accelerator` form. Counted on this machine by dispatching the real `place` (and, for schedulers that
 fetch, the slot assignment of their on-demand copies) on the CPU, for a DeepSeek-V2-Lite-shaped layer (64
-experts, top-6, a quarter of them in slots) at several decode batch sizes. DALI's and HybriMoE's sequential
-walks and ours' local search are counted twice: as the CPU's torch loop (a dozen ops per expert, what a graph
-would hold without the kernel) and as on CUDA, where one Triton program walks the list (the launch and its
-buffers).
+experts, top-6, a quarter of them in slots) at several decode batch sizes, as the CUDA path runs it: DALI's and
+HybriMoE's walks, ours' whole placement and the on-demand fetches' slot pairing each as one Triton program (its
+launch and the ops around it). Where that differs, a second row counts the torch ops the CPU runs instead (a
+dozen per expert for a walk: what a graph would hold without the programs).
 
     python benchmarks/device_scheduling.py [--batches 1 8 32] [--hardware rtx5090]
 """
@@ -22,7 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.policies import SCHEDULERS, IdleLink, LayerInfo, device_scheduling
+from torch_hybrid_moe.ops import placement_walks, slot_swaps
+from torch_hybrid_moe.policies import SCHEDULERS, IdleLink, LayerInfo, device_caching, device_scheduling
 from torch_hybrid_moe.policies.device_caching import fetch_admissions
 
 EXPERTS, TOP_K, SLOTS = 64, 6, 16
@@ -45,9 +46,27 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class CountedLaunch:
+    """Stands in for a Triton program's launch: one kernel node; its outputs (argument positions) zeroed outside
+    the count."""
+
+    def __init__(self, counter: OpCounter, *outputs: int) -> None:
+        self.counter, self.outputs = counter, outputs
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def launch(*args: torch.Tensor, **kwargs: object) -> None:
+            with torch.utils._python_dispatch._disable_current_modes():
+                for i in self.outputs:
+                    args[i].zero_()
+            self.counter.ops += 1
+
+        return launch
+
+
 @contextlib.contextmanager
-def walks_as_on_cuda(counter: OpCounter) -> Iterator[None]:
-    """Run the walks uncounted and count what their CUDA form launches instead."""
+def as_on_cuda(counter: OpCounter) -> Iterator[None]:
+    """Count what the CUDA paths launch: the walks (run uncounted, their launches counted), and ours' placement
+    and the slot pairing through their own launchers, each program counted as one node."""
     originals = {name: getattr(device_scheduling, name) for name in WALK_OPS_ON_CUDA}
 
     def counted(name: str):
@@ -59,28 +78,22 @@ def walks_as_on_cuda(counter: OpCounter) -> Iterator[None]:
 
         return walk
 
-    for name in originals:
-        setattr(device_scheduling, name, counted(name))
+    def queue_place(*args: object) -> torch.Tensor:  # the form's arguments, its stand-in kernel replaced
+        return placement_walks.queue_place(*args[:7], kernel=CountedLaunch(counter, 2))
+
+    def swap_in(candidates, keep, values, expert_slot, slot_expert, k):
+        return slot_swaps.swap_in(candidates, keep, values, slot_expert, k, kernel=CountedLaunch(counter, 4, 5))
+
+    patches = [(device_scheduling, name, counted(name)) for name in originals]
+    patches += [(device_scheduling, "queue_place", queue_place), (device_caching, "_swap_in", swap_in)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        for name, walk in originals.items():
-            setattr(device_scheduling, name, walk)
-
-
-class CountedLaunch:
-    """Stands in for a Triton program's launch: one kernel node; its outputs zeroed outside the count."""
-
-    def __init__(self, counter: OpCounter, output: int) -> None:
-        self.counter, self.output = counter, output
-
-    def __getitem__(self, grid: tuple[int, ...]):
-        def launch(*args: object, **kwargs: object) -> None:
-            with torch.utils._python_dispatch._disable_current_modes():
-                args[self.output].zero_()
-            self.counter.ops += 1
-
-        return launch
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
@@ -93,10 +106,10 @@ def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
     expert_slot[:SLOTS] = torch.arange(SLOTS)
     slot_expert, values = torch.arange(SLOTS), torch.rand(EXPERTS)
     max_active = min(EXPERTS, ids.numel())
-    with OpCounter() as counter, walks_as_on_cuda(counter) if cuda else contextlib.nullcontext():
+    with OpCounter() as counter, as_on_cuda(counter) if cuda else contextlib.nullcontext():
         resident = expert_slot >= 0
-        if cuda and isinstance(form, device_scheduling.QueueAwareForm):  # its CUDA path: one program
-            on = form.place_in_one_program(counts, resident, SLOTS, max_active, CountedLaunch(counter, output=2))
+        if cuda and isinstance(form, device_scheduling.QueueAwareForm):  # its CUDA path
+            on = form.place_in_one_program(counts, resident, SLOTS, max_active)
         else:
             on = form.place(counts, resident, SLOTS, max_active)
         if form.fetches:
@@ -115,16 +128,15 @@ def main() -> None:
         f"{SLOTS} slots"
     )
     print(f"{'scheduler':34s}" + "".join(f"{f'batch {b}':>18s}" for b in args.batches))
-    base = {b: ops_per_step("cached_on_accelerator", costs, b, cuda=False) for b in args.batches}
+    base = {b: ops_per_step("cached_on_accelerator", costs, b, cuda=True) for b in args.batches}
     for name in SCHEDULERS.graph_names():
-        walks = name in ("dali_greedy", "hybrimoe", "queue_aware")
-        for cuda in (False, True) if walks else (False,):
-            cells = []
-            for b in args.batches:
-                n = ops_per_step(name, costs, b, cuda)
-                cells.append(f"{n:6d} ({n / base[b]:5.1f}x)")
-            label = name + ((" (CUDA: walk kernel)" if cuda else " (torch loop)") if walks else "")
-            print(f"{label:34s}" + "".join(f"{c:>18s}" for c in cells))
+        counts = {cuda: [ops_per_step(name, costs, b, cuda) for b in args.batches] for cuda in (False, True)}
+        # torch ops: what a graph would hold without the Triton programs (the CPU runs them so)
+        rows = [(f"{name} (torch ops)", counts[False])] if counts[False] != counts[True] else []
+        for label, cells in [*rows, (name, counts[True])]:
+            print(
+                f"{label:34s}" + "".join(f"{f'{n:6d} ({n / base[b]:5.1f}x)':>18s}" for n, b in zip(cells, args.batches))
+            )
 
 
 if __name__ == "__main__":

@@ -709,7 +709,7 @@ def test_replay_safe_step_runs_no_op_that_waits_for_the_device(
                 layer.end(layer.begin(hidden, ids, w, first), hidden, first)
                 if second is not None:
                     layer.end(layer.begin(hidden, more, more_w, second), hidden, second)
-    assert {"topk", "scatter_add_", "sort"} <= spy.ops, spy.ops  # the spy saw the step
+    assert {"scatter_add_", "sort"} <= spy.ops, spy.ops  # the spy saw the step
     assert not spy.ops & (SYNCING | {"bool-mask indexing"}), spy.ops & (SYNCING | {"bool-mask indexing"})
     path.pull()
     assert layer.stats.steps == 3 * 3 and layer.stats.accelerator_experts + layer.stats.cpu_experts > 0
@@ -741,7 +741,10 @@ def test_leading_dispatch_leaves_its_slot_fills_to_its_behind_half():
         deferred = layer.begin(hidden, later, later_w, Part.BEHIND)
         layer.end(deferred, hidden, Part.BEHIND)
         path.pull()
-        outcomes.append((layer.store.expert_slot[:], layer.stats.as_dict()))
+        stats = layer.stats.as_dict()
+        # after a plain dispatch the later half runs on the slots its fills changed: only the CPU / GPU split moves
+        split = stats.pop("accelerator_experts"), stats.pop("cpu_experts")
+        outcomes.append((layer.store.expert_slot[:], stats, sum(split)))
     assert outcomes[0] == outcomes[1] and outcomes[0][1]["steps"] == 1 and outcomes[0][1]["bytes_transferred"] > 0
 
 

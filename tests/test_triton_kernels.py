@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from torch_hybrid_moe.ops import placement_walks, row_copy
+from torch_hybrid_moe.ops import placement_walks, row_copy, slot_swaps
 
 triton = pytest.importorskip("triton", reason="Triton is not installed here")
 
@@ -75,6 +75,21 @@ def test_kernels_compile_for_an_h100():
                 **dict.fromkeys(("E", "BLOCK_E", "SIZE", "BLOCK"), "constexpr"),
             },
             {"E": 160, "BLOCK_E": 256, "SIZE": 48, "BLOCK": 64},  # DeepSeek-V2's experts, a batch of 8
+        ),
+    )
+    cases += (
+        (
+            slot_swaps._kernel(),
+            {
+                "cand_ptr": f64,
+                "keep_ptr": "*u8",
+                "values_ptr": "*fp32",
+                "slot_expert_ptr": i64,
+                "expert_ptr": i64,
+                "slot_ptr": i64,
+                **dict.fromkeys(("E", "S", "K", "BLOCK_E", "BLOCK_S"), "constexpr"),
+            },
+            {"E": 160, "S": 40, "K": 40, "BLOCK_E": 256, "BLOCK_S": 64},
         ),
     )
     for bits, data in ((0, "*bf16"), (8, "*i8"), (4, "*u8")):
@@ -208,6 +223,64 @@ def test_placement_program_places_as_the_torch_ops():
     assert run.returncode == 0, run.stderr[-3000:]
     searched, cases = map(int, run.stdout.split()[-2:])
     assert searched == 12 and cases == 42
+
+
+_SWAP_CHECK = """
+import random, torch
+from torch_hybrid_moe.ops import slot_swaps
+from torch_hybrid_moe.policies import device_caching
+kernel = slot_swaps._kernel()
+assert "Interpreted" in type(kernel).__name__
+rng = random.Random(0)
+
+def choose_slot_by_slot(cand, keep, values, slot_expert, k):
+    # the Python path, copy by copy: the best candidate (lowest id on a tie) takes the slot the ranking gives up
+    # first (a free one, then the least valuable holder, the lowest slot on a tie), never a kept expert's
+    held = [float("-inf") if h < 0 else float("inf") if keep[h] else float(values[h]) for h in slot_expert.tolist()]
+    cands = sorted(range(len(cand)), key=lambda e: (-float(cand[e]), e))[:k]
+    slots = sorted(range(len(held)), key=lambda s: (held[s], s))[:k]
+    admit = [float(cand[c]) > float("-inf") and held[v] < float("inf") for c, v in zip(cands, slots)]
+    return [c if a else -1 for c, a in zip(cands, admit)], slots
+
+ties = 0
+for trial in range(120):
+    experts = rng.choice([4, 8, 16, 64, 160])
+    slots = rng.randint(1, experts)
+    slot_expert = torch.where(torch.rand(slots) < rng.random() + 0.2, torch.randperm(experts)[:slots], -1)
+    expert_slot = torch.full((experts,), -1)
+    expert_slot[slot_expert[slot_expert >= 0]] = torch.arange(slots)[slot_expert >= 0]
+    values = torch.tensor([float(rng.choice([0, 1, 2, 3])) for _ in range(experts)])  # ties everywhere
+    keep = torch.rand(experts) < rng.random() * 0.5
+    missing = (torch.rand(experts) < rng.random()) & (expert_slot < 0)
+    if trial % 2:  # on-demand fetches: the lowest id first
+        cand = torch.where(missing, torch.arange(experts, 0, -1, dtype=torch.float64), float("-inf"))
+    else:  # the gate prefetch: by priority, with ties
+        priority = torch.tensor([rng.choice([0.5, 1.0]) for _ in range(experts)])
+        cand = torch.where(missing, priority, float("-inf"))
+    k = rng.randint(1, slots)
+    want = choose_slot_by_slot(cand, keep, values, slot_expert, k)
+    got = slot_swaps.swap_in(cand, keep, values, slot_expert, k, kernel)
+    torch_form = device_caching._swap_in(cand, keep, values, expert_slot, slot_expert, k)
+    for pair in (got, torch_form):
+        assert [pair[0].tolist(), pair[1].tolist()] == list(want), (trial, pair, want)
+    ties += len(set(values[slot_expert[slot_expert >= 0]].tolist())) < int((slot_expert >= 0).sum())
+print(ties)
+"""
+
+
+def test_swap_program_pairs_candidates_and_slots_as_choose_slot():
+    """The on-demand fetches' and the gate prefetch's slot pairing, as one program and as torch ops, against the
+    Python path's copy-by-copy choice, on rankings full of ties (top-k orders equal values as it likes; both forms
+    must go lowest index first). In a fresh process, as above."""
+    run = subprocess.run(
+        [sys.executable, "-c", _SWAP_CHECK],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert int(run.stdout.split()[-1]) > 50  # most steps held tied slots
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])

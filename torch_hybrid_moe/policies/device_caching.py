@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from ..ops.slot_swaps import swap_in
 from .caching import CACHE_POLICIES
 from .prefetching import PREFETCHERS, GatePrefetch
 
@@ -103,10 +104,11 @@ CACHE_POLICIES.add_tensor_form(
 
 def _pairs(candidates: torch.Tensor, held: torch.Tensor, fills: int) -> tuple[torch.Tensor, ...]:
     """(value, expert) of the `fills` best candidates [E] and (value, slot) of the `fills` cheapest slots [S]; -inf
-    marks an ineligible candidate or a free slot, +inf a slot that must not be given up."""
-    cand_value, cand = candidates.topk(fills)
-    victim_value, victim = (-held).topk(fills)
-    return cand_value, cand, -victim_value, victim
+    marks an ineligible candidate or a free slot, +inf a slot that must not be given up. Equal values go lowest
+    index first, as the Python policies break ties (stable sorts: top-k leaves their order unspecified)."""
+    cand_value, cand = torch.sort(candidates, descending=True, stable=True)
+    victim_value, victim = torch.sort(held, stable=True)
+    return cand_value[:fills], cand[:fills], victim_value[:fills], victim[:fills]
 
 
 def admissions(
@@ -141,6 +143,8 @@ def _swap_in(
     """The k best candidates (value > -inf, missing experts) each take the slot the cache ranking `values` gives up
     first (a free slot first), never a slot holding a `keep` expert; (expert, slot) pairs, -1 expert where
     nothing is copied."""
+    if candidates.is_cuda:  # one program, ties broken as the Python path breaks them (ops/slot_swaps.py)
+        return swap_in(candidates, keep, values, slot_expert, k)
     neg, pos = float("-inf"), float("inf")
     held_expert = slot_expert.clamp(min=0)
     held = torch.where(slot_expert >= 0, torch.where(keep[held_expert], pos, values[held_expert].double()), neg)
