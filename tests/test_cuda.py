@@ -133,3 +133,34 @@ def test_every_graph_scheduler_placement_is_timed_inside_a_graph():
     seconds = profiling.measure_placement(CostModel(HARDWARE["rtx4090"], expert), expert, 3)
     print({name: f"{s * 1e6:.1f} us" for name, s in seconds.items()})
     assert set(seconds) == set(SCHEDULERS.graph_names()) and all(0 < s < 0.01 for s in seconds.values())
+
+
+def test_compiled_placement_and_slot_programs_choose_as_the_cpu_forms():
+    """Ours' placement program and the slot pairing, compiled and run on the GPU, against their torch forms on the
+    CPU (the interpreter cannot show the compiled code's rounding or memory order), on random steps full of ties."""
+    import random
+
+    from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
+    from torch_hybrid_moe.policies.device_caching import fetch_admissions
+    from torch_hybrid_moe.policies.device_scheduling import QueueAwareForm
+
+    rng = random.Random(0)
+    for _ in range(200):
+        hardware, shape = rng.choice(sorted(HARDWARE)), rng.choice(sorted(EXPERT_SHAPES))
+        form = QueueAwareForm(CostModel(HARDWARE[hardware], EXPERT_SHAPES[shape]))
+        experts = rng.choice([8, 64, 160])
+        slots = rng.randint(1, min(16, experts - 1))
+        ids = torch.stack([torch.randperm(experts)[:6] for _ in range(rng.choice([1, 2, 8]))])
+        counts = torch.bincount(ids.flatten(), minlength=experts).float()
+        expert_slot = torch.full((experts,), -1)
+        slot_expert = torch.randperm(experts)[:slots]
+        expert_slot[slot_expert] = torch.arange(slots)
+        values = torch.tensor([float(rng.choice([0, 1, 2])) for _ in range(experts)])
+        k = min(slots, ids.numel())
+        cpu_on = form.place(counts, expert_slot >= 0, slots, min(experts, ids.numel()))
+        gpu_on = form.place(counts.cuda(), (expert_slot >= 0).cuda(), slots, min(experts, ids.numel()))
+        assert torch.equal(gpu_on.cpu(), cpu_on)
+        want = fetch_admissions(cpu_on & (expert_slot < 0), cpu_on, values, expert_slot, slot_expert, k)
+        cuda = [t.cuda() for t in (cpu_on, expert_slot, values, slot_expert)]
+        got = fetch_admissions(cuda[0] & (cuda[1] < 0), cuda[0], cuda[2], cuda[1], cuda[3], k)
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))

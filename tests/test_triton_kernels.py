@@ -79,7 +79,12 @@ def test_kernels_compile_for_an_h100():
     )
     cases += (
         (
-            slot_swaps._kernel(),
+            slot_swaps._kernels()[1],
+            {"expert_ptr": i64, "slot_ptr": i64, "expert_slot_ptr": i64, "slot_expert_ptr": i64, "K": "constexpr"},
+            {"K": 6},
+        ),
+        (
+            slot_swaps._kernels()[0],
             {
                 "cand_ptr": f64,
                 "keep_ptr": "*u8",
@@ -114,6 +119,11 @@ def test_kernels_compile_for_an_h100():
         source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"]
+    # ours' placement as launched: one warp, no fused multiply-adds, so every float64 sum and product rounds alone
+    _, signature, constexprs = next(case for case in cases if case[0] is place)
+    source = triton.compiler.ASTSource(fn=place, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=placement_walks.PLACE_OPTIONS).asm["ptx"]
+    assert "div.rn.f64" in ptx and "fma" not in ptx
     # bf16 slots (the usual case) round like torch's .to(): to nearest even (the interpreter truncates instead)
     source = triton.compiler.ASTSource(
         fn=row_copy._converting_kernel(),
@@ -229,7 +239,7 @@ _SWAP_CHECK = """
 import random, torch
 from torch_hybrid_moe.ops import slot_swaps
 from torch_hybrid_moe.policies import device_caching
-kernel = slot_swaps._kernel()
+kernel = slot_swaps._kernels()[0]
 assert "Interpreted" in type(kernel).__name__
 rng = random.Random(0)
 
@@ -283,6 +293,32 @@ def test_swap_program_pairs_candidates_and_slots_as_choose_slot():
     assert int(run.stdout.split()[-1]) > 50  # most steps held tied slots
 
 
+def test_claim_program_updates_the_slot_tables_as_the_torch_form(monkeypatch):
+    """Admitted experts take their slots, the holders leave, skipped pairs (-1) change nothing: the program and the
+    torch form (masked scatters) leave the same tables, on random pairings as the admissions make them."""
+    claim = _interpreted(slot_swaps._kernels, monkeypatch)[1]
+    rng = random.Random(0)
+    moved = 0
+    for _ in range(100):
+        experts = rng.choice([4, 8, 16, 64])
+        slots = rng.randint(1, experts)
+        slot_expert = torch.where(torch.rand(slots) < 0.7, torch.randperm(experts)[:slots], -1)
+        expert_slot = torch.full((experts,), -1)
+        expert_slot[slot_expert[slot_expert >= 0]] = torch.arange(slots)[slot_expert >= 0]
+        k = rng.randint(1, slots)
+        missing = (expert_slot < 0).nonzero().flatten()
+        newcomers = missing[torch.randperm(len(missing))][:k].tolist()
+        expert = torch.tensor([e if rng.random() < 0.7 else -1 for e in newcomers] + [-1] * (k - len(newcomers)))
+        slot = torch.randperm(slots)[:k]
+        want, got = (expert_slot.clone(), slot_expert.clone()), (expert_slot.clone(), slot_expert.clone())
+        slot_swaps.claim_slots(expert, slot, *want)
+        slot_swaps.claim_slots(expert, slot, *got, kernel=claim)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(want[1][s] == e and want[0][e] == s for e, s in zip(expert.tolist(), slot.tolist()) if e >= 0)
+        moved += int((expert >= 0).sum())
+    assert moved > 100
+
+
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("slots", [torch.float32, torch.float16])  # bf16 slots: rounding checked in the PTX above
 def test_converting_row_copy_kernel_equals_the_torch_form(fmt, slots, monkeypatch):
@@ -308,3 +344,9 @@ def test_row_copy_kernel_copies_what_the_torch_form_copies(monkeypatch):
     row_copy.copy_rows_(want, dst_idx, src, src_idx)  # the torch form (CPU tensors)
     row_copy.launch(got, dst_idx, src, src_idx, (kernel, None))  # the CUDA path's launch, interpreted
     assert torch.equal(got, want) and got[0].abs().sum() == 0
+
+
+def test_swap_program_refuses_more_pairs_than_slots():
+    """Every pair must name a real slot (the tables' update indexes by it): refused before anything launches."""
+    with pytest.raises(ValueError, match="3 pairs asked of 2 slots"):
+        slot_swaps.swap_in(torch.zeros(4), torch.zeros(4, dtype=torch.bool), torch.zeros(4), torch.full((2,), -1), 3)

@@ -137,6 +137,10 @@ def queue_search(
 _FLOAT_ARGS = [f"{side}_{term}" for side in ("cpu", "gpu") for term in Terms._fields] + ["transfer_bits"]
 
 
+# one warp; no fused multiply-adds: every float64 product and sum rounds alone, as torch's ops round them
+PLACE_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
+
+
 def _bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
@@ -173,8 +177,7 @@ def queue_place(
         BLOCK_E=max(4, 1 << (experts - 1).bit_length()),
         SIZE=size,
         BLOCK=block,
-        num_warps=1,
-        enable_fp_fusion=False,  # every product and sum rounded alone, as torch's ops round them
+        **PLACE_OPTIONS,
     )
     return take.view(torch.bool)
 
@@ -349,8 +352,9 @@ def _kernels():
             r = r - (to_gpu & missing).to(tl.int32)
         # the active experts packed in id order into the scratch rows the search reads: cpu, gpu, resident, the
         # starts (cached, DALI, HybriMoE); zeros past them
-        active_n = tl.sum(active.to(tl.int32))
         pos = tl.cumsum(active.to(tl.int32), 0) - 1
+        active = active & (pos < SIZE)  # never more than the caller's bound: the scratch rows hold SIZE
+        active_n = tl.sum(active.to(tl.int32))
         packed = tl.arange(0, BLOCK)
         zero = tl.zeros((BLOCK,), tl.float64)
         for row in range(6):
@@ -377,7 +381,9 @@ def _kernels():
             gpu_rows = tl.zeros((BLOCK,), tl.float64)
             link_rows = tl.zeros((BLOCK,), tl.float64)
             for j in range(SIZE):
-                start = tl.load(scratch_ptr + (3 + packed) * BLOCK + j, mask=packed < tl.where(q == 0, 3, 0), other=0)
+                start = tl.load(
+                    scratch_ptr + (3 + packed) * BLOCK + j, mask=packed < tl.where(q == 0, 3, 0), other=0, volatile=True
+                )
                 flipped = (tl.sum(tl.where(packed == j, take, 0)) != 0) ^ (packed == j)
                 in_set = tl.where(q == 0, start, flipped.to(tl.float64)) != 0
                 act = j < active_n
@@ -387,7 +393,9 @@ def _kernels():
                     tl.where(resident, in_set, False), tl.load(scratch_ptr + BLOCK + j, volatile=True), 0.0
                 )
             for j in range(SIZE):
-                start = tl.load(scratch_ptr + (3 + packed) * BLOCK + j, mask=packed < tl.where(q == 0, 3, 0), other=0)
+                start = tl.load(
+                    scratch_ptr + (3 + packed) * BLOCK + j, mask=packed < tl.where(q == 0, 3, 0), other=0, volatile=True
+                )
                 flipped = (tl.sum(tl.where(packed == j, take, 0)) != 0) ^ (packed == j)
                 resident = tl.load(scratch_ptr + 2 * BLOCK + j, volatile=True) != 0
                 fetch = tl.where(resident, False, tl.where(q == 0, start, flipped.to(tl.float64)) != 0)

@@ -183,7 +183,7 @@ def prefetch_admissions(
     """The gate prefetch as tensors: the `size` experts of highest `priority` (> 0) are wanted and swapped in, in
     priority order, never displacing a wanted one. The same choice as the Python path's `select` followed by
     `choose_slot` (tests/test_graph_path.py)."""
-    top_value, top = priority.topk(size)
+    top_value, top = (t[:size] for t in torch.sort(priority, descending=True, stable=True))  # ties: lowest id
     wanted = torch.zeros_like(expert_slot, dtype=torch.bool).scatter_(0, top, top_value > 0)
     candidates = torch.where(wanted & (expert_slot < 0), priority, float("-inf"))
     return _swap_in(candidates, wanted, values, expert_slot, slot_expert, min(size, len(slot_expert)))

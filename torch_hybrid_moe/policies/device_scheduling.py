@@ -31,8 +31,8 @@ class DeviceScheduler:
 
 class StepTerms(NamedTuple):
     """What a cost-aware form weighs a step with: each expert's CPU and GPU time [E] (float64, id order) and the
-    fetches the slots have room for. Computed once a step where one form builds on others (ours on DALI's and
-    HybriMoE's): every op is a kernel node of the captured step (benchmarks/device_scheduling.py counts them)."""
+    fetches the slots have room for. Computed once a step where one form builds on others (ours' torch form on
+    DALI's and HybriMoE's; on CUDA ours computes them inside its one program)."""
 
     cpu: torch.Tensor
     gpu: torch.Tensor

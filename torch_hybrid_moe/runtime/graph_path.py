@@ -40,6 +40,7 @@ from ..ops.cpu_kernel import extension, gemm_route
 from ..ops.expert_math import slot_experts_
 from ..ops.quantize import QuantizedWeight, kernel_operands
 from ..ops.row_copy import copy_rows_, device_view
+from ..ops.slot_swaps import claim_slots
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 from ..policies.device_caching import admissions, fetch_admissions, prefetch_admissions
 
@@ -398,15 +399,4 @@ class GraphPath:
         store = self.layer.store
         for dst, src in ((store.slot_gate_up, self._host["gate_up"]), (store.slot_down, self._host["down"])):
             copy_rows_(dst, slot, src, expert)
-        admit = expert >= 0
-        evicted = self.slot_expert[slot]
-        _set_rows(self.expert_slot, torch.where(admit & (evicted >= 0), evicted, self.num_experts), -1)
-        _set_rows(self.expert_slot, torch.where(admit, expert, self.num_experts), slot)
-        _set_rows(self.slot_expert, torch.where(admit, slot, self.num_slots), expert)
-
-
-def _set_rows(table: torch.Tensor, index: torch.Tensor, value: torch.Tensor | int) -> None:
-    """table[index[i]] = value[i], where index == len(table) means "skip": a masked scatter with static shapes."""
-    padded = torch.cat((table, table.new_full((1,), -1)))
-    padded[index] = value if isinstance(value, torch.Tensor) else torch.full_like(index, value)
-    table.copy_(padded[:-1])
+        claim_slots(expert, slot, self.expert_slot, self.slot_expert)
