@@ -27,9 +27,11 @@ step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: s
     [ "$limit" -gt 0 ] || return 0
     timeout "$limit" "$@" 2>&1 | tee "$out/$log"
 }
-# -v names each test as it ends: a run cut short by its limit still says which failed (2026-11-27's did not)
-step "${TEST_S:-240}" tests.txt python -m pytest -v -n 12 -p no:cacheprovider \
-    tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
+# -v names each test as it ends: a run cut short by its limit still says which failed (2026-11-27's did not);
+# -rP prints what passing tests printed: each scheduler's placement time inside a graph
+step "${TEST_S:-240}" tests.txt python -m pytest -v -rP -n 12 -p no:cacheprovider \
+    tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py |
+    grep -E "FAILED|ERROR|[0-9]+ (passed|failed)| us'"
 step "${MAIN_S:-210}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
