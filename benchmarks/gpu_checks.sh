@@ -36,7 +36,7 @@ step "${MAIN_S:-210}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
 step "${PREFILL_S:-90}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
-    --prompt 512 4096 --repeats 1 --rows hybrid --budgets 0.25 1.0 --profile /tmp/gpu-checks-profile |
+    --prompt 512 4096 --repeats 1 --rows hybrid stream-8 --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
 step "${PAPERS_S:-40}" papers.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn

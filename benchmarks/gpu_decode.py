@@ -16,6 +16,8 @@ Rows, each on a freshly built model (patching moves its experts into pinned host
   graph on and off;
 - no-stream: the hybrid row with the prefill staging ring off (`staging_slots=0`): every expert not in a slot is
   computed on the CPU at prefill; the other rows stream the heaviest through the ring (runtime/staging_ring.py);
+- stream-8: the hybrid row with a ring of 8 buffers, computed 4 experts at a time (grouped GEMMs) while the other
+  4 fill;
 - accelerate: transformers + accelerate `device_map` offload (the routed experts' modules on "cpu", their
   weights streamed to the GPU at every forward);
 - gpu: the whole model on the GPU, no offload, compiled by transformers' own generate (static cache): the
@@ -71,6 +73,7 @@ ROWS = (
     "all-cpu",
     "on-demand",
     "no-stream",
+    "stream-8",
     "accelerate",
     "gpu",
 )
@@ -89,6 +92,7 @@ VARIANTS = {
     },
     "on-demand": {"scheduler": "on_demand"},
     "no-stream": {"staging_slots": 0},
+    "stream-8": {"staging_slots": 8},
 }
 
 

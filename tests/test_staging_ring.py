@@ -12,9 +12,10 @@ import torch
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.ops.expert_math import accumulate_experts_
+from torch_hybrid_moe.ops.expert_math import accumulate_experts_, grouped_experts_into_
 from torch_hybrid_moe.ops.quantize import dequantize, quantize
 from torch_hybrid_moe.policies.streaming import plan_streaming, streaming_makespan
+from torch_hybrid_moe.runtime import staging_ring
 from torch_hybrid_moe.runtime.expert_store import ExpertStore
 from torch_hybrid_moe.runtime.staging_ring import StagingRing
 
@@ -59,11 +60,17 @@ def _experts(num_experts=6, hidden=64, inter=32, seed=0):
     )
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("bits", [None, 4])
-def test_ring_computes_streamed_pairs(depth, bits):
-    """More experts than buffers (each buffer reused), int4 masters dequantised into the buffers: the sum over the
-    streamed experts' pairs, and nothing of the others, against the float64 per-expert loop."""
+@pytest.mark.parametrize("streamed", [[4, 0, 5, 2], [3, 1, 5, 0, 2, 4]])
+def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
+    """More experts than buffers (each buffer reused), int4 masters dequantised into the buffers; with four buffers
+    or more, half of them computed together by grouped GEMMs while the other half fills: the sum over the streamed
+    experts' pairs, and nothing of the others, against the float64 per-expert loop."""
+    grouped = []
+    monkeypatch.setattr(
+        staging_ring, "grouped_experts_into_", lambda *a: grouped.append(len(a[4])) or grouped_experts_into_(*a)
+    )
     gate_up, down = _experts()
     if bits:
         qg, qd = quantize(gate_up, bits, 32), quantize(down, bits, 32)
@@ -75,7 +82,6 @@ def test_ring_computes_streamed_pairs(depth, bits):
     hidden = torch.randn(40, 64, generator=g)
     ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(40)])
     weights = torch.rand(40, 2, generator=g)
-    streamed = [4, 0, 5, 2]
     got = torch.zeros(40, 64)
     ring = StagingRing(store.device, tuple(gate_up.shape[1:]), tuple(down.shape[1:]), torch.float32, depth)
     moved = ring.run(store, got, hidden, ids, weights, streamed)
@@ -91,6 +97,8 @@ def test_ring_computes_streamed_pairs(depth, bits):
         rounded=bits is not None,
     )
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
+    group = depth // 2 if depth >= 4 else 1
+    assert grouped == ([min(group, len(streamed) - g) for g in range(0, len(streamed), group)] if group > 1 else [])
 
 
 def test_ring_refuses_no_buffers():

@@ -5,13 +5,20 @@ so a streamed expert costs the larger of its copy and its compute (policies/stre
 copies run on a side stream and are ordered by events only: nothing waits on the host, so the CPU computes its
 own share of the step at the same time. On a CPU-only machine the buffers are CPU tensors and the copies plain
 copies: the same code path, tested without a GPU.
+
+With four buffers or more the ring works in halves: while one half's experts are computed together (one grouped
+GEMM per projection, where torch has the kernel), the other half's are copied in. Each expert computed alone
+queues a dozen kernels from the host; at 512 prompt tokens on an H100 that host work, not the link, bounded the
+step (RESULTS.md, 2026-11-27).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from ..ops.expert_math import expert_into_
+from ..ops.expert_math import expert_into_, grouped_experts_into_, grouped_slots
 from .expert_store import ExpertStore
 
 
@@ -63,17 +70,38 @@ class StagingRing:
         pairs = torch.cat([order[a:b] for a, b in zip(starts, ends)])
         tokens, weights = self._to_device(pairs // num_k), self._to_device(topk_weights.reshape(-1)[pairs])
         compute = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
+        sizes = [b - a for a, b in zip(starts, ends)]
+        group = self.depth // 2 if self.depth >= 4 and grouped_slots(gate_up) else 1
+        if group > 1:  # each group's ends among its pairs, for the grouped GEMMs: one small copy for the step
+            ends_of = [end for g in range(0, len(experts), group) for end in itertools.accumulate(sizes[g : g + group])]
+            bounds = self._to_device(torch.tensor(ends_of, dtype=torch.int32))
         start = 0
-        for i, (expert, size) in enumerate(zip(experts, (b - a for a, b in zip(starts, ends)))):
-            slot = i % self.depth
-            self._copy_in(store, expert, gate_up[slot], down[slot], slot)
+        for q, g in enumerate(range(0, len(experts), group)):
+            members = experts[g : g + group]
+            first = (q % (self.depth // group)) * group  # the group's buffers: one half, then the other
+            slots = range(first, first + len(members))
+            for expert, slot in zip(members, slots):
+                self._copy_in(store, expert, gate_up[slot], down[slot], slot)
+            if compute is not None:  # the copy stream runs in order: its last copy done, all are
+                compute.wait_event(self._copied[slots[-1]])
+            rows = slice(start, start + sum(sizes[g : g + group]))
+            if group == 1:
+                expert_into_(out, hidden, tokens[rows], weights[rows], gate_up[first], down[first], store.rounds_inputs)
+            else:
+                grouped_experts_into_(
+                    out,
+                    hidden,
+                    tokens[rows],
+                    weights[rows],
+                    gate_up[slots.start : slots.stop],
+                    down[slots.start : slots.stop],
+                    bounds[g : g + len(members)],
+                    store.rounds_inputs,
+                )
             if compute is not None:
-                compute.wait_event(self._copied[slot])
-            rows = slice(start, start + size)
-            expert_into_(out, hidden, tokens[rows], weights[rows], gate_up[slot], down[slot], store.rounds_inputs)
-            if compute is not None:
-                self._computed[slot].record(compute)
-            start += size
+                for slot in slots:
+                    self._computed[slot].record(compute)
+            start = rows.stop
         return len(experts) * store.expert_bytes
 
     def _copy_in(self, store: ExpertStore, expert: int, gate_up: torch.Tensor, down: torch.Tensor, slot: int) -> None:
