@@ -62,7 +62,8 @@ class HybridMoEConfig:
         the accelerator's compute beat the CPU for them (its heaviest experts; the CPU computes the rest at the same
         time, and the cache's slots are left alone; runtime/staging_ring.py). The cost model is `hardware`'s, or with
         `hardware` '' this machine's measured profile. CUDA only: without it the accelerator is the CPU itself.
-        0: experts not in a slot all run on the CPU.
+        0: experts not in a slot all run on the CPU. From 4, half the buffers are computed together (grouped GEMMs)
+        while the other half fill: fewer kernels for the host to queue, more GPU memory.
     cuda_graph: on CUDA, capture each decode step of `generate()` as one CUDA graph (CPU experts run from host
         functions inside it; slot decisions are made by tensor ops at replay). False: run decode uncaptured.
     fills_per_step: inside a graph, the most missed experts the cache policy may admit into slots per layer step
