@@ -12,7 +12,7 @@ import torch
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.ops.expert_math import accumulate_experts_, grouped_experts_into_
+from torch_hybrid_moe.ops.expert_math import accumulate_experts_, expert_into_
 from torch_hybrid_moe.ops.quantize import dequantize, quantize
 from torch_hybrid_moe.policies.streaming import plan_streaming, streaming_makespan
 from torch_hybrid_moe.runtime import staging_ring
@@ -67,9 +67,9 @@ def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
     """More experts than buffers (each buffer reused), int4 masters dequantised into the buffers; with four buffers
     or more, half of them computed together by grouped GEMMs while the other half fills: the sum over the streamed
     experts' pairs, and nothing of the others, against the float64 per-expert loop."""
-    grouped = []
+    grouped = []  # the experts of each grouped call
     monkeypatch.setattr(
-        staging_ring, "grouped_experts_into_", lambda *a: grouped.append(len(a[4])) or grouped_experts_into_(*a)
+        staging_ring, "expert_into_", lambda *a: (a[7] is not None and grouped.append(len(a[4]))) or expert_into_(*a)
     )
     gate_up, down = _experts()
     if bits:

@@ -218,20 +218,25 @@ print(searched, len(cases))
 """
 
 
-def test_placement_program_places_as_the_torch_ops():
-    """Queue-aware placement as one program (times, the three starts, the search) against the composed torch form,
-    on the presets' cost models and on arbitrary ones where the search moves off every start. In a fresh process:
-    the kernel's reductions call Triton's own jitted combine functions, which run interpreted only when
-    TRITON_INTERPRET is set before Triton is imported."""
+def _interpreted_script(script: str) -> list[str]:
+    """What `script` prints, run in a fresh process under TRITON_INTERPRET=1: reductions call Triton's own jitted
+    combine functions, which run interpreted only when the variable is set before Triton is imported."""
     run = subprocess.run(
-        [sys.executable, "-c", _PLACE_CHECK],
+        [sys.executable, "-c", script],
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    searched, cases = map(int, run.stdout.split()[-2:])
+    return run.stdout.split()
+
+
+def test_placement_program_places_as_the_torch_ops():
+    """Queue-aware placement as one program (times, the three starts, the search) against the composed torch form,
+    on the presets' cost models and on arbitrary ones where the search moves off every start."""
+    printed = _interpreted_script(_PLACE_CHECK)
+    searched, cases = map(int, printed[-2:])
     assert searched == 12 and cases == 42
 
 
@@ -281,16 +286,9 @@ print(ties)
 def test_swap_program_pairs_candidates_and_slots_as_choose_slot():
     """The on-demand fetches' and the gate prefetch's slot pairing, as one program and as torch ops, against the
     Python path's copy-by-copy choice, on rankings full of ties (top-k orders equal values as it likes; both forms
-    must go lowest index first). In a fresh process, as above."""
-    run = subprocess.run(
-        [sys.executable, "-c", _SWAP_CHECK],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert int(run.stdout.split()[-1]) > 50  # most steps held tied slots
+    must go lowest index first)."""
+    printed = _interpreted_script(_SWAP_CHECK)
+    assert int(printed[-1]) > 50  # most steps held tied slots
 
 
 def test_claim_program_updates_the_slot_tables_as_the_torch_form(monkeypatch):

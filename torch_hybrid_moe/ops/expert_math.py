@@ -54,35 +54,22 @@ def expert_into_(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     rounded: bool,
+    ends: torch.Tensor | None = None,
 ) -> None:
     """out[tokens] += weights * FFN(hidden[tokens]) for one expert's weights (`rounded`: as in
-    `accumulate_experts_`); the one expert step of the per-expert loop and of the prefill staging ring."""
+    `accumulate_experts_`); the one expert step of the per-expert loop and of the prefill staging ring. With `ends`,
+    G experts at once (w_gate_up [G, 2I, H], w_down [G, H, I]; the pairs sorted by expert, expert g's ending at
+    ends[g], int32 on the weights' device): one grouped GEMM per projection, where `grouped_slots` holds, instead
+    of a kernel sequence per expert; the same products, rounded alike."""
+
+    def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w) if ends is None else torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+
     x = hidden[tokens]
     if w_gate_up.dtype != x.dtype:
         x = x.to(w_gate_up.dtype)
-    gate, up = F.linear(_rounded(x, rounded), w_gate_up).chunk(2, dim=-1)
-    y = F.linear(_rounded(F.silu(gate) * up, rounded), w_down)
-    out.index_add_(0, tokens, y.to(out.dtype) * weights.to(out.dtype).unsqueeze(-1))
-
-
-def grouped_experts_into_(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    ends: torch.Tensor,
-    rounded: bool,
-) -> None:
-    """`expert_into_` for G experts at once (w_gate_up [G, 2I, H], w_down [G, H, I]): the pairs sorted by expert,
-    expert g's ending at ends[g] (int32, on the weights' device); one grouped GEMM per projection instead of a
-    kernel sequence per expert (where `grouped_slots` holds). The same products, rounded alike."""
-    x = hidden[tokens]
-    if w_gate_up.dtype != x.dtype:
-        x = x.to(w_gate_up.dtype)
-    gate, up = torch._grouped_mm(_rounded(x, rounded), w_gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
-    y = torch._grouped_mm(_rounded(F.silu(gate) * up, rounded), w_down.transpose(-2, -1), offs=ends)
+    gate, up = project(_rounded(x, rounded), w_gate_up).chunk(2, dim=-1)
+    y = project(_rounded(F.silu(gate) * up, rounded), w_down)
     out.index_add_(0, tokens, y.to(out.dtype) * weights.to(out.dtype).unsqueeze(-1))
 
 

@@ -18,7 +18,7 @@ import itertools
 
 import torch
 
-from ..ops.expert_math import expert_into_, grouped_experts_into_, grouped_slots
+from ..ops.expert_math import expert_into_, grouped_slots
 from .expert_store import ExpertStore
 
 
@@ -72,7 +72,8 @@ class StagingRing:
         compute = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
         sizes = [b - a for a, b in zip(starts, ends)]
         group = self.depth // 2 if self.depth >= 4 and grouped_slots(gate_up) else 1
-        if group > 1:  # each group's ends among its pairs, for the grouped GEMMs: one small copy for the step
+        bounds = None  # each group's ends among its pairs, for the grouped GEMMs: one small copy for the step
+        if group > 1:
             ends_of = [end for g in range(0, len(experts), group) for end in itertools.accumulate(sizes[g : g + group])]
             bounds = self._to_device(torch.tensor(ends_of, dtype=torch.int32))
         start = 0
@@ -85,19 +86,18 @@ class StagingRing:
             if compute is not None:  # the copy stream runs in order: its last copy done, all are
                 compute.wait_event(self._copied[slots[-1]])
             rows = slice(start, start + sum(sizes[g : g + group]))
-            if group == 1:
-                expert_into_(out, hidden, tokens[rows], weights[rows], gate_up[first], down[first], store.rounds_inputs)
-            else:
-                grouped_experts_into_(
-                    out,
-                    hidden,
-                    tokens[rows],
-                    weights[rows],
-                    gate_up[slots.start : slots.stop],
-                    down[slots.start : slots.stop],
-                    bounds[g : g + len(members)],
-                    store.rounds_inputs,
-                )
+            together = slice(first, slots.stop) if group > 1 else first  # a group's buffers, or one expert's
+            ends_of_group = bounds[g : g + len(members)] if bounds is not None else None
+            expert_into_(
+                out,
+                hidden,
+                tokens[rows],
+                weights[rows],
+                gate_up[together],
+                down[together],
+                store.rounds_inputs,
+                ends_of_group,
+            )
             if compute is not None:
                 for slot in slots:
                     self._computed[slot].record(compute)
