@@ -136,11 +136,13 @@ def test_every_graph_scheduler_placement_is_timed_inside_a_graph():
 
 
 def test_compiled_placement_and_slot_programs_choose_as_the_cpu_forms():
-    """Ours' placement program and the slot pairing, compiled and run on the GPU, against their torch forms on the
-    CPU (the interpreter cannot show the compiled code's rounding or memory order), on random steps full of ties."""
+    """Ours' placement program, the slot pairing and the tables' update, compiled and run on the GPU, against their
+    torch forms on the CPU (the interpreter cannot show the compiled code's rounding or memory order), on random
+    steps full of ties."""
     import random
 
     from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
+    from torch_hybrid_moe.ops.slot_swaps import claim_slots
     from torch_hybrid_moe.policies.device_caching import fetch_admissions
     from torch_hybrid_moe.policies.device_scheduling import QueueAwareForm
 
@@ -164,3 +166,6 @@ def test_compiled_placement_and_slot_programs_choose_as_the_cpu_forms():
         cuda = [t.cuda() for t in (cpu_on, expert_slot, values, slot_expert)]
         got = fetch_admissions(cuda[0] & (cuda[1] < 0), cuda[0], cuda[2], cuda[1], cuda[3], k)
         assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+        claim_slots(*want, expert_slot, slot_expert)  # the tables' update, torch form
+        claim_slots(*got, cuda[1], cuda[3])  # and program
+        assert torch.equal(cuda[1].cpu(), expert_slot) and torch.equal(cuda[3].cpu(), slot_expert)

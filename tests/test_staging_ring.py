@@ -97,7 +97,7 @@ def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
         rounded=bits is not None,
     )
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
-    group = depth // 2 if depth >= 4 else 1
+    group = min(depth // 2, -(-len(streamed) // 2)) if depth >= 4 else 1  # at least two groups
     assert grouped == ([min(group, len(streamed) - g) for g in range(0, len(streamed), group)] if group > 1 else [])
 
 

@@ -55,8 +55,9 @@ def claim_slots(
     expert: torch.Tensor, slot: torch.Tensor, expert_slot: torch.Tensor, slot_expert: torch.Tensor, kernel: Any = None
 ) -> None:
     """Each admitted expert[i] (>= 0; -1: none) takes slot[i] in the tables `expert_slot` [E] (-1: not resident)
-    and `slot_expert` [S] (-1: free), in place; the slot's holder leaves. The pairs name distinct missing experts
-    and distinct slots. One program on CUDA (`kernel`: an interpreted stand-in, tests); torch ops elsewhere."""
+    and `slot_expert` [S] (-1: free), in place; the slot's holder leaves. The pairs must name distinct missing
+    experts and distinct slots, as every admission, fetch and prefetch makes them (the program relies on it).
+    One program on CUDA (`kernel`: an interpreted stand-in, tests); torch ops elsewhere."""
     if expert_slot.is_cuda or kernel is not None:
         (kernel or _kernels()[1])[(1,)](expert, slot, expert_slot, slot_expert, K=len(expert), num_warps=1)
         return

@@ -23,7 +23,8 @@ from .expert_store import ExpertStore
 
 
 class StagingRing:
-    """`depth` buffers of one expert each, in the slots' dtype on the store's device; they never join the cache.
+    """`depth` buffers of one expert each, in the slots' dtype on the store's device; they never join the cache (in
+    halves from 4 buffers: an odd count leaves one idle).
     One ring serves every layer of a shape (`ring_for`): layers run one after another, and the events that order
     a buffer's reuse within a step order it across layers too. Allocated when first used, so a model that never
     streams holds none."""
@@ -55,8 +56,9 @@ class StagingRing:
         topk_weights: torch.Tensor,
         experts: list[int],
     ) -> int:
-        """out += the pairs of `experts` of `store`, each copied into the next buffer and computed there; returns
-        the bytes copied. `topk_ids` / `topk_weights` are host tensors (the step's CPU share reads them too); `out`
+        """out += the pairs of `experts` of `store`, each copied into a buffer and computed there (with four
+        buffers or more, a group at a time in one half of the ring while the other half fills); returns the bytes
+        copied. `topk_ids` / `topk_weights` are host tensors (the step's CPU share reads them too); `out`
         and `hidden` live on the ring's device. Queued without host synchronisation on CUDA."""
         if not experts:
             return 0
@@ -71,7 +73,9 @@ class StagingRing:
         tokens, weights = self._to_device(pairs // num_k), self._to_device(topk_weights.reshape(-1)[pairs])
         compute = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
         sizes = [b - a for a, b in zip(starts, ends)]
-        group = self.depth // 2 if self.depth >= 4 and grouped_slots(gate_up) else 1
+        # with four buffers or more, groups of up to half the ring: at least two groups, so a copy always overlaps
+        # a compute after the first, as the streaming cost model counts (policies/streaming.py)
+        group = min(self.depth // 2, -(-len(experts) // 2)) if self.depth >= 4 and grouped_slots(gate_up) else 1
         bounds = None  # each group's ends among its pairs, for the grouped GEMMs: one small copy for the step
         if group > 1:
             ends_of = [end for g in range(0, len(experts), group) for end in itertools.accumulate(sizes[g : g + group])]
