@@ -147,12 +147,11 @@ def test_compiled_placement_and_slot_programs_choose_as_the_cpu_forms():
     from torch_hybrid_moe.policies.device_scheduling import QueueAwareForm
 
     rng = random.Random(0)
-    for _ in range(200):
+    for _ in range(100):  # few shapes: each new one compiles the programs again
         hardware, shape = rng.choice(sorted(HARDWARE)), rng.choice(sorted(EXPERT_SHAPES))
         form = QueueAwareForm(CostModel(HARDWARE[hardware], EXPERT_SHAPES[shape]))
-        experts = rng.choice([8, 64, 160])
-        slots = rng.randint(1, min(16, experts - 1))
-        ids = torch.stack([torch.randperm(experts)[:6] for _ in range(rng.choice([1, 2, 8]))])
+        experts, slots = rng.choice([64, 160]), rng.choice([4, 16])
+        ids = torch.stack([torch.randperm(experts)[:6] for _ in range(rng.choice([1, 8]))])
         counts = torch.bincount(ids.flatten(), minlength=experts).float()
         expert_slot = torch.full((experts,), -1)
         slot_expert = torch.randperm(experts)[:slots]
