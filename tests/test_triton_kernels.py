@@ -182,8 +182,8 @@ kernel = placement_walks._kernels()[2]
 assert "Interpreted" in type(kernel).__name__
 rng = random.Random(0)
 
-def step():
-    experts, tokens = rng.choice([4, 6, 8, 12, 64, 160]), rng.randint(1, 4)
+def step(sizes):
+    experts, tokens = rng.choice(sizes), rng.randint(1, 4)
     top = rng.randint(1, min(6, experts))
     ids = torch.stack([torch.randperm(experts)[:top] for _ in range(tokens)])
     resident = torch.rand(experts) < rng.random()
@@ -196,10 +196,10 @@ def terms():  # any shape of cost: the GPU slower than the CPU, overheads that d
 cases, searched = [], 0
 for _ in range(30):  # the presets' cost models
     costs = CostModel(HARDWARE[rng.choice(sorted(HARDWARE))], EXPERT_SHAPES[rng.choice(sorted(EXPERT_SHAPES))])
-    cases.append((costs, *step()))
+    cases.append((costs, *step([4, 6, 8, 12, 64, 160])))
 for _ in range(3000):  # arbitrary ones, kept where the search moves off every start (the torch path is cheap)
     costs = types.SimpleNamespace(cpu=terms(), gpu=terms(), t_transfer=lambda t=rng.random() * 3: t)
-    counts, resident, slots, pairs = step()
+    counts, resident, slots, pairs = step([4, 6, 8, 12])  # small layers: the torch form is quick there
     max_active = min(len(counts), pairs)
     want = QueueAwareForm(costs).place(counts, resident, slots, max_active)
     starts = [(counts > 0) & resident]
