@@ -86,6 +86,8 @@ def as_on_cuda(counter: OpCounter) -> Iterator[None]:
 
     patches = [(device_scheduling, name, counted(name)) for name in originals]
     patches += [(device_scheduling, "queue_place", queue_place), (device_caching, "_swap_in", swap_in)]
+    form = device_scheduling.QueueAwareForm  # takes its program only for CUDA tensors: made to take it here
+    patches.append((form, "place", form.place_in_one_program))
     saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
     for module, name, value in patches:
         setattr(module, name, value)
@@ -108,10 +110,7 @@ def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
     max_active = min(EXPERTS, ids.numel())
     with OpCounter() as counter, as_on_cuda(counter) if cuda else contextlib.nullcontext():
         resident = expert_slot >= 0
-        if cuda and isinstance(form, device_scheduling.QueueAwareForm):  # its CUDA path
-            on = form.place_in_one_program(counts, resident, SLOTS, max_active)
-        else:
-            on = form.place(counts, resident, SLOTS, max_active)
+        on = form.place(counts, resident, SLOTS, max_active)
         if form.fetches:
             fetch_admissions(on & (expert_slot < 0), on, values, expert_slot, slot_expert, min(SLOTS, ids.numel()))
     return counter.ops
