@@ -780,14 +780,15 @@ def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
 def test_decode_graph_signature_covers_every_decode_call_of_generate(arch):
     """Each decode step generate() makes is capturable (masks may be a dict per layer type), steps at different
     positions share one graph, and another batch size or cache gets its own."""
-    from torch_hybrid_moe.runtime.decode_steps import step_signature
+    from torch_hybrid_moe.runtime.decode_graphs import DecodeGraphs
 
     model = thm.patch_model(tiny_model(arch), device="cpu")
+    runner = DecodeGraphs(model)
     signatures = []
 
     def record(compile_config: object):
         def step(**kwargs: object) -> object:
-            signatures.append(step_signature(kwargs, torch.device("cpu")))
+            signatures.append(runner._signature(kwargs))
             return model(**kwargs)
 
         return step

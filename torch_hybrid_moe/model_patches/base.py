@@ -26,7 +26,6 @@ from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context, streaming_costs
 from ..runtime.decode_graphs import DecodeGraphs
-from ..runtime.decode_steps import DecodeSteps
 from ..runtime.expert_store import HostWeight, expert_nbytes
 from ..runtime.layer import RoutingRule
 from ..runtime.layer_policies import build_policies
@@ -176,7 +175,7 @@ def patch_with_spec(
     if device.type == "cpu":
         use_cpu_attention(model)
     model.to(device)  # dense weights, attention, routers and shared experts
-    _compile_decode_with_backend(model, device, capture)
+    _compile_decode_with_backend(model, capture)
     setattr(model, _PATCHED_ATTR, config)
     return model
 
@@ -336,10 +335,9 @@ def _check_fits(device: torch.device, slot_bytes: int) -> None:
         )
 
 
-def _compile_decode_with_backend(model: torch.nn.Module, device: torch.device, capture: bool) -> None:
+def _compile_decode_with_backend(model: torch.nn.Module, capture: bool) -> None:
     """Make plain `generate()` use a static cache and compile its decode step with `backend="hybrid_moe"`;
-    with `capture`, each decode step then runs as one CUDA graph (runtime/decode_graphs.py); on the CPU, with
-    Dynamo's guards checked on a signature's first step of each `generate()` only (runtime/decode_steps.py)."""
+    with `capture`, each decode step then runs as one CUDA graph (runtime/decode_graphs.py)."""
     gen = getattr(model, "generation_config", None)
     if gen is None:
         return
@@ -349,5 +347,3 @@ def _compile_decode_with_backend(model: torch.nn.Module, device: torch.device, c
     gen.compile_config = compile_config
     if capture:
         model.get_compiled_call = DecodeGraphs(model).get_compiled_call
-    elif device.type == "cpu":
-        model.get_compiled_call = DecodeSteps(model, device).get_compiled_call

@@ -18,12 +18,16 @@ from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
-from transformers.cache_utils import StaticCache
+from transformers.cache_utils import StaticCache, StaticLayer
 
-from .decode_steps import cache_argument, step_signature
 from .graph_path import check_task_errors, fill_stream, note_replay
 from .layer import HybridMoELayer
 from .stats import model_layers
+
+
+def _cache_argument(kwargs: dict[str, object]) -> str:
+    """The name generate() passes the KV cache under: `cache` from transformers 5.24, `past_key_values` before."""
+    return "cache" if "cache" in kwargs else "past_key_values"
 
 
 @dataclass
@@ -53,7 +57,7 @@ class DecodeGraphs:
 
     def __call__(self, **kwargs: object) -> object:
         assert self.compiled is not None  # transformers calls get_compiled_call first, and calls what it returns
-        signature = step_signature(kwargs, self.device)
+        signature = self._signature(kwargs)
         if signature is None:
             return self.compiled(**kwargs)
         key, leaves, _ = signature
@@ -72,21 +76,52 @@ class DecodeGraphs:
         check_task_errors()
         return entry.output
 
+    def _signature(self, kwargs: dict[str, object]) -> tuple[tuple, list, pytree.TreeSpec] | None:
+        """(key, leaves, spec) of a call: what a captured graph is valid for; None when it cannot be captured.
+
+        The arguments other than the cache are flattened as a tree (masks may come as a dict per layer type):
+        tensor leaves become static input buffers, other leaves and the tree's shape are part of the key.
+        """
+        cache = kwargs.get(_cache_argument(kwargs))
+        if type(cache) is not StaticCache or not all(
+            type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers
+        ):
+            return None
+        leaves, spec = pytree.tree_flatten({k: v for k, v in kwargs.items() if k != _cache_argument(kwargs)})
+        parts: list[object] = [str(spec)]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if leaf.device != self.device:
+                    return None
+                parts.append((tuple(leaf.shape), leaf.dtype))
+            else:
+                try:
+                    hash(leaf)
+                except TypeError:
+                    return None
+                parts.append(leaf)
+        # The graph writes into this cache's buffers: a new cache object needs its own graph.
+        static_layers = cast(list[StaticLayer], cache.layers)  # each checked above
+        parts.append(
+            tuple(t.data_ptr() for layer in static_layers for t in (layer.keys, layer.values))  # type: ignore[union-attr]  # initialised: set
+        )
+        return tuple(parts), leaves, spec
+
     def _capture(self, key: tuple, kwargs: dict[str, object]) -> _Captured:
         if len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
         assert self.compiled is not None  # as in __call__, the only caller
-        signature = step_signature(kwargs, self.device)
-        assert signature is not None  # __call__ captures only a call `step_signature` accepts
+        signature = self._signature(kwargs)
+        assert signature is not None  # __call__ captures only a call `_signature` accepts
         _, leaves, spec = signature
         inputs = [leaf.clone() if isinstance(leaf, torch.Tensor) else None for leaf in leaves]
-        name = cache_argument(kwargs)
-        cache = cast(StaticCache, kwargs[name])  # as `step_signature` checked
+        name = _cache_argument(kwargs)
+        cache = cast(StaticCache, kwargs[name])  # as `_signature` checked
         static = {
             **pytree.tree_unflatten([b if b is not None else v for b, v in zip(inputs, leaves)], spec),
             name: cache,
         }
-        # StaticLayers, as `step_signature` checked: their cumulative_length is a device tensor (typed int upstream)
+        # StaticLayers, as `_signature` checked: their cumulative_length is a device tensor (typed int upstream)
         cache_layers: list[Any] = cache.layers
         lengths = [layer.cumulative_length.clone() for layer in cache_layers]
         with self._graph_mode():
