@@ -141,6 +141,11 @@ _FLOAT_ARGS = [f"{side}_{term}" for side in ("cpu", "gpu") for term in Terms._fi
 PLACE_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 
 
+def lanes_for(n: int) -> int:
+    """A Triton block covering n lanes: the next power of two, at least 4 (tl.arange's smallest useful size)."""
+    return max(4, 1 << (n - 1).bit_length())
+
+
 def _bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
@@ -162,7 +167,7 @@ def queue_place(
     interpreted one); no op but the launch reaches the device, so a captured step holds one kernel node."""
     experts = len(counts)
     size = min(max_active, experts)
-    block = max(4, 1 << (size - 1).bit_length())
+    block = lanes_for(size)
     take = torch.empty(experts, dtype=torch.int8, device=counts.device)
     scratch = torch.empty(7 * block, dtype=torch.float64, device=counts.device)
     floats = [_bits(v) for terms in (cpu, gpu) for v in terms] + [_bits(transfer)]
@@ -174,7 +179,7 @@ def queue_place(
         num_slots,
         *floats,
         E=experts,
-        BLOCK_E=max(4, 1 << (experts - 1).bit_length()),
+        BLOCK_E=lanes_for(experts),
         SIZE=size,
         BLOCK=block,
         **PLACE_OPTIONS,

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .placement_walks import lanes_for
+
 
 def swap_in(
     candidates: torch.Tensor,
@@ -44,8 +46,8 @@ def swap_in(
         E=experts,
         S=slots,
         K=k,
-        BLOCK_E=max(4, 1 << (experts - 1).bit_length()),
-        BLOCK_S=max(4, 1 << (slots - 1).bit_length()),
+        BLOCK_E=lanes_for(experts),
+        BLOCK_S=lanes_for(slots),
         num_warps=1,
     )
     return expert, slot
