@@ -482,6 +482,19 @@ def test_layer_time_is_what_the_simulator_plays():
     assert r.moe_time_s == pytest.approx(COSTS.t_dense(6) + moe)
 
 
+def test_a_full_budget_runs_every_expert_from_its_slot_whatever_the_scheduler():
+    """At cache ratio 1.0 the replay places as the live layer does (`place_step`): every expert from its slot, the
+    CPU idle, so ours, the all-CPU scheduler and the cached placement play one time (before, ours sent cached
+    experts to an idle CPU in prefill, and all_cpu all of them)."""
+    trace = tiny_trace([[0, 1, 2, 3, 0, 1, 2, 3], [0, 0, 1, 3, 2, 2, 1, 0]])
+    runs = {
+        scheduler: simulate(trace, Stack("t", scheduler, "lru", True, ""), COSTS, cache_ratio=1.0)
+        for scheduler in ("queue_aware", "all_cpu", "cached_on_accelerator")
+    }
+    assert all(r.cpu_busy == 0 for r in runs.values())
+    assert len({r.moe_time_s for r in runs.values()}) == 1
+
+
 def test_belady_starts_at_most_u_size_copies_a_step():
     info = LayerInfo(0, 8, 4, COSTS.expert.nbytes)
     future = [[1, 1, 1, 1, 1, 1, 0, 0]] * 4

@@ -23,6 +23,12 @@ class LayerInfo:
     num_slots: int
     expert_bytes: int
 
+    @property
+    def full(self) -> bool:
+        """A slot for every expert (a full budget): every step runs its experts from their slots, with nothing to
+        place or admit (`schedulers.place_step`; the captured step asks no placement either)."""
+        return self.num_slots >= self.num_experts
+
 
 @dataclass
 class Placement:

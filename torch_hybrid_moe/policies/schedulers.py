@@ -88,6 +88,17 @@ def _need_costs(name: str, costs: CostModel | None) -> CostModel:
     return costs
 
 
+def place_step(scheduler: Scheduler, info: LayerInfo, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
+    """The step's placement, as the live layer and the simulator take it: at a full budget every active expert
+    runs from its slot, without asking the scheduler. A cost-aware one would send some to an idle CPU, pricing the
+    GPU's share per expert, but the slot share runs as one grouped call and the CPU's carries copies and a round
+    trip it does not price: ours did so in prefill on an H200 and ran 4.6x slower than the default (RESULTS.md,
+    2026-11-27, midday)."""
+    if info.full:
+        return _plan(counts, resident, {e for e, c in enumerate(counts) if c and resident[e]})
+    return scheduler.place(counts, resident)
+
+
 @SCHEDULERS.register("cached_on_accelerator")
 class CachedOnAccelerator:
     """Experts already in a slot run on the accelerator, the rest on the CPU; nothing waits on a copy."""

@@ -126,7 +126,7 @@ class GraphPath:
         store = layer.store
         self.device = store.device
         self.num_experts, self.num_slots = store.num_experts, store.num_slots
-        self.full = self.num_slots >= self.num_experts  # every expert in a slot: no CPU task, nothing to admit
+        self.full = layer.info.full  # every expert in a slot: no CPU task, nothing to place or admit
         self.fills = min(layer.config.fills_per_step, self.num_slots)
         config = layer.config
         self.ranking: DeviceRanking = CACHE_POLICIES.tensor_form(config.cache_policy)(

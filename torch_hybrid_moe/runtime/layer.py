@@ -19,6 +19,7 @@ from ..ops.library import cpu_experts_into
 from ..ops.quantize import kernel_operands
 from ..policies import LayerInfo, Placement
 from ..policies.prefetching import Router
+from ..policies.schedulers import place_step
 from ..policies.streaming import plan_streaming
 from .costs import policy_context, streaming_costs
 from .expert_store import ExpertStore
@@ -217,7 +218,7 @@ class HybridMoELayer:
             raise ValueError(f"{self.name}: expert id {len(counts) - 1} >= num_experts {store.num_experts}")
         resident = store.resident()
         active = {e for e, c in enumerate(counts) if c}
-        plan = self.scheduler.place(counts, resident)
+        plan = place_step(self.scheduler, self.info, counts, resident)
         self._check_plan(plan, active, resident)
         for expert in plan.fetch:
             if not self._fill(expert, keep=set(plan.accelerator)):

@@ -36,6 +36,7 @@ from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement, Prefetcher
 from ..policies.prefetching import MissingRouter
 from ..policies.requests import RequestActivations
+from ..policies.schedulers import place_step
 from ..runtime.slot_map import SlotMap
 from ..traces import LayerTrace, Trace
 from .calibration import Calibration
@@ -395,7 +396,7 @@ class _Replay:
         self.request.record(idx, counts)
         if self.captured:
             self.now = max(self.now, *layer.ready)  # the graph's layer step waits for the layer's copies first
-            if layer.info.num_slots < layer.info.num_experts:
+            if not layer.info.full:
                 self._place_on_device(step_no, idx)
         self.link.now = self.now
         self.link.where = (step_no, idx)
@@ -439,7 +440,7 @@ class _Replay:
         """The scheduler's split, and the copies of the accelerator's experts not in a slot, queued at the layer's
         start: they run once copied."""
         began = time.perf_counter()
-        plan = layer.scheduler.place(counts, resident)
+        plan = place_step(layer.scheduler, layer.info, counts, resident)
         self.planning += time.perf_counter() - began
         for e in plan.fetch:
             if not layer.fill(e, keep=set(plan.accelerator)):
