@@ -236,24 +236,34 @@ def build(row: dict, config: DeepseekV2Config) -> torch.nn.Module:
 
 
 def record(config: DeepseekV2Config, prompt: torch.Tensor, tokens: int, path: Path) -> None:
-    """The routing every exact row's decode run follows, recorded on the unpatched model on the GPU."""
+    """The routing every exact row's decode run follows, recorded on the unpatched model (on the GPU, else the
+    CPU), with every row's gate input; the layers' routers go beside it (PATH's stem + `-routers`: config.json and
+    the gate weights), for `simulate --routers`: the random model is never saved, and the gate-based prefetchers
+    (DALI's, HybriMoE's) replay its routers on those inputs."""
+    from safetensors.torch import save_file
+
     from torch_hybrid_moe.traces import record_trace
 
-    model = random_model(config).cuda()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_model(config).to(device)
     with torch.no_grad():
-        # no gate inputs: the random model is not saved, so the simulator could not load its routers to use them
         name = f"deepseek-v2-lite-random-{config.num_hidden_layers}l"
-        trace = record_trace(model, [prompt[0]], tokens + 1, name, hidden_every=0)
+        trace = record_trace(model, [prompt[0].to(device)], tokens + 1, name, hidden_every=1)
     trace.save(path)
+    routers = path.with_name(path.stem + "-routers")
+    routers.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(routers / "config.json")
+    gates = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if n.endswith(".mlp.gate.weight")}
+    save_file(gates, routers / "routers.safetensors")
     del model
     release()
-    print(f"wrote {path}: {trace.tokens.numel()} token rows x {len(trace.layers)} MoE layers", flush=True)
+    print(f"wrote {path} ({device}): {trace.tokens.numel()} token rows x {len(trace.layers)} MoE layers; {routers}")
 
 
 def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandwidth: float, pcie: float) -> dict:
     model = build(row, config)
     patched = row["row"] not in ("accelerate", "gpu")
-    prompts = [prompt_ids(config, n) for n in args.prompt]
+    prompts = [prompt_ids(config, n).cuda() for n in args.prompt]
     short = prompts[0][:, :16]
     # Offloaded models are not auto-compiled by transformers: the others (patched, or all on the GPU) get the static
     # cache that compiles them.
@@ -303,8 +313,7 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
 
 def prompt_ids(config: DeepseekV2Config, n: int) -> torch.Tensor:
     """The first n tokens of one seeded random prompt: every row and prompt length starts alike."""
-    ids = torch.randint(3, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
-    return ids.cuda()
+    return torch.randint(3, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
 
 
 def label(row: dict) -> str:
@@ -396,7 +405,8 @@ def main() -> None:
         "--trace",
         type=Path,
         metavar="PATH",
-        help="first record the routing of the decode run (on the unpatched model) to PATH",
+        help="first record the routing of the decode run (on the unpatched model) to PATH, and its routers beside it "
+        "(without a GPU: only this, on the CPU)",
     )
     p.add_argument(
         "--cpu-threads",
@@ -413,13 +423,16 @@ def main() -> None:
     )
     args = p.parse_args()
     args.graph = [g == "on" for g in args.graph]
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_decode.py needs a CUDA GPU")
+    if not torch.cuda.is_available() and not args.trace:
+        raise SystemExit("gpu_decode.py needs a CUDA GPU (without one it only records --trace)")
     if min(args.prompt) < 16:
         raise SystemExit("--prompt lengths must be at least 16 (the decode run's prompt is the first 16 tokens)")
     config = lite_config(args.layers)
     if args.trace:
         record(config, prompt_ids(config, 16), args.tokens, args.trace)
+        if not torch.cuda.is_available():
+            print("no CUDA GPU: the trace only, no rows")
+            return
     bandwidth, pcie = host_bandwidth_gb_s(), pcie_gb_s()
     for row in rows_of(args):
         try:

@@ -13,7 +13,9 @@ import torch_hybrid_moe.embedded
 from torch_hybrid_moe import profiling
 from torch_hybrid_moe.cli import main
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
+from torch_hybrid_moe.embedded import resolve_model
 from torch_hybrid_moe.simulator.synthetic import synthetic_trace
+from torch_hybrid_moe.traces import Trace
 
 TRACE = Path(torch_hybrid_moe.embedded.__file__).parent / "traces" / "mixtral-tiny-heldout-at0.safetensors"
 
@@ -83,6 +85,9 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["simulate", "--trace", str(TRACE), "--cache-ratio", "nan"], "--cache-ratio: must be in [0.0, 1.0]"),
         (["simulate", "--trace", str(TRACE), "--plot-dir", "{json}"], "is not a writable directory"),
         (["simulate", "--trace", str(TRACE), "--dense-us", "-1"], "--dense-us: must be >= 0.0, got -1"),
+        (["simulate", "--trace", str(TRACE), "--routers", "{tmp}"], "prefetchers replay: model directory"),
+        (["simulate", "--trace", str(TRACE), "--stack", "lru"], "expected SCHEDULER,CACHE[,PREFETCHER]"),
+        (["simulate", "--trace", str(TRACE), "--stack", "dali_greedy,nope"], "unknown cache policy 'nope'"),
         (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
         (["trace", "--out", "{tmp}"], "is a directory; give a file name"),
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
@@ -117,6 +122,31 @@ def test_simulate_runs_every_stack_it_can_without_gate_inputs(tmp_path, capsys):
     assert all("gate inputs" in records[name]["skipped"] for name in skipped)
     assert all(records[name]["decode_tok_s"] > 0 for name in records.keys() - skipped)
     assert {"ours", "oracle", "ktransformers", "lru-cache"} <= records.keys() - skipped
+    one_line_error(capsys, ["simulate", "--trace", str(path), "--routers", str(tmp_path)], "records no gate inputs")
+
+
+def test_simulate_reads_the_routers_from_the_directory_given(tmp_path, capsys):
+    """A trace whose model was never saved (gpu_decode.py's random model) replays DALI's and HybriMoE's
+    prefetchers on the routers of `--routers`: the same figures as from the model the trace names, and without
+    the flag, one line saying where it looked. A live row's stack (`--stack`) replays beside them."""
+    trace = Trace.load(TRACE)
+    trace = trace.select(trace.sequence < 2)
+    named, unsaved = tmp_path / "named.safetensors", tmp_path / "unsaved.safetensors"
+    trace.save(named)
+    trace.meta["model"] = str(tmp_path / "never-saved")
+    trace.save(unsaved)
+    argv = ["--ours", "2,1,0.5,0", "--json"]
+    figures = []
+    for path, routers in ((named, []), (unsaved, ["--routers", str(resolve_model("mixtral-tiny"))])):
+        assert main(["simulate", "--trace", str(path), *argv, *routers]) == 0
+        records = {r["stack"]: r for r in json.loads(capsys.readouterr().out)}
+        figures.append({name: records[name]["decode_tok_s"] for name in ("dali", "hybrimoe")})
+    assert figures[0] == figures[1] and all(v > 0 for v in figures[0].values())
+    # a stack given by registry names plays as the named stack of the same names
+    assert main(["simulate", "--trace", str(named), *argv, "--stack", "cached_on_accelerator,lru"]) == 0
+    records = {r["stack"]: r for r in json.loads(capsys.readouterr().out)}
+    assert records["cached_on_accelerator+lru"]["decode_tok_s"] == records["lru-cache"]["decode_tok_s"] > 0
+    one_line_error(capsys, ["simulate", "--trace", str(unsaved), *argv], "never-saved")
 
 
 def synthetic_measurements(expert, tokens, placement_s=None):

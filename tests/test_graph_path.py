@@ -468,6 +468,39 @@ def test_full_budget_step_runs_every_expert_from_its_slot(reference_models, sche
 
 
 @needs_kernel
+def test_cpu_share_takes_only_its_rows_and_sums_as_over_all_rows(reference_models):
+    """The uncaptured step hands the CPU share only the tokens with a pair on the CPU (in a prefill the others
+    would cross to the host and back, and through the kernel, for nothing). The logits are bit for bit those of
+    the share over every row, and the reference's."""
+    ref = reference_models["deepseek_v2"]
+    x = torch.randint(3, 96, (2, 16))
+    rows: dict[bool, list[int]] = {True: [], False: []}
+
+    def logits(compact: bool) -> torch.Tensor:
+        model = thm.patch_model(copy.deepcopy(ref), expert_budget=0.5, device="cpu")
+        for layer in model_layers(model).values():
+            if not compact:
+                layer._cpu_rows = lambda hidden, ids, weights, cpu, layer=layer: (
+                    hidden.cpu(),
+                    layer._relabel(ids, {e: e for e in cpu}),
+                    weights,
+                    None,
+                )
+            share = layer._cpu_share
+            layer._cpu_share = lambda hidden, *args, share=share: (
+                rows[compact].append(len(hidden)) or share(hidden, *args)
+            )
+        with torch.no_grad():
+            return model(x).logits.double()
+
+    got, over_all = logits(True), logits(False)
+    assert torch.equal(got, over_all)
+    assert rows[False] and set(rows[False]) == {x.numel()} and min(rows[True]) < x.numel()
+    want = ref(x).logits.double()
+    assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@needs_kernel
 @pytest.mark.parametrize("prefetch_size, size", [(0, 2), (1, 1), (3, 3)])  # 0: the gate's default, 2 of top-4
 def test_replay_safe_prefetch_makes_the_python_prefetchers_choice(prefetch_size, size):
     """The gate prefetch as tensors: the experts GatePrefetch.select names (as many as prefetch_size asks)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from torch_hybrid_moe.cost_model import CostModel
     from torch_hybrid_moe.profiling import HardwareProfile
     from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.stacks import Stack
     from torch_hybrid_moe.traces import Trace
 
 T = TypeVar("T")
@@ -296,6 +297,21 @@ def _ours_spec(text: str) -> tuple[int, int, float, int]:
         raise argparse.ArgumentTypeError(f"expected W,U,DECAY,PREFETCH such as 4,1,0.5,0, got {text!r}") from None
 
 
+def _stack_spec(text: str) -> Stack:
+    """A stack of registry names, SCHEDULER,CACHE[,PREFETCHER], named by them: a live configuration (gpu_decode.py's
+    rows) replayed beside the papers' own stacks."""
+    from torch_hybrid_moe.policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
+    from torch_hybrid_moe.simulator.stacks import Stack
+
+    parts = text.split(",")
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"expected SCHEDULER,CACHE[,PREFETCHER] such as dali_greedy,lru, got {text!r}")
+    for registry, name in zip((SCHEDULERS, CACHE_POLICIES, PREFETCHERS), parts):
+        if name not in registry.names():
+            raise argparse.ArgumentTypeError(f"unknown {registry.kind} {name!r}; known: {', '.join(registry.names())}")
+    return Stack("+".join(parts), parts[0], parts[1], True, f"given by --stack {text}", *parts[2:])
+
+
 def simulate(args: argparse.Namespace) -> int:
     """Replay a trace through every policy stack on a hardware preset; one row per stack."""
     import json
@@ -314,7 +330,15 @@ def simulate(args: argparse.Namespace) -> int:
 
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
-    calibration = Calibration.from_trace(trace, held)
+    if args.routers and not all(layer.hidden.shape[0] for layer in trace.layers.values()):
+        raise InputError(
+            f"--routers: {args.trace} records no gate inputs, so no router is replayed; record a trace with them "
+            "(hybrid-moe trace --hidden-every N)"
+        )
+    try:
+        calibration = Calibration.from_trace(trace, held, args.routers)
+    except InputError as err:
+        raise InputError(f"the routers the gate prefetchers replay: {err} (--routers DIR reads another)") from None
     profile = None
     if args.profile:
         from torch_hybrid_moe.profiling import load_profile
@@ -342,7 +366,8 @@ def simulate(args: argparse.Namespace) -> int:
     limit, _ = bound(trace, costs, args.batch, args.cache_ratio, calibration)
     events: dict[str, list] = {}
     results, ran, skipped = [], [], {}
-    for stack in tqdm([*STACKS.values(), mine, ceiling, limit], desc="simulating", unit="stack", leave=False):
+    stacks = [*STACKS.values(), *args.stack, mine, ceiling, limit]
+    for stack in tqdm(stacks, desc="simulating", unit="stack", leave=False):
         if args.plot_dir:
             events[stack.name] = []
         try:
@@ -794,6 +819,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)
     s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")
     s.add_argument(
+        "--routers",
+        type=Path,
+        metavar="DIR",
+        help="a model directory (config.json, safetensors) to read the routers from, which the gate-based prefetchers "
+        "replay on the trace's gate inputs (default: the trace's model; a random model that was never saved leaves "
+        "one: gpu_decode.py --trace writes PATH's stem + '-routers')",
+    )
+    s.add_argument(
         "--plot-dir", type=_writable_dir, help="write timelines and cache-ratio sweeps here as PNGs (matplotlib)"
     )
     s.add_argument(
@@ -802,6 +835,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="W,U,DECAY,PREFETCH",
         help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
         "them on the calibration trace, e.g. 4,1,0.5,0",
+    )
+    s.add_argument(
+        "--stack",
+        type=_stack_spec,
+        action="append",
+        default=[],
+        metavar="SCHEDULER,CACHE[,PREFETCHER]",
+        help="also replay this stack of registry names (repeatable), e.g. a live row's: dali_greedy,lru",
     )
     s.add_argument("--json", action="store_true")
     c.add_argument(

@@ -229,11 +229,9 @@ class HybridMoELayer:
         # Host copies taken before the accelerator's work is queued (each waits for the queue): the CPU share
         # must not wait for the accelerator's.
         host_ids, host_weights = (topk_ids.cpu(), topk_weights.cpu()) if plan.cpu else (topk_ids, topk_weights)
-        host_hidden = hidden.cpu() if cpu else hidden
-
-        share = None
+        share = rows = None
         if cpu:
-            cpu_ids = self._relabel(host_ids, {e: e for e in cpu})
+            host_hidden, cpu_ids, cpu_weights, rows = self._cpu_rows(hidden, host_ids, host_weights, cpu)
         if cpu and (streamed or hidden.device.type == "cuda"):
             # The CPU share starts first, on a worker thread, so that it overlaps the Python that queues the
             # accelerator's share and the staging ring (the kernel runs without the GIL), one thread short
@@ -244,7 +242,7 @@ class HybridMoELayer:
             if cpu_kernel.best_isa() >= 0 and cpu_kernel.routed(host_hidden.shape[0]):
                 gate_up, gate_up_scale = kernel_operands(store.host_gate_up)
                 worker.submit(cpu_kernel.gemm_route, host_hidden, gate_up, gate_up_scale).result()
-            share = worker.submit(self._cpu_share, host_hidden, cpu_ids, host_weights)
+            share = worker.submit(self._cpu_share, host_hidden, cpu_ids, cpu_weights)
         try:
             with record_function("hybrid_moe::queue_accelerator"):
                 on_slots = sum(counts[e] for e in plan.accelerator)
@@ -257,8 +255,12 @@ class HybridMoELayer:
                 with record_function("hybrid_moe::wait_cpu_share"):
                     wait([share])
         if cpu:
-            out = share.result() if share is not None else self._cpu_share(host_hidden, cpu_ids, host_weights)
-            acc += out.to(acc.device, non_blocking=True)
+            out = share.result() if share is not None else self._cpu_share(host_hidden, cpu_ids, cpu_weights)
+            out = out.to(acc.device, non_blocking=True)
+            if rows is None:
+                acc += out
+            else:
+                acc[rows] += out  # one add to each of its rows, as `acc += out` made (the other rows added 0)
 
         s = self.counters
         s.accelerator_experts += len(plan.accelerator)
@@ -340,6 +342,21 @@ class HybridMoELayer:
                 acc, hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, rounded=store.rounds_inputs
             )
         return acc
+
+    def _cpu_rows(
+        self, hidden: torch.Tensor, host_ids: torch.Tensor, host_weights: torch.Tensor, cpu: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The CPU share's inputs on the host: hidden rows, ids (-1 for pairs computed elsewhere) and weights of
+        the tokens with a pair of `cpu`, and their row indices on hidden's device (None: every row has one). Only
+        those rows cross to the host and back, and the kernel passes over no others: it converts every row it is
+        given (a 4096-token batch cost ~20 ms more than its pairs on 2 cores; RESULTS.md, 2026-11-27, midday)."""
+        ids = self._relabel(host_ids, {e: e for e in cpu})
+        mine = (ids >= 0).any(1)
+        if bool(mine.all()):
+            return hidden.cpu(), ids, host_weights, None
+        rows = mine.nonzero().squeeze(1)
+        on_device = rows.to(hidden.device)
+        return hidden[on_device].cpu(), ids[rows], host_weights[rows], on_device
 
     def _cpu_share(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The fp32 sum of the pairs whose id is >= 0, computed from the host masters by the CPU kernel (on the

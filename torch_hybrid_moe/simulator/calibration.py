@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..errors import InputError
 from ..policies.prefetching import Router
 from ..traces import Trace
 
@@ -42,7 +43,7 @@ def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:
     directory = Path(resolve_model(str(model)))
     files = sorted(directory.glob("*.safetensors"))
     if not (directory / "config.json").exists() or not files:
-        raise ValueError(f"{model}: no model directory with config.json and safetensors weights to read routers from")
+        raise InputError(f"{model}: no model directory with config.json and safetensors weights to read routers from")
     config = json.loads((directory / "config.json").read_text())
     sigmoid = config["model_type"] in ("deepseek_v3",)
     tensors: dict[str, torch.Tensor] = {}
@@ -55,7 +56,7 @@ def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:
     for layer in layers:
         prefix = next((p.format(layer) for p in _ROUTER_KEYS if p.format(layer) + ".weight" in tensors), None)
         if prefix is None:
-            raise ValueError(f"{directory}: no router weight for layer {layer} (looked for {', '.join(_ROUTER_KEYS)})")
+            raise InputError(f"{directory}: no router weight for layer {layer} (looked for {', '.join(_ROUTER_KEYS)})")
         routers[layer] = Router(
             tensors[prefix + ".weight"],
             config["num_experts_per_tok"],
