@@ -13,6 +13,7 @@
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+rm -f "$out"/{machine,tests,main,prefill}.txt  # the steps add to their logs: a rerun into ./gpu-out starts afresh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/thm-cache}
 layers=${LAYERS:-8}
 common=(--layers "$layers" --graph on --tokens 32 --prompt 512 4096 --repeats 2 --json)

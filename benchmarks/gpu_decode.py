@@ -236,10 +236,11 @@ def build(row: dict, config: DeepseekV2Config) -> torch.nn.Module:
 
 
 def record(config: DeepseekV2Config, prompt: torch.Tensor, tokens: int, path: Path) -> None:
-    """The routing every exact row's decode run follows, recorded on the unpatched model (on the GPU, else the
-    CPU), with every row's gate input; the layers' routers go beside it (PATH's stem + `-routers`: config.json and
-    the gate weights), for `simulate --routers`: the random model is never saved, and the gate-based prefetchers
-    (DALI's, HybriMoE's) replay its routers on those inputs."""
+    """The routing every exact row's decode run follows, recorded on the unpatched model on the GPU (on the CPU
+    where there is none: bf16 rounds differently there and may flip a routing decision, so that trace stands in
+    for the GPU's), with every row's gate input. The layers' routers go beside it (PATH's stem + `-routers`:
+    config.json and the gate weights), for `simulate --routers`: the random model is never saved, and the
+    gate-based prefetchers (DALI's, HybriMoE's) replay its routers on those inputs."""
     from safetensors.torch import save_file
 
     from torch_hybrid_moe.traces import record_trace

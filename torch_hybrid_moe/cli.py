@@ -330,15 +330,17 @@ def simulate(args: argparse.Namespace) -> int:
 
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
-    if args.routers and not all(layer.hidden.shape[0] for layer in trace.layers.values()):
+    source, source_path = (held, args.calibration) if held is not None else (trace, args.trace)
+    if args.routers and not all(layer.hidden.shape[0] for layer in source.layers.values()):
         raise InputError(
-            f"--routers: {args.trace} records no gate inputs, so no router is replayed; record a trace with them "
+            f"--routers: {source_path} records no gate inputs, so no router is replayed; record a trace with them "
             "(hybrid-moe trace --hidden-every N)"
         )
     try:
         calibration = Calibration.from_trace(trace, held, args.routers)
     except InputError as err:
-        raise InputError(f"the routers the gate prefetchers replay: {err} (--routers DIR reads another)") from None
+        hint = "" if args.routers else " (--routers DIR reads another)"
+        raise InputError(f"the routers the gate prefetchers replay: {err}{hint}") from None
     profile = None
     if args.profile:
         from torch_hybrid_moe.profiling import load_profile
@@ -366,7 +368,7 @@ def simulate(args: argparse.Namespace) -> int:
     limit, _ = bound(trace, costs, args.batch, args.cache_ratio, calibration)
     events: dict[str, list] = {}
     results, ran, skipped = [], [], {}
-    stacks = [*STACKS.values(), *args.stack, mine, ceiling, limit]
+    stacks = [*STACKS.values(), *dict.fromkeys(args.stack), mine, ceiling, limit]  # a --stack given twice runs once
     for stack in tqdm(stacks, desc="simulating", unit="stack", leave=False):
         if args.plot_dir:
             events[stack.name] = []
@@ -842,7 +844,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="SCHEDULER,CACHE[,PREFETCHER]",
-        help="also replay this stack of registry names (repeatable), e.g. a live row's: dali_greedy,lru",
+        help="also replay this stack of registry names with their default options (repeatable), e.g. gpu_decode.py's "
+        "dali row: dali_greedy,lru",
     )
     s.add_argument("--json", action="store_true")
     c.add_argument(

@@ -90,7 +90,8 @@ def _need_costs(name: str, costs: CostModel | None) -> CostModel:
 
 def place_step(scheduler: Scheduler, info: LayerInfo, counts: Sequence[int], resident: Sequence[bool]) -> Placement:
     """The step's placement, as the live layer and the simulator take it: at a full budget every active expert
-    runs from its slot, without asking the scheduler. A cost-aware one would send some to an idle CPU, pricing the
+    runs from its slot (the store fills every slot when patching; one not in a slot would run on the CPU),
+    without asking the scheduler. A cost-aware one would send some to an idle CPU, pricing the
     GPU's share per expert, but the slot share runs as one grouped call and the CPU's carries copies and a round
     trip it does not price: ours did so in prefill on an H200 and ran 4.6x slower than the default (RESULTS.md,
     2026-11-27, midday)."""

@@ -223,9 +223,8 @@ class GraphPath:
         weights = topk_weights.flatten().float() * valid.flatten()
         scores = torch.zeros_like(counts).scatter_add_(0, expert.flatten(), weights)
         resident = self.expert_slot >= 0
-        # A full budget runs every expert from its slot, with no CPU task in the step (module docstring): a
-        # cost-aware form could send a resident expert to an idle CPU, but the task's host round trips cost more
-        # per layer than a decode step's few experts on the GPU (not measured alone; RESULTS.md, 2026-11-26).
+        # A full budget runs every expert from its slot, with no CPU task in the step: the rule of every step
+        # (`schedulers.place_step`), in tensor form.
         on_accelerator = (
             counts > 0
             if self.full

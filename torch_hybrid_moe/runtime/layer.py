@@ -349,7 +349,9 @@ class HybridMoELayer:
         """The CPU share's inputs on the host: hidden rows, ids (-1 for pairs computed elsewhere) and weights of
         the tokens with a pair of `cpu`, and their row indices on hidden's device (None: every row has one). Only
         those rows cross to the host and back, and the kernel passes over no others: it converts every row it is
-        given (a 4096-token batch cost ~20 ms more than its pairs on 2 cores; RESULTS.md, 2026-11-27, midday)."""
+        given (a 4096-token batch cost ~20 ms more than its pairs on 2 cores; RESULTS.md, 2026-11-27, midday).
+        Each CPU expert keeps its tokens, so its sums are bit for bit the same: a batch under the least GEMM
+        threshold takes the micro-kernels, which no expert of so few tokens leaves in a larger batch either."""
         ids = self._relabel(host_ids, {e: e for e in cpu})
         mine = (ids >= 0).any(1)
         if bool(mine.all()):
