@@ -87,6 +87,8 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["simulate", "--trace", str(TRACE), "--dense-us", "-1"], "--dense-us: must be >= 0.0, got -1"),
         (["simulate", "--trace", str(TRACE), "--routers", "{tmp}"], "prefetchers replay: model directory"),
         (["simulate", "--trace", str(TRACE), "--stack", "lru"], "expected SCHEDULER,CACHE[,PREFETCHER]"),
+        (["simulate", "--trace", str(TRACE), "--cpu-task-us", "30"], "price the captured decode step: add --graph"),
+        (["simulate", "--trace", str(TRACE), "--graph", "--graph-fill-us", "-2"], "--graph-fill-us: must be >= 0.0"),
         (["simulate", "--trace", str(TRACE), "--stack", "dali_greedy,nope"], "unknown cache policy 'nope'"),
         (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
         (["trace", "--out", "{tmp}"], "is a directory; give a file name"),

@@ -615,6 +615,25 @@ def test_graph_step_in_closed_form_charges_placement_and_ends_with_its_fills():
     assert not oracle.capturable and not simulate(trace, oracle, COSTS, cache_ratio=0.5, graph=graph).captured
 
 
+def test_graph_step_prices_its_own_copies_and_the_cpu_task_round_trip():
+    """The closed form above with the two costs the graph adds, as graph_costs.py times them: the decode step's
+    CPU share starts after the task's round trip, and its fill takes the row-copy kernel's time; the prefill's
+    copy (uncaptured: the copy engine's) and the prefill itself are unchanged, and a full budget pays neither."""
+    from torch_hybrid_moe.simulator.replay import GraphStep
+
+    trace = tiny_trace([[2], [3]])
+    fill, task = 3 * COSTS.t_transfer(), 40e-6
+    graph = GraphStep(fill_s=fill, cpu_task_s=task)
+    r = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5, graph=graph)
+    t0 = COSTS.t_dense(1) + COSTS.t_cpu(1)
+    copied = t0 + COSTS.t_transfer()  # the prefill's admission of expert 2, by the copy engine
+    end = max(t0 + COSTS.t_dense(1), copied) + task + COSTS.t_cpu(1)
+    assert r.decode_tok_s == pytest.approx(1 / (end + fill - t0))
+    assert r.prefill_tok_s == pytest.approx(1 / t0)
+    full = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0, graph=graph)
+    assert full.decode_tok_s == pytest.approx(simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0).decode_tok_s)
+
+
 def test_graph_step_caps_fills_and_starts_the_gpu_share_after_its_fetches():
     """On a real-model trace: uncaptured, LRU admits several experts in some layer steps, and a fetching scheduler's
     cached experts start before its fetches land; in the decode steps the graph runs, neither happens."""

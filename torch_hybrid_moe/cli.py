@@ -328,6 +328,8 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.simulator.tuning import judged_rank, oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
 
+    if not args.graph and (args.graph_fill_us is not None or args.cpu_task_us is not None):
+        raise InputError("--graph-fill-us and --cpu-task-us price the captured decode step: add --graph")
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
     source, source_path = (held, args.calibration) if held is not None else (trace, args.trace)
@@ -356,7 +358,15 @@ def simulate(args: argparse.Namespace) -> int:
     if args.dense_us is not None:
         costs = replace(costs, dense_us=args.dense_us)
     placement = profile.measured.placement_s if profile is not None else None
-    graph = GraphStep(placement_s=placement or {}) if args.graph else None
+    graph = (
+        GraphStep(
+            placement_s=placement or {},
+            fill_s=None if args.graph_fill_us is None else args.graph_fill_us * 1e-6,
+            cpu_task_s=(args.cpu_task_us or 0.0) * 1e-6,
+        )
+        if args.graph
+        else None
+    )
     ranked = None  # where a calibration trace tuned ours: its pick's rank on this trace among the candidates
     if args.ours:
         mine = ours(*args.ours)
@@ -817,6 +827,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "step's end, each layer's GPU share after its fetches, the schedulers' placement at the profile's measured "
         "device time",
     )
+    for flag, what in (
+        ("--graph-fill-us", "an expert's copy inside the graph (default: the profile's copy-engine transfer)"),
+        ("--cpu-task-us", "the CPU task's host round trip, paid by every layer step at a partial budget (default 0)"),
+    ):
+        s.add_argument(
+            flag,
+            type=_bounded(float, 0.0),
+            metavar="US",
+            help=f"with --graph: microseconds of {what}, as benchmarks/graph_costs.py times them on the GPU machine",
+        )
     s.add_argument("--batch", type=_bounded(int, 1), default=1)
     s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)
     s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")

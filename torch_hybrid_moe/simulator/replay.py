@@ -102,11 +102,18 @@ class GraphStep:
     - a layer step first waits for its own copies in flight (prefetches), then the scheduler's tensor form runs
       before either share starts, costing `placement_s[scheduler]` seconds (`profiling.measure_placement`, on one
       64-expert layer step at batch 1, charged at every size and batch; a scheduler not in it costs nothing), except
-      at a full budget, where the graph does not ask it.
-    Prefill steps run uncaptured, as the replay plays them otherwise."""
+      at a full budget, where the graph does not ask it;
+    - its copies (fills, fetches, prefetches) are the row-copy kernel's, `fill_s` seconds an expert (None: the
+      profile's copy-engine transfer time);
+    - at a partial budget every layer step launches the CPU task, whose host round trip costs `cpu_task_s`
+      before the CPU's share starts, whether or not it has experts to compute.
+    `benchmarks/graph_costs.py` times both on a GPU. Prefill steps run uncaptured, as the replay plays them
+    otherwise."""
 
     fills_per_step: int = HybridMoEConfig.fills_per_step  # the live default
     placement_s: dict[str, float] = field(default_factory=dict)
+    fill_s: float | None = None
+    cpu_task_s: float = 0.0
 
 
 def step_rows(trace: Trace, batch: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -144,13 +151,14 @@ class _Link:
         self.now = 0.0
         self.free_at = 0.0
         self.copies = 0
+        self.copy_s: float | None = None  # seconds a copy takes where not the profile's transfer (GraphStep.fill_s)
         self.events = events
         self.where = (0, 0)  # (step, layer) the next copies belong to, for events
 
     def copy(self, start: float, kind: str = "fetch", expert: int = -1) -> float:
         """Queue one expert copy no earlier than `start`; returns when it completes."""
         begin = max(start, self.free_at)
-        self.free_at = begin + self.costs.t_transfer()
+        self.free_at = begin + (self.costs.t_transfer() if self.copy_s is None else self.copy_s)
         self.copies += 1
         if self.events is not None:
             self.events.append(Event(*self.where, "pcie", kind, expert, begin, self.free_at))
@@ -362,6 +370,7 @@ class _Replay:
         """One forward step through every layer, its time and tokens booked to prefill or decode (the two rates)."""
         step_start = self.now
         self.captured = self.graph is not None and not prefill
+        self.link.copy_s = self.graph.fill_s if self.graph is not None and self.captured else None
         if prefill:
             self.request.begin()
         self.pending = 0.0
@@ -404,7 +413,8 @@ class _Replay:
         plan = self._schedule(layer, counts, resident)
         if idx in self.following:
             self._prefetch_next(step_no, idx, rows)
-        cpu_start = max(self.now, self.cpu_free)
+        task = self.graph.cpu_task_s if self.graph is not None and self.captured and not layer.info.full else 0.0
+        cpu_start = max(self.now, self.cpu_free) + task  # the graph's CPU task round trip first
         cpu_time, deferred_time = self._cpu_share(step_no, idx, plan.cpu, counts, later, cpu_start)
         after = max((layer.ready[e] for e in plan.fetch), default=self.now) if self.captured else self.now
         gpu_end = self._gpu_share(step_no, idx, layer, plan.accelerator, counts, after)
