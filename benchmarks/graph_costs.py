@@ -1,0 +1,103 @@
+"""Two costs of the captured decode step that the cost profile does not take, timed on this GPU (issue 18, item 5:
+the simulator over-predicts every hybrid stack, more the more it copies; benchmarks/RESULTS.md, 2026-11-27):
+
+- a slot fill as the graph makes it: the row-copy kernel reading the expert's pinned host master through its
+  device-mapped address (ops/row_copy.py), beside the copy engine's transfer of the same bytes (a cudaMemcpy from
+  pinned memory: what the profile's `transfer_s` times);
+- a layer step's CPU task round trip: the submit and sync host functions (ops/csrc/host_bridge.cpp) around a
+  share with nothing to compute, and around one expert for one token.
+
+Each is captured in one CUDA graph, --experts experts or --experts round trips in turn; medians of --repeats
+replays. DeepSeek-V2-Lite's expert shape, bf16.
+
+    python benchmarks/graph_costs.py [--experts 16] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES
+from torch_hybrid_moe.ops.kernel_build import extension
+from torch_hybrid_moe.ops.row_copy import copy_rows_, device_view
+from torch_hybrid_moe.profiling import captured
+
+
+def replay_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Median seconds of one replay of `run` captured as a CUDA graph (CUDA events)."""
+    graph = captured(run)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("graph_costs.py needs a CUDA GPU")
+    ext = extension()
+    if ext is None:
+        raise SystemExit("graph_costs.py needs the C++ CPU kernel, which could not be built here")
+    shape = EXPERT_SHAPES["deepseek-v2-lite"]
+    n, h, i = args.experts, shape.hidden, shape.inter
+    cuda = torch.device("cuda", 0)
+    host = [torch.randn(n, *rows, dtype=torch.bfloat16).pin_memory() for rows in ((2 * i, h), (h, i))]
+    slots = [torch.empty_like(t, device=cuda) for t in host]
+    mapped = [device_view(t, cuda) for t in host]
+    ids = torch.arange(n, device=cuda)
+
+    def fills() -> None:
+        for dst, src in zip(slots, mapped):
+            copy_rows_(dst, ids, src, ids)
+
+    def memcpys() -> None:
+        for e in range(n):
+            for dst, src in zip(slots, host):
+                dst[e].copy_(src[e], non_blocking=True)
+
+    nbytes = sum(t[0].numel() * t.element_size() for t in host)
+    torch.cuda.synchronize()
+    print(f"{torch.cuda.get_device_name(0)}; one expert {nbytes / 2**20:.1f} MiB (deepseek-v2-lite, bf16), {n} a graph")
+    ways = (("row-copy kernel (the graph's fills)", fills), ("copy engine (the profile's transfer)", memcpys))
+    for name, run in ways:
+        s = replay_seconds(run, args.repeats) / n
+        print(f"{name:38s} {s * 1e6:8.1f} us an expert  {nbytes / s / 1e9:6.1f} GB/s")
+    assert torch.equal(slots[0].cpu(), host[0]) and torch.equal(slots[1].cpu(), host[1])
+
+    threads = torch.get_num_threads()
+    for pairs, label in ((0, "nothing to compute"), (1, "one expert, one token")):
+        hidden = torch.randn(1, h, dtype=torch.bfloat16).pin_memory()
+        routed = torch.full((1, 6), -1, dtype=torch.int64).pin_memory()
+        routed[0, :pairs] = 0
+        weights = torch.ones(1, 6).pin_memory()
+        out = torch.zeros(1, h).pin_memory()
+        task = ext.CpuTask(hidden, routed, weights, host[0], None, host[1], None, out, threads)
+
+        def round_trips(task: object = task) -> None:  # on the capturing stream, as graph_path launches them
+            for _ in range(n):
+                stream = torch.cuda.current_stream(cuda).cuda_stream
+                task.launch_submit(stream)  # type: ignore[attr-defined]
+                task.launch_sync(stream)  # type: ignore[attr-defined]
+
+        s = replay_seconds(round_trips, args.repeats) / n
+        print(f"CPU task round trip, {label:22s} {s * 1e6:8.1f} us ({threads} threads)")
+        if error := ext.take_task_error():
+            raise SystemExit(f"the CPU task failed: {error}")
+
+
+if __name__ == "__main__":
+    main()
