@@ -6,10 +6,10 @@
 # budget 0.25 (the host time split by the dispatch's named ranges), then the paper stacks' live rows.
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-out: eight files, the most the device tool
 # brings back. The default limits add up to 580 s, inside one 600-second device call; a limit of 0 skips its
-# step, to leave time for a second call (on an H200, 2026-11-27: the tests 197 s, the three paper rows ~130 s;
-# on an H100 the decode rows ~180 s, the profiled prefill rows ~80 s).
+# step, to leave time for a second call (on an H200, 2026-11-27: the tests 197 s, the three paper rows ~130 s, so
+# 60 s gets one; on an H100 the decode rows ~180 s, the profiled prefill rows ~80 s).
 #
-#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=220 MAIN_S=200 GRAPH_S=20 PREFILL_S=70 PAPERS_S=70
+#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=220 MAIN_S=200 GRAPH_S=20 PREFILL_S=80 PAPERS_S=60
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -39,8 +39,8 @@ step "${MAIN_S:-200}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
 step "${GRAPH_S:-20}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
-step "${PREFILL_S:-70}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
+step "${PREFILL_S:-80}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
     --prompt 512 4096 --repeats 1 --rows hybrid ours --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
-step "${PAPERS_S:-70}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
+step "${PAPERS_S:-60}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn

@@ -105,8 +105,9 @@ class GraphStep:
       at a full budget, where the graph does not ask it;
     - its copies (fills, fetches, prefetches) are the row-copy kernel's, `fill_s` seconds an expert (None: the
       profile's copy-engine transfer time);
-    - at a partial budget every layer step launches the CPU task, whose host round trip costs `cpu_task_s`
-      before the CPU's share starts, whether or not it has experts to compute.
+    - at a partial budget every layer step launches the CPU task, whose host functions (submit, then sync) hold
+      the layer's stream for `cpu_task_s` in all, whether or not it has experts to compute (a step split in two
+      halves, Expert Deferral's or DAOP's, launches two live; charged once here).
     `benchmarks/graph_costs.py` times both on a GPU. Prefill steps run uncaptured, as the replay plays them
     otherwise."""
 
@@ -413,13 +414,14 @@ class _Replay:
         plan = self._schedule(layer, counts, resident)
         if idx in self.following:
             self._prefetch_next(step_no, idx, rows)
-        task = self.graph.cpu_task_s if self.graph is not None and self.captured and not layer.info.full else 0.0
-        cpu_start = max(self.now, self.cpu_free) + task  # the graph's CPU task round trip first
+        cpu_start = max(self.now, self.cpu_free)
         cpu_time, deferred_time = self._cpu_share(step_no, idx, plan.cpu, counts, later, cpu_start)
         after = max((layer.ready[e] for e in plan.fetch), default=self.now) if self.captured else self.now
         gpu_end = self._gpu_share(step_no, idx, layer, plan.accelerator, counts, after)
         self.cpu_busy += cpu_time + deferred_time
         end = max(cpu_start + cpu_time, gpu_end, self.pending)
+        if self.graph is not None and self.captured and not layer.info.full:
+            end += self.graph.cpu_task_s  # the CPU task's host functions hold the layer's stream
         self.cpu_free = cpu_start + cpu_time + deferred_time
         self.pending = self.cpu_free if deferred_time else 0.0
         active = [e for e, c in enumerate(counts) if c]
