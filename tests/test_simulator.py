@@ -632,6 +632,9 @@ def test_graph_step_prices_its_own_copies_and_the_cpu_task_round_trip():
     assert r.prefill_tok_s == pytest.approx(1 / t0)
     full = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0, graph=graph)
     assert full.decode_tok_s == pytest.approx(simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0).decode_tok_s)
+    # a decode step with nothing for the CPU still launches the task (expert 1 sits in a slot)
+    cached = simulate(tiny_trace([[0], [1]]), STACKS["lru-cache"], COSTS, cache_ratio=0.5, graph=graph)
+    assert cached.decode_tok_s == pytest.approx(1 / (COSTS.t_dense(1) + COSTS.t_gpu(1) + task))
 
 
 def test_graph_step_caps_fills_and_starts_the_gpu_share_after_its_fetches():
