@@ -333,7 +333,7 @@ def simulate(args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
     source, source_path = (held, args.calibration) if held is not None else (trace, args.trace)
-    if args.routers and not all(layer.hidden.shape[0] for layer in source.layers.values()):
+    if args.routers and not source.gate_inputs:
         raise InputError(
             f"--routers: {source_path} records no gate inputs, so no router is replayed; record a trace with them "
             "(hybrid-moe trace --hidden-every N)"

@@ -50,6 +50,11 @@ class Trace:
     position: torch.Tensor
     layers: dict[int, LayerTrace] = field(default_factory=dict)
 
+    @property
+    def gate_inputs(self) -> bool:
+        """Whether every layer recorded gate inputs, which the router-replaying prefetchers need."""
+        return all(layer.hidden.shape[0] for layer in self.layers.values())
+
     def save(self, path: str | Path) -> None:
         tensors = {"tokens": self.tokens, "sequence": self.sequence, "step": self.step, "position": self.position}
         for idx, layer in self.layers.items():

@@ -86,15 +86,14 @@ class Calibration:
         source = calibration or trace
         if source.meta["num_experts"] != trace.meta["num_experts"] or source.meta["layers"] != trace.meta["layers"]:
             raise ValueError("the calibration trace must come from the same model as the trace it calibrates for")
-        gate_inputs = all(layer.hidden.shape[0] for layer in source.layers.values())
         return cls.learn(
-            source, load_routers(model or trace.meta["model"], trace.meta["layers"]) if gate_inputs else {}
+            source, load_routers(model or trace.meta["model"], trace.meta["layers"]) if source.gate_inputs else {}
         )
 
     @classmethod
     def learn(cls, source: Trace, routers: dict[int, Router]) -> Calibration:
         """Everything but the routers (which are the model's weights, not learnt) from the trace `source`."""
-        gate_inputs = bool(routers) and all(layer.hidden.shape[0] for layer in source.layers.values())
+        gate_inputs = bool(routers) and source.gate_inputs
         residuals = residual_vectors(source) if gate_inputs else {}
         num_experts = source.meta["num_experts"]
         popularity = {

@@ -83,7 +83,7 @@ def tune(
     """Our most consistently fast decode on `trace`, which should not be the trace the result is then judged
     on: every window and other cache without prefetch, then the best `FINALISTS` with each prefetch size (only
     where the trace kept gate inputs). Returns the winner and every (candidate, results on each half)."""
-    gate_inputs = bool(calibration.routers) and all(t.hidden.shape[0] for t in trace.layers.values())
+    gate_inputs = bool(calibration.routers) and trace.gate_inputs
     halves = decode_halves(trace)
     folds = [(half, Calibration.learn(other, calibration.routers)) for half, other in zip(halves, reversed(halves))]
     tried: list[tuple[Stack, list[SimResult]]] = []
