@@ -167,6 +167,16 @@ def test_quantised_group_sizes_and_steps_with_tails(fmt, isa, group):
     check_against_float64(fmt, operands, weights64, 3, isa)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("group", [32, 96])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_quantised_odd_block_counts(fmt, isa, group, tokens):
+    """288 and 96 columns: 9 and 3 blocks, so int4's pairs of blocks end on an unpaired block, and with groups of 3
+    blocks a pair straddles two groups."""
+    operands, weights64 = experts(fmt, 8, 288, 96, group=group)
+    check_against_float64(fmt, operands, weights64, tokens, isa)
+
+
 def test_measured_route_is_one_of_the_routes():
     operands, weights64 = experts("bfloat16", 8, 64, 96)
     route = cpu_kernel.gemm_route(torch.zeros(70, 64, dtype=torch.bfloat16), operands[0], None)

@@ -304,60 +304,72 @@ void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
 }
 
 // int4: two blocks per step. 32 packed bytes give their low nibbles (the even columns of both blocks) and high
-// nibbles (the odd columns); the products' int32 lanes 0-3 then belong to the first block and 4-7 to the
-// second, which carry their own scales. Scales are applied per span: one group of an even number of blocks, or
-// (an odd number, where a pair may straddle two groups) one pair, each half of the lanes with its block's group.
+// nibbles (the odd columns); the products' int32 lanes 0-3 then belong to the first block and 4-7 to the second.
+// Each lane is scaled by its block's activation scale less its share of 8 x the block's activation sum (the
+// weights are stored as q + 8), then by its row's group scale, into one accumulator per row. The groups are
+// counted, not divided for: an integer division per row and step cost more than the step's products, and a
+// pass per group kept the accumulators in memory (one-off perf annotation, AVX2 EPYC).
+inline __m256 step_lanes(float first, float second) {  // lanes 0-3: first, lanes 4-7: second
+  return _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first));
+}
+
+// The paired blocks [0, paired) into acc. OneGroup: both blocks of every step share a group (an even number of
+// blocks a group), so a row's scale is one broadcast.
+template <int NT, bool OneGroup>
+void i4_pairs(const QuantOperands<NT>& w, int64_t paired, int64_t per_group, __m256 (&acc)[kRows][NT]) {
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  int64_t group = 0, into = 0;  // block b's group, and b's place in it
+  for (int64_t b = 0; b < paired; b += 2) {
+    for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(w.next + b / 2 * kRows * 32 + o);
+    const int64_t second = into + 1 == per_group ? group + 1 : group;  // block b + 1's group
+    __m256i even[NT], odd[NT];  // a pair's record: the even columns of both blocks, then their odd columns
+    __m256 x_scale[NT], x_offset[NT];
+    for (int t = 0; t < NT; ++t) {
+      even[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b));
+      odd[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b + 32));
+      x_scale[t] = step_lanes(w.x[t].scale[b], w.x[t].scale[b + 1]);
+      x_offset[t] = step_lanes(-2.f * w.x[t].sum[b], -2.f * w.x[t].sum[b + 1]);  // -8 x sum over a block's 4 lanes
+    }
+    for (int i = 0; i < kRows; ++i) {
+      const __m256 s =
+          OneGroup ? _mm256_broadcast_ss(w.scales[i] + group) : step_lanes(w.scales[i][group], w.scales[i][second]);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 16 * b));
+      const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      for (int t = 0; t < NT; ++t) {  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
+        const __m256i d = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t])), ones);
+        acc[i][t] = _mm256_fmadd_ps(s, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), x_scale[t], x_offset[t]), acc[i][t]);
+      }
+    }
+    for (into += 2; into >= per_group; into -= per_group) ++group;
+  }
+}
+
 template <int NT>
 void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
   const QuantOperands<NT> w(m, r0, nr, next, xs);
-  const int64_t blocks = m.K / 32, per_group = m.group / 32, span = per_group % 2 ? 2 : per_group;
-  const __m256i nibble = _mm256_set1_epi8(15);
-  __m256 acc[kRows][NT], part[kRows][NT];
-  float offset[kRows][NT] = {};
+  const int64_t blocks = m.K / 32, paired = blocks / 2 * 2, per_group = m.group / 32;
+  __m256 acc[kRows][NT];
   zero(acc);
-  for (int64_t s0 = 0; s0 < blocks; s0 += span) {
-    float sum_lo[NT] = {}, sum_hi[NT] = {};
-    zero(part);
-    for (int64_t b = s0; b < std::min(blocks, s0 + span); b += 2) {
-      for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(w.next + b / 2 * kRows * 32 + o);
-      const bool paired = b + 1 < blocks;  // else an unpaired last block (groups of 32, an odd block count)
-      __m256i even[NT], odd[NT];
-      __m256 xs_b[NT], xs_odd[NT];
-      w.block(b, even, xs_b);  // a pair's record: the even columns of both blocks, then their odd columns
-      if (paired) w.block(b + 1, odd, xs_odd);
-      for (int t = 0; t < NT; ++t) {
-        sum_lo[t] += w.x[t].sum[b];
-        if (paired) {
-          sum_hi[t] += w.x[t].sum[b + 1];
-          xs_b[t] = _mm256_blend_ps(xs_b[t], xs_odd[t], 0xF0);  // lanes 4-7: the second block's scale
-        }
-      }
+  if (per_group % 2 == 0)
+    i4_pairs<NT, true>(w, paired, per_group, acc);
+  else
+    i4_pairs<NT, false>(w, paired, per_group, acc);
+  if (paired < blocks) {  // an unpaired last block (groups of 32, an odd block count): all 8 lanes are its own
+    const int64_t b = paired;
+    for (int t = 0; t < NT; ++t) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b));
+      const __m256 x_scale = _mm256_set1_ps(w.x[t].scale[b]), x_offset = _mm256_set1_ps(-w.x[t].sum[b]);
       for (int i = 0; i < kRows; ++i) {
-        if (paired) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 16 * b));
-          const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          for (int t = 0; t < NT; ++t)  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
-            part[i][t] =
-                add_products(_mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t])),
-                             xs_b[t], part[i][t]);
-        } else {
-          const __m256i q = load_block<Fmt::I4>(w.rows[i], b);
-          for (int t = 0; t < NT; ++t) part[i][t] = add_products(_mm256_maddubs_epi16(q, even[t]), xs_b[t], part[i][t]);
-        }
-      }
-    }
-    const int64_t second = std::min(s0 + 1, blocks - 1);  // the block whose scale the upper lanes take
-    for (int i = 0; i < kRows; ++i) {
-      const float lo = w.scales[i][s0 / per_group], hi = w.scales[i][second / per_group];
-      const __m256 s = _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo));
-      for (int t = 0; t < NT; ++t) {
-        acc[i][t] = _mm256_fmadd_ps(part[i][t], s, acc[i][t]);
-        offset[i][t] += lo * sum_lo[t] + hi * sum_hi[t];
+        const __m256i d =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(load_block<Fmt::I4>(w.rows[i], b), x), _mm256_set1_epi16(1));
+        acc[i][t] = _mm256_fmadd_ps(_mm256_set1_ps(w.scales[i][b / per_group]),
+                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), x_scale, x_offset), acc[i][t]);
       }
     }
   }
   for (int t = 0; t < NT; ++t)
-    for (int i = 0; i < nr; ++i) res[t * kRows + i] = hsum8(acc[i][t]) - 8.f * offset[i][t];
+    for (int i = 0; i < nr; ++i) res[t * kRows + i] = hsum8(acc[i][t]);
 }
 
 template <Fmt F, int NT>
