@@ -811,8 +811,12 @@ def test_replay_safe_path_fills_slots_from_quantised_masters(fmt):
             results.append([model(torch.randint(3, 96, (2, 6))).logits for _ in range(4)])
         if graph:
             assert sum(s.bytes_transferred for s in thm.stats(model).values()) > 0  # slots were refilled
+    # The two paths sum expert outputs in different orders (~4e-7 apart). int8 / int4 CPU experts round their inputs
+    # to int8 per 32 columns, where such a difference can move a value to the neighbouring step: ~5e-4 of the
+    # logits here. A slot filled from a master misread (scales, nibble order) moves them by far more.
+    bound = 1e-5 if fmt == "bfloat16" else 2e-3
     for on, off in zip(*results):
-        assert ((on - off).abs().max() / off.abs().max()) < 1e-5
+        assert ((on - off).abs().max() / off.abs().max()) < bound
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
