@@ -122,8 +122,8 @@ void rows_dot(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const vo
 }
 
 // The same for int8 / int4 weights and quantised activation records (QuantRecord): integer products summed
-// exactly per 32-column block, then scaled by the activation block's scale, and per group by the weight's.
-// int4 multiplies the stored q + 8 and takes 8 * sum(activations) off once per group.
+// exactly per 32-column block, then scaled by the activation block's scale and by the weight's group scale.
+// int4 multiplies the stored q + 8 and takes 8 * sum(activations) off again per block.
 #if HMOE_LEVEL >= 1
 // One call's operands: kRows weight rows and their group scales, NT activation records.
 template <int NT>
@@ -306,18 +306,24 @@ void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
 // int4: two blocks per step. 32 packed bytes give their low nibbles (the even columns of both blocks) and high
 // nibbles (the odd columns); the products' int32 lanes 0-3 then belong to the first block and 4-7 to the second.
 // Each lane is scaled by its block's activation scale less its share of 8 x the block's activation sum (the
-// weights are stored as q + 8), then by its row's group scale, into one accumulator per row. The groups are
-// counted, not divided for: an integer division per row and step cost more than the step's products, and a
-// pass per group kept the accumulators in memory (one-off perf annotation, AVX2 EPYC).
+// weights are stored as q + 8), then by its row's group scale, into one accumulator per row that stays in a
+// register, and groups are counted, not divided for: a pass per group and a division per step had made this
+// level's int4 compute-bound below the read (benchmarks/RESULTS.md, 2026-11-27 afternoon).
 inline __m256 step_lanes(float first, float second) {  // lanes 0-3: first, lanes 4-7: second
   return _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first));
+}
+
+// acc + s * (x_scale * (int16 pair products summed in pairs) + x_offset): one step of one row and token.
+inline __m256 add_step(__m256 s, __m256i pairs, __m256 x_scale, __m256 x_offset, __m256 acc) {
+  const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_fmadd_ps(s, _mm256_fmadd_ps(d, x_scale, x_offset), acc);
 }
 
 // The paired blocks [0, paired) into acc. OneGroup: both blocks of every step share a group (an even number of
 // blocks a group), so a row's scale is one broadcast.
 template <int NT, bool OneGroup>
 void i4_pairs(const QuantOperands<NT>& w, int64_t paired, int64_t per_group, __m256 (&acc)[kRows][NT]) {
-  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(15);
   int64_t group = 0, into = 0;  // block b's group, and b's place in it
   for (int64_t b = 0; b < paired; b += 2) {
     for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(w.next + b / 2 * kRows * 32 + o);
@@ -335,11 +341,9 @@ void i4_pairs(const QuantOperands<NT>& w, int64_t paired, int64_t per_group, __m
           OneGroup ? _mm256_broadcast_ss(w.scales[i] + group) : step_lanes(w.scales[i][group], w.scales[i][second]);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 16 * b));
       const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      for (int t = 0; t < NT; ++t) {  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
-        const __m256i d = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t])), ones);
-        acc[i][t] = _mm256_fmadd_ps(s, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), x_scale[t], x_offset[t]), acc[i][t]);
-      }
+      for (int t = 0; t < NT; ++t)  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
+        acc[i][t] = add_step(s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t])),
+                             x_scale[t], x_offset[t], acc[i][t]);
     }
     for (into += 2; into >= per_group; into -= per_group) ++group;
   }
@@ -355,17 +359,14 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
     i4_pairs<NT, true>(w, paired, per_group, acc);
   else
     i4_pairs<NT, false>(w, paired, per_group, acc);
-  if (paired < blocks) {  // an unpaired last block (groups of 32, an odd block count): all 8 lanes are its own
+  if (paired < blocks) {  // an odd block count leaves the last block unpaired: all 8 lanes are its own
     const int64_t b = paired;
     for (int t = 0; t < NT; ++t) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b));
       const __m256 x_scale = _mm256_set1_ps(w.x[t].scale[b]), x_offset = _mm256_set1_ps(-w.x[t].sum[b]);
-      for (int i = 0; i < kRows; ++i) {
-        const __m256i d =
-            _mm256_madd_epi16(_mm256_maddubs_epi16(load_block<Fmt::I4>(w.rows[i], b), x), _mm256_set1_epi16(1));
-        acc[i][t] = _mm256_fmadd_ps(_mm256_set1_ps(w.scales[i][b / per_group]),
-                                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), x_scale, x_offset), acc[i][t]);
-      }
+      for (int i = 0; i < kRows; ++i)
+        acc[i][t] = add_step(_mm256_set1_ps(w.scales[i][b / per_group]),
+                             _mm256_maddubs_epi16(load_block<Fmt::I4>(w.rows[i], b), x), x_scale, x_offset, acc[i][t]);
     }
   }
   for (int t = 0; t < NT; ++t)
