@@ -257,10 +257,12 @@ void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
 }
 
 // Where column c of a K-column activation row sits in the layout format f's kernels read (see pairs_layout).
+// step (a level's kStep) is a power of two: masks, not divisions by a run-time value, which at one per element cost
+// more than a decode call's kernel on a few rows (benchmarks/RESULTS.md, 2026-11-27 afternoon).
 inline int64_t layout_pos(int64_t c, int64_t K, Fmt f, int64_t step) {
-  if (!pairs_layout(f) || c >= K / step * step) return c;
-  const int64_t j = c % step;
-  return c - j + (j % 2) * (step / 2) + j / 2;
+  if (!pairs_layout(f) || c >= (K & -step)) return c;
+  const int64_t j = c & (step - 1);
+  return c - j + (j & 1) * (step >> 1) + (j >> 1);
 }
 
 namespace level0 {
@@ -370,10 +372,20 @@ void parallel_items(int64_t n, const Fn& item) {
   });
 }
 
+// layout_pos's order written a step at a time (even columns, then odd ones), without its test per element.
 template <typename T, typename ToFloat>
 void lay_out_rows(const T* src, int64_t rows, int64_t K, Fmt f, int64_t step, ToFloat to_float, float* dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < K; ++c) dst[r * K + layout_pos(c, K, f, step)] = to_float(src[r * K + c]);
+  const int64_t full = pairs_layout(f) ? (K & -step) : 0, half = step >> 1;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* s = src + r * K;
+    float* d = dst + r * K;
+    for (int64_t c0 = 0; c0 < full; c0 += step)
+      for (int64_t j = 0; j < half; ++j) {
+        d[c0 + j] = to_float(s[c0 + 2 * j]);
+        d[c0 + half + j] = to_float(s[c0 + 2 * j + 1]);
+      }
+    for (int64_t c = full; c < K; ++c) d[c] = to_float(s[c]);
+  }
 }
 
 // hidden [T, H] as fp32 in format f's layout: one pass, no ATen op (their fixed cost matters at decode).

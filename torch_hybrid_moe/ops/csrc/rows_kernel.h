@@ -5,6 +5,7 @@
 
 constexpr int W = HMOE_VBYTES / 4;  // fp32 lanes per vector
 constexpr int kStep = 2 * W;        // columns per inner step: two vectors
+static_assert((kStep & (kStep - 1)) == 0, "layout_pos masks with kStep");
 // Tokens per micro-kernel call: kRows x kTok accumulators plus kTok activations must fit the register file.
 constexpr int kTok = HMOE_VBYTES >= 64 ? 4 : 2;
 
