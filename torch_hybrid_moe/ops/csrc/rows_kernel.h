@@ -316,8 +316,7 @@ inline __m256 step_lanes(float first, float second) {  // lanes 0-3: first, lane
 
 // acc + s * (x_scale * (int16 pair products summed in pairs) + x_offset): one step of one row and token.
 inline __m256 add_step(__m256 s, __m256i pairs, __m256 x_scale, __m256 x_offset, __m256 acc) {
-  const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-  return _mm256_fmadd_ps(s, _mm256_fmadd_ps(d, x_scale, x_offset), acc);
+  return _mm256_fmadd_ps(s, add_products(pairs, x_scale, x_offset), acc);
 }
 
 // The paired blocks [0, paired) into acc. OneGroup: both blocks of every step share a group (an even number of
