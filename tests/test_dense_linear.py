@@ -120,6 +120,34 @@ def test_quantized_linear_without_the_kernel_takes_the_dequantised_route(monkeyp
     torch.testing.assert_close(q(x).double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "kernel_wins, limit",
+    [
+        ((False,), dense_linear.TOKEN_COUNTS[-1]),  # lost at the first count: decode-sized batches only
+        ((True, False), 128),  # won at 128 and lost at 256: a 128-token prefill stays on the micro-kernels
+        ((True, True, False), 256),
+        ((True, True, True, True), cpu_kernel.UNLIMITED),
+    ],
+)
+def test_quantized_limit_is_the_last_count_won_in_a_row(kernel_wins, limit, tmp_path, monkeypatch):
+    """The micro-kernels keep every row count up to the largest compared count they won, with all smaller ones won
+    too; each count is compared with the two routes' outputs on the same rows (scripted timings: the rule, not this
+    host's noise, is under test)."""
+    compared: list[int] = []
+
+    def timings(runs, repeats):
+        outputs = [run() for run in runs]  # both routes really run: same rows, same values to bf16's rounding
+        torch.testing.assert_close(outputs[0], outputs[1])
+        compared.append(outputs[0].shape[0])
+        return (1.0, 2.0) if kernel_wins[len(compared) - 1] else (2.0, 1.0)
+
+    monkeypatch.setattr(dense_linear.cpu_kernel, "interleaved_medians", timings)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a routes file of its own, empty
+    measure = dense_linear._measure_quantized.__wrapped__  # past this process's cache
+    assert measure((64, 128), 4, 64, 1, 1, dense_linear.QUANTIZED_COUNTS) == limit
+    assert compared == list(dense_linear.QUANTIZED_COUNTS[: len(kernel_wins)])
+
+
 def test_patch_quantises_dense_layers_on_request_and_refuses_to_save_them(tmp_path):
     import torch_hybrid_moe as thm
 

@@ -18,7 +18,10 @@ from .measured import count, flag, measured
 from .quantize import BITS, QUANTIZE_ROWS, QuantizedWeight, dequantize, quantize, quantize_activations
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
-QUANTIZED_COUNTS = (256, 1024)  # where an int8 / int4 linear's micro-kernels and dequantising route are compared
+# Where an int8 / int4 linear's micro-kernels and dequantising route are compared. 128 and 512 are there because the
+# switch-over falls between counts: a 512-row int4 weight (a KV projection) on an AVX2 CPU tied at 256 and won 3x at
+# 128, so comparing at 256 alone sent 128-token prefills to the route a third as fast.
+QUANTIZED_COUNTS = (128, 256, 512, 1024)
 PREFILL_ROWS = 128  # where torch's GEMM in the weight's dtype and in fp32 are compared
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
 # many of its rows (64 MiB of bf16 at K = 2048: still well beyond the caches), keeping warm-up short.
@@ -206,15 +209,18 @@ def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: i
         columns // scale.shape[1],
         torch.get_num_threads(),
         repeats,
+        QUANTIZED_COUNTS,  # part of the stored key: limits measured at other counts are measured again
     )
 
 
 @measured(decode=count)
-def _measure_quantized(shape: tuple[int, int], bits: int, group: int, threads: int, repeats: int) -> int:
+def _measure_quantized(
+    shape: tuple[int, int], bits: int, group: int, threads: int, repeats: int, counts: tuple[int, ...]
+) -> int:
     q = quantize(torch.empty(1, *shape, dtype=torch.bfloat16).normal_(0, 0.02), bits, group)
     weight, scale = q.data[0], q.scale[0]
     limit = TOKEN_COUNTS[-1]
-    for tokens in QUANTIZED_COUNTS:
+    for tokens in counts:
         x = torch.randn(tokens, shape[1], dtype=torch.bfloat16)
         kernel_s, dequantized_s = cpu_kernel.interleaved_medians(
             [lambda x=x, n=n: torch.ops.hybrid_moe.linear(x, weight, scale, None, n) for n in (tokens, 0)], repeats
