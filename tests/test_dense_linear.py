@@ -126,7 +126,7 @@ def test_quantized_linear_without_the_kernel_takes_the_dequantised_route(monkeyp
         ((False,), dense_linear.TOKEN_COUNTS[-1]),  # lost at the first count: decode-sized batches only
         ((True, False), 128),  # won at 128 and lost at 256: a 128-token prefill stays on the micro-kernels
         ((True, True, False), 256),
-        ((True, True, True, True), cpu_kernel.UNLIMITED),
+        ((True,) * len(dense_linear.QUANTIZED_COUNTS), cpu_kernel.UNLIMITED),
     ],
 )
 def test_quantized_limit_is_the_last_count_won_in_a_row(kernel_wins, limit, tmp_path, monkeypatch):

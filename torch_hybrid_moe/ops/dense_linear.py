@@ -19,8 +19,8 @@ from .quantize import BITS, QUANTIZE_ROWS, QuantizedWeight, dequantize, quantize
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 # Where an int8 / int4 linear's micro-kernels and dequantising route are compared. 128 and 512 are there because the
-# switch-over falls between counts: a 512-row int4 weight (a KV projection) on an AVX2 CPU tied at 256 and won 3x at
-# 128, so comparing at 256 alone sent 128-token prefills to the route a third as fast.
+# switch-over falls between counts: a 512-row int4 weight (a KV projection) on an AVX2 CPU tied at 256 and won at 128
+# (1.5x in the model, 3x timed alone), so comparing at 256 alone sent 128-token prefills to the slower route.
 QUANTIZED_COUNTS = (128, 256, 512, 1024)
 PREFILL_ROWS = 128  # where torch's GEMM in the weight's dtype and in fp32 are compared
 # Both routes stream the weight by rows, so time scales with the row count: a larger weight is timed on this
