@@ -109,6 +109,37 @@ def test_quantized_linear_computes_its_dequantised_weight(fmt, tokens):
     assert (w - base.weight.double()).abs().max() <= (0.02 if fmt == "int8" else 0.2)  # it is approximate
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_row_route_in_cpp_against_float64_and_torch(fmt, dtype, monkeypatch):
+    """The many-row route of a quantised linear in C++ (activations rounded as the micro-kernels round them, the weight
+    dequantised a panel of rows at a time, torch's fp32 GEMM): several panels, an odd count of 32-column blocks (int4
+    pairs them), 3-D input, bias; within one rounding to x's dtype of float64, and of torch's own form of the route."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 300, 96  # past one 256-row panel; three 32-column blocks
+    q = quantize((torch.randn(n, k, generator=g) * 0.1).unsqueeze(0), BITS[fmt], 32)
+    qw = type(q)(q.data[0], q.scale[0], q.bits, q.group_size)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(2, 70, k, generator=g).to(dtype)
+    want = quantize_activations(x).double() @ dequantize(qw.data, qw.scale, qw.bits, 32).double().T + bias.double()
+    got = dense_linear.dequantized_linear(x, qw, bias)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)
+    assert got.dtype == dtype and got.shape == (2, 70, n)
+    torch.testing.assert_close(got.double(), want, **tol)
+    monkeypatch.setattr(dense_linear.cpu_kernel, "best_isa", lambda: -1)  # torch's form, as without a compiler
+    torch.testing.assert_close(dense_linear.dequantized_linear(x, qw, bias).double(), got.double(), **tol)
+
+
+def test_many_row_route_refuses_bad_operands():
+    """A float weight, or a bias of the wrong length, is refused with a message, not multiplied."""
+    q = quantize(torch.randn(1, 8, 64), 8, 32)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="int8 or packed int4"):
+        cpu_kernel.dense_gemm(x, torch.randn(8, 64), q.scale[0], None)
+    with pytest.raises(RuntimeError, match="bias must be a CPU tensor"):
+        cpu_kernel.dense_gemm(x, q.data[0], q.scale[0], torch.zeros(5))
+
+
 def test_quantized_linear_without_the_kernel_takes_the_dequantised_route(monkeypatch):
     """No compiler on the machine: the micro-kernels are missing, and decode rows must not reach them."""
     base = torch.nn.Linear(64, 8, bias=False)

@@ -209,3 +209,10 @@ def dense_matvec(
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     extension().dense_matvec(x.contiguous(), weight, scale, level, out)
     return out
+
+
+def dense_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times an int8 [N, K] / packed int4 [N, K / 2] weight with its fp32 group scales, plus bias, in x's
+    dtype: the activations rounded as the micro-kernels round them, the weight dequantised a panel of rows at a time
+    for torch's fp32 GEMM (the many-row route of a quantised linear)."""
+    return extension().dense_gemm(x, weight, scale, bias)

@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("take_cpu_layer_counts", &take_cpu_layer_counts,
         "A layer's (steps, tokens, active experts) since the last take");
   m.def("dense_matvec", &dense_matvec, "Dense [N, K] weight times a few activation rows, fp32 out");
+  m.def("dense_gemm", &dense_gemm, "int8 / int4 [N, K] weight times many activation rows on dequantised panels",
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_at", &decode_attention_at, "The decode_attention op's kernel at a given ISA level");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");
   m.def("amx_available", &amx_available, "Whether the AMX GEMM kernel runs here (AMX-BF16, tile state granted)");

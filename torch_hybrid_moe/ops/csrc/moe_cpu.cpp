@@ -783,6 +783,31 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
               [](int64_t, int64_t, int64_t) {});
 }
 
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "dense_gemm: x must be a CPU tensor [..., K]");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "dense_gemm: x must be fp32, bf16 or fp16");
+  TORCH_CHECK(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte,
+              "dense_gemm: the weight must be int8 or packed int4 (uint8)");
+  const int64_t K = x.size(-1);
+  int64_t N = 0;
+  const Matrix m = dense_matrix(weight, scale, K, &N);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu()),
+              "dense_gemm: bias must be a CPU tensor [N]");
+  const at::Tensor rows = x.reshape({-1, K}).contiguous();
+  static const Kernels kern = kernels_for(static_cast<Isa>(best_isa()));
+  at::Tensor xs = at::empty({rows.size(0), K}, at::TensorOptions().dtype(at::kFloat));
+  activations(rows, written_layout(m.fmt), kern.step, xs.data_ptr<float>());
+  const KernelInputs in(xs.data_ptr<float>(), rows.size(0), K, m.fmt, kern, true);  // xs: its rounded values
+  at::Tensor out = gemm_rows(kern, m, 0, N, xs, false);
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(N);
+  return out.to(dtype).reshape(shape);
+}
+
 std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
                                 const c10::List<c10::optional<at::Tensor>>& scales,
                                 const c10::List<c10::optional<at::Tensor>>& biases) {

@@ -17,6 +17,12 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
 void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                   int64_t isa_level, at::Tensor& out);
 
+// x [..., K] times an int8 / int4 weight [N, K] (int4: [N, K / 2]) with its fp32 scales [N, K / group], plus bias,
+// in x's dtype: the activations rounded per 32 columns as the micro-kernels round them, the weight dequantised a panel
+// of rows at a time into fp32, torch's fp32 GEMM, one rounding. The many-row route of a quantised dense linear.
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& bias);
+
 // Sibling linears reading one input x [..., K] (attention's q / k / v): outs[i] [..., N_i] in x's dtype, summed in fp32
 // at the CPU's best ISA level, plus biases[i], rounded once; the `hybrid_moe::matvecs` op's CPU kernel.
 std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
