@@ -114,7 +114,8 @@ def test_quantized_linear_computes_its_dequantised_weight(fmt, tokens):
 def test_many_row_route_in_cpp_against_float64_and_torch(fmt, dtype, monkeypatch):
     """The many-row route of a quantised linear in C++ (activations rounded as the micro-kernels round them, the weight
     dequantised a panel of rows at a time, torch's fp32 GEMM): several panels, an odd count of 32-column blocks (int4
-    pairs them), 3-D input, bias; within one rounding to x's dtype of float64, and of torch's own form of the route."""
+    pairs them), 3-D input, bias, strided operands; within one rounding to x's dtype of float64, and of torch's own
+    form of the route (the two sum the columns in different orders, so a bf16 output may differ by one step)."""
     g = torch.Generator().manual_seed(7)
     n, k = 300, 96  # past one 256-row panel; three 32-column blocks
     q = quantize((torch.randn(n, k, generator=g) * 0.1).unsqueeze(0), BITS[fmt], 32)
@@ -122,20 +123,33 @@ def test_many_row_route_in_cpp_against_float64_and_torch(fmt, dtype, monkeypatch
     bias = torch.randn(n, generator=g)
     x = torch.randn(2, 70, k, generator=g).to(dtype)
     want = quantize_activations(x).double() @ dequantize(qw.data, qw.scale, qw.bits, 32).double().T + bias.double()
-    got = dense_linear.dequantized_linear(x, qw, bias)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)
+    got = cpu_kernel.dense_gemm(x, qw.data, qw.scale, bias)
     assert got.dtype == dtype and got.shape == (2, 70, n)
-    torch.testing.assert_close(got.double(), want, **tol)
+    one_rounding = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-8, atol=2**-8)
+    torch.testing.assert_close(got.double(), want, **one_rounding)
+    # operands that are views into larger tensors: the same product, not the bytes beside them
+    strided = cpu_kernel.dense_gemm(
+        x,
+        torch.cat([qw.data, qw.data], 1)[:, : qw.data.shape[1]],
+        torch.cat([qw.scale, qw.scale], 1)[:, : qw.scale.shape[1]],
+        bias,
+    )
+    assert torch.equal(strided, got)
+    assert torch.equal(dense_linear.dequantized_linear(x, qw, bias), got)  # the route takes the kernel where built
     monkeypatch.setattr(dense_linear.cpu_kernel, "best_isa", lambda: -1)  # torch's form, as without a compiler
-    torch.testing.assert_close(dense_linear.dequantized_linear(x, qw, bias).double(), got.double(), **tol)
+    either_order = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(dense_linear.dequantized_linear(x, qw, bias).double(), got.double(), **either_order)
 
 
 def test_many_row_route_refuses_bad_operands():
-    """A float weight, or a bias of the wrong length, is refused with a message, not multiplied."""
+    """A float weight, scales of the wrong rank, or a bias of the wrong length is refused with a message, not
+    multiplied."""
     q = quantize(torch.randn(1, 8, 64), 8, 32)
     x = torch.randn(3, 64)
     with pytest.raises(RuntimeError, match="int8 or packed int4"):
         cpu_kernel.dense_gemm(x, torch.randn(8, 64), q.scale[0], None)
+    with pytest.raises(RuntimeError, match=r"scales \[N, K / group\]"):
+        cpu_kernel.dense_gemm(x, q.data[0], q.scale, None)
     with pytest.raises(RuntimeError, match="bias must be a CPU tensor"):
         cpu_kernel.dense_gemm(x, q.data[0], q.scale[0], torch.zeros(5))
 

@@ -73,8 +73,8 @@ def dequantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor |
     """x times an [N, K] quantised weight through torch's fp32 GEMM on the dequantised weight, never all of it in fp32
     at once (an LM head's fp32 copy would be 4 bytes per weight, held beside the model during every prefill call).
     Where the kernel is built, C++ rounds the activations and dequantises the weight a panel of rows at a time (in
-    torch ops these took half to three quarters of the GEMM's own time: benchmarks/RESULTS.md, 2026-11-27 night); else
-    torch does, QUANTIZE_ROWS output features at a time."""
+    torch ops, dequantising a 4,096 x 2,048 int4 weight took two thirds of the GEMM's own time: benchmarks/RESULTS.md,
+    2026-11-27 night); else torch does, QUANTIZE_ROWS output features at a time."""
     if cpu_kernel.best_isa() >= 0:
         return cpu_kernel.dense_gemm(x, q.data, q.scale, bias)
     xq = quantize_activations(x)

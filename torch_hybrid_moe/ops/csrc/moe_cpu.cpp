@@ -752,14 +752,44 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
   });
 }
 
-// A dense [N, K] weight (int4: [N, K / 2]) with its optional scales [N, K / group] as a Matrix.
-Matrix dense_matrix(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t K, int64_t* rows) {
+// A dense [N, K] weight (int4: [N, K / 2]) with its optional scales [N, K / group] as a Matrix, holding the tensors
+// the Matrix points into: contiguous copies where the caller's were strided, which must outlive the product.
+struct DenseWeight {
+  at::Tensor weight, scale;
+  Matrix m;
+  int64_t rows = 0;
+};
+
+DenseWeight dense_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t K) {
   TORCH_CHECK(weight.dim() == 2, "expected a weight [N, K] (int4: [N, K / 2])");
+  TORCH_CHECK(!scale.has_value() || scale->dim() == 2, "expected scales [N, K / group] beside a dense weight");
+  DenseWeight d;
+  d.weight = weight.contiguous();
   c10::optional<at::Tensor> s;
-  if (scale.has_value()) s = scale->contiguous().unsqueeze(0);
-  const Layer layer = make_layer("weight", weight.contiguous().unsqueeze(0), s, K);
-  *rows = layer.N;
-  return layer.first;
+  if (scale.has_value()) {
+    d.scale = scale->contiguous();
+    s = d.scale.unsqueeze(0);
+  }
+  const Layer layer = make_layer("weight", d.weight.unsqueeze(0), s, K);
+  d.m = layer.first;
+  d.rows = layer.N;
+  return d;
+}
+
+// x [..., K] as the contiguous rows [T, K] `op` multiplies: a CPU fp32 / bf16 / fp16 tensor.
+at::Tensor input_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), op, ": x must be a CPU tensor [..., K]");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
+              ": x must be fp32, bf16 or fp16");
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+// x's shape with its last dimension n: an output of x's rows.
+std::vector<int64_t> shape_with_last(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(n);
+  return shape;
 }
 
 template <typename T>
@@ -775,37 +805,32 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
                   int64_t isa_level, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2, "expected x [T, K]");
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
-  int64_t N = 0;
-  const Matrix m = dense_matrix(weight, scale, x.size(1), &N);
+  const DenseWeight w = dense_weight(weight, scale, x.size(1));
+  const int64_t N = w.rows;
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == N,
               "out must be a contiguous fp32 [T, N] tensor");
-  matvec_runs(x.contiguous(), {m}, {N}, {out.data_ptr<float>()}, {N}, static_cast<Isa>(isa_level),
+  matvec_runs(x.contiguous(), {w.m}, {N}, {out.data_ptr<float>()}, {N}, static_cast<Isa>(isa_level),
               [](int64_t, int64_t, int64_t) {});
 }
 
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "dense_gemm: x must be a CPU tensor [..., K]");
-  const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "dense_gemm: x must be fp32, bf16 or fp16");
+  const at::Tensor rows = input_rows(x, "dense_gemm");
   TORCH_CHECK(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kByte,
               "dense_gemm: the weight must be int8 or packed int4 (uint8)");
-  const int64_t K = x.size(-1);
-  int64_t N = 0;
-  const Matrix m = dense_matrix(weight, scale, K, &N);
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu()),
+  const int64_t K = rows.size(1);
+  const DenseWeight w = dense_weight(weight, scale, K);
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == w.rows && bias->device().is_cpu()),
               "dense_gemm: bias must be a CPU tensor [N]");
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();
   static const Kernels kern = kernels_for(static_cast<Isa>(best_isa()));
   at::Tensor xs = at::empty({rows.size(0), K}, at::TensorOptions().dtype(at::kFloat));
-  activations(rows, written_layout(m.fmt), kern.step, xs.data_ptr<float>());
-  const KernelInputs in(xs.data_ptr<float>(), rows.size(0), K, m.fmt, kern, true);  // xs: its rounded values
-  at::Tensor out = gemm_rows(kern, m, 0, N, xs, false);
+  activations(rows, written_layout(w.m.fmt), kern.step, xs.data_ptr<float>());
+  // Built for its side effect: it rewrites xs as its rows rounded exactly as the micro-kernels round them (its records
+  // go unread), so either route computes one product.
+  const KernelInputs rounded(xs.data_ptr<float>(), rows.size(0), K, w.m.fmt, kern, true);
+  at::Tensor out = gemm_rows(kern, w.m, 0, w.rows, xs, false);
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(N);
-  return out.to(dtype).reshape(shape);
+  return out.to(x.scalar_type()).reshape(shape_with_last(x, w.rows));
 }
 
 std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
@@ -814,20 +839,19 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
   const int64_t n = int64_t(weights.size());
   TORCH_CHECK(n > 0 && int64_t(scales.size()) == n && int64_t(biases.size()) == n,
               "matvecs: one scale and one bias entry (or None) per weight");
-  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "matvecs: x must be a CPU tensor [..., K]");
   const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "matvecs: x must be fp32, bf16 or fp16");
-  const int64_t K = x.size(-1);
-  const at::Tensor rows = x.reshape({-1, K}).contiguous();
-  const int64_t T = rows.size(0);
+  const at::Tensor rows = input_rows(x, "matvecs");
+  const int64_t K = rows.size(1), T = rows.size(0);
+  std::vector<DenseWeight> held(n);
   std::vector<Matrix> ms(n);
   std::vector<int64_t> N(n), lds(n);
   std::vector<float*> outs(n);
   std::vector<at::Tensor> biases_f(n), results(n);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    ms[i] = dense_matrix(weights[i], scales.get(i), K, &N[i]);
+    held[i] = dense_weight(weights[i], scales.get(i), K);
+    ms[i] = held[i].m;
+    N[i] = held[i].rows;
     TORCH_CHECK(ms[i].fmt == ms[0].fmt, "matvecs: every weight must share one format");
     const c10::optional<at::Tensor> b = biases.get(i);
     if (b.has_value()) {
@@ -841,9 +865,7 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
   for (int64_t i = 0, offset = 0; i < n; offset += N[i], ++i) {
     outs[i] = acc.data() + offset;
     lds[i] = total;
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-    shape.push_back(N[i]);
-    results[i] = at::empty(shape, x.options());
+    results[i] = at::empty(shape_with_last(x, N[i]), x.options());
   }
   // Each run is rounded to x's dtype (bias added in fp32) by the thread that summed it: one rounding, as torch's
   // GEMM gives it, and no second pass over the outputs.
