@@ -9,6 +9,13 @@ static_assert((kStep & (kStep - 1)) == 0, "layout_pos masks with kStep");
 // Tokens per micro-kernel call: kRows x kTok accumulators plus kTok activations must fit the register file.
 constexpr int kTok = HMOE_VBYTES >= 64 ? 4 : 2;
 
+// What the AVX2 int4 micro-kernel reads of each token besides its QuantRecord, prepared once per matvec_block call
+// (i4_lanes); the other levels and formats are passed null.
+struct I4Lanes {
+  const float* scale;      // [K / 64 steps][8]: lanes 0-3 the first block's activation scale, 4-7 the second's
+  const float* group_sum;  // [K / group]: the activations' sum over each weight group
+};
+
 typedef float vf __attribute__((vector_size(HMOE_VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(HMOE_VBYTES)));
 
@@ -195,7 +202,8 @@ inline __m512i halves(const int8_t* lo, const int8_t* hi) {
 }
 
 template <Fmt F, int NT>
-void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes*,
+                float* res) {
   constexpr int64_t B = kStepBlocks<F>;
   constexpr float share = -(F == Fmt::I8 ? 128.f : 8.f) / (16 / B);  // of the offset term, per lane
   const QuantOperands<NT> w(m, r0, nr, next, xs);
@@ -306,83 +314,129 @@ void rows_dot_i8(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
 
 // int4: two blocks per step. 32 packed bytes give their low nibbles (the even columns of both blocks) and high
 // nibbles (the odd columns); the products' int32 lanes 0-3 then belong to the first block and 4-7 to the second.
-// Each lane is scaled by its block's activation scale less its share of 8 x the block's activation sum (the
-// weights are stored as q + 8), then by its row's group scale, into one accumulator per row that stays in a
-// register, and groups are counted, not divided for: a pass per group and a division per step had made this
-// level's int4 compute-bound below the read (benchmarks/RESULTS.md, 2026-11-27 afternoon).
+// The weights are stored as q + 8: the loop sums s_w * x_scale * (q + 8) . x and the 8 * s_w * sum(x) term comes off
+// once per row and token at the end, from the activations' sums per weight group (I4Lanes). The activation scales
+// come from I4Lanes too, already one per lane. So the loop holds only the accumulators, one row's weights and
+// scale, and two constants: with the offset and the lane shuffles inside it, it spilled accumulators and ran at
+// 22-31 GMAC/s a thread at many rows against 42 for the same arithmetic alone (benchmarks/RESULTS.md, 2026-11-27).
 inline __m256 step_lanes(float first, float second) {  // lanes 0-3: first, lanes 4-7: second
   return _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(first));
 }
 
-// acc + s * (x_scale * (int16 pair products summed in pairs) + x_offset): one step of one row and token.
-inline __m256 add_step(__m256 s, __m256i pairs, __m256 x_scale, __m256 x_offset, __m256 acc) {
-  return _mm256_fmadd_ps(s, add_products(pairs, x_scale, x_offset), acc);
+// Per token of xs, its I4Lanes for a K-column weight in groups of `group`, written to buf ((K / 8 + K / group) floats a
+// token); an unpaired last block's scale is read from the record.
+inline void i4_lanes(const void* const* xs, int64_t n, int64_t K, int64_t group, std::vector<float>& buf,
+                     std::vector<I4Lanes>& lanes) {
+  const int64_t steps = K / 64, groups = K / group, per_group = group / 32, each = 8 * steps + groups;
+  buf.resize(n * each);
+  lanes.resize(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const QuantRecord x(xs[t], K);
+    float* sc = buf.data() + t * each;
+    float* gs = sc + 8 * steps;
+    for (int64_t j = 0; j < steps; ++j) _mm256_storeu_ps(sc + 8 * j, step_lanes(x.scale[2 * j], x.scale[2 * j + 1]));
+    for (int64_t g = 0; g < groups; ++g) {
+      float total = 0.f;
+      for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) total += x.sum[b];
+      gs[g] = total;
+    }
+    lanes[t] = {sc, gs};
+  }
 }
 
-// The paired blocks [0, paired) into acc. OneGroup: both blocks of every step share a group (an even number of
-// blocks a group), so a row's scale is one broadcast.
-template <int NT, bool OneGroup>
-void i4_pairs(const QuantOperands<NT>& w, int64_t paired, int64_t per_group, __m256 (&acc)[kRows][NT]) {
+// acc + s * x_scale * (int16 pair products summed in pairs): one step of one row and token.
+inline __m256 add_step(__m256 s, __m256i pairs, const float* x_scale, __m256 acc) {
+  const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  return _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_loadu_ps(x_scale)), s, acc);
+}
+
+// How a step finds each row's weight scales: one group covers whole steps (one broadcast, the group counted, not
+// divided for), a group per block (the step's two scales loaded together), or any other odd group (two lookups).
+enum class StepScales { Whole, PerBlock, Other };
+
+template <int NT, StepScales S>
+void i4_steps(const QuantOperands<NT>& w, const I4Lanes* xl, int64_t steps, int64_t per_group,
+              __m256 (&acc)[kRows][NT]) {
   const __m256i nibble = _mm256_set1_epi8(15);
-  int64_t group = 0, into = 0;  // block b's group, and b's place in it
-  for (int64_t b = 0; b < paired; b += 2) {
-    for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(w.next + b / 2 * kRows * 32 + o);
-    const int64_t second = into + 1 == per_group ? group + 1 : group;  // block b + 1's group
-    __m256i even[NT], odd[NT];  // a pair's record: the even columns of both blocks, then their odd columns
-    __m256 x_scale[NT], x_offset[NT];
-    for (int t = 0; t < NT; ++t) {
-      even[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b));
-      odd[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b + 32));
-      x_scale[t] = step_lanes(w.x[t].scale[b], w.x[t].scale[b + 1]);
-      x_offset[t] = step_lanes(-2.f * w.x[t].sum[b], -2.f * w.x[t].sum[b + 1]);  // -8 x sum over a block's 4 lanes
-    }
+  const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  int64_t group = 0, into = 0;  // Whole: step j's group, and j's place in it
+  for (int64_t j = 0; j < steps; ++j) {
+    for (int64_t o = 0; o < kRows * 32; o += 64) __builtin_prefetch(w.next + j * kRows * 32 + o);
     for (int i = 0; i < kRows; ++i) {
-      const __m256 s =
-          OneGroup ? _mm256_broadcast_ss(w.scales[i] + group) : step_lanes(w.scales[i][group], w.scales[i][second]);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 16 * b));
+      __m256 s;
+      if constexpr (S == StepScales::Whole)
+        s = _mm256_broadcast_ss(w.scales[i] + group);
+      else if constexpr (S == StepScales::PerBlock)
+        s = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(w.scales[i] + 2 * j)))),
+            pair);
+      else
+        s = step_lanes(w.scales[i][2 * j / per_group], w.scales[i][(2 * j + 1) / per_group]);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.rows[i] + 32 * j));
       const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-      for (int t = 0; t < NT; ++t)  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
-        acc[i][t] = add_step(s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, even[t]), _mm256_maddubs_epi16(hi, odd[t])),
-                             x_scale[t], x_offset[t], acc[i][t]);
+      for (int t = 0; t < NT; ++t) {  // q + 8 <= 15 and |x| <= 127: the two int16 products add without saturating
+        const __m256i* x = reinterpret_cast<const __m256i*>(w.x[t].q + 64 * j);
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(x)),
+                                               _mm256_maddubs_epi16(hi, _mm256_loadu_si256(x + 1)));
+        acc[i][t] = add_step(s, pairs, xl[t].scale + 8 * j, acc[i][t]);
+      }
     }
-    for (into += 2; into >= per_group; into -= per_group) ++group;
+    if constexpr (S == StepScales::Whole)
+      if (++into == per_group / 2) {
+        into = 0;
+        ++group;
+      }
   }
 }
 
 template <int NT>
-void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes* xl,
+                 float* res) {
   const QuantOperands<NT> w(m, r0, nr, next, xs);
-  const int64_t blocks = m.K / 32, paired = blocks / 2 * 2, per_group = m.group / 32;
+  const int64_t blocks = m.K / 32, steps = blocks / 2, per_group = m.group / 32, groups = m.K / m.group;
   __m256 acc[kRows][NT];
   zero(acc);
   if (per_group % 2 == 0)
-    i4_pairs<NT, true>(w, paired, per_group, acc);
+    i4_steps<NT, StepScales::Whole>(w, xl, steps, per_group, acc);
+  else if (per_group == 1)
+    i4_steps<NT, StepScales::PerBlock>(w, xl, steps, per_group, acc);
   else
-    i4_pairs<NT, false>(w, paired, per_group, acc);
-  if (paired < blocks) {  // an odd block count leaves the last block unpaired: all 8 lanes are its own
-    const int64_t b = paired;
+    i4_steps<NT, StepScales::Other>(w, xl, steps, per_group, acc);
+  if (2 * steps < blocks) {  // an odd block count leaves the last block unpaired: all 8 lanes are its own
+    const int64_t b = 2 * steps;
     for (int t = 0; t < NT; ++t) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b));
-      const __m256 x_scale = _mm256_set1_ps(w.x[t].scale[b]), x_offset = _mm256_set1_ps(-w.x[t].sum[b]);
+      float x_scale[8];
+      _mm256_storeu_ps(x_scale, _mm256_set1_ps(w.x[t].scale[b]));
       for (int i = 0; i < kRows; ++i)
         acc[i][t] = add_step(_mm256_set1_ps(w.scales[i][b / per_group]),
-                             _mm256_maddubs_epi16(load_block<Fmt::I4>(w.rows[i], b), x), x_scale, x_offset, acc[i][t]);
+                             _mm256_maddubs_epi16(load_block<Fmt::I4>(w.rows[i], b), x), x_scale, acc[i][t]);
     }
   }
   for (int t = 0; t < NT; ++t)
-    for (int i = 0; i < nr; ++i) res[t * kRows + i] = hsum8(acc[i][t]);
+    for (int i = 0; i < nr; ++i) {
+      __m256 offset = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8)
+        offset = _mm256_fmadd_ps(_mm256_loadu_ps(w.scales[i] + g), _mm256_loadu_ps(xl[t].group_sum + g), offset);
+      float tail = 0.f;
+      for (; g < groups; ++g) tail += w.scales[i][g] * xl[t].group_sum[g];
+      res[t * kRows + i] = hsum8(_mm256_fnmadd_ps(offset, _mm256_set1_ps(8.f), acc[i][t])) - 8.f * tail;
+    }
 }
 
 template <Fmt F, int NT>
-void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes* xl,
+                float* res) {
   if constexpr (F == Fmt::I8)
     rows_dot_i8<NT>(m, r0, nr, next, xs, res);
   else
-    rows_dot_i4<NT>(m, r0, nr, next, xs, res);
+    rows_dot_i4<NT>(m, r0, nr, next, xs, xl, res);
 }
 #else
 template <Fmt F, int NT>
-void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes*,
+                float* res) {
   const int64_t per_group = m.group / 32;
   for (int t = 0; t < NT; ++t) {
     const QuantRecord x(xs[t], m.K);
@@ -402,26 +456,27 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
 #endif
 
 template <Fmt F, int NT>
-void rows_any(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, float* res) {
+void rows_any(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes* xl,
+              float* res) {
   if constexpr (F == Fmt::I8 || F == Fmt::I4)
-    rows_dot_q<F, NT>(m, r0, nr, next, xs, res);
+    rows_dot_q<F, NT>(m, r0, nr, next, xs, xl, res);
   else
     rows_dot<F, NT>(m, r0, nr, next, xs, res);
 }
 
 template <Fmt F>
-void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, int nt,
-                   float* res) {
+void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes* xl,
+                   int nt, float* res) {
   switch (nt) {
     case 1:
-      return rows_any<F, 1>(m, r0, nr, next, xs, res);
+      return rows_any<F, 1>(m, r0, nr, next, xs, xl, res);
     case 2:
-      return rows_any<F, 2>(m, r0, nr, next, xs, res);
+      return rows_any<F, 2>(m, r0, nr, next, xs, xl, res);
     case 3:
-      if constexpr (kTok >= 3) return rows_any<F, 3>(m, r0, nr, next, xs, res);
+      if constexpr (kTok >= 3) return rows_any<F, 3>(m, r0, nr, next, xs, xl, res);
       break;
     case 4:
-      if constexpr (kTok >= 4) return rows_any<F, 4>(m, r0, nr, next, xs, res);
+      if constexpr (kTok >= 4) return rows_any<F, 4>(m, r0, nr, next, xs, xl, res);
       break;
   }
 }
@@ -431,6 +486,15 @@ void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, con
 // call's rows, none past r1 (another thread's run: the bytes would be read twice).
 void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
   float res[kTok * kRows];
+  const I4Lanes* xl = nullptr;
+#if HMOE_LEVEL == 1
+  thread_local std::vector<float> lane_values;
+  thread_local std::vector<I4Lanes> lanes;
+  if (m.fmt == Fmt::I4) {
+    i4_lanes(xs, n, m.K, m.group, lane_values, lanes);
+    xl = lanes.data();
+  }
+#endif
   for (int64_t r = r0; r < r1; r += kRows) {
     const int nr = int(std::min<int64_t>(kRows, r1 - r));
     const uint8_t* next = m.row(r + kRows < r1 ? r + kRows : r);  // at the run's end: rows already in cache
@@ -438,19 +502,19 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
       const int nt = int(std::min<int64_t>(kTok, n - t));
       switch (m.fmt) {
         case Fmt::F32:
-          rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nt, res);
+          rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nullptr, nt, res);
           break;
         case Fmt::BF16:
-          rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nt, res);
+          rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nullptr, nt, res);
           break;
         case Fmt::F16:
-          rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nt, res);
+          rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nullptr, nt, res);
           break;
         case Fmt::I8:
-          rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nt, res);
+          rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nullptr, nt, res);
           break;
         case Fmt::I4:
-          rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, nt, res);
+          rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, xl + t, nt, res);
           break;
       }
       for (int j = 0; j < nt; ++j)
