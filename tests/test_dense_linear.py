@@ -16,17 +16,28 @@ pytestmark = pytest.mark.usefixtures("kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, "int8", "int4"])
-@pytest.mark.parametrize("n, k, tokens", [(37, 64, 1), (130, 2048, 3), (64, 100, 5), (9, 256, 4)])
-def test_dense_matvec_against_float64(dtype, isa, n, k, tokens):
-    """Float weights times x; int8 / int4 (groups of 32 and 64 columns) times x rounded per 32 columns, with the
+@pytest.mark.parametrize(
+    "n, k, tokens, group",
+    [
+        (37, 64, 1, 32),
+        (130, 2048, 3, 32),
+        (64, 100, 5, 32),
+        (9, 256, 4, 64),
+        (200, 2048, 40, 64),  # several row panels and token chunks, each with a partial last one
+        (70, 2304, 33, 96),  # a group of three blocks: steps straddle groups
+        (50, 2080, 5, 32),  # an odd block count: an unpaired last block
+    ],
+)
+def test_dense_matvec_against_float64(dtype, isa, n, k, tokens, group):
+    """Float weights times x; int8 / int4 (groups of 32, 64 and 96 columns) times x rounded per 32 columns, with the
     integer products summed exactly: both within fp32 summation error of float64."""
-    if isinstance(dtype, str) and k % 64:
+    if isinstance(dtype, str) and k % group:
         pytest.skip("quantised weights need whole groups")
     g = torch.Generator().manual_seed(n * k + tokens)
     w = torch.randn(n, k, generator=g) * 0.1
     x = torch.randn(tokens, k, generator=g)
     if isinstance(dtype, str):
-        q = quantize(w.unsqueeze(0), BITS[dtype], 32 if tokens % 2 else 64)
+        q = quantize(w.unsqueeze(0), BITS[dtype], group)
         got = cpu_kernel.dense_matvec(x, q.data[0], q.scale[0], isa=isa)
         want = quantize_activations(x).double() @ q[0].double().T
     else:

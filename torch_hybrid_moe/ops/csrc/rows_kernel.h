@@ -356,7 +356,9 @@ enum class StepScales { Whole, PerBlock, Other };
 
 template <int NT, StepScales S>
 void i4_steps(const QuantOperands<NT>& w, const I4Lanes* xl, int64_t steps, int64_t per_group,
-              __m256 (&acc)[kRows][NT]) {
+              __m256 (&out)[kRows][NT]) {
+  __m256 acc[kRows][NT];  // a local copy: with the caller's array in the loop, GCC stored every sum back each step
+  zero(acc);
   const __m256i nibble = _mm256_set1_epi8(15);
   const __m256i pair = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   int64_t group = 0, into = 0;  // Whole: step j's group, and j's place in it
@@ -387,6 +389,8 @@ void i4_steps(const QuantOperands<NT>& w, const I4Lanes* xl, int64_t steps, int6
         ++group;
       }
   }
+  for (int i = 0; i < kRows; ++i)
+    for (int t = 0; t < NT; ++t) out[i][t] = acc[i][t];
 }
 
 template <int NT>
@@ -395,7 +399,6 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
   const QuantOperands<NT> w(m, r0, nr, next, xs);
   const int64_t blocks = m.K / 32, steps = blocks / 2, per_group = m.group / 32, groups = m.K / m.group;
   __m256 acc[kRows][NT];
-  zero(acc);
   if (per_group % 2 == 0)
     i4_steps<NT, StepScales::Whole>(w, xl, steps, per_group, acc);
   else if (per_group == 1)
@@ -481,9 +484,16 @@ void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, con
   }
 }
 
+// Row panels and token chunks of matvec_block: a panel's rows stay in L2 while every chunk of tokens passes over
+// them, and a chunk's activations stay in L2 while the panel's rows pass over it. Taking all tokens per row block
+// instead, 128 or more tokens' activations left L2 and two threads at 128-512 tokens ran at 55-57 GMAC/s against
+// 70-76 at 32 tokens (AVX2 int4; benchmarks/RESULTS.md, 2026-11-27 late).
+constexpr int64_t kPanelBytes = 64 << 10, kTokenChunkBytes = 128 << 10;
+
 // dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n); xs are fp32 rows in the
-// layout (float formats) or QuantRecords (int8 / int4). Rows are read as one run: each call prefetches the next
-// call's rows, none past r1 (another thread's run: the bytes would be read twice).
+// layout (float formats) or QuantRecords (int8 / int4). Rows are read as one run: while the first chunk streams a
+// panel, each call prefetches the next call's rows, none past r1 (another thread's run: the bytes would be read
+// twice).
 void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
   float res[kTok * kRows];
   const I4Lanes* xl = nullptr;
@@ -495,30 +505,40 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
     xl = lanes.data();
   }
 #endif
-  for (int64_t r = r0; r < r1; r += kRows) {
-    const int nr = int(std::min<int64_t>(kRows, r1 - r));
-    const uint8_t* next = m.row(r + kRows < r1 ? r + kRows : r);  // at the run's end: rows already in cache
-    for (int64_t t = 0; t < n; t += kTok) {
-      const int nt = int(std::min<int64_t>(kTok, n - t));
-      switch (m.fmt) {
-        case Fmt::F32:
-          rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nullptr, nt, res);
-          break;
-        case Fmt::BF16:
-          rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nullptr, nt, res);
-          break;
-        case Fmt::F16:
-          rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nullptr, nt, res);
-          break;
-        case Fmt::I8:
-          rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nullptr, nt, res);
-          break;
-        case Fmt::I4:
-          rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, xl + t, nt, res);
-          break;
+  const int64_t panel = std::max<int64_t>(1, kPanelBytes / (m.row_bytes * kRows)) * kRows;
+  const int64_t chunk =
+      std::max<int64_t>(1, kTokenChunkBytes / (4 * m.K * kTok)) * kTok;  // fp32 rows: the largest input
+  for (int64_t p0 = r0; p0 < r1; p0 += panel) {
+    const int64_t p1 = std::min(r1, p0 + panel);
+    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+      const int64_t t1 = std::min(n, t0 + chunk);
+      for (int64_t r = p0; r < p1; r += kRows) {
+        const int nr = int(std::min<int64_t>(kRows, p1 - r));
+        // the next rows while streaming; at the run's end, or once the panel is in cache, rows already there
+        const uint8_t* next = m.row(t0 == 0 && r + kRows < r1 ? r + kRows : r);
+        for (int64_t t = t0; t < t1; t += kTok) {
+          const int nt = int(std::min<int64_t>(kTok, t1 - t));
+          switch (m.fmt) {
+            case Fmt::F32:
+              rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nullptr, nt, res);
+              break;
+            case Fmt::BF16:
+              rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nullptr, nt, res);
+              break;
+            case Fmt::F16:
+              rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nullptr, nt, res);
+              break;
+            case Fmt::I8:
+              rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nullptr, nt, res);
+              break;
+            case Fmt::I4:
+              rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, xl + t, nt, res);
+              break;
+          }
+          for (int j = 0; j < nt; ++j)
+            for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kRows + i];
+        }
       }
-      for (int j = 0; j < nt; ++j)
-        for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kRows + i];
     }
   }
 }
