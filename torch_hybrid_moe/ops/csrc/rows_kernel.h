@@ -505,6 +505,24 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
     xl = lanes.data();
   }
 #endif
+  decltype(&rows_dispatch<Fmt::F32>) dispatch = nullptr;
+  switch (m.fmt) {
+    case Fmt::F32:
+      dispatch = rows_dispatch<Fmt::F32>;
+      break;
+    case Fmt::BF16:
+      dispatch = rows_dispatch<Fmt::BF16>;
+      break;
+    case Fmt::F16:
+      dispatch = rows_dispatch<Fmt::F16>;
+      break;
+    case Fmt::I8:
+      dispatch = rows_dispatch<Fmt::I8>;
+      break;
+    case Fmt::I4:
+      dispatch = rows_dispatch<Fmt::I4>;
+      break;
+  }
   const int64_t panel = std::max<int64_t>(1, kPanelBytes / (m.row_bytes * kRows)) * kRows;
   const int64_t chunk =
       std::max<int64_t>(1, kTokenChunkBytes / (4 * m.K * kTok)) * kTok;  // fp32 rows: the largest input
@@ -518,23 +536,7 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
         const uint8_t* next = m.row(t0 == 0 && r + kRows < r1 ? r + kRows : r);
         for (int64_t t = t0; t < t1; t += kTok) {
           const int nt = int(std::min<int64_t>(kTok, t1 - t));
-          switch (m.fmt) {
-            case Fmt::F32:
-              rows_dispatch<Fmt::F32>(m, r, nr, next, xs + t, nullptr, nt, res);
-              break;
-            case Fmt::BF16:
-              rows_dispatch<Fmt::BF16>(m, r, nr, next, xs + t, nullptr, nt, res);
-              break;
-            case Fmt::F16:
-              rows_dispatch<Fmt::F16>(m, r, nr, next, xs + t, nullptr, nt, res);
-              break;
-            case Fmt::I8:
-              rows_dispatch<Fmt::I8>(m, r, nr, next, xs + t, nullptr, nt, res);
-              break;
-            case Fmt::I4:
-              rows_dispatch<Fmt::I4>(m, r, nr, next, xs + t, xl + t, nt, res);
-              break;
-          }
+          dispatch(m, r, nr, next, xs + t, xl ? xl + t : nullptr, nt, res);
           for (int j = 0; j < nt; ++j)
             for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kRows + i];
         }
