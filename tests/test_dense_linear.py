@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("kernel")
         (130, 2048, 3, 32),
         (64, 100, 5, 32),
         (9, 256, 4, 64),
-        (200, 2048, 40, 64),  # several row panels and token chunks, each with a partial last one
+        (600, 2048, 40, 128),  # several row panels and token chunks with partial last ones; groups of two steps
         (70, 2304, 33, 96),  # a group of three blocks: steps straddle groups
         (50, 2080, 5, 32),  # an odd block count: an unpaired last block
     ],

@@ -131,7 +131,8 @@ void rows_dot(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const vo
 
 // The same for int8 / int4 weights and quantised activation records (QuantRecord): integer products summed
 // exactly per 32-column block, then scaled by the activation block's scale and by the weight's group scale.
-// int4 multiplies the stored q + 8 and takes 8 * sum(activations) off again per block.
+// int4 multiplies the stored q + 8 and takes 8 * sum(activations) off again: per block at the AVX-512 level, per
+// weight group after the loop at the AVX2 level.
 #if HMOE_LEVEL >= 1
 // One call's operands: kRows weight rows and their group scales, NT activation records.
 template <int NT>
@@ -492,8 +493,8 @@ constexpr int64_t kPanelBytes = 64 << 10, kTokenChunkBytes = 128 << 10;
 
 // dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n); xs are fp32 rows in the
 // layout (float formats) or QuantRecords (int8 / int4). Rows are read as one run: while the first chunk streams a
-// panel, each call prefetches the next call's rows, none past r1 (another thread's run: the bytes would be read
-// twice).
+// panel, each call prefetches the next call's rows, none of another thread's run (its
+// bytes would be read twice).
 void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
   float res[kTok * kRows];
   const I4Lanes* xl = nullptr;
