@@ -346,9 +346,9 @@ inline void i4_lanes(const void* const* xs, int64_t n, int64_t K, int64_t group,
 }
 
 // acc + s * x_scale * (int16 pair products summed in pairs): one step of one row and token.
-inline __m256 add_step(__m256 s, __m256i pairs, const float* x_scale, __m256 acc) {
+inline __m256 add_step(__m256 s, __m256i pairs, __m256 x_scale, __m256 acc) {
   const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-  return _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_loadu_ps(x_scale)), s, acc);
+  return _mm256_fmadd_ps(_mm256_mul_ps(dot, x_scale), s, acc);
 }
 
 // How a step finds each row's weight scales: one group covers whole steps (one broadcast, the group counted, not
@@ -381,7 +381,7 @@ void i4_steps(const QuantOperands<NT>& w, const I4Lanes* xl, int64_t steps, int6
         const __m256i* x = reinterpret_cast<const __m256i*>(w.x[t].q + 64 * j);
         const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(x)),
                                                _mm256_maddubs_epi16(hi, _mm256_loadu_si256(x + 1)));
-        acc[i][t] = add_step(s, pairs, xl[t].scale + 8 * j, acc[i][t]);
+        acc[i][t] = add_step(s, pairs, _mm256_loadu_ps(xl[t].scale + 8 * j), acc[i][t]);
       }
     }
     if constexpr (S == StepScales::Whole)
@@ -410,8 +410,7 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
     const int64_t b = 2 * steps;
     for (int t = 0; t < NT; ++t) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.x[t].q + 32 * b));
-      float x_scale[8];
-      _mm256_storeu_ps(x_scale, _mm256_set1_ps(w.x[t].scale[b]));
+      const __m256 x_scale = _mm256_set1_ps(w.x[t].scale[b]);
       for (int i = 0; i < kRows; ++i)
         acc[i][t] = add_step(_mm256_set1_ps(w.scales[i][b / per_group]),
                              _mm256_maddubs_epi16(load_block<Fmt::I4>(w.rows[i], b), x), x_scale, acc[i][t]);
@@ -493,8 +492,7 @@ constexpr int64_t kPanelBytes = 64 << 10, kTokenChunkBytes = 128 << 10;
 
 // dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n); xs are fp32 rows in the
 // layout (float formats) or QuantRecords (int8 / int4). Rows are read as one run: while the first chunk streams a
-// panel, each call prefetches the next call's rows, none of another thread's run (its
-// bytes would be read twice).
+// panel, each call prefetches the next call's rows, none of another thread's run (its bytes would be read twice).
 void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
   float res[kTok * kRows];
   const I4Lanes* xl = nullptr;
