@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch.fx as fx
 
 from ..config import HybridMoEConfig
+from ..runtime.decode_replay import recordable
 from .cpu_dispatch import direct_cpu_dispatch
 from .daop_precalc import insert_daop_precalc
 from .dense_linear import fuse_sibling_matvecs, route_dense_linears
@@ -52,4 +53,5 @@ def hybrid_moe_backend(
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options
     compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
-    return sites.wrap(cast(Callable[..., Any], compiled))  # not AOT: the compiled callable
+    # not AOT: the compiled callable; recordable, so that uncaptured decode steps can call it past Dynamo
+    return recordable(sites.wrap(cast(Callable[..., Any], compiled)))

@@ -26,6 +26,7 @@ from ..policies.prefetching import Router
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context, streaming_costs
 from ..runtime.decode_graphs import DecodeGraphs
+from ..runtime.decode_replay import DecodeReplay
 from ..runtime.expert_store import HostWeight, expert_nbytes
 from ..runtime.layer import RoutingRule
 from ..runtime.layer_policies import build_policies
@@ -335,9 +336,21 @@ def _check_fits(device: torch.device, slot_bytes: int) -> None:
         )
 
 
+def _replayed_call(model: torch.nn.Module) -> Callable[[object], DecodeReplay]:
+    """The model's `get_compiled_call`, which `generate()` calls once per call: a fresh `DecodeReplay` around the
+    compiled forward each time, so no two calls (or threads) share replay state."""
+    method = type(model).get_compiled_call
+
+    def get_compiled_call(compile_config: object) -> DecodeReplay:
+        return DecodeReplay(model, method(model, compile_config))
+
+    return get_compiled_call
+
+
 def _compile_decode_with_backend(model: torch.nn.Module, capture: bool) -> None:
     """Make plain `generate()` use a static cache and compile its decode step with `backend="hybrid_moe"`;
-    with `capture`, each decode step then runs as one CUDA graph (runtime/decode_graphs.py)."""
+    with `capture`, each decode step then runs as one CUDA graph (runtime/decode_graphs.py), otherwise past
+    Dynamo once its steps agree (runtime/decode_replay.py)."""
     gen = getattr(model, "generation_config", None)
     if gen is None:
         return
@@ -347,3 +360,5 @@ def _compile_decode_with_backend(model: torch.nn.Module, capture: bool) -> None:
     gen.compile_config = compile_config
     if capture:
         model.get_compiled_call = DecodeGraphs(model).get_compiled_call
+    else:
+        model.get_compiled_call = _replayed_call(model)

@@ -1,0 +1,143 @@
+"""Uncaptured decode steps called past Dynamo (runtime/decode_replay.py): replayed only when that is what Dynamo
+would have run, checked against eager calls and the unpatched model's tokens."""
+
+import threading
+
+import pytest
+import torch
+
+from torch_hybrid_moe.runtime import decode_replay
+from torch_hybrid_moe.runtime.decode_replay import DecodeReplay, recordable, recording
+
+from .conftest import patched_copy
+
+
+def _recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """The graph as Dynamo traced it, recordable as the hybrid_moe backend's result is."""
+    return recordable(gm.forward)
+
+
+class Step(torch.nn.Module):
+    """A decode step in miniature: a weight, a tensor attribute the caller may rebind, a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+        self.shift = torch.ones(4)
+        self.scale = 1.5
+        self.keep_input = False
+        self.last_input: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, state: "State", flag: bool = True) -> dict[str, object]:
+        if self.keep_input:
+            self.last_input = x  # a Python side effect, not guarded on: Dynamo applies it after the graph
+        y = (x @ self.weight + self.shift) * self.scale + state.offset
+        return {"y": y if flag else -y, "state": state, "total": y.sum()}
+
+
+class State:
+    """Stands in for the cache: an object leaf, with Python state a step may be specialised on."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+
+def _replayed(step: Step) -> DecodeReplay:
+    return DecodeReplay(step, torch.compile(step, backend=_recording_backend, fullgraph=True))
+
+
+def _check(replay: DecodeReplay, step: Step, state: State, calls: int, **kwargs: object) -> None:
+    """`calls` steps on fresh inputs through `replay`, each against the eager module."""
+    for i in range(calls):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        got, want = replay(x=x, state=state, **kwargs), step(x=x, state=state, **kwargs)
+        assert torch.equal(got["y"], want["y"]) and torch.equal(got["total"], want["total"])
+        assert got["state"] is state
+
+
+def test_steps_replay_once_two_agree_and_match_eager() -> None:
+    torch._dynamo.reset()
+    step, state = Step(), State()
+    replay = _replayed(step)
+    _check(replay, step, state, 5)
+    assert replay.replays == 3  # two steps through Dynamo, then the graph
+    _check(replay, step, state, 3, flag=False)  # a new signature: recorded on its own
+    assert replay.replays == 4
+    with torch.no_grad():  # the grad mode is part of the signature too
+        _check(replay, step, state, 3)
+    assert replay.replays == 5
+
+
+def test_a_python_side_effect_is_never_replayed() -> None:
+    torch._dynamo.reset()
+    step, state = Step(), State()
+    step.keep_input = True
+    replay = _replayed(step)
+    for i in range(5):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        replay(x=x, state=state)
+        assert step.last_input is x
+    assert replay.replays == 0
+
+
+def test_a_rebound_tensor_attribute_is_never_replayed() -> None:
+    torch._dynamo.reset()
+    step, state = Step(), State()
+    replay = _replayed(step)
+    for i in range(5):
+        step.shift = torch.full((4,), float(i))  # a new object each step: the recorded steps disagree
+        _check(replay, step, state, 1)
+    assert replay.replays == 0
+
+
+def test_an_object_leafs_changed_state_is_recorded_again() -> None:
+    torch._dynamo.reset()
+    step, state = Step(), State()
+    replay = _replayed(step)
+    for i in range(6):
+        state.offset = i // 3  # steps 0-2 and 3-5: two states, each recorded, then replayed once
+        _check(replay, step, state, 1)
+    assert replay.replays == 2
+
+
+def test_recording_sees_only_its_own_thread() -> None:
+    fn = recordable(lambda x: [x + 1])
+    other: list = []
+    with recording() as calls:
+        fn(torch.zeros(1))
+        thread = threading.Thread(target=lambda: other.append(fn(torch.zeros(1))))
+        thread.start()
+        thread.join()
+    assert len(calls) == 1 and len(other) == 1
+    fn(torch.zeros(1))
+    assert len(calls) == 1  # not recording any more
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        (torch.tensor(2.0), torch.tensor(2.0), True),  # a module's number, passed anew each call
+        (torch.tensor(2.0), torch.tensor(3.0), False),
+        (torch.tensor(2.0), torch.tensor(2.0, dtype=torch.float64), False),
+        (torch.ones(2), torch.ones(2), False),  # not a number: must be the same object
+        (7, 7, True),
+        (7, 8, False),
+    ],
+)
+def test_fixed_arguments_agree_only_when_equal_numbers_or_identical(a: object, b: object, same: bool) -> None:
+    assert decode_replay._same(a, b) is same
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
+def test_generate_replays_decode_steps_with_reference_tokens(reference_models, arch) -> None:
+    ref = reference_models[arch]
+    model = patched_copy(ref, expert_budget=0.0)
+    made: list[DecodeReplay] = []
+    get_compiled_call = model.get_compiled_call
+    model.get_compiled_call = lambda config: made.append(get_compiled_call(config)) or made[-1]
+    x = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    want = ref.generate(x, max_new_tokens=10, do_sample=False)
+    for _ in range(2):  # the second generate() call checks its first steps through Dynamo again
+        assert torch.equal(model.generate(x, max_new_tokens=10, do_sample=False), want)
+    assert len(made) == 2 and made[0] is not made[1]
+    assert [r.replays for r in made] == [7, 7]  # 9 decode steps: 2 through Dynamo, 7 replayed

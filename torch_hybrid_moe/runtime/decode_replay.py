@@ -1,0 +1,206 @@
+"""Uncaptured decode steps of `generate()` called past Dynamo once two steps have agreed.
+
+Without a CUDA graph (on the CPU), every decode step enters the compiled forward through Dynamo: its frame
+evaluation checks ~1,000 guards and runs the bytecode that gathers the graph's inputs from the model, the cache
+and the arguments, then rebuilds the output; about 1 ms of a ~20 ms int4 token on a 2-core CPU. Within one
+`generate()` call the decode steps of one input signature run one compiled graph over the same parameters and
+cache buffers; only the step's input tensors differ. So the `hybrid_moe` backend's callable records the
+arguments it is called with (`recording`); `DecodeReplay` sends the first two steps of a signature through
+Dynamo (every guard checked), and when both called the same graph with the same arguments apart from the step's
+own tensors, and changed no Python state that Dynamo's bytecode would have written back, later steps call that
+graph directly with their own tensors in those places. A new `generate()` call starts over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+_RECORDING = threading.local()  # per thread: another thread's compiled calls are never recorded into this one's
+_PRIMITIVES = (int, float, bool, str, type(None))
+_RECORD_STEPS = 2  # steps of a signature through Dynamo that must agree before the next is replayed
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable
+    args: tuple
+    result: object
+
+
+def recordable(compiled: Callable) -> Callable:
+    """`compiled` (a backend's result, which Dynamo calls with the graph's inputs), noting each call made while
+    this thread is `recording`."""
+
+    def run(*args: object) -> object:
+        result = compiled(*args)
+        calls = getattr(_RECORDING, "calls", None)
+        if calls is not None:
+            calls.append(_Call(compiled, args, result))
+        return result
+
+    return run
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[_Call]]:
+    """The calls of `recordable` callables on this thread while the block runs."""
+    outer = getattr(_RECORDING, "calls", None)
+    calls: list[_Call] = []
+    _RECORDING.calls = calls
+    try:
+        yield calls
+    finally:
+        _RECORDING.calls = outer
+
+
+@dataclass(frozen=True)
+class _Replay:
+    """How to call one recorded graph with a step's leaves, and rebuild the forward's output from its result."""
+
+    fn: Callable
+    args: tuple
+    inputs: tuple[tuple[int, int], ...]  # (argument position, kwargs leaf index): the step's own tensors
+    outputs: tuple[tuple[bool, Any], ...]  # per output leaf: (True, result index) or (False, the leaf itself)
+    spec: pytree.TreeSpec
+
+
+def _python_state(objects: list[object]) -> tuple:
+    """What Dynamo's bytecode may write back after a graph: every attribute of these objects, and the items of
+    attributes that are dicts or lists (a module's parameters, a cache's layers); primitives by value, anything
+    else by identity."""
+
+    def ref(v: object) -> object:
+        return v if isinstance(v, _PRIMITIVES) else id(v)
+
+    def value(v: object) -> object:
+        if isinstance(v, dict):
+            return tuple((k, ref(x)) for k, x in v.items())
+        return tuple(map(ref, v)) if isinstance(v, list) else ref(v)
+
+    return tuple(tuple((k, value(v)) for k, v in vars(obj).items()) for obj in objects if hasattr(obj, "__dict__"))
+
+
+def _held(leaves: list) -> list[object]:
+    """The objects among a step's leaves (the cache) and their layers: state a step's graph is specialised on."""
+    objects = [v for v in leaves if not isinstance(v, (torch.Tensor, *_PRIMITIVES))]
+    return objects + [layer for v in objects for layer in getattr(v, "layers", ())]
+
+
+def _plan(call: _Call, leaves: list, out: object) -> _Replay | None:
+    """The replay of `call` (which took the step's kwargs leaves and whose forward returned `out`); None when an
+    argument is neither a tensor nor an int (a dynamic size, fixed by the signature's shapes) or an output tensor
+    did not come from the graph."""
+    if not all(isinstance(a, torch.Tensor | int) for a in call.args) or not isinstance(call.result, list | tuple):
+        return None
+    position = {id(leaf): j for j, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    inputs = tuple((i, position[id(a)]) for i, a in enumerate(call.args) if id(a) in position)
+    produced = {id(r): k for k, r in enumerate(call.result)}
+    out_leaves, spec = pytree.tree_flatten(out)
+    outputs = []
+    for leaf in out_leaves:
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in produced:
+                return None
+            outputs.append((True, produced[id(leaf)]))
+        else:
+            outputs.append((False, leaf))
+    return _Replay(call.fn, call.args, inputs, tuple(outputs), spec)
+
+
+def _same(x: object, y: object) -> bool:
+    """One fixed argument of two steps: the same object, or equal numbers (a dynamic size; a module's number
+    attribute, which Dynamo passes as a new 0-d tensor each call once it has seen two values)."""
+    if x is y or type(x) is type(y) is int and x == y:
+        return True
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(y, torch.Tensor)
+        and x.dim() == y.dim() == 0
+        and (x.dtype, x.device) == (y.dtype, y.device)
+        and bool(torch.equal(x, y))
+    )
+
+
+def _agree(a: _Replay, b: _Replay) -> bool:
+    """Two steps' plans name the same graph, fixed arguments and output layout (the step's tensors aside)."""
+    fixed = {i for i, _ in a.inputs}
+    return (
+        a.fn is b.fn
+        and a.inputs == b.inputs
+        and a.spec == b.spec
+        and len(a.args) == len(b.args)
+        and all(_same(x, y) for i, (x, y) in enumerate(zip(a.args, b.args)) if i not in fixed)
+        and [(t, k if t else id(k)) for t, k in a.outputs] == [(t, k if t else id(k)) for t, k in b.outputs]
+    )
+
+
+class DecodeReplay:
+    """The compiled forward of one `generate()` call: Dynamo for a signature's first steps, then its graph."""
+
+    def __init__(self, model: torch.nn.Module, compiled: Callable) -> None:
+        self.model = model
+        self.compiled = compiled
+        self.recorded: dict[tuple, list[_Replay | None]] = {}  # per signature: its steps so far through Dynamo
+        self.agreed: dict[tuple, _Replay | None] = {}  # per signature: the graph to call, or None: always Dynamo
+        self.replays = 0
+
+    def __call__(self, **kwargs: object) -> object:
+        signature = _signature(kwargs)
+        if signature is None:
+            return self.compiled(**kwargs)
+        key, leaves = signature
+        if key in self.agreed:
+            plan = self.agreed[key]
+            if plan is None:
+                return self.compiled(**kwargs)
+            self.replays += 1
+            return _run(plan, leaves)
+        objects = [*self.model.modules(), *_held(leaves)]
+        before = _python_state(objects)
+        with recording() as calls:
+            out = self.compiled(**kwargs)
+        clean = len(calls) == 1 and _python_state(objects) == before
+        steps = self.recorded.setdefault(key, [])
+        steps.append(_plan(calls[0], leaves, out) if clean else None)
+        if len(steps) == _RECORD_STEPS:
+            first = steps[0]
+            agreed = first is not None and all(p is not None and _agree(first, p) for p in steps)
+            self.agreed[key] = steps[-1] if agreed else None
+            del self.recorded[key]
+        return out
+
+
+def _signature(kwargs: dict[str, object]) -> tuple[tuple, list] | None:
+    """(key, leaves) of a step: what a recorded graph call stands for; None when a leaf is unhashable.
+
+    The key holds the tree's shape, each tensor leaf's shape, strides, dtype, device and grad flag, every other
+    leaf's value (objects by identity, with their Python state: a cache's counters and buffers) and the grad
+    modes."""
+    leaves, spec = pytree.tree_flatten(kwargs)
+    parts: list[object] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            parts.append(leaf if isinstance(leaf, _PRIMITIVES) else id(leaf))
+    parts.append(_python_state(_held(leaves)))
+    try:
+        hash(tuple(parts))
+    except TypeError:
+        return None
+    return tuple(parts), leaves
+
+
+def _run(plan: _Replay, leaves: list) -> object:
+    args = list(plan.args)
+    for i, j in plan.inputs:
+        args[i] = leaves[j]
+    result = plan.fn(*args)
+    return pytree.tree_unflatten([result[k] if made else k for made, k in plan.outputs], plan.spec)
