@@ -14,9 +14,11 @@ graph directly with their own tensors in those places. A new `generate()` call s
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -141,14 +143,23 @@ def _agree(a: _Replay, b: _Replay) -> bool:
     )
 
 
+@dataclass
+class _Signature:
+    """One input signature's steps in a `generate()` call, valid while its object leaves' attributes stay put."""
+
+    held: tuple  # the object leaves (the cache, its layers) and their attribute values, compared by identity
+    steps: list[_Replay | None] = field(default_factory=list)  # its steps so far through Dynamo
+    settled: bool = False  # `_RECORD_STEPS` seen: `plan` is the graph to call, or None (Dynamo for every step)
+    plan: _Replay | None = None
+
+
 class DecodeReplay:
     """The compiled forward of one `generate()` call: Dynamo for a signature's first steps, then its graph."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable) -> None:
         self.model = model
         self.compiled = compiled
-        self.recorded: dict[tuple, list[_Replay | None]] = {}  # per signature: its steps so far through Dynamo
-        self.agreed: dict[tuple, _Replay | None] = {}  # per signature: the graph to call, or None: always Dynamo
+        self.signatures: dict[tuple, _Signature] = {}
         self.replays = 0
 
     def __call__(self, **kwargs: object) -> object:
@@ -156,33 +167,41 @@ class DecodeReplay:
         if signature is None:
             return self.compiled(**kwargs)
         key, leaves = signature
-        if key in self.agreed:
-            plan = self.agreed[key]
-            if plan is None:
+        held = _held_values(leaves)
+        entry = self.signatures.get(key)
+        if entry is None or len(entry.held) != len(held) or not all(map(operator.is_, entry.held, held)):
+            entry = self.signatures[key] = _Signature(held)  # new, or the cache's state moved: record again
+        if entry.settled:
+            if entry.plan is None:
                 return self.compiled(**kwargs)
             self.replays += 1
-            return _run(plan, leaves)
+            return _run(entry.plan, leaves)
         objects = [*self.model.modules(), *_held(leaves)]
         before = _python_state(objects)
         with recording() as calls:
             out = self.compiled(**kwargs)
         clean = len(calls) == 1 and _python_state(objects) == before
-        steps = self.recorded.setdefault(key, [])
-        steps.append(_plan(calls[0], leaves, out) if clean else None)
-        if len(steps) == _RECORD_STEPS:
-            first = steps[0]
-            agreed = first is not None and all(p is not None and _agree(first, p) for p in steps)
-            self.agreed[key] = steps[-1] if agreed else None
-            del self.recorded[key]
+        entry.steps.append(_plan(calls[0], leaves, out) if clean else None)
+        if len(entry.steps) == _RECORD_STEPS:
+            first = entry.steps[0]
+            entry.settled = True
+            if first is not None and all(p is not None and _agree(first, p) for p in entry.steps):
+                entry.plan = entry.steps[-1]
+            entry.steps.clear()
         return out
+
+
+def _held_values(leaves: list) -> tuple:
+    """The object leaves, their layers and every attribute value of each, held rather than copied: compared by
+    identity, a changed attribute shows even where the old value's memory would have been reused."""
+    return tuple(chain.from_iterable((obj, *getattr(obj, "__dict__", {}).values()) for obj in _held(leaves)))
 
 
 def _signature(kwargs: dict[str, object]) -> tuple[tuple, list] | None:
     """(key, leaves) of a step: what a recorded graph call stands for; None when a leaf is unhashable.
 
     The key holds the tree's shape, each tensor leaf's shape, strides, dtype, device and grad flag, every other
-    leaf's value (objects by identity, with their Python state: a cache's counters and buffers) and the grad
-    modes."""
+    leaf's value (objects by identity; their state is checked apart, `_held_values`) and the grad modes."""
     leaves, spec = pytree.tree_flatten(kwargs)
     parts: list[object] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     for leaf in leaves:
@@ -190,7 +209,6 @@ def _signature(kwargs: dict[str, object]) -> tuple[tuple, list] | None:
             parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
         else:
             parts.append(leaf if isinstance(leaf, _PRIMITIVES) else id(leaf))
-    parts.append(_python_state(_held(leaves)))
     try:
         hash(tuple(parts))
     except TypeError:
