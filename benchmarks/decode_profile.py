@@ -5,15 +5,18 @@ generation of a single new token instead (the prompt's prefill and the LM head) 
 tells one projection from another. The weights' bytes each op reads are
 not known to the profiler: the op names say which part of the step it is (`hybrid_moe::linear`: the dense layers,
 `hybrid_moe::dispatch`: the experts, `aten::bmm`: decode attention, the rest: the compiled graph's own kernels,
-Dynamo's guards and the ops around them).
+Dynamo's guards and the ops around them). With --replay it times, without the profiler, each decode step's forward
+called both ways on alternate steps: the graph called directly (runtime/decode_replay.py, the default) and through
+Dynamo's frame evaluation, so that both see the same moments of a noisy host.
 
     python benchmarks/decode_profile.py [--shape qwen3-30b-a3b] [--layers 4] [--weights model|int8|int4] [--tokens 32]
-        [--prefill]
+        [--prefill | --replay [--rounds 4]]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,6 +45,57 @@ def profiled(
     }
 
 
+class Alternating:
+    """A `generate()` call's compiled forward (a `DecodeReplay`): once it has settled on a graph to call directly,
+    every other step goes through Dynamo instead; the forward's seconds are kept per way."""
+
+    def __init__(self, replay) -> None:
+        self.replay = replay
+        self.seconds: dict[str, list[float]] = {"direct": [], "dynamo": []}
+
+    def __call__(self, **kwargs: object) -> object:
+        settled = any(s.plan is not None for s in self.replay.signatures.values())
+        way = "dynamo" if settled and len(self.seconds["direct"]) > len(self.seconds["dynamo"]) else "direct"
+        start = time.perf_counter()
+        out = self.replay.compiled(**kwargs) if way == "dynamo" else self.replay(**kwargs)
+        if settled:
+            self.seconds[way].append(time.perf_counter() - start)
+        return out
+
+
+def replay_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds: int) -> str:
+    """Medians and quartiles of a decode step's forward each way over `rounds` generations, and of the paired
+    differences (a Dynamo step less the direct step before it)."""
+    made: list[Alternating] = []
+    get_compiled_call = model.get_compiled_call
+    model.get_compiled_call = lambda config: made.append(Alternating(get_compiled_call(config))) or made[-1]
+    gen = dict(do_sample=False, max_new_tokens=tokens + 3, min_new_tokens=tokens + 3)
+    model.generate(ids, **gen)  # compiles
+    made.clear()
+    for _ in range(rounds):
+        model.generate(ids, **gen)
+    ways = {w: [s for a in made for s in a.seconds[w]] for w in ("direct", "dynamo")}
+    pairs = [d - r for a in made for r, d in zip(a.seconds["direct"], a.seconds["dynamo"])]
+    if min(len(v) for v in ways.values()) < 2:
+        sys.exit(
+            "decode_profile: the decode step was never called directly (a graph break, or Python state it "
+            "changes each step); nothing to compare"
+        )
+
+    def spread(values: list[float]) -> str:
+        q = statistics.quantiles(values, n=4)
+        return f"{statistics.median(values) * 1e3:.3f} [{q[0] * 1e3:.3f}-{q[2] * 1e3:.3f}]"
+
+    return "\n".join(
+        [
+            f"{'forward ms: median [quartiles]':>34}  steps",
+            f"{'graph called directly':>34}  {spread(ways['direct'])}  {len(ways['direct'])}",
+            f"{'through Dynamo':>34}  {spread(ways['dynamo'])}  {len(ways['dynamo'])}",
+            f"{'paired: Dynamo less direct':>34}  {spread(pairs)}  {len(pairs)}",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -54,13 +108,19 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=32, help="decode steps profiled")
     parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill instead, per input shape")
+    parser.add_argument(
+        "--replay", action="store_true", help="time decode steps called directly against through Dynamo instead"
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="--replay: generations of --tokens steps")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rows", type=int, default=25, help="ops listed")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "torch_hybrid_moe" / "checkpoints")
     args = parser.parse_args()
-    if args.tokens < 1 or args.prompt < 1:
-        parser.error("--tokens and --prompt must be at least 1")
+    if args.tokens < 1 or args.prompt < 1 or args.rounds < 1:
+        parser.error("--tokens, --prompt and --rounds must be at least 1")
+    if args.prefill and args.replay:
+        parser.error("--prefill and --replay measure different things: give one")
     import torch_hybrid_moe as thm
 
     torch.set_num_threads(args.threads)
@@ -75,6 +135,16 @@ def main() -> None:
         dtype=torch.bfloat16,
     )
     ids = torch.randint(100, 2000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    if args.replay:
+        with torch.no_grad():
+            table = replay_table(model, ids, args.tokens, args.rounds)
+        print(
+            f"{args.shape}, {args.layers} layers, {args.weights} weights, {args.threads} threads, "
+            f"a {args.prompt}-token prompt, {args.rounds} x {args.tokens} decode steps alternating, "
+            f"{time.strftime('%Y-%m-%d')}"
+        )
+        print(table)
+        return
     if args.prefill:
         with torch.no_grad():
             seconds, ops = profiled(model, ids, 1, shapes=True)
