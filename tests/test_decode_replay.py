@@ -42,8 +42,11 @@ class State:
         self.offset = 0
 
 
-def _replayed(step: Step) -> DecodeReplay:
-    return DecodeReplay(step, torch.compile(step, backend=_recording_backend, fullgraph=True))
+def _fresh() -> tuple[Step, State, DecodeReplay]:
+    """A step, its state and its replay, compiled afresh whatever earlier tests compiled."""
+    torch._dynamo.reset()
+    step = Step()
+    return step, State(), DecodeReplay(step, torch.compile(step, backend=_recording_backend, fullgraph=True))
 
 
 def _check(replay: DecodeReplay, step: Step, state: State, calls: int, **kwargs: object) -> None:
@@ -56,9 +59,7 @@ def _check(replay: DecodeReplay, step: Step, state: State, calls: int, **kwargs:
 
 
 def test_steps_replay_once_two_agree_and_match_eager() -> None:
-    torch._dynamo.reset()
-    step, state = Step(), State()
-    replay = _replayed(step)
+    step, state, replay = _fresh()
     _check(replay, step, state, 5)
     assert replay.replays == 3  # two steps through Dynamo, then the graph
     _check(replay, step, state, 3, flag=False)  # a new signature: recorded on its own
@@ -69,10 +70,8 @@ def test_steps_replay_once_two_agree_and_match_eager() -> None:
 
 
 def test_a_python_side_effect_is_never_replayed() -> None:
-    torch._dynamo.reset()
-    step, state = Step(), State()
+    step, state, replay = _fresh()
     step.keep_input = True
-    replay = _replayed(step)
     for i in range(5):
         x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
         replay(x=x, state=state)
@@ -81,9 +80,7 @@ def test_a_python_side_effect_is_never_replayed() -> None:
 
 
 def test_a_rebound_tensor_attribute_is_never_replayed() -> None:
-    torch._dynamo.reset()
-    step, state = Step(), State()
-    replay = _replayed(step)
+    step, state, replay = _fresh()
     for i in range(5):
         step.shift = torch.full((4,), float(i))  # a new object each step: the recorded steps disagree
         _check(replay, step, state, 1)
@@ -91,9 +88,7 @@ def test_a_rebound_tensor_attribute_is_never_replayed() -> None:
 
 
 def test_an_object_leafs_changed_state_is_recorded_again() -> None:
-    torch._dynamo.reset()
-    step, state = Step(), State()
-    replay = _replayed(step)
+    step, state, replay = _fresh()
     for i in range(6):
         state.offset = i // 3  # steps 0-2 and 3-5: two states, each recorded, then replayed once
         _check(replay, step, state, 1)
