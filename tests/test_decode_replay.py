@@ -1,5 +1,6 @@
-"""Uncaptured decode steps called past Dynamo (runtime/decode_replay.py): replayed only when that is what Dynamo
-would have run, checked against eager calls and the unpatched model's tokens."""
+"""Uncaptured decode steps called past Dynamo (runtime/decode_replay.py): replayed only where the recorded steps
+and the checks made at every step say Dynamo would run the same graph, checked against eager calls and the
+unpatched model's logits."""
 
 import threading
 
@@ -17,6 +18,11 @@ def _recording_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object
     return recordable(gm.forward)
 
 
+class Box:
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+
 class Step(torch.nn.Module):
     """A decode step in miniature: a weight, a tensor attribute the caller may rebind, a dict output."""
 
@@ -27,11 +33,19 @@ class Step(torch.nn.Module):
         self.scale = 1.5
         self.keep_input = False
         self.last_input: torch.Tensor | None = None
+        self.box = Box()  # not a module: its attributes are two levels down
+        self.fill_box = False
 
-    def forward(self, x: torch.Tensor, state: "State", flag: bool = True) -> dict[str, object]:
+    def forward(
+        self, x: torch.Tensor, state: "State", flag: bool = True, bias: torch.Tensor | None = None
+    ) -> dict[str, object]:
         if self.keep_input:
             self.last_input = x  # a Python side effect, not guarded on: Dynamo applies it after the graph
         y = (x @ self.weight + self.shift) * self.scale + state.offset
+        if bias is not None:
+            y = y + bias
+        if self.fill_box:
+            self.box.value = y * 2  # a tensor the graph computes for Dynamo's bytecode to store
         return {"y": y if flag else -y, "state": state, "total": y.sum()}
 
 
@@ -79,6 +93,16 @@ def test_a_python_side_effect_is_never_replayed() -> None:
     assert replay.replays == 0
 
 
+def test_a_tensor_stored_deep_in_python_is_never_replayed() -> None:
+    step, state, replay = _fresh()
+    step.fill_box = True
+    for i in range(5):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        y = replay(x=x, state=state)["y"]
+        assert torch.equal(step.box.value, y * 2)
+    assert replay.replays == 0
+
+
 def test_a_rebound_tensor_attribute_is_never_replayed() -> None:
     step, state, replay = _fresh()
     for i in range(5):
@@ -93,6 +117,41 @@ def test_an_object_leafs_changed_state_is_recorded_again() -> None:
         state.offset = i // 3  # steps 0-2 and 3-5: two states, each recorded, then replayed once
         _check(replay, step, state, 1)
     assert replay.replays == 2
+
+
+def test_a_hook_is_never_replayed() -> None:
+    step, state, replay = _fresh()
+    seen: list[int] = []
+    handle = step.register_forward_hook(lambda module, args, out: seen.append(1))
+    try:
+        _check(replay, step, state, 5)
+    finally:
+        handle.remove()
+    assert replay.replays == 0
+    assert len(seen) == 10  # each step once through Dynamo, once eagerly
+
+
+def test_a_global_state_change_records_again() -> None:
+    step, state, replay = _fresh()
+    _check(replay, step, state, 3)
+    assert replay.replays == 1
+    torch.use_deterministic_algorithms(True)  # a flag Dynamo guards on, as it does autocast and the default dtype
+    try:
+        _check(replay, step, state, 3)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert replay.replays == 2  # the flag's first two steps through Dynamo, then the graph again
+
+
+def test_inputs_aliased_when_recorded_are_not_replayed_apart() -> None:
+    step, state, replay = _fresh()
+    for i in range(3):  # recorded and replayed with bias the same tensor as x: the graph may read one input
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        assert torch.equal(replay(x=x, state=state, bias=x)["y"], step(x=x, state=state, bias=x)["y"])
+    assert replay.replays == 1
+    x, bias = torch.randn(2, 4), torch.randn(2, 4)
+    assert torch.equal(replay(x=x, state=state, bias=bias)["y"], step(x=x, state=state, bias=bias)["y"])
+    assert replay.replays == 1  # a new signature, through Dynamo
 
 
 def test_recording_sees_only_its_own_thread() -> None:
@@ -111,9 +170,10 @@ def test_recording_sees_only_its_own_thread() -> None:
 @pytest.mark.parametrize(
     ("a", "b", "same"),
     [
-        (torch.tensor(2.0), torch.tensor(2.0), True),  # a module's number, passed anew each call
-        (torch.tensor(2.0), torch.tensor(3.0), False),
+        (torch.tensor(2.0, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64), True),  # a module's float
+        (torch.tensor(2.0, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64), False),
         (torch.tensor(2.0), torch.tensor(2.0, dtype=torch.float64), False),
+        (torch.tensor(2.0), torch.tensor(2.0), False),  # not what Dynamo makes of a float: must be the same object
         (torch.ones(2), torch.ones(2), False),  # not a number: must be the same object
         (7, 7, True),
         (7, 8, False),
@@ -124,15 +184,19 @@ def test_fixed_arguments_agree_only_when_equal_numbers_or_identical(a: object, b
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_generate_replays_decode_steps_with_reference_tokens(reference_models, arch) -> None:
+def test_generate_replays_decode_steps_with_reference_logits(reference_models, arch) -> None:
     ref = reference_models[arch]
     model = patched_copy(ref, expert_budget=0.0)
     made: list[DecodeReplay] = []
     get_compiled_call = model.get_compiled_call
     model.get_compiled_call = lambda config: made.append(get_compiled_call(config)) or made[-1]
     x = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))
-    want = ref.generate(x, max_new_tokens=10, do_sample=False)
+    gen = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want = ref.generate(x, **gen)
     for _ in range(2):  # the second generate() call checks its first steps through Dynamo again
-        assert torch.equal(model.generate(x, max_new_tokens=10, do_sample=False), want)
+        got = model.generate(x, **gen)
+        assert torch.equal(got.sequences, want.sequences)
+        for mine, theirs in zip(got.logits, want.logits, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     assert len(made) == 2 and made[0] is not made[1]
     assert [r.replays for r in made] == [7, 7]  # 9 decode steps: 2 through Dynamo, 7 replayed

@@ -1,14 +1,21 @@
-"""Uncaptured decode steps of `generate()` called past Dynamo once two steps have agreed.
+"""Uncaptured steps of `generate()` called past Dynamo once two steps have agreed.
 
-Without a CUDA graph (on the CPU), every decode step enters the compiled forward through Dynamo: its frame
-evaluation checks ~1,000 guards and runs the bytecode that gathers the graph's inputs from the model, the cache
-and the arguments, then rebuilds the output; about 1 ms of a ~20 ms int4 token on a 2-core CPU. Within one
-`generate()` call the decode steps of one input signature run one compiled graph over the same parameters and
-cache buffers; only the step's input tensors differ. So the `hybrid_moe` backend's callable records the
-arguments it is called with (`recording`); `DecodeReplay` sends the first two steps of a signature through
-Dynamo (every guard checked), and when both called the same graph with the same arguments apart from the step's
-own tensors, and changed no Python state that Dynamo's bytecode would have written back, later steps call that
-graph directly with their own tensors in those places. A new `generate()` call starts over.
+Without a CUDA graph (on the CPU, or on CUDA with `cuda_graph=False`), every step `generate()` sends to the compiled
+forward (decode steps; also prefill chunks and assisted decoding's checks) enters it through Dynamo: its frame
+evaluation checks ~1,000 guards and runs the bytecode that gathers the graph's inputs from the model, the cache and
+the arguments, then rebuilds the output; 0.6-1.0 ms of a ~20 ms int4 token on a 2-core CPU. Within one `generate()`
+call the steps of one input signature run one compiled graph over the same parameters and cache buffers; only the
+step's input tensors differ. So the `hybrid_moe` backend's callable records the arguments it is called with
+(`recording`), and `DecodeReplay` sends the first two steps of a signature through Dynamo (every guard checked).
+Later steps call that graph directly, with their own tensors in those places, when both recorded steps called the
+same graph with the same other arguments, returned nothing but the forward's output, ran no module hook, and
+changed no attribute (one level deep) of the model's modules, its configs, the cache or the cache's layers.
+
+What is checked again at every replayed step: the input signature (shapes, strides, dtypes, aliasing, other
+values), the identity of every attribute of the cache and its layers, torch's global state as Dynamo guards it
+(grad and autocast modes, default dtype, deterministic flags, ...) and torch's global module hooks. What is not:
+the model itself. Rebinding its parameters or attributes, or registering hooks on its modules, during one
+`generate()` call is not seen until the next call, as with the CUDA graph replay (`decode_graphs.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +34,16 @@ import torch.utils._pytree as pytree
 _RECORDING = threading.local()  # per thread: another thread's compiled calls are never recorded into this one's
 _PRIMITIVES = (int, float, bool, str, type(None))
 _RECORD_STEPS = 2  # steps of a signature through Dynamo that must agree before the next is replayed
+_MAX_SIGNATURES = 16  # more in one generate() call (an object leaf new at every step): start over rather than grow
+_GLOBAL_HOOKS = tuple(
+    getattr(torch.nn.modules.module, name)
+    for name in (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +103,9 @@ def _python_state(objects: list[object]) -> tuple:
             return tuple((k, ref(x)) for k, x in v.items())
         return tuple(map(ref, v)) if isinstance(v, list) else ref(v)
 
-    return tuple(tuple((k, value(v)) for k, v in vars(obj).items()) for obj in objects if hasattr(obj, "__dict__"))
+    return tuple(
+        tuple((k, value(v)) for k, v in tuple(vars(obj).items())) for obj in objects if hasattr(obj, "__dict__")
+    )
 
 
 def _held(leaves: list) -> list[object]:
@@ -97,8 +116,8 @@ def _held(leaves: list) -> list[object]:
 
 def _plan(call: _Call, leaves: list, out: object) -> _Replay | None:
     """The replay of `call` (which took the step's kwargs leaves and whose forward returned `out`); None when an
-    argument is neither a tensor nor an int (a dynamic size, fixed by the signature's shapes) or an output tensor
-    did not come from the graph."""
+    argument is neither a tensor nor an int (a dynamic size, fixed by the signature's shapes), an output tensor did
+    not come from the graph, or the graph returned more than the output (values Dynamo's bytecode writes back)."""
     if not all(isinstance(a, torch.Tensor | int) for a in call.args) or not isinstance(call.result, list | tuple):
         return None
     position = {id(leaf): j for j, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
@@ -113,19 +132,22 @@ def _plan(call: _Call, leaves: list, out: object) -> _Replay | None:
             outputs.append((True, produced[id(leaf)]))
         else:
             outputs.append((False, leaf))
+    if len({k for made, k in outputs if made}) != len(call.result):
+        return None
     return _Replay(call.fn, call.args, inputs, tuple(outputs), spec)
 
 
 def _same(x: object, y: object) -> bool:
-    """One fixed argument of two steps: the same object, or equal numbers (a dynamic size; a module's number
-    attribute, which Dynamo passes as a new 0-d tensor each call once it has seen two values)."""
+    """One fixed argument of two steps: the same object, or equal numbers: a dynamic size, or a module's float
+    attribute, which Dynamo passes as a new 0-d float64 CPU tensor each call once it has seen two values."""
     if x is y or type(x) is type(y) is int and x == y:
         return True
     return (
         isinstance(x, torch.Tensor)
         and isinstance(y, torch.Tensor)
         and x.dim() == y.dim() == 0
-        and (x.dtype, x.device) == (y.dtype, y.device)
+        and x.dtype == y.dtype == torch.float64
+        and x.device.type == y.device.type == "cpu"
         and bool(torch.equal(x, y))
     )
 
@@ -151,6 +173,7 @@ class _Signature:
     steps: list[_Replay | None] = field(default_factory=list)  # its steps so far through Dynamo
     settled: bool = False  # `_RECORD_STEPS` seen: `plan` is the graph to call, or None (Dynamo for every step)
     plan: _Replay | None = None
+    state: Any = None  # torch's global state when it settled, as Dynamo guards it (a GlobalStateGuard)
 
 
 class DecodeReplay:
@@ -169,26 +192,44 @@ class DecodeReplay:
         key, leaves = signature
         held = _held_values(leaves)
         entry = self.signatures.get(key)
-        if entry is None or len(entry.held) != len(held) or not all(map(operator.is_, entry.held, held)):
-            entry = self.signatures[key] = _Signature(held)  # new, or the cache's state moved: record again
-        if entry.settled:
-            if entry.plan is None:
-                return self.compiled(**kwargs)
-            self.replays += 1
-            return _run(entry.plan, leaves)
-        objects = [*self.model.modules(), *_held(leaves)]
+        if entry is not None and entry.settled and entry.plan is not None:
+            if not any(_GLOBAL_HOOKS) and _same_held(entry.held, held) and entry.state.check():
+                self.replays += 1
+                return _run(entry.plan, leaves)
+            entry = None  # the cache's attributes, torch's global state or its global hooks moved: record again
+        elif entry is not None and not _same_held(entry.held, held):
+            entry = None
+        if entry is None:
+            if len(self.signatures) >= _MAX_SIGNATURES:
+                self.signatures.clear()
+            entry = self.signatures[key] = _Signature(held)
+        if entry.settled:  # its steps disagreed: Dynamo for every step of this signature
+            return self.compiled(**kwargs)
+        return self._record(entry, kwargs, leaves)
+
+    def _record(self, entry: _Signature, kwargs: dict[str, object], leaves: list) -> object:
+        """One step through Dynamo, noted in `entry`: a plan, or None when it cannot be replayed."""
+        modules = list(self.model.modules())
+        configs = [getattr(self.model, name, None) for name in ("config", "generation_config")]
+        objects = [*modules, *(c for c in configs if c is not None), *_held(leaves)]
         before = _python_state(objects)
         with recording() as calls:
             out = self.compiled(**kwargs)
-        clean = len(calls) == 1 and _python_state(objects) == before
+        hooked = any(_GLOBAL_HOOKS) or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+        clean = len(calls) == 1 and not hooked and _python_state(objects) == before
         entry.steps.append(_plan(calls[0], leaves, out) if clean else None)
         if len(entry.steps) == _RECORD_STEPS:
             first = entry.steps[0]
             entry.settled = True
             if first is not None and all(p is not None and _agree(first, p) for p in entry.steps):
                 entry.plan = entry.steps[-1]
+                entry.state = torch._C._dynamo.guards.GlobalStateGuard()
             entry.steps.clear()
         return out
+
+
+def _same_held(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _held_values(leaves: list) -> tuple:
@@ -200,15 +241,18 @@ def _held_values(leaves: list) -> tuple:
 def _signature(kwargs: dict[str, object]) -> tuple[tuple, list] | None:
     """(key, leaves) of a step: what a recorded graph call stands for; None when a leaf is unhashable.
 
-    The key holds the tree's shape, each tensor leaf's shape, strides, dtype, device and grad flag, every other
-    leaf's value (objects by identity; their state is checked apart, `_held_values`) and the grad modes."""
+    The key holds the tree's shape; each tensor leaf's shape, strides, dtype, device, grad flag and the first leaf
+    it is the same tensor as (Dynamo compiles aliased inputs as one); every other leaf's type and value (objects
+    by identity; their state is checked apart, `_held_values`); and the grad modes."""
     leaves, spec = pytree.tree_flatten(kwargs)
     parts: list[object] = [spec, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
-    for leaf in leaves:
+    first: dict[int, int] = {}
+    for j, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            alias = first.setdefault(id(leaf), j)
+            parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad, alias))
         else:
-            parts.append(leaf if isinstance(leaf, _PRIMITIVES) else id(leaf))
+            parts.append((type(leaf), leaf if isinstance(leaf, _PRIMITIVES) else id(leaf)))
     try:
         hash(tuple(parts))
     except TypeError:
