@@ -186,12 +186,12 @@ class DecodeReplay:
         self.replays = 0
 
     def __call__(self, **kwargs: object) -> object:
-        signature = _signature(kwargs)
-        if signature is None:
+        key, leaves = _signature(kwargs)
+        try:
+            entry = self.signatures.get(key)
+        except TypeError:  # a tree node whose spec cannot be hashed: Dynamo for every such step
             return self.compiled(**kwargs)
-        key, leaves = signature
         held = _held_values(leaves)
-        entry = self.signatures.get(key)
         if entry is not None and entry.settled and entry.plan is not None:
             if not any(_GLOBAL_HOOKS) and _same_held(entry.held, held) and entry.state.check():
                 self.replays += 1
@@ -238,8 +238,8 @@ def _held_values(leaves: list) -> tuple:
     return tuple(chain.from_iterable((obj, *getattr(obj, "__dict__", {}).values()) for obj in _held(leaves)))
 
 
-def _signature(kwargs: dict[str, object]) -> tuple[tuple, list] | None:
-    """(key, leaves) of a step: what a recorded graph call stands for; None when a leaf is unhashable.
+def _signature(kwargs: dict[str, object]) -> tuple[tuple, list]:
+    """(key, leaves) of a step: what a recorded graph call stands for.
 
     The key holds the tree's shape; each tensor leaf's shape, strides, dtype, device, grad flag and the first leaf
     it is the same tensor as (Dynamo compiles aliased inputs as one); every other leaf's type and value (objects
@@ -253,10 +253,6 @@ def _signature(kwargs: dict[str, object]) -> tuple[tuple, list] | None:
             parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad, alias))
         else:
             parts.append((type(leaf), leaf if isinstance(leaf, _PRIMITIVES) else id(leaf)))
-    try:
-        hash(tuple(parts))
-    except TypeError:
-        return None
     return tuple(parts), leaves
 
 
