@@ -48,6 +48,20 @@ def test_dense_matvec_against_float64(dtype, isa, n, k, tokens, group):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+@pytest.mark.parametrize("k", [64, 2080])
+def test_activations_are_rounded_bit_for_bit_as_quantize_activations(isa, k):
+    """An int8 identity times x is x as the kernel rounds it, each output one product (the other columns add zeros):
+    every ISA level's vector quantiser gives quantize_activations' values exactly, ties, zero blocks and signs
+    included."""
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * 4
+    x[0, :32] = 0  # a zero block: scale 0, every value 0
+    x[1, 32:64] = torch.arange(-16, 16) + 0.5  # with -127 at its max, a scale of 1: every value a tie, rounded to even
+    x[1, 32] = -127
+    identity = torch.eye(k, dtype=torch.int8)
+    got = cpu_kernel.dense_matvec(x, identity, torch.ones(k, k // 32), isa=isa)
+    assert torch.equal(got, quantize_activations(x))
+
+
 @pytest.mark.parametrize("tokens, limit", [(1, 4), (4, 4), (9, 4), (2, 0)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_op_rounds_once_like_torch(tokens, limit, bias):

@@ -609,10 +609,11 @@ void dequant_rows_bf16(const Matrix& m, int64_t r0, int64_t r1, uint16_t* dst) {
 
 // Activation row x (K fp32, natural column order) made ready for int8 / int4 weights: its QuantRecord at rec
 // (quantise_row) and, where the GEMM route reads it too (gemm not null; may be x itself), its quantised values in
-// this level's layout at gemm. The AVX-512 level quantises a 32-column block per step with the same operations as
-// quantise_row (max |x|, one division, products rounded to nearest even), so a finite row's record is the same
-// bytes, and the GEMM values are read back from the stored int8: on a 512-token prefill the scalar form took a tenth
-// of an int8 layer (benchmarks/RESULTS.md, 2026-11-26 night).
+// this level's layout at gemm. The AVX-512 and AVX2 levels quantise a 32-column block per step with the same
+// operations as quantise_row (max |x|, one division, products rounded to nearest even), so a finite row's record is
+// the same bytes, and the GEMM values are the stored int8 times the scale: on a 512-token prefill the scalar form
+// took a tenth of an int8 layer (benchmarks/RESULTS.md, 2026-11-26 night), and at decode 7 us of a 17 us call on 16
+// rows of 2048 columns (AVX2, 2026-11-28).
 void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) {
 #if HMOE_LEVEL == 2
   static_assert(kStep == 32, "a step is one quantisation block");
@@ -643,6 +644,58 @@ void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) 
                     q1 = _mm512_cvtepi8_epi32(_mm512_cvtepi32_epi8(v1));
       _mm512_storeu_ps(gemm + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(q0), vs));
       _mm512_storeu_ps(gemm + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(q1), vs));
+    }
+  }
+#elif HMOE_LEVEL == 1
+  static_assert(kStep == 16, "a quantisation block is two steps");
+  int8_t* q = reinterpret_cast<int8_t*>(rec);
+  float* scale = reinterpret_cast<float*>(rec + K);
+  float* sum = scale + K / 32;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' interleaving of 128-bit lanes
+  const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  // each 128-bit lane's 16 bytes as its 8 even-column bytes, then its 8 odd ones
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                         14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + 32 * b + 8 * j);
+    const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                   _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    __m256i n[4];  // rounded to nearest even, as std::nearbyint in the default rounding mode
+    for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    scale[b] = s;
+    sum[b] = s * float(_mm_cvtsi128_si32(t4));
+    // |n| <= 127: the saturating packs keep every value; the 32 bytes come out in column order
+    __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), natural);
+    if (f == Fmt::I4)  // the record's order: the block's even columns, then its odd ones
+      bytes = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, split), 0xD8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + record_pos(32 * b, K, f)), _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + record_pos(32 * b + (f == Fmt::I4 ? 1 : 16), K, f)),
+                     _mm256_extracti128_si256(bytes, 1));
+    if (gemm) {  // q * s in this level's layout: int4 pairs each step's even columns, then its odd ones
+      const __m256 vs = _mm256_set1_ps(s);
+      for (int j = 0; j < 4; j += 2) {
+        __m256i lo = n[j], hi = n[j + 1];
+        if (f == Fmt::I4) {
+          const __m256i a = _mm256_permutevar8x32_epi32(lo, evens_first),
+                        c = _mm256_permutevar8x32_epi32(hi, evens_first);
+          lo = _mm256_permute2x128_si256(a, c, 0x20);
+          hi = _mm256_permute2x128_si256(a, c, 0x31);
+        }
+        _mm256_storeu_ps(gemm + 32 * b + 8 * j, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), vs));
+        _mm256_storeu_ps(gemm + 32 * b + 8 * j + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), vs));
+      }
     }
   }
 #else
