@@ -188,11 +188,12 @@ def test_measured_route_is_one_of_the_routes():
 @pytest.mark.parametrize(
     "margins, kernel, tokens",
     [
-        ([-1, -1, -1, -1, -1], "amx", 16),  # wins from the first count on
-        ([1, -1, -1, -1, -1], "amx", 24),  # crosses half-way from 16 to 32
-        ([3, -1, -1, -1, -1], "amx", 28),  # three quarters of the way
-        ([-1, 1, 1, -1, -1], "amx", 96),  # a loss at 32 and 64 overrides the win at 16
-        ([-1, -1, -1, -1, 1], None, None),  # loses at the largest count: micro-kernels throughout
+        ([-1, -1, -1, -1, -1, -1], "amx", 16),  # wins from the first count on
+        ([1, -1, -1, -1, -1, -1], "amx", 24),  # crosses half-way from 16 to 32
+        ([3, -1, -1, -1, -1, -1], "amx", 28),  # three quarters of the way
+        ([-1, 1, 1, -1, -1, -1], "amx", 96),  # a loss at 32 and 64 overrides the win at 16
+        ([1, 1, 1, 1, 1, -1], "amx", 384),  # wins only at the largest count: from half-way there
+        ([-1, -1, -1, -1, -1, 1], None, None),  # loses at the largest count: micro-kernels throughout
     ],
 )
 def test_route_starts_where_the_measured_times_cross(margins, kernel, tokens):
@@ -200,7 +201,7 @@ def test_route_starts_where_the_measured_times_cross(margins, kernel, tokens):
     route that starts at a measured count half a factor-2 step early or late costs a tenth of a layer's time."""
     micro = [float(n) for n in cpu_kernel.ROUTE_TOKENS]
     gemm = [[m + 2.0, m + d] for m, d in zip(micro, margins, strict=True)]  # "bf16" always loses to "amx"
-    route = cpu_kernel._crossover(micro, gemm, ["bf16", "amx"])
+    route = cpu_kernel._crossover(cpu_kernel.ROUTE_TOKENS, micro, gemm, ["bf16", "amx"])
     assert route == (cpu_kernel.MICRO_KERNELS if kernel is None else cpu_kernel.GemmRoute(tokens, kernel))
 
 

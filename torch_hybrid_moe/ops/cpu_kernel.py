@@ -51,7 +51,7 @@ class GemmRoute:
 
 UNLIMITED = 2**62  # a token count no input reaches
 MICRO_KERNELS = GemmRoute(UNLIMITED)  # no expert reaches the GEMM
-ROUTE_TOKENS = (16, 32, 64, 128, 256)  # tokens per expert at which the routes are compared
+ROUTE_TOKENS = (16, 32, 64, 128, 256, 512)  # tokens per expert at which the routes are compared
 COLD_BYTES = 2**30  # at most this much memory for the copies that keep a route's measurement out of the caches
 ROUTE_INTER = 512  # time scales with an expert's rows: wider experts are timed on this many intermediate columns
 
@@ -102,7 +102,7 @@ def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     hidden_size = hidden.shape[1]
     group = 0 if gate_up_scale is None else hidden_size // gate_up_scale.shape[-1]
     return _measure_route(
-        hidden_size, gate_up.shape[1] // 2, gate_up.dtype, group, hidden.dtype, torch.get_num_threads()
+        hidden_size, gate_up.shape[1] // 2, gate_up.dtype, group, hidden.dtype, torch.get_num_threads(), ROUTE_TOKENS
     )
 
 
@@ -128,8 +128,12 @@ def _measure_route(
     group: int,
     activations: torch.dtype,
     threads: int,
+    counts: tuple[int, ...],
     repeats: int = 3,
 ) -> GemmRoute:
+    # `counts` is part of the stored key: a route measured at other counts is measured again. Up to 512 tokens: the
+    # GEMM's lead at 256 was once extrapolated to every larger expert, and int4 experts of 207-512 tokens took fp32
+    # panels at 52 GMAC/s where the micro-kernels ran at 61 (AVX2, benchmarks/RESULTS.md, 2026-11-28).
     inter = min(inter, ROUTE_INTER)
     g = torch.Generator().manual_seed(0)
     gate_up = torch.randn(2, 2 * inter, hidden_size, generator=g) * hidden_size**-0.5
@@ -152,7 +156,7 @@ def _measure_route(
             gemms.append(GemmRoute(1, "amx"))
     micro: list[float] = []  # per token count: the micro-kernels' seconds, and each GEMM's
     gemm: list[list[float]] = []
-    for n in ROUTE_TOKENS:
+    for n in counts:
         hidden = torch.randn(n, hidden_size, generator=g).to(activations)
         ids = (2 * torch.arange(pairs)[:, None, None] + torch.tensor([0, 1])).expand(pairs, n, 2).contiguous()
         weights, out = torch.full((n, 2), 0.5), torch.zeros(n, hidden_size)
@@ -167,11 +171,13 @@ def _measure_route(
         )
         micro.append(seconds[0])
         gemm.append(seconds[1:])
-    return _crossover(micro, gemm, [r.kernel for r in gemms])
+    return _crossover(counts, micro, gemm, [r.kernel for r in gemms])
 
 
-def _crossover(micro: Sequence[float], gemm: Sequence[Sequence[float]], kernels: Sequence[str]) -> GemmRoute:
-    """The route from measured seconds per `ROUTE_TOKENS` count: the GEMM fastest at the largest count, from the
+def _crossover(
+    counts: Sequence[int], micro: Sequence[float], gemm: Sequence[Sequence[float]], kernels: Sequence[str]
+) -> GemmRoute:
+    """The route from measured seconds per token count: the GEMM fastest at the largest count, from the
     smallest count from which it beats the micro-kernels at every larger one. Between a losing and a winning count
     the start is where the two times cross, linearly interpolated: the counts are a factor 2 apart, and a layer's
     experts spread around its mean count, so half a step is a tenth of the layer's time."""
@@ -182,9 +188,9 @@ def _crossover(micro: Sequence[float], gemm: Sequence[Sequence[float]], kernels:
     start = len(margin) - 1
     while start > 0 and margin[start - 1] < 0:
         start -= 1
-    tokens = ROUTE_TOKENS[start]
+    tokens = counts[start]
     if start > 0:
-        low, lose, win = ROUTE_TOKENS[start - 1], margin[start - 1], margin[start]
+        low, lose, win = counts[start - 1], margin[start - 1], margin[start]
         tokens = low + math.ceil((tokens - low) * lose / (lose - win))
     return GemmRoute(tokens, kernels[k])
 

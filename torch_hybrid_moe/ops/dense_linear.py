@@ -200,11 +200,12 @@ def _upcast_wins(shape: tuple[int, int], dtype: torch.dtype, threads: int, repea
     return upcast_s < native_s
 
 
-def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: int = 3) -> int:
+def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: int = 5) -> int:
     """Up to how many rows an int8 / int4 linear (ops/quantize.py operands) stays on the micro-kernels: at least
     TOKEN_COUNTS[-1], and on through QUANTIZED_COUNTS while they beat dequantising the weight for torch's GEMM
-    (with VNNI integer dots they win at every count: no limit); measured once per shape and format. 0 where the
-    kernel could not be built: every row count takes the dequantised route."""
+    (with VNNI integer dots they win at every count: no limit); measured once per shape and format, 5 turns each
+    (with 3, a 15% lead of the micro-kernels at 512 rows was once measured as a loss). 0 where the kernel could not
+    be built: every row count takes the dequantised route."""
     if cpu_kernel.best_isa() < 0:
         return 0
     columns = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
