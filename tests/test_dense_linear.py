@@ -48,18 +48,35 @@ def test_dense_matvec_against_float64(dtype, isa, n, k, tokens, group):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+def _identity(k: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 / packed int4 (stored q + 8, column 2j in byte j's low nibble) [k, k] identity, scales 1."""
+    if fmt == "int8":
+        data = torch.eye(k, dtype=torch.int8)
+    else:
+        data = torch.full((k, k // 2), 0x88, dtype=torch.uint8)
+        rows = torch.arange(k)
+        data[rows, rows // 2] = torch.where(rows % 2 == 0, 0x89, 0x98).to(torch.uint8)
+    return data, torch.ones(k, k // 32)
+
+
 @pytest.mark.parametrize("k", [64, 2080])
 def test_activations_are_rounded_bit_for_bit_as_quantize_activations(isa, k):
-    """An int8 identity times x is x as the kernel rounds it, each output one product (the other columns add zeros):
-    every ISA level's vector quantiser gives quantize_activations' values exactly, ties, zero blocks and signs
-    included."""
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * 4
+    """An identity times x is x as the kernels round it, each output one product (the other columns add zeros): the
+    micro-kernels' records (int8 identity, each ISA level) and the GEMM route's rounded rows (int8 and int4 layouts,
+    written over the rows in place; this CPU's best level) equal quantize_activations' values exactly, ties, zero and
+    tiny blocks and signs included. (int4 records hold the int8 records' values in another order: the tolerance tests
+    check that order.)"""
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(k)) * 4
     x[0, :32] = 0  # a zero block: scale 0, every value 0
     x[1, 32:64] = torch.arange(-16, 16) + 0.5  # with -127 at its max, a scale of 1: every value a tie, rounded to even
     x[1, 32] = -127
-    identity = torch.eye(k, dtype=torch.int8)
-    got = cpu_kernel.dense_matvec(x, identity, torch.ones(k, k // 32), isa=isa)
-    assert torch.equal(got, quantize_activations(x))
+    x[2, :32] = 1e-38  # 1 / scale overflows: zeros, on every level and in the reference
+    want = quantize_activations(x)
+    assert not want[2, :32].any()
+    got = cpu_kernel.dense_matvec(x, *_identity(k, "int8"), isa=isa)
+    assert torch.equal(got, want)
+    for fmt in ("int8", "int4"):
+        assert torch.equal(cpu_kernel.dense_gemm(x, *_identity(k, fmt), None), want)
 
 
 @pytest.mark.parametrize("tokens, limit", [(1, 4), (4, 4), (9, 4), (2, 0)])

@@ -100,10 +100,12 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, bits: int, group_size: i
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] (K % 32 == 0) as int8 / int4 layers compute with it: rounded to int8 per block of 32 columns,
     scale = max |x| / 127, as the C++ kernel's integer dot products (and llama.cpp's q8_0 activations) do; in fp32.
-    Every route through a quantised layer applies it, so where a product runs does not change its value."""
+    Every route through a quantised layer applies it, so where a product runs does not change its value. A block
+    whose 1 / scale is not finite (all zeros, or |x| below 127 / FLT_MAX) becomes zeros."""
     blocks = x.float().unflatten(-1, (-1, 32))
     scale = blocks.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    inverse = 1 / scale
+    inverse = torch.where(inverse.isfinite(), inverse, torch.zeros_like(inverse))
     return (torch.round(blocks * inverse) * scale).flatten(-2)
 
 

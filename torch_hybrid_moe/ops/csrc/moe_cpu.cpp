@@ -235,6 +235,13 @@ inline int32_t block_dot(const uint8_t* row, int64_t b, const QuantRecord& x, in
   return dot;
 }
 
+// 1 / s for a block's scale s, or 0 where that is not finite (an all-zero block, or a largest |x| below 127 / FLT_MAX):
+// the block quantises to zeros, on every level alike (ops/quantize.py's quantize_activations too).
+inline float inverse_scale(float s) {
+  const float inv = 1.f / s;
+  return std::isfinite(inv) ? inv : 0.f;
+}
+
 // Row x (K fp32 values, natural column order, K % 32 == 0) as format f's record at rec.
 void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
   int8_t* q = reinterpret_cast<int8_t*>(rec);
@@ -244,7 +251,7 @@ void quantise_row(const float* x, int64_t K, Fmt f, uint8_t* rec) {
     const float* xb = x + 32 * b;
     float amax = 0.f;
     for (int c = 0; c < 32; ++c) amax = std::max(amax, std::fabs(xb[c]));
-    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    const float s = amax / 127.f, inv = inverse_scale(s);
     int32_t total = 0;
     for (int c = 0; c < 32; ++c) {
       const int32_t v = int32_t(std::nearbyint(xb[c] * inv));

@@ -1,7 +1,7 @@
 // The micro-kernels, written once with GCC vector extensions and included by moe_cpu.cpp once per ISA level,
 // each time inside its own namespace, under `#pragma GCC target`, with HMOE_VBYTES (vector bytes) and HMOE_LEVEL
 // set: the same source becomes SSE2, AVX2 or AVX-512 code. Needs Fmt, Matrix, QuantRecord, weight_at, pairs_layout,
-// record_pos, layout_pos, quantise_row, <cmath>, <cstring> and <vector> in scope.
+// record_pos, layout_pos, quantise_row, inverse_scale, <cmath>, <cstring> and <vector> in scope.
 
 constexpr int W = HMOE_VBYTES / 4;  // fp32 lanes per vector
 constexpr int kStep = 2 * W;        // columns per inner step: two vectors
@@ -625,7 +625,7 @@ void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) 
   for (int64_t b = 0; b < K / 32; ++b) {
     const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    const float s = amax / 127.f, inv = inverse_scale(s);
     const __m512 vinv = _mm512_set1_ps(inv);
     __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
     scale[b] = s;
@@ -665,7 +665,7 @@ void quantise_rows(const float* x, int64_t K, Fmt f, uint8_t* rec, float* gemm) 
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    const float s = amax / 127.f, inv = inverse_scale(s);
     const __m256 vinv = _mm256_set1_ps(inv);
     __m256i n[4];  // rounded to nearest even, as std::nearbyint in the default rounding mode
     for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
