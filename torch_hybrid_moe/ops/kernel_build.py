@@ -5,7 +5,8 @@ runs the kernel from inside captured graphs (`csrc/host_bridge.cpp`).
 
 The kernel is compiled on first use with torch's own extension builder (g++ and ninja; no CUDA toolkit),
 once per machine and torch version, and cached under torch's extensions directory. Where it cannot be
-built (no compiler) the CPU experts fall back to the per-expert torch loop with one warning.
+built (no compiler) the CPU experts fall back to the per-expert torch loop with one warning. A build lock left by a
+process killed while building is removed once it is clearly stale: torch's loader would wait on it forever.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +29,7 @@ _COMPILED = tuple(
 _HEADERS = ("moe_cpu.h", "amx_gemm.h", "rows_kernel.h", "attention_kernel.h")
 _SOURCES = (*_COMPILED, *(_CSRC / name for name in _HEADERS))
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
+STALE_LOCK_S = 30 * 60  # a build takes minutes: a lock this old is one a killed process left behind
 
 
 @functools.cache
@@ -41,9 +45,14 @@ def extension() -> ModuleType | None:
         return None
     from torch.utils import cpp_extension
 
+    name = f"hybrid_moe_cpu_{source_digest()}"
     try:
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        clear_stale_lock(build_dir)
+        if not (build_dir / f"{name}.so").exists():
+            print(f"torch_hybrid_moe: compiling the CPU kernel into {build_dir} (once; a few minutes)", file=sys.stderr)
         return cpp_extension.load(
-            name=f"hybrid_moe_cpu_{source_digest()}",
+            name=name,
             sources=[str(p) for p in _COMPILED],
             extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
             extra_ldflags=["-fopenmp"],
@@ -56,6 +65,26 @@ def extension() -> ModuleType | None:
             stacklevel=2,
         )
         return None
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove the build lock in `build_dir` if it is older than STALE_LOCK_S (with a warning), and say whether it did.
+    torch's loader waits, silently and without end, for a lock to go; one that a killed build left goes only by hand.
+    A younger lock is another process building: torch waits for it."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    lock.unlink(missing_ok=True)
+    warnings.warn(
+        f"torch_hybrid_moe: removed {lock}, a build lock {age / 60:.0f} min old left by an interrupted build",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return True
 
 
 @functools.cache
