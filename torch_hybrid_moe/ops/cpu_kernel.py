@@ -131,9 +131,9 @@ def _measure_route(
     counts: tuple[int, ...],
     repeats: int = 3,
 ) -> GemmRoute:
-    # `counts` is part of the stored key: a route measured at other counts is measured again. Up to 512 tokens: the
-    # GEMM's lead at 256 was once extrapolated to every larger expert, and int4 experts of 207-512 tokens took fp32
-    # panels at 52 GMAC/s where the micro-kernels ran at 61 (AVX2, benchmarks/RESULTS.md, 2026-11-28).
+    # `counts` is part of the stored key: a route measured at other counts is measured again. Up to 512 tokens: a lead
+    # at 256 alone was extrapolated to every larger expert, and a stored route sent int4 experts from 207 tokens on to
+    # fp32 panels, which ran at 52 GMAC/s at 256 against the micro-kernels' 61 (AVX2; benchmarks/RESULTS.md, 11-28).
     inter = min(inter, ROUTE_INTER)
     g = torch.Generator().manual_seed(0)
     gate_up = torch.randn(2, 2 * inter, hidden_size, generator=g) * hidden_size**-0.5
