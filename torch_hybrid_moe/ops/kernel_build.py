@@ -46,11 +46,15 @@ def extension() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     name = f"hybrid_moe_cpu_{source_digest()}"
-    try:
-        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    try:  # torch's private helper: where it is missing or changed, the build goes on without the lock check
+        build_dir: Path | None = Path(cpp_extension._get_build_directory(name, verbose=False))
+    except (AttributeError, TypeError, OSError):
+        build_dir = None
+    if build_dir is not None:
         clear_stale_lock(build_dir)
         if not (build_dir / f"{name}.so").exists():
             print(f"torch_hybrid_moe: compiling the CPU kernel into {build_dir} (once; a few minutes)", file=sys.stderr)
+    try:
         return cpp_extension.load(
             name=name,
             sources=[str(p) for p in _COMPILED],
