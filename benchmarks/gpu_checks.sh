@@ -3,13 +3,14 @@
 # itself: the CUDA tests, then gpu_decode.py's rows (the no-offload ceiling, the default and ours at three
 # budgets, with the routing trace, its routers and the local cost profile for `hybrid-moe simulate`), then what
 # the graph's fills and CPU round trips cost (graph_costs.py), then a profiled prefill of the default and ours at
-# budget 0.25 (the host time split by the dispatch's named ranges), then the paper stacks' live rows.
+# budget 0.25 (the host time split by the dispatch's named ranges), then the CPU kernels' tests at the levels this
+# machine's CPU has and the development boxes may lack (AVX-512, AMX), then the paper stacks' live rows.
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-out: eight files, the most the device tool
-# brings back. The default limits add up to 580 s, inside one 600-second device call; a limit of 0 skips its
-# step, to leave time for a second call (on an H200, 2026-11-27: the tests 197 s, the three paper rows ~130 s, so
-# 60 s gets one; on an H100 the decode rows ~180 s, the profiled prefill rows ~80 s).
+# brings back. The default limits add up to 575 s, inside one 600-second device call; a limit of 0 skips its
+# step; the paper rows are off by default, measured in earlier leases (on an H200, 2026-11-27: the tests 197 s, the
+# three paper rows ~130 s, so PAPERS_S=60 gets one; on an H100 the decode rows ~180 s, the profiled prefill ~80 s).
 #
-#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=220 MAIN_S=200 GRAPH_S=20 PREFILL_S=80 PAPERS_S=60
+#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=210 MAIN_S=200 GRAPH_S=25 PREFILL_S=80 ISA_S=60 PAPERS_S=0
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -32,15 +33,17 @@ step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: s
 }
 # -v names each test as it ends: a run cut short by its limit still says which failed (2026-11-27's did not);
 # -rP prints what passing tests printed: each scheduler's placement time inside a graph
-step "${TEST_S:-220}" tests.txt python -m pytest -v -rP -n 12 -p no:cacheprovider \
+step "${TEST_S:-210}" tests.txt python -m pytest -v -rP -n 12 -p no:cacheprovider \
     tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py |
     grep -E "FAILED|ERROR|[0-9]+ (passed|failed)| us'"
 step "${MAIN_S:-200}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
-step "${GRAPH_S:-20}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
+step "${GRAPH_S:-25}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
 step "${PREFILL_S:-80}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
     --prompt 512 4096 --repeats 1 --rows hybrid ours --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
-step "${PAPERS_S:-60}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
+step "${ISA_S:-60}" tests.txt python -m pytest -n 8 -p no:cacheprovider tests/test_cpu_kernel.py \
+    tests/test_dense_linear.py tests/test_cpu_attention.py | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
+step "${PAPERS_S:-0}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn
