@@ -2,15 +2,15 @@
 # One device lease's GPU checks, most important first, each under its own time limit so a slow step costs only
 # itself: the CUDA tests, then gpu_decode.py's rows (the no-offload ceiling, the default and ours at three
 # budgets, with the routing trace, its routers and the local cost profile for `hybrid-moe simulate`), then what
-# the graph's fills and CPU round trips cost (graph_costs.py), then a profiled prefill of the default and ours at
-# budget 0.25 (the host time split by the dispatch's named ranges), then the CPU kernels' tests at the levels this
-# machine's CPU has and the development boxes may lack (AVX-512, AMX), then the paper stacks' live rows.
+# the graph's fills and CPU round trips cost (graph_costs.py), then a profiled prefill of the default, ours and the
+# ring in halves at budget 0.25 (the host time split by the dispatch's named ranges), then the CPU kernels' tests at
+# the levels this machine's CPU has and the development boxes may lack (AVX-512, AMX), then the paper stacks' live rows.
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-out: eight files, the most the device tool
-# brings back. The default limits add up to 575 s, inside one 600-second device call; a limit of 0 skips its
-# step; the paper rows are off by default, measured in earlier leases (on an H200, 2026-11-27: the tests 197 s, the
+# brings back. The default limits add up to 590 s, inside one 600-second device call; a limit of 0 skips its
+# step; the graph's costs (graph_costs.py, 2026-11-28) and the paper rows are off by default, measured in earlier leases (on an H200, 2026-11-27: the tests 197 s, the
 # three paper rows ~130 s, so PAPERS_S=60 gets one; on an H100 the decode rows ~180 s, the profiled prefill ~80 s).
 #
-#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=210 MAIN_S=200 GRAPH_S=25 PREFILL_S=80 ISA_S=60 PAPERS_S=0
+#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=190 MAIN_S=190 GRAPH_S=0 PREFILL_S=110 ISA_S=100 PAPERS_S=0
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -33,17 +33,33 @@ step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: s
 }
 # -v names each test as it ends: a run cut short by its limit still says which failed (2026-11-27's did not);
 # -rP prints what passing tests printed: each scheduler's placement time inside a graph
-step "${TEST_S:-210}" tests.txt python -m pytest -v -rP -n 12 -p no:cacheprovider \
+step "${TEST_S:-190}" tests.txt python -m pytest -v -rP -n 12 -p no:cacheprovider \
     tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py |
     grep -E "FAILED|ERROR|[0-9]+ (passed|failed)| us'"
-step "${MAIN_S:-200}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
+step "${MAIN_S:-190}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
-step "${GRAPH_S:-25}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
-step "${PREFILL_S:-80}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
-    --prompt 512 4096 --repeats 1 --rows hybrid ours --budgets 0.25 --profile /tmp/gpu-checks-profile |
+step "${GRAPH_S:-0}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
+step "${PREFILL_S:-110}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
+    --prompt 512 4096 --repeats 1 --rows hybrid ours stream-8 --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
-step "${ISA_S:-60}" tests.txt python -m pytest -n 8 -p no:cacheprovider tests/test_cpu_kernel.py \
-    tests/test_dense_linear.py tests/test_cpu_attention.py | grep -E "FAILED|ERROR|[0-9]+ (passed|failed)"
+# On this box's CPU (2026-11-28) the kernel's refusals of bad operands crashed their processes: each refusal test
+# alone in a fresh process, then after an AMX test in the same one (does the AMX route leave something broken?), then
+# every other test of the kernels at this CPU's levels
+kernel_tests() {
+    local t rc
+    for t in test_cpu_kernel.py::test_kernel_rejects_bad_operands test_cpu_kernel.py::test_amx_route_refuses_what_it_cannot_run \
+        test_dense_linear.py::test_matvecs_refuses_mixed_formats_and_misshapen_biases \
+        "test_cpu_kernel.py::test_amx_route_over_column_chunks_and_token_blocks[bfloat16] tests/test_cpu_kernel.py::test_kernel_rejects_bad_operands"; do
+        python -X faulthandler -m pytest -p no:xdist -p no:cacheprovider -q --tb=line tests/$t >/tmp/kernel-test.log 2>&1
+        rc=$?
+        echo "rc $rc: $t"
+        [ $rc -eq 0 ] || grep -E "Fatal|Error|error" /tmp/kernel-test.log | head -3
+    done
+    python -m pytest -n 8 -p no:cacheprovider -q -k "not refuses and not rejects" tests/test_cpu_kernel.py \
+        tests/test_dense_linear.py tests/test_cpu_attention.py | grep -E "FAILED|ERROR|Fatal|[0-9]+ (passed|failed)"
+}
+export -f kernel_tests  # `timeout` runs programs, not shell functions
+step "${ISA_S:-100}" tests.txt bash -c kernel_tests
 step "${PAPERS_S:-0}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn
