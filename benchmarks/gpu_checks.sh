@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One device lease's GPU checks, most important first, each under its own time limit so a slow step costs only
-# itself: the CUDA tests, then gpu_decode.py's rows (the no-offload ceiling, the default and ours at three
-# budgets, with the routing trace, its routers and the local cost profile for `hybrid-moe simulate`), then what
-# the graph's fills and CPU round trips cost (graph_costs.py), then a profiled prefill of the default, ours and the
-# ring in halves at budget 0.25 (the host time split by the dispatch's named ranges), then the CPU kernels' tests at
-# the levels this machine's CPU has and the development boxes may lack (AVX-512, AMX), then the paper stacks' live rows.
+# itself:
+# - the CUDA tests;
+# - gpu_decode.py's rows: the no-offload ceiling, the default stack (ours on CUDA) and the LRU stack at three
+#   budgets, with the routing trace, its routers and the local cost profile for `hybrid-moe simulate`;
+# - what the graph's fills and CPU round trips cost (graph_costs.py; off by default, measured 2026-11-28);
+# - a profiled prefill of the default, the LRU stack and the ring in halves at budget 0.25 (the host time split by
+#   the dispatch's named ranges);
+# - the CPU kernels' tests at the levels this machine's CPU has and the development boxes may lack (AVX-512, AMX);
+# - the paper stacks' live rows (off by default, measured in earlier leases; on an H200, 2026-11-27, the three
+#   took ~130 s, so PAPERS_S=60 gets one).
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-out: eight files, the most the device tool
-# brings back. The default limits add up to 590 s, inside one 600-second device call; a limit of 0 skips its
-# step; the graph's costs (graph_costs.py, 2026-11-28) and the paper rows are off by default, measured in earlier leases (on an H200, 2026-11-27: the tests 197 s, the
-# three paper rows ~130 s, so PAPERS_S=60 gets one; on an H100 the decode rows ~180 s, the profiled prefill ~80 s).
+# brings back. The default limits add up to 590 s, inside one 600-second device call; a limit of 0 skips its step.
 #
 #     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=190 MAIN_S=190 GRAPH_S=0 PREFILL_S=110 ISA_S=100 PAPERS_S=0
 set -u -o pipefail
@@ -36,12 +39,12 @@ step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: s
 step "${TEST_S:-190}" tests.txt python -m pytest -v -rP -n 12 -p no:cacheprovider \
     tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py |
     grep -E "FAILED|ERROR|[0-9]+ (passed|failed)| us'"
-step "${MAIN_S:-190}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid ours \
+step "${MAIN_S:-190}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid lru \
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
 step "${GRAPH_S:-0}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
 step "${PREFILL_S:-110}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
-    --prompt 512 4096 --repeats 1 --rows hybrid ours stream-8 --budgets 0.25 --profile /tmp/gpu-checks-profile |
+    --prompt 512 4096 --repeats 1 --rows hybrid lru stream-8 --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
 # On this box's CPU (2026-11-28) the kernel's refusals of bad operands crashed their processes: each refusal test
 # alone in a fresh process, then after an AMX test in the same one (does the AMX route leave something broken?), then

@@ -2,7 +2,10 @@
 against the baselines the accelerator issue names, side by side in one run, with a physical floor.
 
 Rows, each on a freshly built model (patching moves its experts into pinned host memory):
-- hybrid: our patch at each expert budget, decode graph on and off;
+- hybrid: our patch at each expert budget with the default stack (on CUDA ours since 2026-11-28: `queue_aware`
+  placement over the window cache, local costs), decode graph on and off;
+- lru: the same with the LRU stack (`cached_on_accelerator` + `lru`), the default before 2026-11-28: the "hybrid"
+  rows of earlier sections of benchmarks/RESULTS.md;
 - prefetch: the same with the gate prefetcher (layer l+1's router on layer l's input, decided on the device),
   4 experts per layer step (its default for top-6); prefetch-1: at most 1 (`prefetch_size=1`);
 - deferral: the same with KTransformers' Expert Deferral (approximate: 2 of the 6 experts deferred), whose
@@ -10,7 +13,7 @@ Rows, each on a freshly built model (patching moves its experts into pinned host
 - dali: the same with DALI's greedy placement (`dali_greedy`, costs profiled on this machine): a missing expert
   is fetched and run on the GPU when that finishes the layer sooner, decided on the device inside the graph;
 - hybrimoe: HybriMoE's placement and MRS cache (`hybrimoe` + `mrs`, local costs), inside the graph;
-- ours: our stack (`queue_aware` placement + window cache with decay, local costs), inside the graph;
+- ours: our stack named explicitly (`queue_aware` placement + window cache with decay, local costs), inside the graph;
 - all-cpu: budget 0, every routed expert on the CPU (the Fiddler / KTransformers layout), graph on and off;
 - on-demand: every missing expert fetched into a slot before it runs (MoE-Infinity's GPU-centric placement),
   graph on and off;
@@ -40,7 +43,7 @@ better of two: every routed expert copied to the GPU once at the measured pinned
 the CPU at the host's copy rate; the prefill column's share of it is printed beside it.
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
-        [--rows hybrid prefetch prefetch-1 deferral dali hybrimoe ours all-cpu on-demand no-stream accelerate gpu]
+        [--rows hybrid lru prefetch prefetch-1 deferral dali hybrimoe ours all-cpu on-demand no-stream accelerate gpu]
         [--graph off on] [--tokens 32] [--prompt 512 [4096 ...]] [--cpu-threads N] [--json] [--profile DIR]
         [--trace PATH]
 """
@@ -64,6 +67,7 @@ import torch_hybrid_moe as thm
 
 ROWS = (
     "hybrid",
+    "lru",
     "prefetch",
     "prefetch-1",
     "deferral",
@@ -79,6 +83,7 @@ ROWS = (
 )
 VARIANTS = {
     "hybrid": {},
+    "lru": {"scheduler": "cached_on_accelerator", "cache_policy": "lru"},
     "prefetch": {"prefetcher": "gate"},
     "prefetch-1": {"prefetcher": "gate", "prefetch_size": 1},
     "deferral": {"mode": "expert_deferral", "deferred_experts": 2},

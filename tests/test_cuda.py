@@ -33,10 +33,17 @@ def test_cuda_matches_reference(arch, budget):
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
 def test_cuda_prefill_streams_through_ring(arch):
     """The staging ring on a real copy stream: prefill streams experts while the CPU computes the rest at the same
-    time, and the logits stay the unpatched model's."""
+    time, and the logits stay the unpatched model's. The LRU stack sends every expert not in a slot to the ring's
+    plan (a cost-aware scheduler may fetch some into slots instead)."""
     ref = tiny_model(arch).cuda()
     model = thm.patch_model(
-        tiny_model(arch), expert_budget=0.25, device="cuda", hardware="dali", expert_shape="deepseek-v2-lite"
+        tiny_model(arch),
+        expert_budget=0.25,
+        device="cuda",
+        scheduler="cached_on_accelerator",
+        cache_policy="lru",
+        hardware="dali",
+        expert_shape="deepseek-v2-lite",
     )
     x = torch.randint(3, 96, (3, 64), device="cuda")
     with torch.no_grad():

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.config import OURS_WINDOW
 from torch_hybrid_moe.model_patches import is_patched, patch_mixtral
 from torch_hybrid_moe.tiny_models import tiny_model
 
@@ -95,6 +96,41 @@ def test_bad_cache_options(options, error, match):
     with pytest.raises(error, match=match):
         thm.patch_model(model, cache_policy="dali_window", cache_options=options)
     assert_untouched(model, before)
+
+
+def test_cache_options_need_a_named_cache_policy():
+    model = tiny_model("mixtral")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="need a named cache_policy"):  # "auto" picks the policy and its settings
+        thm.patch_model(model, cache_options={"w_size": 8})
+    assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(
+    "fields, device, want",
+    [
+        ({}, "cuda", ("queue_aware", "dali_window", OURS_WINDOW, "local")),  # ours, costed by this machine's profile
+        ({}, "cpu", ("cached_on_accelerator", "lru", (), "")),  # slots in host memory: the plain LRU stack
+        ({"hardware": "rtx4090"}, "cuda", ("queue_aware", "dali_window", OURS_WINDOW, "rtx4090")),
+        ({"scheduler": "queue_aware", "hardware": "dali"}, "cpu", ("queue_aware", "dali_window", OURS_WINDOW, "dali")),
+        ({"scheduler": "dali_greedy", "hardware": "dali"}, "cuda", ("dali_greedy", "lru", (), "dali")),
+        ({"cache_policy": "mrs"}, "cuda", ("queue_aware", "mrs", (), "local")),
+        ({"cache_policy": "mrs"}, "cpu", ("cached_on_accelerator", "mrs", (), "")),
+    ],
+)
+def test_auto_stack_is_ours_on_cuda_and_lru_on_the_cpu(fields, device, want):
+    config = thm.HybridMoEConfig(**fields).for_device(torch.device(device))
+    assert (config.scheduler, config.cache_policy, config.cache_options, config.hardware) == want
+    assert config.for_device(torch.device(device)) is config  # concrete: nothing left to choose
+
+
+def test_patched_layers_hold_the_stack_chosen_for_their_device():
+    model = thm.patch_model(tiny_model("mixtral"), expert_budget=0.25, device="cpu")
+    layers = thm.runtime.model_layers(model).values()
+    assert layers and all(
+        (layer.config.scheduler, type(layer.cache_policy).__name__) == ("cached_on_accelerator", "LRU")
+        for layer in layers
+    )
 
 
 def test_cache_options_reach_the_layers_cache_policy():

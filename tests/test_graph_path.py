@@ -856,10 +856,11 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
     from torch_hybrid_moe.runtime.costs import policy_context
 
     router = Router(torch.randn(8, 2), 2)
+    cpu = torch.device("cpu")  # the policies are built for a device (the patching step resolves "auto" for it)
     configs = (
-        thm.HybridMoEConfig(scheduler="oracle", hardware="dali"),
-        thm.HybridMoEConfig(scheduler="optimal", hardware="dali"),
-        thm.HybridMoEConfig(prefetcher="impact", hardware="dali"),
+        thm.HybridMoEConfig(scheduler="oracle", hardware="dali").for_device(cpu),
+        thm.HybridMoEConfig(scheduler="optimal", hardware="dali").for_device(cpu),
+        thm.HybridMoEConfig(prefetcher="impact", hardware="dali").for_device(cpu),
     )
     for config in configs:
         context = policy_context(config, LayerInfo(0, 8, 2, 24), hidden=2, inter=2, router=router)
@@ -867,12 +868,12 @@ def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching()
             build_policies(config, context, capture=True)
         build_policies(config, context, capture=False)  # fine uncaptured
     for name in SCHEDULERS.graph_names():
-        config = thm.HybridMoEConfig(scheduler=name, hardware="dali")
+        config = thm.HybridMoEConfig(scheduler=name, hardware="dali").for_device(cpu)
         build_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)
 
     own = Registry("scheduler")  # a policy registered under its own name gets no form, whatever class it extends
     own.register("own_greedy")(SCHEDULERS._factories["dali_greedy"])
     with pytest.raises(ValueError, match="scheduler 'own_greedy' has no tensor form"):
         own.tensor_form("own_greedy")
-    config = thm.HybridMoEConfig(prefetcher="gate")
+    config = thm.HybridMoEConfig(prefetcher="gate").for_device(cpu)
     build_policies(config, policy_context(config, LayerInfo(0, 8, 2, 24), 2, 2, router), capture=True)

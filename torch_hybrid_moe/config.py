@@ -18,6 +18,10 @@ from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
 DENSE_WEIGHT_DTYPES = ("model", "int8", "int4")
 MODES = ("exact", "expert_deferral", "daop_precalc")
+AUTO = "auto"  # the scheduler and cache policy chosen for the device when the model is patched (`for_device`)
+# Ours' window cache settings, as its tuner picked them on the leases' traces and the GPU rows measured them
+# (benchmarks/RESULTS.md): 8-step windows, one copy per closing window, scores kept at 0.8 across windows.
+OURS_WINDOW = (("decay", 0.8), ("u_size", 1), ("w_size", 8))
 PRECALC_FROM_LAYER = 5  # the paper predicts block i + 1 from block i for i >= 4: block 5 is the first approximated
 _BYTE_UNITS = {
     "b": 1,
@@ -40,13 +44,20 @@ class HybridMoEConfig:
         number: float, int 0 or 1, numpy scalar, 0-d tensor), or an absolute byte budget for all layers' slots
         together as a size with a unit ("6GiB", "512MB", "2048B"). A bare number over 1 is refused, not read as bytes.
     device: "auto" (CUDA when present, else the CPU stands in for the accelerator), "cuda" or "cpu".
-    scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries.
+    scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries, or for the
+        first two "auto" (the default), which `for_device` makes concrete when the model is patched: on CUDA ours
+        (`queue_aware` placement over the window cache with ours' settings, `OURS_WINDOW`), which decodes and
+        prefills ahead of the LRU stack there (benchmarks/RESULTS.md, 2026-11-28 H200 lease); on the CPU, where
+        the slots are host memory too, `cached_on_accelerator` over `lru`. An "auto" cache policy beside a named
+        scheduler is ours' window for `queue_aware`, else `lru`.
     cache_options: the cache policy's own parameters, by name (a dict, kept as sorted pairs): e.g. the window cache
         ours tunes, `cache_policy="dali_window", cache_options={"w_size": 8, "u_size": 1, "decay": 0.8}`; MRS's
         `alpha`. A name the policy does not take is refused here; a value it refuses, when the model is patched.
+        Only with a named cache policy.
     hardware: the cost model that cost-aware schedulers (fiddler, dali_greedy, optimal, hybrimoe, queue_aware)
         weigh placements with: a `cost_model.HARDWARE` preset, or "local" (this machine's measured profile,
-        `profiling.py`, cached on disk); "" (the default) gives none, and those schedulers are refused.
+        `profiling.py`, cached on disk); "" (the default) gives none, and a named cost-aware scheduler is refused.
+        Ours chosen by "auto" takes the local profile then (the prefill ring measures it on CUDA anyway).
     expert_shape: cost the experts as a `cost_model.EXPERT_SHAPES` preset instead of the model's own size
         (what-if runs, and replaying a simulator's decisions live); "" means the model's own.
     cpu_weight_dtype: the format of the experts' host copy, which the CPU computes from and slots are filled
@@ -91,8 +102,8 @@ class HybridMoEConfig:
 
     expert_budget: float | str = 0.25
     device: str = "auto"
-    scheduler: str = "cached_on_accelerator"
-    cache_policy: str = "lru"
+    scheduler: str = AUTO
+    cache_policy: str = AUTO
     cache_options: Mapping[str, object] | tuple[tuple[str, object], ...] = ()
     prefetcher: str = "none"
     hardware: str = ""
@@ -143,13 +154,37 @@ class HybridMoEConfig:
             raise ValueError(f"hardware must be '', 'local' or one of {sorted(HARDWARE)}, got {self.hardware!r}")
         if self.expert_shape not in ("", *EXPERT_SHAPES):
             raise ValueError(f"expert_shape must be '' or one of {sorted(EXPERT_SHAPES)}, got {self.expert_shape!r}")
-        SCHEDULERS.check(self.scheduler)
-        CACHE_POLICIES.check(self.cache_policy)
+        if self.scheduler != AUTO:
+            SCHEDULERS.check(self.scheduler)
+        if self.cache_policy != AUTO:
+            CACHE_POLICIES.check(self.cache_policy)
         PREFETCHERS.check(self.prefetcher)
         self._check_cache_options()
 
+    def for_device(self, device: torch.device) -> HybridMoEConfig:
+        """This config with an "auto" scheduler and cache policy made concrete for experts whose slots are on
+        `device` (see the class docstring); itself where both are named."""
+        if AUTO not in (self.scheduler, self.cache_policy):
+            return self
+        fields: dict[str, Any] = {"scheduler": self.scheduler}
+        if self.scheduler == AUTO:
+            fields["scheduler"] = "queue_aware" if device.type == "cuda" else "cached_on_accelerator"
+            if fields["scheduler"] == "queue_aware" and not self.hardware:
+                fields["hardware"] = "local"  # ours weighs placements by cost: this machine's measured profile
+        if self.cache_policy == AUTO:
+            ours = fields["scheduler"] == "queue_aware"
+            fields.update(cache_policy="dali_window" if ours else "lru", cache_options=OURS_WINDOW if ours else ())
+        return self.replace(**fields)
+
     def _check_cache_options(self) -> None:
         options = self.cache_options
+        if self.cache_policy == AUTO:
+            if options:
+                raise ValueError(
+                    f"cache_options {options!r} need a named cache_policy ('auto' chooses the policy and its settings)"
+                )
+            object.__setattr__(self, "cache_options", ())
+            return
         pairs = list(options.items()) if isinstance(options, Mapping) else options
         if not isinstance(pairs, (list, tuple)) or not all(
             isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs

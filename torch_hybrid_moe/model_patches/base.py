@@ -92,6 +92,7 @@ def patch_with_spec(
     cfg = model.config.get_text_config()
     moe_layers = _find_moe_layers(model, spec, cfg)
     device = config.resolve_device()
+    config = config.for_device(device)
     first = moe_layers[0][1].experts
     _check_cpu_format(config, first)
     dense = dense_linears(model, config, device)

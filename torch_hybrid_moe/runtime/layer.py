@@ -77,6 +77,7 @@ class HybridMoELayer:
     ) -> None:
         """`policies`: built by the patching step for this layer (`layer_policies.build_policies` with this layer's
         `policy_context`); None builds them here."""
+        config = config.for_device(store.device)  # an "auto" stack made concrete (the patching step did it already)
         self.name = name
         self.routing = routing
         self.store = store

@@ -42,6 +42,7 @@ def layer_for_parameters(
     num_layers: how many MoE layers share a byte budget.
     """
     layer = getattr(gate_up, LAYER_ATTR, None)
+    config = config.for_device(config.resolve_device())  # as the layer holds it: an "auto" stack made concrete
     source = _source(gate_up, down)
     if (
         layer is not None
