@@ -6,6 +6,8 @@ Rows, each on a freshly built model (patching moves its experts into pinned host
   placement over the window cache, local costs), decode graph on and off;
 - lru: the same with the LRU stack (`cached_on_accelerator` + `lru`), the default before 2026-11-28: the "hybrid"
   rows of earlier sections of benchmarks/RESULTS.md;
+  (prefetch, prefetch-1, deferral, no-stream and stream-8 vary the default stack too: ours with the graph on since
+  2026-11-28, the LRU stack in earlier sections);
 - prefetch: the same with the gate prefetcher (layer l+1's router on layer l's input, decided on the device),
   4 experts per layer step (its default for top-6); prefetch-1: at most 1 (`prefetch_size=1`);
 - deferral: the same with KTransformers' Expert Deferral (approximate: 2 of the 6 experts deferred), whose
@@ -383,7 +385,10 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
                 for g in args.graph
             ]
         elif name == "all-cpu":
-            rows += [dict(row=name, expert_budget=0.0, cuda_graph=g) for g in args.graph]
+            rows += [  # no slots: the stack decides nothing; named, so that the row is the earlier leases' one
+                dict(row=name, expert_budget=0.0, cuda_graph=g, scheduler="cached_on_accelerator", cache_policy="lru")
+                for g in args.graph
+            ]
         else:
             rows.append(dict(row=name))
     if args.cpu_threads:

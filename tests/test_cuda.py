@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.config import OURS_WINDOW
 from torch_hybrid_moe.runtime import model_layers
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
@@ -28,6 +29,18 @@ def test_cuda_matches_reference(arch, budget):
             assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-4
     tokens = ref.generate(x, max_new_tokens=8, do_sample=False)
     assert torch.equal(model.generate(x, max_new_tokens=8, do_sample=False), tokens)
+
+
+def test_cuda_default_stack_is_ours():
+    """On CUDA with the decode graph, an unconfigured patch runs ours: queue-aware placement over ours' window,
+    costed by this machine's profile."""
+    model = thm.patch_model(tiny_model("mixtral"), expert_budget=0.25, device="cuda")
+    layers = list(model_layers(model).values())
+    assert layers and all(
+        (layer.config.scheduler, layer.config.cache_policy, layer.config.cache_options, layer.config.hardware)
+        == ("queue_aware", "dali_window", OURS_WINDOW, "local")
+        for layer in layers
+    )
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])

@@ -110,6 +110,7 @@ def test_cache_options_need_a_named_cache_policy():
     "fields, device, want",
     [
         ({}, "cuda", ("queue_aware", "dali_window", OURS_WINDOW, "local")),  # ours, costed by this machine's profile
+        ({"cuda_graph": False}, "cuda", ("cached_on_accelerator", "lru", (), "")),  # ours measured captured only
         ({}, "cpu", ("cached_on_accelerator", "lru", (), "")),  # slots in host memory: the plain LRU stack
         ({"hardware": "rtx4090"}, "cuda", ("queue_aware", "dali_window", OURS_WINDOW, "rtx4090")),
         ({"scheduler": "queue_aware", "hardware": "dali"}, "cpu", ("queue_aware", "dali_window", OURS_WINDOW, "dali")),
@@ -118,10 +119,17 @@ def test_cache_options_need_a_named_cache_policy():
         ({"cache_policy": "mrs"}, "cpu", ("cached_on_accelerator", "mrs", (), "")),
     ],
 )
-def test_auto_stack_is_ours_on_cuda_and_lru_on_the_cpu(fields, device, want):
+def test_auto_stack_is_ours_in_cuda_graphs_and_lru_elsewhere(fields, device, want):
     config = thm.HybridMoEConfig(**fields).for_device(torch.device(device))
     assert (config.scheduler, config.cache_policy, config.cache_options, config.hardware) == want
     assert config.for_device(torch.device(device)) is config  # concrete: nothing left to choose
+
+
+def test_policies_are_built_from_a_concrete_stack_only():
+    from torch_hybrid_moe.runtime.layer_policies import build_policies
+
+    with pytest.raises(ValueError, match="for_device"):
+        build_policies(thm.HybridMoEConfig(), {}, capture=False)
 
 
 def test_patched_layers_hold_the_stack_chosen_for_their_device():

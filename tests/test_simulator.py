@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_hybrid_moe.embedded
-from torch_hybrid_moe.config import HybridMoEConfig
+from torch_hybrid_moe.config import OURS_WINDOW, HybridMoEConfig
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
 from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
 from torch_hybrid_moe.policies.schedulers import exhaustive_optimum, layer_time, makespan
@@ -199,17 +199,23 @@ def test_expert_deferral_overlaps_the_next_block_in_closed_form(dense):
 
 
 @pytest.mark.parametrize(
-    ("scheduler", "cache_policy"),
-    [("cached_on_accelerator", "lru"), ("cached_on_accelerator", "lfu"), ("dali_greedy", "lru"), ("fiddler", "lfu")],
+    ("scheduler", "cache_policy", "options"),
+    [
+        ("cached_on_accelerator", "lru", ()),
+        ("cached_on_accelerator", "lfu", ()),
+        ("dali_greedy", "lru", ()),
+        ("fiddler", "lfu", ()),
+        ("queue_aware", "dali_window", OURS_WINDOW),  # ours, the default stack on CUDA
+    ],
 )
-def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
+def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy, options):
     """The same routing through a live layer and the simulator: the same hits, misses and copies (cost-aware
     schedulers live get the simulator's cost model through `hardware=` and `expert_shape=`)."""
     trace = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
     layer_idx = trace.meta["layers"][0]
     trace.layers = {layer_idx: trace.layers[layer_idx]}
     num_experts = trace.meta["num_experts"]
-    stack = Stack("t", scheduler, cache_policy, True, "")
+    stack = Stack("t", scheduler, cache_policy, True, "", options=options)
     sim = simulate(trace, stack, COSTS, batch=1, cache_ratio=0.25)
 
     g = torch.Generator().manual_seed(0)
@@ -219,6 +225,7 @@ def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy):
         device="cpu",
         scheduler=scheduler,
         cache_policy=cache_policy,
+        cache_options=dict(options),
         hardware="dali",
         expert_shape="deepseek-v2-lite",
         staging_slots=0,

@@ -45,11 +45,13 @@ class HybridMoEConfig:
         together as a size with a unit ("6GiB", "512MB", "2048B"). A bare number over 1 is refused, not read as bytes.
     device: "auto" (CUDA when present, else the CPU stands in for the accelerator), "cuda" or "cpu".
     scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries, or for the
-        first two "auto" (the default), which `for_device` makes concrete when the model is patched: on CUDA ours
-        (`queue_aware` placement over the window cache with ours' settings, `OURS_WINDOW`), which decodes and
-        prefills ahead of the LRU stack there (benchmarks/RESULTS.md, 2026-11-28 H200 lease); on the CPU, where
-        the slots are host memory too, `cached_on_accelerator` over `lru`. An "auto" cache policy beside a named
-        scheduler is ours' window for `queue_aware`, else `lru`.
+        first two "auto" (the default), which `for_device` makes concrete when the model is patched: on CUDA with
+        `cuda_graph` (the default) ours, `queue_aware` placement over the window cache with ours' settings
+        (`OURS_WINDOW`), as measured there against the LRU stack (an H200, 8 layers, one run: decode 1.13x / 0.985x
+        / 1.08x at budgets 0.25 / 0.5 / 1.0, prefill ahead but at 1.0 and 4096 tokens, 0.97x; benchmarks/RESULTS.md,
+        2026-11-28); elsewhere (the CPU standing in, or uncaptured CUDA steps, where ours was not measured)
+        `cached_on_accelerator` over `lru`. An "auto" cache policy beside a named scheduler is ours' window for
+        `queue_aware`, else `lru`.
     cache_options: the cache policy's own parameters, by name (a dict, kept as sorted pairs): e.g. the window cache
         ours tunes, `cache_policy="dali_window", cache_options={"w_size": 8, "u_size": 1, "decay": 0.8}`; MRS's
         `alpha`. A name the policy does not take is refused here; a value it refuses, when the model is patched.
@@ -168,7 +170,8 @@ class HybridMoEConfig:
             return self
         fields: dict[str, Any] = {"scheduler": self.scheduler}
         if self.scheduler == AUTO:
-            fields["scheduler"] = "queue_aware" if device.type == "cuda" else "cached_on_accelerator"
+            ours = device.type == "cuda" and self.cuda_graph
+            fields["scheduler"] = "queue_aware" if ours else "cached_on_accelerator"
             if fields["scheduler"] == "queue_aware" and not self.hardware:
                 fields["hardware"] = "local"  # ours weighs placements by cost: this machine's measured profile
         if self.cache_policy == AUTO:

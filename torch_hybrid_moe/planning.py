@@ -159,7 +159,7 @@ def plan(
 
 
 def _speeds(summary: ModelSummary, costs: CostModel, budget: float, prompt: int) -> dict[str, tuple[float, float]]:
-    """Decode and prefill tok/s of each paper's stack (and the live default) on synthetic routing."""
+    """Decode and prefill tok/s of each paper's stack (and the LRU stack) on synthetic routing."""
     layers = min(summary.moe_layers, SIMULATED_LAYERS)
     trace = synthetic_trace(
         SKEW, LOCALITY, summary.num_experts, summary.top_k, layers, sequences=1, prompt_tokens=prompt, new_tokens=33

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import HybridMoEConfig
+from ..config import AUTO, HybridMoEConfig
 from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, CachePolicy, Prefetcher, Scheduler
 
@@ -23,7 +23,10 @@ def build_policies(
 ) -> LayerPolicies:
     """The layer's scheduler, cache policy and prefetcher from what it offers them (`runtime.costs.policy_context`).
     One that cannot run live (a cost-aware scheduler without `hardware=`) fails here, and so, with `capture` (decode
-    steps captured as CUDA graphs), does one without a tensor form."""
+    steps captured as CUDA graphs), does one without a tensor form. `config` is the one made concrete for the
+    slots' device (`HybridMoEConfig.for_device`)."""
+    if AUTO in (config.scheduler, config.cache_policy):
+        raise ValueError("build_policies needs a concrete stack: pass config.for_device(device), not an 'auto' one")
     policies = LayerPolicies(
         SCHEDULERS.create(config.scheduler, **context),
         CACHE_POLICIES.create(config.cache_policy, **context, **dict(config.cache_options)),

@@ -77,7 +77,7 @@ class StockSites:
     """The sites of one compiled graph and the configuration its compile asked for."""
 
     def __init__(self, config: HybridMoEConfig, num_layers: int) -> None:
-        self.config = config
+        self.config = config.for_device(config.resolve_device())  # once: the layers' configs are then this object
         self.num_layers = num_layers
         self.sites: list[Site] = []
         self._lock = threading.Lock()  # one binding at a time: two threads may call one graph with two models

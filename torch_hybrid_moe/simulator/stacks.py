@@ -74,7 +74,13 @@ STACKS: dict[str, Stack] = {
             True,
             "DAOP: per-sequence allocation from prefill (swap at 1.05x), CPU for the rest (exact mode)",
         ),
-        Stack("lru-cache", "cached_on_accelerator", "lru", True, "cached experts on the GPU, LRU slots (live default)"),
+        Stack(
+            "lru-cache",
+            "cached_on_accelerator",
+            "lru",
+            True,
+            "cached experts on the GPU, LRU slots (the live default without a captured GPU graph)",
+        ),
         Stack(
             "oracle-cache",
             "optimal",
