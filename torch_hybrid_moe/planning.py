@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from .config import CPU_WEIGHT_DTYPES
+from .config import CPU_WEIGHT_DTYPES, OURS_WINDOW
 from .cost_model import HARDWARE, CostModel, ExpertShape
 from .errors import InputError
 from .loading import local_directory
@@ -26,6 +26,7 @@ from .ops.quantize import check_group_size
 from .simulator import STACKS
 from .simulator.replay import simulate_runnable
 from .simulator.synthetic import synthetic_trace
+from .simulator.tuning import ours
 
 # Host formats and their bytes per weight (int8 / int4: one fp32 scale per `group` columns).
 FORMATS = tuple(f for f in CPU_WEIGHT_DTYPES if f != "model")
@@ -159,14 +160,15 @@ def plan(
 
 
 def _speeds(summary: ModelSummary, costs: CostModel, budget: float, prompt: int) -> dict[str, tuple[float, float]]:
-    """Decode and prefill tok/s of each paper's stack (and the LRU stack) on synthetic routing."""
+    """Decode and prefill tok/s of each paper's stack, the LRU stack and ours (with its default settings, the stack
+    a CUDA patch runs) on synthetic routing."""
     layers = min(summary.moe_layers, SIMULATED_LAYERS)
     trace = synthetic_trace(
         SKEW, LOCALITY, summary.num_experts, summary.top_k, layers, sequences=1, prompt_tokens=prompt, new_tokens=33
     )
     scale = layers / summary.moe_layers
     out: dict[str, tuple[float, float]] = {}
-    for stack in STACKS.values():
+    for stack in (*STACKS.values(), ours(**dict(OURS_WINDOW))):
         if stack.name.startswith("oracle") or (stack.uses_slots and budget == 0):
             continue
         ratio = math.floor(budget * summary.num_experts) / summary.num_experts
