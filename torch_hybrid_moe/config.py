@@ -21,7 +21,7 @@ MODES = ("exact", "expert_deferral", "daop_precalc")
 AUTO = "auto"  # the scheduler and cache policy chosen for the device when the model is patched (`for_device`)
 # Ours' window cache settings, as its tuner picked them on the leases' traces and the GPU rows measured them
 # (benchmarks/RESULTS.md): 8-step windows, one copy per closing window, scores kept at 0.8 across windows.
-OURS_WINDOW = (("decay", 0.8), ("u_size", 1), ("w_size", 8))
+OURS_WINDOW: tuple[tuple[str, Any], ...] = (("decay", 0.8), ("u_size", 1), ("w_size", 8))
 PRECALC_FROM_LAYER = 5  # the paper predicts block i + 1 from block i for i >= 4: block 5 is the first approximated
 _BYTE_UNITS = {
     "b": 1,
@@ -47,8 +47,7 @@ class HybridMoEConfig:
     scheduler, cache_policy, prefetcher: names looked up in `torch_hybrid_moe.policies` registries, or for the
         first two "auto" (the default), which `for_device` makes concrete when the model is patched: on CUDA with
         `cuda_graph` (the default) ours, `queue_aware` placement over the window cache with ours' settings
-        (`OURS_WINDOW`), as measured there against the LRU stack (an H200, 8 layers, one run: decode 1.13x / 0.985x
-        / 1.08x at budgets 0.25 / 0.5 / 1.0, prefill ahead but at 1.0 and 4096 tokens, 0.97x; benchmarks/RESULTS.md,
+        (`OURS_WINDOW`), which measured ahead of the LRU stack there but at one budget (benchmarks/RESULTS.md,
         2026-11-28); elsewhere (the CPU standing in, or uncaptured CUDA steps, where ours was not measured)
         `cached_on_accelerator` over `lru`. An "auto" cache policy beside a named scheduler is ours' window for
         `queue_aware`, else `lru`.
@@ -170,8 +169,8 @@ class HybridMoEConfig:
             return self
         fields: dict[str, Any] = {"scheduler": self.scheduler}
         if self.scheduler == AUTO:
-            ours = device.type == "cuda" and self.cuda_graph
-            fields["scheduler"] = "queue_aware" if ours else "cached_on_accelerator"
+            captured = device.type == "cuda" and self.cuda_graph
+            fields["scheduler"] = "queue_aware" if captured else "cached_on_accelerator"
             if fields["scheduler"] == "queue_aware" and not self.hardware:
                 fields["hardware"] = "local"  # ours weighs placements by cost: this machine's measured profile
         if self.cache_policy == AUTO:
