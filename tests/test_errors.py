@@ -133,6 +133,7 @@ def test_policies_are_built_from_a_concrete_stack_only():
 
 
 def test_patched_layers_hold_the_stack_chosen_for_their_device():
+    assert thm.HybridMoEConfig(device="cpu").for_device().scheduler == "cached_on_accelerator"  # its own device
     model = thm.patch_model(tiny_model("mixtral"), expert_budget=0.25, device="cpu")
     layers = thm.runtime.model_layers(model).values()
     assert layers and all(

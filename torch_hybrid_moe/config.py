@@ -162,11 +162,13 @@ class HybridMoEConfig:
         PREFETCHERS.check(self.prefetcher)
         self._check_cache_options()
 
-    def for_device(self, device: torch.device) -> HybridMoEConfig:
+    def for_device(self, device: torch.device | None = None) -> HybridMoEConfig:
         """This config with an "auto" scheduler and cache policy made concrete for experts whose slots are on
-        `device` (see the class docstring); itself where both are named."""
+        `device` (default: `resolve_device()`, asked only then; see the class docstring); itself where both are
+        named."""
         if AUTO not in (self.scheduler, self.cache_policy):
             return self
+        device = device or self.resolve_device()
         fields: dict[str, Any] = {"scheduler": self.scheduler}
         if self.scheduler == AUTO:
             captured = device.type == "cuda" and self.cuda_graph

@@ -42,7 +42,7 @@ def layer_for_parameters(
     num_layers: how many MoE layers share a byte budget.
     """
     layer = getattr(gate_up, LAYER_ATTR, None)
-    config = config.for_device(config.resolve_device())  # as the layer holds it: an "auto" stack made concrete
+    config = config.for_device()  # as the layer holds it: an "auto" stack made concrete (no device query once it is)
     source = _source(gate_up, down)
     if (
         layer is not None
@@ -77,7 +77,7 @@ class StockSites:
     """The sites of one compiled graph and the configuration its compile asked for."""
 
     def __init__(self, config: HybridMoEConfig, num_layers: int) -> None:
-        self.config = config.for_device(config.resolve_device())  # once: the layers' configs are then this object
+        self.config = config.for_device()  # once: the layers' configs are then this object
         self.num_layers = num_layers
         self.sites: list[Site] = []
         self._lock = threading.Lock()  # one binding at a time: two threads may call one graph with two models
