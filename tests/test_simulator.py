@@ -644,6 +644,23 @@ def test_graph_step_prices_its_own_copies_and_the_cpu_task_round_trip():
     assert cached.decode_tok_s == pytest.approx(1 / (COSTS.t_dense(1) + COSTS.t_gpu(1) + task))
 
 
+def test_graph_step_runs_its_gpu_share_as_one_grouped_call():
+    """In the graph the accelerator's share is one grouped GEMM per projection (`slot_experts_`): one call's overhead
+    for all of a layer step's experts, where the uncaptured replay pays one an expert. At a full budget every expert
+    sits in a slot, so a batch-1 decode step is its blocks' dense time plus, per layer, one call over top-k experts."""
+    from torch_hybrid_moe.simulator.replay import GraphStep
+
+    trace = Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")
+    layers, top_k = len(trace.layers), trace.meta["top_k"]
+    gpu = COSTS.gpu
+    assert COSTS.t_gpu_share([1] * top_k) == pytest.approx(gpu.overhead + top_k * (COSTS.t_gpu(1) - gpu.overhead))
+    assert COSTS.t_gpu_share([0, 0]) == 0.0
+    graph = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0, graph=GraphStep())
+    plain = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=1.0)
+    assert graph.decode_tok_s == pytest.approx(1 / (layers * (COSTS.t_dense(1) + COSTS.t_gpu_share([1] * top_k))))
+    assert plain.decode_tok_s == pytest.approx(1 / (layers * (COSTS.t_dense(1) + top_k * COSTS.t_gpu(1))))
+
+
 def test_graph_step_caps_fills_and_starts_the_gpu_share_after_its_fetches():
     """On a real-model trace: uncaptured, LRU admits several experts in some layer steps, and a fetching scheduler's
     cached experts start before its fetches land; in the decode steps the graph runs, neither happens."""

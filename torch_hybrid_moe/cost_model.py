@@ -7,6 +7,7 @@ placement costs. Hardware figures are published peak specifications times unifor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -122,6 +123,12 @@ class Terms(NamedTuple):
     def time(self, tokens: int) -> float:
         return self.overhead + max(self.read, self.experts * tokens * self.flops / self.rate) if tokens > 0 else 0.0
 
+    def group_time(self, tokens: Sequence[int]) -> float:
+        """One call over several experts, `tokens` each (a grouped GEMM per projection): one overhead, then each
+        expert's read or compute. 0 with no tokens."""
+        work = sum(max(self.read, self.experts * n * self.flops / self.rate) for n in tokens if n > 0)
+        return self.overhead + work if work else 0.0
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -153,6 +160,11 @@ class CostModel:
 
     def t_gpu(self, tokens: int) -> float:
         return self.gpu.time(tokens)
+
+    def t_gpu_share(self, tokens: Sequence[int]) -> float:
+        """The accelerator's share as the decode graph computes it (`slot_experts_`): one call over its experts,
+        `tokens` each, instead of one call per expert."""
+        return self.gpu.group_time(tokens)
 
     def t_dense(self, tokens: int) -> float:
         """GPU time of the rest of one decoder block (attention, shared experts) for `tokens` tokens; the KV

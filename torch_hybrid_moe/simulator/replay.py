@@ -98,7 +98,8 @@ class GraphStep:
     the replay plays otherwise (runtime/graph_path.py, decode_graphs.py):
     - the cache admits at most `fills_per_step` experts a layer step, and the step ends once they are copied (the
       graph joins its fill stream at the end);
-    - the GPU share is one call queued after all of the layer's on-demand fetches, its cached experts too;
+    - the GPU share is one grouped call (`CostModel.t_gpu_share`: one call's overhead, then each expert's read or
+      compute) queued after all of the layer's on-demand fetches, its cached experts too;
     - a layer step first waits for its own copies in flight (prefetches), then the scheduler's tensor form runs
       before either share starts, costing `placement_s[scheduler]` seconds (`profiling.measure_placement`, on one
       64-expert layer step at batch 1, charged at every size and batch; a scheduler not in it costs nothing), except
@@ -495,8 +496,18 @@ class _Replay:
     def _gpu_share(
         self, step_no: int, idx: int, layer: _Layer, experts: Sequence[int], counts: list[int], after: float
     ) -> float:
-        """When the accelerator's share ends: its experts in the order their weights arrive, none before its copy
-        nor before `after`."""
+        """When the accelerator's share ends: uncaptured, its experts in the order their weights arrive, none before
+        its copy nor before `after`; in the graph, one grouped call from `after` (`CostModel.t_gpu_share`), drawn as
+        its experts back to back."""
+        if self.captured:
+            took = self.costs.t_gpu_share([counts[e] for e in experts])
+            self.gpu_busy += took
+            if self.events is not None and experts:
+                each = took / len(experts)
+                for i, e in enumerate(experts):
+                    at = after + i * each
+                    self.events.append(Event(step_no, idx, "gpu", "expert", e, at, at + each))
+            return after + took
         gpu_end = after
         for e in sorted(experts, key=lambda e: layer.ready[e]):
             start = max(gpu_end, layer.ready[e])
