@@ -129,6 +129,12 @@ void rows_dot(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const vo
     }
 }
 
+// Row panels and token chunks of matvec_block: a panel's rows stay in L2 while every chunk of tokens passes over
+// them, and a chunk's activations stay in L2 while the panel's rows pass over it. Taking all tokens per row block
+// instead, 128 or more tokens' activations left L2 and two threads at 128-512 tokens ran at 55-57 GMAC/s against
+// 70-76 at 32 tokens (AVX2 int4; benchmarks/RESULTS.md, 2026-11-27 late).
+constexpr int64_t kPanelBytes = 64 << 10, kTokenChunkBytes = 128 << 10;
+
 // The same for int8 / int4 weights and quantised activation records (QuantRecord): integer products summed
 // exactly per 32-column block, then scaled by the activation block's scale and by the weight's group scale.
 // int4 multiplies the stored q + 8 and takes 8 * sum(activations) off again: per block at the AVX-512 level, per
@@ -428,6 +434,140 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
     }
 }
 
+// int4 at kLaneMinTokens tokens or more: eight rows as the eight int32 lanes. The loop above spends a conversion, a
+// scale multiply and an add on every row and token for each 64 columns, with a row's sum spread over its lanes. Here
+// a row group's bytes are first transposed into a panel (vector u of a step holds bytes [4u, 4u + 4) of each of the
+// 8 rows), so that one vpmaddubsw on a vector and four activation bytes broadcast gives each row's own products in
+// its own lane. A block's 8 products per row are summed exactly in int16 (at most 8 x 2 x 15 x 127 = 30,480), and the
+// conversion and scaling then cost one vector per 8 rows, token and block: 81 against 53 GMAC/s a thread in a
+// standalone test of the two loops (benchmarks/RESULTS.md, 2026-11-28). The transposition is paid once per
+// panel, for all of a call's tokens; below kLaneMinTokens it is not worth it.
+constexpr int kLaneRows = 8, kLaneTok = 4;
+constexpr int64_t kLaneMinTokens = 16;          // at 4 and 8 tokens the transposition cost more than it saved
+constexpr int64_t kLanePanelBytes = 128 << 10;  // 64 KB panels ran at two thirds of the rate in the standalone test
+
+// Rows [r, r + nr) of m (nr <= 8; a short group repeats its last row) into panel (K / 2 * 8 bytes: per step, 8
+// vectors of 8 rows x 4 bytes) and scales ([K / group][8]: the rows' group scales, one per lane).
+inline void i4_lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel, float* scales) {
+  const uint8_t* rows[kLaneRows];
+  for (int i = 0; i < kLaneRows; ++i) rows[i] = m.row(r + std::min(i, nr - 1));
+  for (int64_t j = 0; j < m.K / 64; ++j) {
+    __m256i v[kLaneRows];
+    for (int i = 0; i < kLaneRows; ++i) v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + 32 * j));
+    // an 8 x 8 transposition of 4-byte elements: rows pairwise by 4, then by 8, then 128-bit halves
+    __m256i a[8], b[8];
+    for (int i = 0; i < 8; i += 2) {
+      a[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+      a[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+      for (int h = 0; h < 2; ++h) {
+        b[i + 2 * h] = _mm256_unpacklo_epi64(a[i + h], a[i + h + 2]);
+        b[i + 2 * h + 1] = _mm256_unpackhi_epi64(a[i + h], a[i + h + 2]);
+      }
+    __m256i* out = reinterpret_cast<__m256i*>(panel + 256 * j);
+    for (int u = 0; u < 4; ++u) {
+      _mm256_storeu_si256(out + u, _mm256_permute2x128_si256(b[u], b[u + 4], 0x20));
+      _mm256_storeu_si256(out + u + 4, _mm256_permute2x128_si256(b[u], b[u + 4], 0x31));
+    }
+  }
+  const int64_t groups = m.K / m.group;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int i = 0; i < kLaneRows; ++i) scales[g * kLaneRows + i] = m.row_scale(r + std::min(i, nr - 1))[g];
+}
+
+// res[t * 8 + i] = row i of the panel . xs[t] for t < NT: per block, the int16 sums of its four vectors' products
+// (low nibbles with the record's first 32 bytes of the step, high nibbles with the next 32), one vpmaddwd to int32,
+// times (the rows' scale x the block's activation scale); then the q + 8 offset off per weight group (I4Lanes).
+template <int NT>
+void i4_lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t group, const void* const* xs,
+                  const I4Lanes* xl, float* res) {
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const int64_t per_group = group / 32;
+  QuantRecord x[NT];
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) {
+    x[t] = QuantRecord(xs[t], K);
+    acc[t] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < K / 64; ++j) {
+    const __m256i* w = reinterpret_cast<const __m256i*>(panel + 256 * j);
+    for (int half = 0; half < 2; ++half) {  // block 2j: bytes 0-15 of each row's step; block 2j + 1: bytes 16-31
+      const int64_t b = 2 * j + half;
+      __m256i sum[NT];
+      for (int t = 0; t < NT; ++t) sum[t] = _mm256_setzero_si256();
+      for (int u = 4 * half; u < 4 * half + 4; ++u) {
+        const __m256i v = _mm256_loadu_si256(w + u);
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int t = 0; t < NT; ++t) {
+          int32_t even, odd;
+          std::memcpy(&even, x[t].q + 64 * j + 4 * u, 4);
+          std::memcpy(&odd, x[t].q + 64 * j + 32 + 4 * u, 4);
+          sum[t] = _mm256_add_epi16(sum[t], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(even)),
+                                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(odd))));
+        }
+      }
+      const __m256 s = _mm256_loadu_ps(scales + b / per_group * kLaneRows);
+      for (int t = 0; t < NT; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sum[t], ones)),
+                                 _mm256_mul_ps(s, _mm256_broadcast_ss(x[t].scale + b)), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    __m256 offset = _mm256_setzero_ps();
+    for (int64_t g = 0; g < K / group; ++g)
+      offset =
+          _mm256_fmadd_ps(_mm256_loadu_ps(scales + g * kLaneRows), _mm256_broadcast_ss(xl[t].group_sum + g), offset);
+    _mm256_storeu_ps(res + t * kLaneRows, _mm256_fnmadd_ps(offset, _mm256_set1_ps(8.f), acc[t]));
+  }
+}
+
+// matvec_block's int4 rows at kLaneMinTokens tokens or more (K a multiple of 64): panels of rows transposed once,
+// then every chunk of tokens passes over them, as matvec_block tiles its own.
+void i4_lane_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, const I4Lanes* xl, int64_t n,
+                   float* dst, int64_t ld) {
+  thread_local std::vector<uint8_t> panel;
+  thread_local std::vector<float> scales;
+  const int64_t group_bytes = m.K / 2 * kLaneRows, group_scales = m.K / m.group * kLaneRows;
+  const int64_t rows = std::max<int64_t>(1, kLanePanelBytes / group_bytes) * kLaneRows;
+  const int64_t chunk = std::max<int64_t>(1, kTokenChunkBytes / (m.K + m.K / 4) / kLaneTok) * kLaneTok;  // records
+  panel.resize(rows / kLaneRows * group_bytes);
+  scales.resize(rows / kLaneRows * group_scales);
+  float res[kLaneTok * kLaneRows];
+  for (int64_t p0 = r0; p0 < r1; p0 += rows) {
+    const int64_t p1 = std::min(r1, p0 + rows);
+    for (int64_t r = p0; r < p1; r += kLaneRows)
+      i4_lane_panel(m, r, int(std::min<int64_t>(kLaneRows, p1 - r)), panel.data() + (r - p0) / kLaneRows * group_bytes,
+                    scales.data() + (r - p0) / kLaneRows * group_scales);
+    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+      const int64_t t1 = std::min(n, t0 + chunk);
+      for (int64_t r = p0; r < p1; r += kLaneRows) {
+        const uint8_t* pw = panel.data() + (r - p0) / kLaneRows * group_bytes;
+        const float* ps = scales.data() + (r - p0) / kLaneRows * group_scales;
+        const int nr = int(std::min<int64_t>(kLaneRows, p1 - r));
+        for (int64_t t = t0; t < t1; t += kLaneTok) {
+          const int nt = int(std::min<int64_t>(kLaneTok, t1 - t));
+          switch (nt) {
+            case 1:
+              i4_lane_rows<1>(pw, ps, m.K, m.group, xs + t, xl + t, res);
+              break;
+            case 2:
+              i4_lane_rows<2>(pw, ps, m.K, m.group, xs + t, xl + t, res);
+              break;
+            case 3:
+              i4_lane_rows<3>(pw, ps, m.K, m.group, xs + t, xl + t, res);
+              break;
+            default:
+              i4_lane_rows<kLaneTok>(pw, ps, m.K, m.group, xs + t, xl + t, res);
+          }
+          for (int j = 0; j < nt; ++j)
+            for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kLaneRows + i];
+        }
+      }
+    }
+  }
+}
+
 template <Fmt F, int NT>
 void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes* xl,
                 float* res) {
@@ -484,12 +624,6 @@ void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, con
   }
 }
 
-// Row panels and token chunks of matvec_block: a panel's rows stay in L2 while every chunk of tokens passes over
-// them, and a chunk's activations stay in L2 while the panel's rows pass over it. Taking all tokens per row block
-// instead, 128 or more tokens' activations left L2 and two threads at 128-512 tokens ran at 55-57 GMAC/s against
-// 70-76 at 32 tokens (AVX2 int4; benchmarks/RESULTS.md, 2026-11-27 late).
-constexpr int64_t kPanelBytes = 64 << 10, kTokenChunkBytes = 128 << 10;
-
 // dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n); xs are fp32 rows in the
 // layout (float formats) or QuantRecords (int8 / int4). Rows are read as one run: while the first chunk streams a
 // panel, each call prefetches the next call's rows, none of another thread's run (its bytes would be read twice).
@@ -502,6 +636,7 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
   if (m.fmt == Fmt::I4) {
     i4_lanes(xs, n, m.K, m.group, lane_values, lanes);
     xl = lanes.data();
+    if (n >= kLaneMinTokens && m.K % 64 == 0) return i4_lane_block(m, r0, r1, xs, xl, n, dst, ld);
   }
 #endif
   decltype(&rows_dispatch<Fmt::F32>) dispatch = nullptr;
