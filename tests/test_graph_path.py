@@ -211,9 +211,10 @@ def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, cou
     )
     out = torch.full((tokens, 32), 0.5)  # accumulated into, not overwritten
     on_slots = int((ids >= 0).sum()) if counted else None
+    rounding = torch.finfo(out.dtype).eps * out.norm().item()  # of the sum into the 0.5s, however small the result
     got = slot_experts_(out, hidden, ids, weights, gate_up, down, on_slots=on_slots) - 0.5
     assert torch.isfinite(got).all()
-    assert (got.double() - want).norm() <= tolerance * want.norm() + 1e-12  # every pair may be dropped: want 0
+    assert (got.double() - want).norm() <= tolerance * want.norm() + rounding  # every pair may be dropped: want 0
 
 
 @needs_kernel
