@@ -66,6 +66,18 @@ TRACE_EDITS = {
 }
 
 
+def test_saving_ours_with_prefetch_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "ours.json"
+    argv = ["simulate", "--trace", str(TRACE), "--ours", "4,1,0.5,1", "--save-ours", str(out)]
+    one_line_error(capsys, argv, "give --ours W,U,DECAY,0")
+    assert not out.exists()
+
+
+def test_generate_with_an_unusable_stack_file_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "none.json"
+    one_line_error(capsys, ["generate", "--stack", str(missing)], f"stack file {missing}: cannot read it")
+
+
 @pytest.mark.parametrize("case", list(TRACE_EDITS))
 def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
     edit, match = TRACE_EDITS[case]

@@ -1,6 +1,7 @@
 """Bad input gets a clear error and leaves the model exactly as it was."""
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -130,6 +131,67 @@ def test_policies_are_built_from_a_concrete_stack_only():
 
     with pytest.raises(ValueError, match="for_device"):
         build_policies(thm.HybridMoEConfig(), {}, capture=False)
+
+
+def stack_file(tmp_path, **edits):
+    """A stack file as `hybrid-moe simulate --save-ours` writes one, with `edits` (None removes a key)."""
+    import json
+
+    record = {
+        "format": 1,
+        "scheduler": "queue_aware",
+        "cache_policy": "dali_window",
+        "cache_options": {"w_size": 4, "u_size": 2, "decay": 0.5},
+        "tuned_on": {"trace": "t.safetensors", "hardware": "dali"},
+    }
+    record.update(edits)
+    path = tmp_path / "ours.json"
+    path.write_text(json.dumps({k: v for k, v in record.items() if v is not None}))
+    return path
+
+
+def test_stack_file_gives_its_stack_and_the_callers_other_fields(tmp_path):
+    config = thm.HybridMoEConfig.from_stack_file(stack_file(tmp_path), expert_budget=0.5, device="cpu")
+    assert (config.scheduler, config.cache_policy, dict(config.cache_options)) == (
+        "queue_aware",
+        "dali_window",
+        {"w_size": 4, "u_size": 2, "decay": 0.5},
+    )
+    assert (config.expert_budget, config.device, config.hardware) == (0.5, "cpu", "local")  # costed by this machine
+    assert config.for_device(torch.device("cuda")) is config  # named: no device choice left
+    assert thm.HybridMoEConfig.from_stack_file(stack_file(tmp_path), hardware="dali").hardware == "dali"
+
+
+@pytest.mark.parametrize(
+    "edits, match",
+    [
+        ({"format": 2}, "not a stack file of format 1"),
+        ({"cache_policy": None}, "missing ['cache_policy']"),
+        ({"window": 3}, "unknown ['window']"),
+        ({"cache_options": [["w_size", 4]]}, "cache_options must be an object"),
+        ({"cache_policy": "belady2"}, "belady2"),
+        ({"cache_options": {"w_size": 4, "alpha": 1}}, "alpha"),
+        ({"scheduler": "fastest"}, "fastest"),
+    ],
+)
+def test_stack_file_refuses_what_it_cannot_run(tmp_path, edits, match):
+    path = stack_file(tmp_path, **edits)
+    with pytest.raises(thm.errors.InputError, match=f"^stack file {path}: .*{re.escape(match)}"):
+        thm.HybridMoEConfig.from_stack_file(path)
+
+
+def test_stack_file_doors(tmp_path):
+    missing = tmp_path / "none.json"
+    with pytest.raises(thm.errors.InputError, match="cannot read it .*hybrid-moe simulate --save-ours"):
+        thm.HybridMoEConfig.from_stack_file(missing)
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{not json")
+    with pytest.raises(thm.errors.InputError, match=f"^stack file {garbled}: cannot read it"):
+        thm.HybridMoEConfig.from_stack_file(garbled)
+    with pytest.raises(thm.errors.InputError, match="sets cache_policy, scheduler: leave them out"):
+        thm.HybridMoEConfig.from_stack_file(stack_file(tmp_path), scheduler="lru", cache_policy="lru")
+    with pytest.raises(ValueError, match="device must be"):  # the caller's own fields, before the file is read
+        thm.HybridMoEConfig.from_stack_file(missing, device="tpu")
 
 
 def test_patched_layers_hold_the_stack_chosen_for_their_device():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import torch_hybrid_moe as thm
 import torch_hybrid_moe.embedded
 from torch_hybrid_moe import profiling
 from torch_hybrid_moe.cli import main
@@ -242,12 +243,23 @@ def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, 
                 "8",
                 "--ours",
                 "2,1,0,0",
+                "--save-ours",
+                str(tmp_path / "ours.json"),
             ]
         )
         == 0
     )
     out = capsys.readouterr().out
     assert "hardware local: measured on this machine" in out and f"calibrated on {calibration}" in out
+    saved = json.loads((tmp_path / "ours.json").read_text())
+    assert saved["tuned_on"] | {"trace": calibration, "hardware": "local", "batch": 8} == saved["tuned_on"]
+    config = thm.HybridMoEConfig.from_stack_file(tmp_path / "ours.json")  # ours as given, for the live runtime
+    assert (config.scheduler, config.cache_policy, dict(config.cache_options), config.hardware) == (
+        "queue_aware",
+        "dali_window",
+        {"w_size": 2, "u_size": 1, "decay": 0.0},
+        "local",
+    )
     lines = out.splitlines()
     summary = next(i for i, line in enumerate(lines) if line.startswith("ours / bound: "))
     rows = {line.split()[0]: line for line in lines[5:summary]}

@@ -15,7 +15,9 @@ from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, LayerInfo
 from torch_hybrid_moe.policies.schedulers import exhaustive_optimum, layer_time, makespan
 from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
 from torch_hybrid_moe.simulator import STACKS, simulate
+from torch_hybrid_moe.simulator.calibration import Calibration
 from torch_hybrid_moe.simulator.stacks import Stack
+from torch_hybrid_moe.simulator.tuning import LIVE_CACHES
 from torch_hybrid_moe.traces import LayerTrace, Trace
 
 TRACES = Path(torch_hybrid_moe.embedded.__file__).parent / "traces"
@@ -351,6 +353,60 @@ def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler, prefetcher):
     layers = stats(model).values()
     assert sum(s.accelerator_experts for s in layers) > 0 and sum(s.cpu_experts for s in layers) > 0
     assert (sum(s.prefetched_experts for s in layers) > 0) == (prefetcher != "none")
+
+
+@pytest.mark.parametrize("cache", ["dali_window", *LIVE_CACHES])
+def test_a_saved_stack_runs_live_and_stays_exact(cache, tmp_path):
+    """What `hybrid-moe simulate --save-ours` writes for each cache its live tuning tries loads into a config
+    (`HybridMoEConfig.from_stack_file`) that patches a model: ours' placement over that cache gives the unpatched
+    model's logits and tokens."""
+    import copy
+    import json
+
+    from torch_hybrid_moe import patch_model
+    from torch_hybrid_moe.simulator.tuning import ours, ours_over
+    from torch_hybrid_moe.tiny_models import tiny_model
+
+    stack = ours(2, 1, 0.8) if cache == "dali_window" else ours_over(cache)
+    path = tmp_path / "ours.json"
+    fields = {"scheduler": stack.scheduler, "cache_policy": stack.cache_policy, "cache_options": dict(stack.options)}
+    path.write_text(json.dumps({"format": 1, **fields, "tuned_on": {}}))
+    config = HybridMoEConfig.from_stack_file(path, hardware="dali", expert_budget=0.25, device="cpu")
+    ref = tiny_model("mixtral")
+    model = patch_model(copy.deepcopy(ref), config)
+    layer = next(iter(torch_hybrid_moe.runtime.model_layers(model).values()))
+    assert (layer.config.scheduler, layer.config.cache_policy) == ("queue_aware", cache)
+    x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(x).logits.double(), model(x).logits.double()
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+        assert torch.equal(
+            model.generate(x, max_new_tokens=6, do_sample=False), ref.generate(x, max_new_tokens=6, do_sample=False)
+        )
+
+
+def test_live_tuning_tries_what_the_graph_runs_as_the_graph_runs_it():
+    """`tune` for a pick that is to run live (`--save-ours`): ours' windows and the caches with tensor forms, no
+    prefetch, every decode step replayed as the CUDA graph runs it."""
+    from torch_hybrid_moe.simulator.replay import GraphStep
+    from torch_hybrid_moe.simulator.tuning import tune
+
+    trace = Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")
+    calibration = Calibration.from_trace(trace)
+    picked, tried = tune(
+        trace,
+        COSTS,
+        1,
+        0.5,
+        calibration,
+        windows=((2, 1, 0.8),),
+        caches=LIVE_CACHES,
+        prefetch_sizes=(),
+        graph=GraphStep(),
+    )
+    assert [s.cache_policy for s, _ in tried] == ["dali_window", *LIVE_CACHES] and picked in [s for s, _ in tried]
+    assert all(s.capturable and s.prefetcher == "none" for s, _ in tried)
+    assert all(r.captured for _, runs in tried for r in runs)
 
 
 def drive(policy, steps, slots, num_experts):

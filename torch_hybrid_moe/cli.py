@@ -20,6 +20,7 @@ from torch_hybrid_moe.config import (
     CPU_WEIGHT_DTYPES,
     DENSE_WEIGHT_DTYPES,
     PRECALC_FROM_LAYER,
+    STACK_FILE_FORMAT,
     parse_size,
 )
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
@@ -76,13 +77,14 @@ CPU_BUDGET_NOTE = (
 def _config(args: argparse.Namespace) -> thm.HybridMoEConfig:
     """The command line's config. The expert budget defaults to 0.25 with CUDA and 0 without, where slots only
     duplicate host memory; a budget given there is kept, with a note saying why it does not help."""
-    config = thm.HybridMoEConfig(
+    fields = dict(
         expert_budget=0.0 if args.expert_budget is None else args.expert_budget,
         device=args.device,
         cpu_weight_dtype=args.cpu_weight_dtype,
         cpu_weight_group_size=args.cpu_weight_group_size,
         dense_weight_dtype=args.dense_weight_dtype,
     )
+    config = thm.HybridMoEConfig.from_stack_file(args.stack, **fields) if args.stack else thm.HybridMoEConfig(**fields)
     on_cpu = config.resolve_device().type == "cpu"
     if args.expert_budget is None and not on_cpu:
         return config.replace(expert_budget=0.25)
@@ -312,6 +314,11 @@ def _stack_spec(text: str) -> Stack:
     return Stack("+".join(parts), parts[0], parts[1], True, f"given by --stack {text}", *parts[2:])
 
 
+def _stack_fields(stack: Stack) -> dict[str, Any]:
+    """The config fields (`STACK_FILE_FIELDS`) that run `stack` live."""
+    return {"scheduler": stack.scheduler, "cache_policy": stack.cache_policy, "cache_options": dict(stack.options)}
+
+
 def simulate(args: argparse.Namespace) -> int:
     """Replay a trace through every policy stack on a hardware preset; one row per stack."""
     import json
@@ -325,11 +332,16 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.simulator.calibration import Calibration
     from torch_hybrid_moe.simulator.replay import GraphStep
     from torch_hybrid_moe.simulator.stacks import PAPERS
-    from torch_hybrid_moe.simulator.tuning import judged_rank, oracle, ours, tune
+    from torch_hybrid_moe.simulator.tuning import LIVE_CACHES, judged_rank, oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
 
     if not args.graph and (args.graph_fill_us is not None or args.cpu_task_us is not None):
         raise InputError("--graph-fill-us and --cpu-task-us price the captured decode step: add --graph")
+    if args.save_ours and args.ours and args.ours[3]:
+        raise InputError(
+            "--save-ours: ours with prefetch does not run live (DALI's residual prefetch needs residual vectors the "
+            "runtime lacks): give --ours W,U,DECAY,0"
+        )
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
     source, source_path = (held, args.calibration) if held is not None else (trace, args.trace)
@@ -371,9 +383,23 @@ def simulate(args: argparse.Namespace) -> int:
     if args.ours:
         mine = ours(*args.ours)
     else:
-        mine, tried = tune(held or trace, costs, args.batch, args.cache_ratio, calibration)
+        live = {"caches": LIVE_CACHES, "prefetch_sizes": ()} if args.save_ours else {}
+        mine, tried = tune(held or trace, costs, args.batch, args.cache_ratio, calibration, graph=graph, **live)
         if held is not None:
             ranked = judged_rank(trace, mine, tried, costs, args.batch, args.cache_ratio, calibration)
+    if args.save_ours:
+        provenance = {
+            "trace": str(source_path),
+            "hardware": str(args.profile) if args.profile else args.hardware,
+            "expert_shape": costs.expert.name,
+            "batch": args.batch,
+            "cache_ratio": args.cache_ratio,
+            "graph": bool(args.graph),
+            "stack": mine.description,
+        }
+        record = {"format": STACK_FILE_FORMAT, **_stack_fields(mine), "tuned_on": provenance}
+        args.save_ours.write_text(json.dumps(record, indent=1) + "\n")
+        _phase(f"wrote ours' settings to {args.save_ours} (HybridMoEConfig.from_stack_file, or generate --stack)")
     ceiling = oracle(trace, mine, costs, args.batch, args.cache_ratio, calibration)
     limit, _ = bound(trace, costs, args.batch, args.cache_ratio, calibration)
     events: dict[str, list] = {}
@@ -423,7 +449,10 @@ def simulate(args: argparse.Namespace) -> int:
         f"{f'; calibrated on {args.calibration}' if args.calibration else ''}"
     )
     tuned_on = (
-        "given by --ours" if args.ours else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
+        "given by --ours"
+        if args.ours
+        else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
+        + (" among what runs live" if args.save_ours else "")
     )
     print(f"ours: {mine.description} ({tuned_on}); oracle: {ceiling.description}")
     if ranked is not None:
@@ -442,7 +471,7 @@ def simulate(args: argparse.Namespace) -> int:
                 if graph.placement_s
                 else "no placement times (counted as 0: a cost profile taken on a GPU machine has them)"
             )
-            + f". Replayed uncaptured, having no tensor form: {uncaptured or 'none'}; ours' tuning searched uncaptured"
+            + f". Replayed uncaptured, having no tensor form: {uncaptured or 'none'}; ours tuned as the graph runs"
         )
     print(
         f"{'stack':<15} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "
@@ -733,6 +762,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     for p in (g, e):
         p.add_argument(
+            "--stack",
+            type=Path,
+            metavar="FILE",
+            help="run the placement and cache a stack file names (hybrid-moe simulate --save-ours), costed by this "
+            "machine's profile",
+        )
+        p.add_argument(
             "--cpu-weight-dtype",
             default="model",
             choices=CPU_WEIGHT_DTYPES,
@@ -857,6 +893,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="W,U,DECAY,PREFETCH",
         help="our stack's window size, update size, decay and prefetch size (0: none) instead of tuning "
         "them on the calibration trace, e.g. 4,1,0.5,0",
+    )
+    s.add_argument(
+        "--save-ours",
+        type=_writable,
+        metavar="FILE",
+        help="write ours' settings here as a stack file for the live runtime (HybridMoEConfig.from_stack_file, "
+        "generate --stack): tuned among what runs in the decode graph (window, MRS, LFU, LRU caches; no prefetch)",
     )
     s.add_argument(
         "--stack",

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .cost_model import EXPERT_SHAPES, HARDWARE
+from .errors import InputError
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
@@ -22,6 +26,10 @@ AUTO = "auto"  # the scheduler and cache policy chosen for the device when the m
 # Ours' window cache settings, as its tuner picked them on the leases' traces and the GPU rows measured them
 # (benchmarks/RESULTS.md): 8-step windows, one copy per closing window, scores kept at 0.8 across windows.
 OURS_WINDOW: tuple[tuple[str, Any], ...] = (("decay", 0.8), ("u_size", 1), ("w_size", 8))
+# A stack file (`hybrid-moe simulate --save-ours FILE`, `HybridMoEConfig.from_stack_file`): these config fields as
+# JSON, with "format" and the run that tuned them ("tuned_on", kept for the reader, not read back)
+STACK_FILE_FORMAT = 1
+STACK_FILE_FIELDS = ("scheduler", "cache_policy", "cache_options")
 PRECALC_FROM_LAYER = 5  # the paper predicts block i + 1 from block i for i >= 4: block 5 is the first approximated
 _BYTE_UNITS = {
     "b": 1,
@@ -161,6 +169,36 @@ class HybridMoEConfig:
             CACHE_POLICIES.check(self.cache_policy)
         PREFETCHERS.check(self.prefetcher)
         self._check_cache_options()
+
+    @classmethod
+    def from_stack_file(cls, path: str | os.PathLike[str], **fields: Any) -> HybridMoEConfig:
+        """The config that runs the stack a tuning run saved (`hybrid-moe simulate --save-ours FILE`, ours tuned on a
+        calibration trace with a hardware profile): its scheduler, cache policy and cache options, and `fields` for
+        the rest; `hardware` defaults to "local", this machine's profile, which ours' placement weighs by. A file
+        it cannot use is an InputError naming it, raised before anything is built."""
+        clash = sorted(set(fields) & set(STACK_FILE_FIELDS))
+        if clash:
+            raise InputError(f"stack file {path} sets {', '.join(clash)}: leave them out of the other fields")
+        base = cls(**fields)  # the caller's own fields, checked before the file is read
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise InputError(
+                f"stack file {path}: cannot read it ({err}); write one with hybrid-moe simulate --save-ours"
+            ) from None
+        if not isinstance(data, dict) or data.get("format") != STACK_FILE_FORMAT:
+            raise InputError(f"stack file {path}: not a stack file of format {STACK_FILE_FORMAT}")
+        missing = [k for k in STACK_FILE_FIELDS if k not in data]
+        unknown = sorted(set(data) - {"format", "tuned_on", *STACK_FILE_FIELDS})
+        if missing or unknown:
+            raise InputError(f"stack file {path}: missing {missing or 'nothing'}, unknown {unknown or 'nothing'}")
+        if not isinstance(data["cache_options"], dict):
+            raise InputError(f"stack file {path}: cache_options must be an object of names to values")
+        stack = {k: data[k] for k in STACK_FILE_FIELDS}
+        try:
+            return base.replace(**stack, hardware=fields.get("hardware", "local"))
+        except (TypeError, ValueError) as err:
+            raise InputError(f"stack file {path}: {err}") from None
 
     def for_device(self, device: torch.device | None = None) -> HybridMoEConfig:
         """This config with an "auto" scheduler and cache policy made concrete for experts whose slots are on

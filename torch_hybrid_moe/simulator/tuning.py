@@ -20,9 +20,10 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from ..cost_model import CostModel
+from ..policies import CACHE_POLICIES
 from ..traces import Trace
 from .calibration import Calibration
-from .replay import SimResult, simulate, simulate_runnable
+from .replay import GraphStep, SimResult, simulate, simulate_runnable
 from .stacks import STACKS, Stack
 
 WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5, 0.8))  # (w_size, u_size, decay)
@@ -30,6 +31,9 @@ WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5,
 # window's bursts of u_size copies cannot express where the link is fast and reuse high; and DAOP's per-sequence
 # allocation, which wins where a batch's sequences keep to their own experts
 CACHES = ("mrs", "lfu", "lru", "daop")
+# what the live decode graph can run (tensor forms): a tuning whose pick is to run live (`--save-ours`) tries only these
+# caches, and no prefetch (DALI's residual prefetch needs residual vectors the live runtime does not have)
+LIVE_CACHES = tuple(c for c in CACHES if c in CACHE_POLICIES.graph_names())
 PREFETCH_SIZES = (1, 2)
 FINALISTS = 2  # candidates (windows or caches) that are tried again with each prefetch size
 
@@ -79,10 +83,12 @@ def tune(
     windows: tuple[tuple[int, int, float], ...] = WINDOWS,
     prefetch_sizes: tuple[int, ...] = PREFETCH_SIZES,
     caches: tuple[str, ...] = CACHES,
+    graph: GraphStep | None = None,
 ) -> tuple[Stack, list[tuple[Stack, list[SimResult]]]]:
     """Our most consistently fast decode on `trace`, which should not be the trace the result is then judged
     on: every window and other cache without prefetch, then the best `FINALISTS` with each prefetch size (only
-    where the trace kept gate inputs). Returns the winner and every (candidate, results on each half)."""
+    where the trace kept gate inputs); decode steps replayed as `graph` runs them where given. Returns the winner
+    and every (candidate, results on each half)."""
     gate_inputs = bool(calibration.routers) and trace.gate_inputs
     halves = decode_halves(trace)
     folds = [(half, Calibration.learn(other, calibration.routers)) for half, other in zip(halves, reversed(halves))]
@@ -90,7 +96,9 @@ def tune(
 
     def run(stacks: list[Stack], stage: str) -> None:
         for s in tqdm(stacks, desc=f"tuning {stage} (batch {batch}, cache {cache_ratio:g})", unit="stack", leave=False):
-            tried.append((s, [simulate(half, s, costs, batch, cache_ratio, learnt) for half, learnt in folds]))
+            tried.append(
+                (s, [simulate(half, s, costs, batch, cache_ratio, learnt, graph=graph) for half, learnt in folds])
+            )
 
     def ranked() -> list[tuple[Stack, list[SimResult]]]:
         return sorted(tried, key=lambda entry: consistency(entry[1], [r for _, r in tried]), reverse=True)
