@@ -5,15 +5,17 @@
 # - gpu_decode.py's rows: the no-offload ceiling, the default stack (ours on CUDA) and the LRU stack at three
 #   budgets, with the routing trace, its routers and the local cost profile for `hybrid-moe simulate`;
 # - what the graph's fills and CPU round trips cost (graph_costs.py; off by default, measured 2026-11-28);
-# - a profiled prefill of the default, the LRU stack and the ring in halves at budget 0.25 (the host time split by
-#   the dispatch's named ranges);
+# - ours as `simulate --save-ours` tuned it on the fourth lease's trace and profile (benchmarks/measured/), beside
+#   the default's fixed settings, at budgets 0.25 and 0.5;
+# - a profiled prefill of the default and the ring in halves at budget 0.25 (the host time split by the dispatch's
+#   named ranges);
 # - the CPU kernels' tests at the levels this machine's CPU has and the development boxes may lack (AVX-512, AMX);
 # - the paper stacks' live rows (off by default, measured in earlier leases; on an H200, 2026-11-27, the three
 #   took ~130 s, so PAPERS_S=60 gets one).
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-out: eight files, the most the device tool
-# brings back. The default limits add up to 570 s, inside one 600-second device call; a limit of 0 skips its step.
+# brings back. The default limits add up to 590 s, inside one 600-second device call; a limit of 0 skips its step.
 #
-#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=240 MAIN_S=180 GRAPH_S=0 PREFILL_S=90 ISA_S=60 PAPERS_S=0
+#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=240 MAIN_S=180 TUNED_S=50 GRAPH_S=0 PREFILL_S=60 ISA_S=60 PAPERS_S=0
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -44,9 +46,11 @@ step "${TEST_S:-240}" tests.txt python -m pytest -v -rP -n 12 --timeout 150 -p n
 step "${MAIN_S:-180}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid lru \
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
+step "${TUNED_S:-50}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows --budgets 0.25 0.5 \
+    --stack-file benchmarks/measured/2026-11-28-gpu-h200/ours-tuned.json | grep -v -e "^{" -e Warn
 step "${GRAPH_S:-0}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
-step "${PREFILL_S:-90}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
-    --prompt 512 4096 --repeats 1 --rows hybrid lru stream-8 --budgets 0.25 --profile /tmp/gpu-checks-profile |
+step "${PREFILL_S:-60}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
+    --prompt 512 4096 --repeats 1 --rows hybrid stream-8 --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
 # On this box's CPU (2026-11-28) the kernel's refusals of bad operands crashed their processes: each refusal test
 # alone in a fresh process, then after an AMX test in the same one (does the AMX route leave something broken?),

@@ -47,7 +47,10 @@ the CPU at the host's copy rate; the prefill column's share of it is printed bes
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
         [--rows hybrid lru prefetch prefetch-1 deferral dali hybrimoe ours all-cpu on-demand no-stream accelerate gpu]
         [--graph off on] [--tokens 32] [--prompt 512 [4096 ...]] [--cpu-threads N] [--json] [--profile DIR]
-        [--trace PATH]
+        [--trace PATH] [--stack-file FILE]
+
+`--stack-file FILE` adds a "tuned" row at each budget: the stack `hybrid-moe simulate --save-ours FILE` picked (for
+instance on this script's --trace and profile), run as `HybridMoEConfig.from_stack_file` loads it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.config import STACK_FILE_FIELDS
+from torch_hybrid_moe.errors import InputError
 
 ROWS = (
     "hybrid",
@@ -374,6 +379,14 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
+def stack_file(text: str) -> thm.HybridMoEConfig:
+    """--stack-file's config, refused as a usage error where the file cannot be used."""
+    try:
+        return thm.HybridMoEConfig.from_stack_file(text)
+    except InputError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def rows_of(args: argparse.Namespace) -> list[dict]:
     """The settings to measure, in table order."""
     rows = []
@@ -391,6 +404,9 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
             ]
         else:
             rows.append(dict(row=name))
+    if args.stack_file is not None:
+        stack = {k: getattr(args.stack_file, k) for k in (*STACK_FILE_FIELDS, "hardware")}
+        rows += [dict(row="tuned", expert_budget=b, cuda_graph=g, **stack) for b in args.budgets for g in args.graph]
     if args.cpu_threads:
         rows = [{**r, "cpu_threads": args.cpu_threads} if r.get("cuda_graph") else r for r in rows]
     return rows
@@ -400,7 +416,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="expert budgets of the hybrid rows")
-    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    p.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS, help="none: only --stack-file's rows")
     p.add_argument(
         "--graph",
         nargs="+",
@@ -425,6 +441,12 @@ def main() -> None:
         default=0,
         help="HybridMoEConfig.cpu_threads of the rows with the "
         "graph on (the only ones that use it; 0: the library's default, torch's thread count)",
+    )
+    p.add_argument(
+        "--stack-file",
+        type=stack_file,
+        metavar="FILE",
+        help="also run the stack this file names (hybrid-moe simulate --save-ours) as the 'tuned' row",
     )
     p.add_argument(
         "--profile",
