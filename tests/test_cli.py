@@ -57,6 +57,7 @@ def test_expert_budget_defaults_to_zero_without_cuda():
         cpu_weight_dtype="model",
         cpu_weight_group_size=64,
         dense_weight_dtype="model",
+        stack=None,
     )
     assert _config(args).expert_budget == 0.0
     assert _config(argparse.Namespace(**{**vars(args), "expert_budget": 0.5})).expert_budget == 0.5
