@@ -456,6 +456,8 @@ def main() -> None:
     )
     args = p.parse_args()
     args.graph = [g == "on" for g in args.graph]
+    if not args.rows and args.stack_file is None:
+        raise SystemExit("--rows names none and no --stack-file gives one: nothing to measure")
     if not torch.cuda.is_available() and not args.trace:
         raise SystemExit("gpu_decode.py needs a CUDA GPU (without one it only records --trace)")
     if min(args.prompt) < 16:

@@ -73,6 +73,13 @@ def test_saving_ours_with_prefetch_is_refused_before_anything_runs(tmp_path, cap
     assert not out.exists()
 
 
+@pytest.mark.parametrize("spec, match", [("0,1,0.5,0", "w_size"), ("4,1,1.0,0", "decay"), ("4,1,0.5,-1", ">= 0")])
+def test_ours_settings_are_checked_before_anything_runs(spec, match, tmp_path, capsys):
+    out = tmp_path / "ours.json"
+    one_line_error(capsys, ["simulate", "--trace", str(TRACE), "--ours", spec, "--save-ours", str(out)], match)
+    assert not out.exists()
+
+
 def test_generate_with_an_unusable_stack_file_is_one_line(tmp_path, capsys):
     missing = tmp_path / "none.json"
     one_line_error(capsys, ["generate", "--stack", str(missing)], f"stack file {missing}: cannot read it")

@@ -177,26 +177,28 @@ def test_quantised_odd_block_counts(fmt, isa, group, tokens):
     check_against_float64(fmt, operands, weights64, tokens, isa)
 
 
-@pytest.mark.parametrize("group", [32, 64, 96, 128])
-def test_int4_rows_at_many_tokens_match_float64_and_keep_each_token_alone(isa, group):
+@pytest.mark.parametrize("group, columns", [(32, 384), (64, 384), (96, 384), (128, 384), (64, 8192)])
+def test_int4_rows_at_many_tokens_match_float64_and_keep_each_token_alone(isa, group, columns):
     """From 16 tokens on, the AVX2 level transposes eight int4 rows at a time into lanes (rows_kernel.h,
-    i4_lane_block); below, and at the other levels, the per-row loops run. 100 rows (a short last group of 8), 384
-    columns (6 steps, groups straddling them at 96), 15-40 tokens (runs of 4 and their tails): float64 of the rounded
-    activations, and a token's output the same bits in any batch, at any thread count."""
-    g = torch.Generator().manual_seed(group)
-    q = quantize(torch.randn(1, 100, 384, generator=g).mul(0.1), 4, group)
+    i4_lane_block); below, and at the other levels, the per-row loops run. 100 rows (a short last group of 8); 384
+    columns (6 steps, groups straddling them at 96) or 8192 (several panels and token chunks); 15-42 tokens (runs
+    of 4 and tails of 1-3): float64 of the rounded activations, and a token's output the same bits in any batch of
+    16 tokens or more, at any thread count. (Below 16 the per-row loop sums in another order: another batch size
+    may round a token's output differently there, as the GEMM routes do.)"""
+    g = torch.Generator().manual_seed(group + columns)
+    q = quantize(torch.randn(1, 100, columns, generator=g).mul(0.1), 4, group)
     weight, scale, dense = q.data[0], q.scale[0], q[0].double()
-    x = torch.randn(40, 384, generator=g)
-    outs = {n: cpu_kernel.dense_matvec(x[:n], weight, scale, isa) for n in (15, 16, 21, 40)}
+    x = torch.randn(42, columns, generator=g)
+    outs = {n: cpu_kernel.dense_matvec(x[:n], weight, scale, isa) for n in (15, 16, 18, 19, 21, 42)}
     for n, out in outs.items():
         want = quantize_activations(x[:n]).double() @ dense.T
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    assert torch.equal(outs[21], outs[40][:21]) and torch.equal(outs[16], outs[40][:16])
-    assert torch.equal(cpu_kernel.dense_matvec(x[19:40], weight, scale, isa), outs[40][19:])
+    assert all(torch.equal(outs[n], outs[42][:n]) for n in (16, 18, 19, 21))
+    assert torch.equal(cpu_kernel.dense_matvec(x[19:42], weight, scale, isa), outs[42][19:])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernel.dense_matvec(x, weight, scale, isa), outs[40])
+        assert torch.equal(cpu_kernel.dense_matvec(x, weight, scale, isa), outs[42])
     finally:
         torch.set_num_threads(threads)
 

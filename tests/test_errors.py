@@ -172,11 +172,14 @@ def test_stack_file_gives_its_stack_and_the_callers_other_fields(tmp_path):
         ({"cache_policy": "belady2"}, "belady2"),
         ({"cache_options": {"w_size": 4, "alpha": 1}}, "alpha"),
         ({"scheduler": "fastest"}, "fastest"),
+        ({"format": True}, "not a stack file of format 1"),
+        ({"cache_options": {"w_size": 4, "u_size": 1, "decay": 1.0}}, "decay"),  # a value the policy refuses
+        ({"cache_policy": "belady", "cache_options": {}}, "simulator only"),  # a policy the runtime cannot build
     ],
 )
 def test_stack_file_refuses_what_it_cannot_run(tmp_path, edits, match):
     path = stack_file(tmp_path, **edits)
-    with pytest.raises(thm.errors.InputError, match=f"^stack file {path}: .*{re.escape(match)}"):
+    with pytest.raises(thm.errors.InputError, match=f"^stack file {re.escape(str(path))}: .*{re.escape(match)}"):
         thm.HybridMoEConfig.from_stack_file(path)
 
 

@@ -376,6 +376,7 @@ def test_a_saved_stack_runs_live_and_stays_exact(cache, tmp_path):
     model = patch_model(copy.deepcopy(ref), config)
     layer = next(iter(torch_hybrid_moe.runtime.model_layers(model).values()))
     assert (layer.config.scheduler, layer.config.cache_policy) == ("queue_aware", cache)
+    assert all(getattr(layer.cache_policy, k) == v for k, v in stack.options)  # the saved settings, in the policy
     x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = ref(x).logits.double(), model(x).logits.double()
@@ -404,6 +405,7 @@ def test_live_tuning_tries_what_the_graph_runs_as_the_graph_runs_it():
         prefetch_sizes=(),
         graph=GraphStep(),
     )
+    assert LIVE_CACHES == ("mrs", "lfu", "lru")  # DAOP's allocation has no tensor form
     assert [s.cache_policy for s, _ in tried] == ["dali_window", *LIVE_CACHES] and picked in [s for s, _ in tried]
     assert all(s.capturable and s.prefetcher == "none" for s, _ in tried)
     assert all(r.captured for _, runs in tried for r in runs)

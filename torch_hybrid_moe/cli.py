@@ -20,7 +20,9 @@ from torch_hybrid_moe.config import (
     CPU_WEIGHT_DTYPES,
     DENSE_WEIGHT_DTYPES,
     PRECALC_FROM_LAYER,
+    STACK_FILE_FIELDS,
     STACK_FILE_FORMAT,
+    check_cache_values,
     parse_size,
 )
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
@@ -294,9 +296,16 @@ def _local_profile(args: argparse.Namespace) -> HardwareProfile:
 def _ours_spec(text: str) -> tuple[int, int, float, int]:
     try:
         w, u, decay, prefetch = text.split(",")
-        return int(w), int(u), float(decay), int(prefetch)
+        spec = int(w), int(u), float(decay), int(prefetch)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected W,U,DECAY,PREFETCH such as 4,1,0.5,0, got {text!r}") from None
+    try:  # the window cache refuses its own values, before anything runs
+        check_cache_values("dali_window", {"w_size": spec[0], "u_size": spec[1], "decay": spec[2]})
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+    if spec[3] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: PREFETCH must be >= 0 (0: none)")
+    return spec
 
 
 def _stack_spec(text: str) -> Stack:
@@ -316,7 +325,7 @@ def _stack_spec(text: str) -> Stack:
 
 def _stack_fields(stack: Stack) -> dict[str, Any]:
     """The config fields (`STACK_FILE_FIELDS`) that run `stack` live."""
-    return {"scheduler": stack.scheduler, "cache_policy": stack.cache_policy, "cache_options": dict(stack.options)}
+    return dict(zip(STACK_FILE_FIELDS, (stack.scheduler, stack.cache_policy, dict(stack.options))))
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -386,20 +395,7 @@ def simulate(args: argparse.Namespace) -> int:
         live = {"caches": LIVE_CACHES, "prefetch_sizes": ()} if args.save_ours else {}
         mine, tried = tune(held or trace, costs, args.batch, args.cache_ratio, calibration, graph=graph, **live)
         if held is not None:
-            ranked = judged_rank(trace, mine, tried, costs, args.batch, args.cache_ratio, calibration)
-    if args.save_ours:
-        provenance = {
-            "trace": str(source_path),
-            "hardware": str(args.profile) if args.profile else args.hardware,
-            "expert_shape": costs.expert.name,
-            "batch": args.batch,
-            "cache_ratio": args.cache_ratio,
-            "graph": bool(args.graph),
-            "stack": mine.description,
-        }
-        record = {"format": STACK_FILE_FORMAT, **_stack_fields(mine), "tuned_on": provenance}
-        args.save_ours.write_text(json.dumps(record, indent=1) + "\n")
-        _phase(f"wrote ours' settings to {args.save_ours} (HybridMoEConfig.from_stack_file, or generate --stack)")
+            ranked = judged_rank(trace, mine, tried, costs, args.batch, args.cache_ratio, calibration, graph)
     ceiling = oracle(trace, mine, costs, args.batch, args.cache_ratio, calibration)
     limit, _ = bound(trace, costs, args.batch, args.cache_ratio, calibration)
     events: dict[str, list] = {}
@@ -419,6 +415,19 @@ def simulate(args: argparse.Namespace) -> int:
                 "gate inputs, which this trace lacks"
             )
             events.pop(stack.name, None)
+    if args.save_ours:  # last, once every stack ran: a refused or failed run leaves no file
+        provenance = {
+            "trace": str(source_path),
+            "hardware": str(args.profile) if args.profile else args.hardware,
+            "expert_shape": costs.expert.name,
+            "batch": args.batch,
+            "cache_ratio": args.cache_ratio,
+            "graph": bool(args.graph),
+            "stack": mine.description,
+        }
+        record = {"format": STACK_FILE_FORMAT, **_stack_fields(mine), "tuned_on": provenance}
+        args.save_ours.write_text(json.dumps(record, indent=1) + "\n")
+        _phase(f"wrote ours' settings to {args.save_ours} (HybridMoEConfig.from_stack_file, or generate --stack)")
     plots = _simulation_plots(args, trace, costs, calibration, ran, events, results) if args.plot_dir else []
     by_name = {r.stack: r for r in results}
     bound_tok_s = by_name["bound"].decode_tok_s
@@ -899,7 +908,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=_writable,
         metavar="FILE",
         help="write ours' settings here as a stack file for the live runtime (HybridMoEConfig.from_stack_file, "
-        "generate --stack): tuned among what runs in the decode graph (window, MRS, LFU, LRU caches; no prefetch)",
+        "generate --stack): as --ours gives them, or tuned among what runs in the decode graph (window, MRS, LFU, "
+        "LRU caches; no prefetch)",
     )
     s.add_argument(
         "--stack",

@@ -17,7 +17,7 @@ import torch
 
 from .cost_model import EXPERT_SHAPES, HARDWARE
 from .errors import InputError
-from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS
+from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
 DENSE_WEIGHT_DTYPES = ("model", "int8", "int4")
@@ -42,6 +42,14 @@ _BYTE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+
+
+def check_cache_values(cache_policy: str, cache_options: Mapping[str, object] | tuple[tuple[str, object], ...]) -> None:
+    """Build `cache_policy` once with `cache_options` for a stand-in layer, so that a value it refuses (a window of
+    0 steps, a decay of 1) or a context it needs and the live runtime lacks (a simulator-only policy's future
+    routing) is a ValueError now, not when a model is patched."""
+    options = dict(cache_options)
+    CACHE_POLICIES.create(cache_policy, info=LayerInfo(0, 8, 2, 1), **options)
 
 
 @dataclass(frozen=True)
@@ -175,7 +183,8 @@ class HybridMoEConfig:
         """The config that runs the stack a tuning run saved (`hybrid-moe simulate --save-ours FILE`, ours tuned on a
         calibration trace with a hardware profile): its scheduler, cache policy and cache options, and `fields` for
         the rest; `hardware` defaults to "local", this machine's profile, which ours' placement weighs by. A file
-        it cannot use is an InputError naming it, raised before anything is built."""
+        it cannot use (unreadable, malformed, or naming a policy or option value the runtime refuses) is an
+        InputError naming it."""
         clash = sorted(set(fields) & set(STACK_FILE_FIELDS))
         if clash:
             raise InputError(f"stack file {path} sets {', '.join(clash)}: leave them out of the other fields")
@@ -186,7 +195,7 @@ class HybridMoEConfig:
             raise InputError(
                 f"stack file {path}: cannot read it ({err}); write one with hybrid-moe simulate --save-ours"
             ) from None
-        if not isinstance(data, dict) or data.get("format") != STACK_FILE_FORMAT:
+        if not isinstance(data, dict) or type(data.get("format")) is not int or data["format"] != STACK_FILE_FORMAT:
             raise InputError(f"stack file {path}: not a stack file of format {STACK_FILE_FORMAT}")
         missing = [k for k in STACK_FILE_FIELDS if k not in data]
         unknown = sorted(set(data) - {"format", "tuned_on", *STACK_FILE_FIELDS})
@@ -196,9 +205,11 @@ class HybridMoEConfig:
             raise InputError(f"stack file {path}: cache_options must be an object of names to values")
         stack = {k: data[k] for k in STACK_FILE_FIELDS}
         try:
-            return base.replace(**stack, hardware=fields.get("hardware", "local"))
+            config = base.replace(**stack, hardware=fields.get("hardware", "local"))
+            check_cache_values(config.cache_policy, config.cache_options)
         except (TypeError, ValueError) as err:
             raise InputError(f"stack file {path}: {err}") from None
+        return config
 
     def for_device(self, device: torch.device | None = None) -> HybridMoEConfig:
         """This config with an "auto" scheduler and cache policy made concrete for experts whose slots are on

@@ -118,11 +118,13 @@ def judged_rank(
     batch: int,
     cache_ratio: float,
     calibration: Calibration,
+    graph: GraphStep | None = None,
 ) -> tuple[int, int, float, float]:
     """How the tuned pick does on the trace it is judged on, among every candidate `tune` tried: (its rank, 1 the
-    fastest; the candidates; its decode tok/s; that over the fastest's). Candidates within a percent of each other
-    on the calibration halves often swap places here: this says what that costs."""
-    speeds = [simulate(trace, s, costs, batch, cache_ratio, calibration).decode_tok_s for s, _ in tried]
+    fastest; the candidates; its decode tok/s; that over the fastest's), replayed as `tune` replayed them (`graph`).
+    Candidates within a percent of each other on the calibration halves often swap places here: this says what that
+    costs."""
+    speeds = [simulate(trace, s, costs, batch, cache_ratio, calibration, graph=graph).decode_tok_s for s, _ in tried]
     mine = speeds[[s for s, _ in tried].index(picked)]
     return 1 + sum(v > mine for v in speeds), len(speeds), mine, mine / max(speeds) if max(speeds) else 1.0
 
