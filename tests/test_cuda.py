@@ -155,6 +155,17 @@ def test_every_graph_scheduler_placement_is_timed_inside_a_graph():
     assert set(seconds) == set(SCHEDULERS.graph_names()) and all(0 < s < 0.01 for s in seconds.values())
 
 
+def test_grouped_slot_share_is_timed_inside_a_graph():
+    """The decode graph's slot share, timed over 1 and SHARE_EXPERTS experts (printed): positive, and more experts
+    take longer, which the per-expert profile cannot say (its fit may read an expert in no time)."""
+    from torch_hybrid_moe import profiling
+    from torch_hybrid_moe.cost_model import EXPERT_SHAPES
+
+    share = profiling.measure_share(EXPERT_SHAPES["deepseek-v2-lite"], 3, 2 * 2**30)
+    print({k: f"{s * 1e6:.1f} us" for k, s in share.items()})
+    assert sorted(share) == [1, profiling.SHARE_EXPERTS] and 0 < share[1] < share[profiling.SHARE_EXPERTS] < 0.01
+
+
 def test_compiled_placement_and_slot_programs_choose_as_the_cpu_forms():
     """Ours' placement program, the slot pairing and the tables' update, compiled and run on the GPU, against their
     torch forms on the CPU (the interpreter cannot show the compiled code's rounding or memory order), on random

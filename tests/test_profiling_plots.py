@@ -56,6 +56,33 @@ def test_fit_gives_back_the_hardware_that_produced_the_times(preset):
     assert h.name == "local" and "measured" in h.description
 
 
+def test_a_measured_slot_share_prices_the_graphs_grouped_call():
+    """With the grouped share timed at 1 and SHARE_EXPERTS experts (`measure_share`), `t_gpu_share` gives those two
+    times back, and what each further expert of one token adds; the profile's JSON keeps them. Without them the share
+    is priced from the per-expert fit. Malformed share times are refused like any other cached time."""
+    expert = EXPERT_SHAPES["deepseek-v2-lite"]
+    m = synthetic(expert, "dali", gpu=True)
+    plain = profiling.HardwareProfile(expert, m).cost_model()
+    assert plain.t_gpu_share([1, 1]) == pytest.approx(plain.gpu.group_time([1, 1]))
+    m.gpu_share_s = {1: 40e-6, profiling.SHARE_EXPERTS: 96e-6}
+    costs = profiling.HardwareProfile(
+        expert, profiling.Measurements.from_json(json.loads(json.dumps(m.to_json())))
+    ).cost_model()
+    each = (96e-6 - 40e-6) / (profiling.SHARE_EXPERTS - 1)
+    assert costs.t_gpu_share([1]) == pytest.approx(40e-6) and costs.t_gpu_share([0]) == 0.0
+    assert costs.t_gpu_share([1] * profiling.SHARE_EXPERTS) == pytest.approx(96e-6)
+    assert costs.t_gpu_share([1, 1, 0]) == pytest.approx(40e-6 + each)
+    many = 10**6  # a token count whose compute exceeds the measured per-expert time: compute is charged instead
+    assert costs.t_gpu_share([many]) == pytest.approx(40e-6 - each + many * costs.gpu.flops / costs.gpu.rate)
+    for bad in ({1: 40e-6}, {1: 40e-6, 4: 60e-6}, {1: -1.0, profiling.SHARE_EXPERTS: 96e-6}):
+        data = m.to_json() | {"gpu_share_s": bad}
+        with pytest.raises(ValueError):
+            profiling.Measurements.from_json(json.loads(json.dumps(data)))
+    with pytest.raises(ValueError, match="without GPU times"):
+        cpu_only = synthetic(expert, "dali").to_json() | {"gpu_share_s": {1: 40e-6, profiling.SHARE_EXPERTS: 96e-6}}
+        profiling.Measurements.from_json(json.loads(json.dumps(cpu_only)))
+
+
 def test_fit_of_noisy_times_stays_close():
     c = CostModel(HARDWARE["rtx4090"], SMALL)
     noise = dict(zip(TOKENS, (1.08, 0.93, 1.05, 0.96, 1.02, 0.98)))

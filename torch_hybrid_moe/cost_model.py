@@ -32,6 +32,10 @@ class Hardware:
     cpu_overhead_us: float = 20.0  # per expert call: dispatch, threads, activations
     gpu_overhead_us: float = 10.0  # per expert kernel launch
     pcie_latency_us: float = 10.0
+    # the decode graph's grouped slot share, where measured (`profiling.measure_share`): its fixed part, and what
+    # each expert of one token adds; None: priced from the per-expert terms (`CostModel.t_gpu_share`)
+    gpu_share_overhead_us: float | None = None
+    gpu_share_expert_us: float | None = None
 
 
 # Spec-sheet figures (bf16 tensor throughput with fp32 accumulation, dense; DRAM channels x speed).
@@ -163,8 +167,15 @@ class CostModel:
 
     def t_gpu_share(self, tokens: Sequence[int]) -> float:
         """The accelerator's share as the decode graph computes it (`slot_experts_`): one call over its experts,
-        `tokens` each, instead of one call per expert."""
-        return self.gpu.group_time(tokens)
+        `tokens` each, instead of one call per expert. Where the grouped call was measured, its fixed part and per
+        expert the more of its measured cost and its compute; else one per-expert overhead and each expert's read
+        or compute (a profile's fit may put most of the read in that overhead: it cannot tell them apart)."""
+        h = self.hardware
+        if h.gpu_share_overhead_us is None or h.gpu_share_expert_us is None:
+            return self.gpu.group_time(tokens)
+        gpu, each = self.gpu, h.gpu_share_expert_us * 1e-6
+        work = sum(max(each, n * gpu.flops / gpu.rate) for n in tokens if n > 0)
+        return h.gpu_share_overhead_us * 1e-6 + work if work else 0.0
 
     def t_dense(self, tokens: int) -> float:
         """GPU time of the rest of one decoder block (attention, shared experts) for `tokens` tokens; the KV

@@ -45,6 +45,7 @@ DEFAULT_TOKENS = (1, 4, 16, 64)
 DEFAULT_PRESET = "rtx4090"  # GPU and link figures where this machine has no CUDA device
 POOL_BYTES = 256 * 2**20  # experts cycled through per measurement, so that their weights come from DRAM, not cache
 GRAPH_EXPERTS = 64  # at most this many experts of the pool in one timed CUDA graph, computed in turn
+SHARE_EXPERTS = 8  # the grouped slot share is timed over 1 and this many experts: its fixed part and one expert's
 SMALL_COPY = 64 * 2**10  # bytes of the second, latency-bound copy that separates the link's latency from its rate
 # one layer step the schedulers' tensor forms are timed on: DeepSeek-V2-Lite's 64 experts, 16 in slots, the 6 of one
 # token active (3 of them resident); PLACEMENT_CALLS such decisions in one timed CUDA graph
@@ -121,6 +122,9 @@ class Measurements:
     # device seconds of each graph-capable scheduler's tensor form deciding one layer step (`measure_placement`);
     # None: no CUDA device, or a profile cached before these were measured
     placement_s: dict[str, float] | None = None
+    # device seconds of the decode graph's slot share (`slot_experts_`, one grouped call) over 1 and SHARE_EXPERTS
+    # experts, one token each (`measure_share`); None: no CUDA device, or a profile cached before it was measured
+    gpu_share_s: dict[int, float] | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -138,13 +142,16 @@ class Measurements:
             data["seconds"],
             data.get("load"),
             None if data.get("placement_s") is None else {str(k): _duration(v) for k, v in data["placement_s"].items()},
+            ints(data.get("gpu_share_s")),
         )
         if not m.cpu_s or (m.gpu_s is not None and set(m.gpu_s) != set(m.cpu_s)):
             raise ValueError("no CPU times, or GPU times at other token counts")
         if (m.gpu_s is None) != (m.transfer_s is None) or (m.transfer_s is None) != (m.small_transfer_s is None):
             raise ValueError("GPU times and link times must be present together")
-        if m.placement_s is not None and m.gpu_s is None:
-            raise ValueError("placement times without GPU times")
+        if (m.placement_s is not None or m.gpu_share_s is not None) and m.gpu_s is None:
+            raise ValueError("placement or slot share times without GPU times")
+        if m.gpu_share_s is not None and sorted(m.gpu_share_s) != [1, SHARE_EXPERTS]:
+            raise ValueError(f"slot share times must be at 1 and {SHARE_EXPERTS} experts")
         if m.transfer_s is not None:
             m.transfer_s, m.small_transfer_s = _duration(m.transfer_s), _duration(m.small_transfer_s)
         return m
@@ -211,6 +218,10 @@ class HardwareProfile:
                 pcie_gb_s=rate / 1e9 / PCIE_EFFICIENCY,
                 pcie_latency_us=latency * 1e6,
             )
+            if m.gpu_share_s is not None:  # two points: the share's fixed part, and what each expert adds
+                one, many = m.gpu_share_s[1], m.gpu_share_s[SHARE_EXPERTS]
+                each = max(0.0, (many - one) / (SHARE_EXPERTS - 1))
+                fields |= dict(gpu_share_overhead_us=max(0.0, one - each) * 1e6, gpu_share_expert_us=each * 1e6)
             where += f" + GPU {m.key['device']}, measured"
         else:
             p = HARDWARE[self.preset]
@@ -382,6 +393,40 @@ def measure_gpu(
     return gpu, copies[0], copies[1]
 
 
+def measure_share(expert: ExpertShape, repeats: int, pool_bytes: int) -> dict[int, float]:
+    """On CUDA device 0: median device seconds of the decode graph's slot share (`slot_experts_`, a grouped GEMM per
+    projection where torch has one for these weights) for one token routed to 1 and to SHARE_EXPERTS distinct slots
+    of a pool, each inside a captured graph. The per-expert profile (`measure_gpu`) cannot tell how much of an
+    expert call is fixed cost and how much reading its weights, which the grouped call pays once and per expert."""
+    from .ops.expert_math import slot_experts_
+
+    gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
+    slots = min(gate_up.shape[0], GRAPH_EXPERTS)
+    gate_up, down = gate_up[:slots], down[:slots]
+    hidden = torch.randn(1, expert.hidden, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(1, expert.hidden, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    share: dict[int, float] = {}
+    for k in (1, min(SHARE_EXPERTS, slots)):
+        ids = torch.arange(k, device="cuda").unsqueeze(0)
+        weights = torch.ones(1, k, device="cuda")
+
+        def run(ids: torch.Tensor = ids, weights: torch.Tensor = weights) -> None:
+            slot_experts_(out, hidden, ids, weights, gate_up, down)
+
+        graph = captured(run)
+        times = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        share[SHARE_EXPERTS if k > 1 else 1] = statistics.median(times[1:])
+    return share
+
+
 def measure_placement(costs: CostModel, expert: ExpertShape, repeats: int) -> dict[str, float]:
     """On CUDA device 0: median device seconds of each graph-capable scheduler's tensor form deciding one layer step
     (`PLACEMENT_*`), as the decode graph replays it: PLACEMENT_CALLS decisions captured in one CUDA graph, its
@@ -439,6 +484,7 @@ def measure(
         m = Measurements(profile_key(expert, tokens), measure_cpu(expert, tokens, repeats, pool_bytes, bar))
         if cuda:
             m.gpu_s, m.transfer_s, m.small_transfer_s = measure_gpu(expert, tokens, repeats, pool_bytes, bar)
+            m.gpu_share_s = measure_share(expert, repeats, pool_bytes)
             try:
                 m.placement_s = measure_placement(HardwareProfile(expert, m).cost_model(), expert, repeats)
             except Exception as err:  # what it adds is a simulator figure: its failure must not stop a patch
