@@ -148,8 +148,10 @@ class Measurements:
             raise ValueError("no CPU times, or GPU times at other token counts")
         if (m.gpu_s is None) != (m.transfer_s is None) or (m.transfer_s is None) != (m.small_transfer_s is None):
             raise ValueError("GPU times and link times must be present together")
-        if (m.placement_s is not None or m.gpu_share_s is not None) and m.gpu_s is None:
-            raise ValueError("placement or slot share times without GPU times")
+        if m.placement_s is not None and m.gpu_s is None:
+            raise ValueError("placement times without GPU times")
+        if m.gpu_share_s is not None and m.gpu_s is None:
+            raise ValueError("slot share times without GPU times")
         if m.gpu_share_s is not None and sorted(m.gpu_share_s) != [1, SHARE_EXPERTS]:
             raise ValueError(f"slot share times must be at 1 and {SHARE_EXPERTS} experts")
         if m.transfer_s is not None:
