@@ -16,30 +16,13 @@ replays. DeepSeek-V2-Lite's expert shape, bf16.
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Callable
 
 import torch
 
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES
 from torch_hybrid_moe.ops.kernel_build import extension
 from torch_hybrid_moe.ops.row_copy import copy_rows_, device_view
-from torch_hybrid_moe.profiling import captured
-
-
-def replay_seconds(run: Callable[[], None], repeats: int) -> float:
-    """Median seconds of one replay of `run` captured as a CUDA graph (CUDA events)."""
-    graph = captured(run)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+from torch_hybrid_moe.profiling import replay_seconds
 
 
 def main() -> None:

@@ -300,6 +300,17 @@ def test_cost_model_knows_its_regimes():
     assert set(CACHE_POLICIES.names()) >= {"lru", "lfu"}
 
 
+def assert_matches_reference(model, ref):
+    """The patched model's logits within fp32 rounding of the unpatched one's, and its greedy tokens equal."""
+    x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(x).logits.double(), model(x).logits.double()
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+        assert torch.equal(
+            model.generate(x, max_new_tokens=6, do_sample=False), ref.generate(x, max_new_tokens=6, do_sample=False)
+        )
+
+
 def test_cost_aware_scheduler_needs_a_cost_model_live_and_leaves_the_model_alone():
     from torch_hybrid_moe import patch_model
     from torch_hybrid_moe.model_patches.base import is_patched
@@ -343,13 +354,7 @@ def test_cost_aware_schedulers_run_live_and_stay_exact(scheduler, prefetcher):
         expert_budget=0.25,
         device="cpu",
     )
-    x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = ref(x).logits.double(), model(x).logits.double()
-        assert ((got - want).abs().max() / want.abs().max()) < 1e-5
-        assert torch.equal(
-            model.generate(x, max_new_tokens=6, do_sample=False), ref.generate(x, max_new_tokens=6, do_sample=False)
-        )
+    assert_matches_reference(model, ref)
     layers = stats(model).values()
     assert sum(s.accelerator_experts for s in layers) > 0 and sum(s.cpu_experts for s in layers) > 0
     assert (sum(s.prefetched_experts for s in layers) > 0) == (prefetcher != "none")
@@ -377,13 +382,7 @@ def test_a_saved_stack_runs_live_and_stays_exact(cache, tmp_path):
     layer = next(iter(torch_hybrid_moe.runtime.model_layers(model).values()))
     assert (layer.config.scheduler, layer.config.cache_policy) == ("queue_aware", cache)
     assert all(getattr(layer.cache_policy, k) == v for k, v in stack.options)  # the saved settings, in the policy
-    x = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want, got = ref(x).logits.double(), model(x).logits.double()
-        assert ((got - want).abs().max() / want.abs().max()) < 1e-5
-        assert torch.equal(
-            model.generate(x, max_new_tokens=6, do_sample=False), ref.generate(x, max_new_tokens=6, do_sample=False)
-        )
+    assert_matches_reference(model, ref)
 
 
 def test_live_tuning_tries_what_the_graph_runs_as_the_graph_runs_it():

@@ -407,7 +407,6 @@ def measure_share(expert: ExpertShape, repeats: int, pool_bytes: int) -> dict[in
     gate_up, down = gate_up[:slots], down[:slots]
     hidden = torch.randn(1, expert.hidden, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(1, expert.hidden, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     share: dict[int, float] = {}
     for k in (1, min(SHARE_EXPERTS, slots)):
         ids = torch.arange(k, device="cuda").unsqueeze(0)
@@ -416,17 +415,24 @@ def measure_share(expert: ExpertShape, repeats: int, pool_bytes: int) -> dict[in
         def run(ids: torch.Tensor = ids, weights: torch.Tensor = weights) -> None:
             slot_experts_(out, hidden, ids, weights, gate_up, down)
 
-        graph = captured(run)
-        times = []
-        for _ in range(repeats + 1):
-            torch.cuda.synchronize()
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        share[SHARE_EXPERTS if k > 1 else 1] = statistics.median(times[1:])
+        share[SHARE_EXPERTS if k > 1 else 1] = replay_seconds(run, repeats)
     return share
+
+
+def replay_seconds(run: Callable[[], None], repeats: int) -> float:
+    """Median device seconds of one replay of `run` captured as a CUDA graph (CUDA events), after one untimed."""
+    graph = captured(run)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def measure_placement(costs: CostModel, expert: ExpertShape, repeats: int) -> dict[str, float]:
