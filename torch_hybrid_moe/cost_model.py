@@ -170,12 +170,10 @@ class CostModel:
         `tokens` each, instead of one call per expert. Where the grouped call was measured, its fixed part and per
         expert the more of its measured cost and its compute; else one per-expert overhead and each expert's read
         or compute (a profile's fit may put most of the read in that overhead: it cannot tell them apart)."""
-        h = self.hardware
-        if h.gpu_share_overhead_us is None or h.gpu_share_expert_us is None:
-            return self.gpu.group_time(tokens)
-        gpu, each = self.gpu, h.gpu_share_expert_us * 1e-6
-        work = sum(max(each, n * gpu.flops / gpu.rate) for n in tokens if n > 0)
-        return h.gpu_share_overhead_us * 1e-6 + work if work else 0.0
+        h, gpu = self.hardware, self.gpu
+        if h.gpu_share_overhead_us is not None and h.gpu_share_expert_us is not None:
+            gpu = gpu._replace(overhead=h.gpu_share_overhead_us * 1e-6, read=h.gpu_share_expert_us * 1e-6)
+        return gpu.group_time(tokens)
 
     def t_dense(self, tokens: int) -> float:
         """GPU time of the rest of one decoder block (attention, shared experts) for `tokens` tokens; the KV

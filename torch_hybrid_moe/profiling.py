@@ -402,20 +402,19 @@ def measure_share(expert: ExpertShape, repeats: int, pool_bytes: int) -> dict[in
     expert call is fixed cost and how much reading its weights, which the grouped call pays once and per expert."""
     from .ops.expert_math import slot_experts_
 
-    gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
-    slots = min(gate_up.shape[0], GRAPH_EXPERTS)
-    gate_up, down = gate_up[:slots], down[:slots]
+    # at least SHARE_EXPERTS distinct experts, however large (a small pool holds 2 of Mixtral's)
+    gate_up, down = _expert_pool(expert, max(pool_bytes, SHARE_EXPERTS * expert.nbytes), "cuda")
     hidden = torch.randn(1, expert.hidden, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(1, expert.hidden, device="cuda")
     share: dict[int, float] = {}
-    for k in (1, min(SHARE_EXPERTS, slots)):
+    for k in (1, SHARE_EXPERTS):
         ids = torch.arange(k, device="cuda").unsqueeze(0)
         weights = torch.ones(1, k, device="cuda")
 
         def run(ids: torch.Tensor = ids, weights: torch.Tensor = weights) -> None:
             slot_experts_(out, hidden, ids, weights, gate_up, down)
 
-        share[SHARE_EXPERTS if k > 1 else 1] = replay_seconds(run, repeats)
+        share[k] = replay_seconds(run, repeats)
     return share
 
 
