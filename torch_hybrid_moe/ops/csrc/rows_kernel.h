@@ -259,6 +259,137 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
       res[t * kRows + i] = sum;
     }
 }
+
+// int8 / int4 at kLaneMinTokens tokens or more: sixteen rows as the sixteen int32 lanes. The loop above converts and
+// scales each row's sums for every token, three vector operations beside every one (int8) or two (int4) vpdpbusd.
+// Here a panel of 16 rows is laid out once so that vector v of block b holds 4 unsigned bytes of each row (int8:
+// q + 128; int4: one nibble, q + 8), in order against the block's activation bytes 4v to 4v + 3: one vpdpbusd with
+// those 4 bytes broadcast adds each row's 4 products to its own lane, the block's 8 vectors sum it exactly in int32
+// (started at -offset x the block's activation sum, which takes the stored offset off), and the conversion and
+// scaling cost one vector per 16 rows, token and block. The layout is paid once per panel, for all of a call's tokens.
+constexpr int kLaneRows = 16, kLaneTok = 4;
+constexpr int64_t kLaneMinTokens = 8;  // at 4 tokens the layout cost about what it saved (int8), more (int4)
+constexpr int64_t kLanePanelBytes = 128 << 10;
+
+// Whether m's rows take the lane route: whole 64-byte chunks of every row.
+inline bool lanes_fit(const Matrix& m) { return (m.fmt == Fmt::I8 || m.fmt == Fmt::I4) && m.row_bytes % 64 == 0; }
+
+// v[c] comes out as 4-byte element c of every input vector (input i in lane i): a 16 x 16 transposition.
+inline void transpose16(__m512i (&v)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  // per 128-bit lane L, u[4g + k] holds element 4L + k of inputs 4g to 4g + 3
+  __m512i u[16];
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k] into v[4L + k]
+    const __m512i e0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), e1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);
+    const __m512i f0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88),
+                  f1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+    v[k] = _mm512_shuffle_i32x4(e0, f0, 0x88);
+    v[8 + k] = _mm512_shuffle_i32x4(e0, f0, 0xDD);
+    v[4 + k] = _mm512_shuffle_i32x4(e1, f1, 0x88);
+    v[12 + k] = _mm512_shuffle_i32x4(e1, f1, 0xDD);
+  }
+}
+
+// Rows [r, r + nr) of m (nr <= 16; a short group repeats its last row) into panel (K / 32 blocks x 8 vectors x 64
+// bytes) and scales ([K / group][16]: the rows' group scales, one per lane). A row's 64-byte chunk j holds int8
+// blocks 2j and 2j + 1 (element c: block 2j + c / 8, vector c % 8), or int4 blocks 4j to 4j + 3 (element c: block
+// 4j + c / 4, its even columns in the low nibbles as vector c % 4, its odd ones in the high nibbles as 4 + c % 4).
+template <Fmt F>
+void lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel, float* scales) {
+  const uint8_t* rows[kLaneRows];
+  for (int i = 0; i < kLaneRows; ++i) rows[i] = m.row(r + std::min(i, nr - 1));
+  const __m512i sign = _mm512_set1_epi8(char(0x80)), nibble = _mm512_set1_epi8(15);
+  for (int64_t j = 0; j < m.row_bytes / 64; ++j) {
+    __m512i v[16];
+    for (int i = 0; i < kLaneRows; ++i) v[i] = _mm512_loadu_si512(rows[i] + 64 * j);
+    transpose16(v);
+    __m512i* out = reinterpret_cast<__m512i*>(panel) + (F == Fmt::I8 ? 16 : 32) * j;  // 8 vectors a block
+    for (int c = 0; c < 16; ++c)
+      if constexpr (F == Fmt::I8) {
+        _mm512_storeu_si512(out + c, _mm512_xor_si512(v[c], sign));
+      } else {
+        _mm512_storeu_si512(out + 8 * (c / 4) + c % 4, _mm512_and_si512(v[c], nibble));
+        _mm512_storeu_si512(out + 8 * (c / 4) + 4 + c % 4, _mm512_and_si512(_mm512_srli_epi16(v[c], 4), nibble));
+      }
+  }
+  for (int64_t g = 0; g < m.K / m.group; ++g)
+    for (int i = 0; i < kLaneRows; ++i) scales[g * kLaneRows + i] = m.row_scale(r + std::min(i, nr - 1))[g];
+}
+
+// What the lanes read of a token: its activation bytes with block b at [32b, 32b + 32) in the panel's order (int8:
+// the record's; int4: the record's pair of blocks regrouped, block by block), the block scales, and the int32 start
+// of each block's sum (-offset x the sum of its activation bytes).
+struct LaneInput {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* start;
+};
+
+template <Fmt F>
+void lane_inputs(const void* const* xs, int64_t n, int64_t K, std::vector<int8_t>& bytes, std::vector<int32_t>& starts,
+                 std::vector<LaneInput>& out) {
+  const int64_t blocks = K / 32;
+  constexpr int32_t offset = F == Fmt::I8 ? 128 : 8;
+  if constexpr (F == Fmt::I4) bytes.resize(n * K);
+  starts.resize(n * blocks);
+  out.resize(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const QuantRecord x(xs[t], K);
+    const int8_t* q = x.q;
+    if constexpr (F == Fmt::I4) {  // a pair's record: even columns of both blocks, then odd columns of both
+      int8_t* p = bytes.data() + t * K;
+      for (int64_t c = 0; c < K; c += 64) {
+        std::memcpy(p + c, x.q + c, 16);
+        std::memcpy(p + c + 16, x.q + c + 32, 16);
+        std::memcpy(p + c + 32, x.q + c + 16, 16);
+        std::memcpy(p + c + 48, x.q + c + 48, 16);
+      }
+      q = p;
+    }
+    int32_t* st = starts.data() + t * blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t total = 0;
+      for (int64_t c = 32 * b; c < 32 * b + 32; ++c) total += q[c];
+      st[b] = -offset * total;
+    }
+    out[t] = {q, x.scale, st};
+  }
+}
+
+// res[t * 16 + i] = row i of the panel . token t for t < NT.
+template <int NT>
+void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t group, const LaneInput* x, float* res) {
+  const int64_t per_group = group / 32;
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512i* w = reinterpret_cast<const __m512i*>(panel) + 8 * b;
+    __m512i sum[NT];
+    for (int t = 0; t < NT; ++t) sum[t] = _mm512_set1_epi32(x[t].start[b]);
+    for (int v = 0; v < 8; ++v) {
+      const __m512i wv = _mm512_loadu_si512(w + v);
+      for (int t = 0; t < NT; ++t) {
+        int32_t four;
+        std::memcpy(&four, x[t].q + 32 * b + 4 * v, 4);
+        sum[t] = _mm512_dpbusd_epi32(sum[t], wv, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(scales + b / per_group * kLaneRows);
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[t]), _mm512_mul_ps(s, _mm512_set1_ps(x[t].scale[b])), acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(res + t * kLaneRows, acc[t]);
+}
 #elif HMOE_LEVEL == 1
 // Block b (32 columns) of a row as 32 int8 lanes in the record's order: int8 as stored; int4 (its unpaired last
 // block) as q + 8, the block's 16 bytes' low nibbles (even columns) then high nibbles (odd columns).
@@ -522,52 +653,6 @@ void i4_lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t 
   }
 }
 
-// matvec_block's int4 rows at kLaneMinTokens tokens or more (K a multiple of 64): panels of rows transposed once,
-// then every chunk of tokens passes over them, as matvec_block tiles its own.
-void i4_lane_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, const I4Lanes* xl, int64_t n,
-                   float* dst, int64_t ld) {
-  thread_local std::vector<uint8_t> panel;
-  thread_local std::vector<float> scales;
-  const int64_t group_bytes = m.K / 2 * kLaneRows, group_scales = m.K / m.group * kLaneRows;
-  const int64_t rows = std::max<int64_t>(1, kLanePanelBytes / group_bytes) * kLaneRows;
-  const int64_t chunk = std::max<int64_t>(1, kTokenChunkBytes / (m.K + m.K / 4) / kLaneTok) * kLaneTok;  // records
-  panel.resize(rows / kLaneRows * group_bytes);
-  scales.resize(rows / kLaneRows * group_scales);
-  float res[kLaneTok * kLaneRows];
-  for (int64_t p0 = r0; p0 < r1; p0 += rows) {
-    const int64_t p1 = std::min(r1, p0 + rows);
-    for (int64_t r = p0; r < p1; r += kLaneRows)
-      i4_lane_panel(m, r, int(std::min<int64_t>(kLaneRows, p1 - r)), panel.data() + (r - p0) / kLaneRows * group_bytes,
-                    scales.data() + (r - p0) / kLaneRows * group_scales);
-    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
-      const int64_t t1 = std::min(n, t0 + chunk);
-      for (int64_t r = p0; r < p1; r += kLaneRows) {
-        const uint8_t* pw = panel.data() + (r - p0) / kLaneRows * group_bytes;
-        const float* ps = scales.data() + (r - p0) / kLaneRows * group_scales;
-        const int nr = int(std::min<int64_t>(kLaneRows, p1 - r));
-        for (int64_t t = t0; t < t1; t += kLaneTok) {
-          const int nt = int(std::min<int64_t>(kLaneTok, t1 - t));
-          switch (nt) {
-            case 1:
-              i4_lane_rows<1>(pw, ps, m.K, m.group, xs + t, xl + t, res);
-              break;
-            case 2:
-              i4_lane_rows<2>(pw, ps, m.K, m.group, xs + t, xl + t, res);
-              break;
-            case 3:
-              i4_lane_rows<3>(pw, ps, m.K, m.group, xs + t, xl + t, res);
-              break;
-            default:
-              i4_lane_rows<kLaneTok>(pw, ps, m.K, m.group, xs + t, xl + t, res);
-          }
-          for (int j = 0; j < nt; ++j)
-            for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kLaneRows + i];
-        }
-      }
-    }
-  }
-}
-
 template <Fmt F, int NT>
 void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes* xl,
                 float* res) {
@@ -595,6 +680,89 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
       res[t * kRows + i] = acc;
     }
   }
+}
+#endif
+
+#if HMOE_LEVEL >= 1
+// f(std::integral_constant<int, NT>{}) for nt tokens, 1 <= nt <= kLaneTok.
+template <typename Fn>
+inline void lane_tokens(int nt, Fn f) {
+  switch (nt) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    default:
+      return f(std::integral_constant<int, kLaneTok>{});
+  }
+}
+
+// matvec_block's lane route: panels of rows laid out once, kLaneRows at a time (build(r, nr, panel, scales), each
+// group group_bytes and K / group x kLaneRows scales), then every chunk of tokens passes over them (dot(panel, scales,
+// t, nt, res): res[j * kLaneRows + i] for the nt <= kLaneTok tokens from t), as matvec_block tiles its own.
+template <typename Build, typename Dot>
+void lane_block(const Matrix& m, int64_t r0, int64_t r1, int64_t n, int64_t group_bytes, float* dst, int64_t ld,
+                Build build, Dot dot) {
+  thread_local std::vector<uint8_t> panel;
+  thread_local std::vector<float> scales;
+  const int64_t group_scales = m.K / m.group * kLaneRows;
+  const int64_t rows = std::max<int64_t>(1, kLanePanelBytes / group_bytes) * kLaneRows;
+  const int64_t chunk = std::max<int64_t>(1, kTokenChunkBytes / (m.K + m.K / 4) / kLaneTok) * kLaneTok;  // records
+  panel.resize(rows / kLaneRows * group_bytes);
+  scales.resize(rows / kLaneRows * group_scales);
+  float res[kLaneTok * kLaneRows];
+  for (int64_t p0 = r0; p0 < r1; p0 += rows) {
+    const int64_t p1 = std::min(r1, p0 + rows);
+    for (int64_t r = p0; r < p1; r += kLaneRows)
+      build(r, int(std::min<int64_t>(kLaneRows, p1 - r)), panel.data() + (r - p0) / kLaneRows * group_bytes,
+            scales.data() + (r - p0) / kLaneRows * group_scales);
+    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+      const int64_t t1 = std::min(n, t0 + chunk);
+      for (int64_t r = p0; r < p1; r += kLaneRows) {
+        const uint8_t* pw = panel.data() + (r - p0) / kLaneRows * group_bytes;
+        const float* ps = scales.data() + (r - p0) / kLaneRows * group_scales;
+        const int nr = int(std::min<int64_t>(kLaneRows, p1 - r));
+        for (int64_t t = t0; t < t1; t += kLaneTok) {
+          const int nt = int(std::min<int64_t>(kLaneTok, t1 - t));
+          dot(pw, ps, t, nt, res);
+          for (int j = 0; j < nt; ++j)
+            for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kLaneRows + i];
+        }
+      }
+    }
+  }
+}
+#endif
+
+#if HMOE_LEVEL == 2
+// matvec_block's int8 / int4 rows at kLaneMinTokens tokens or more (lanes_fit).
+template <Fmt F>
+void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
+  thread_local std::vector<int8_t> bytes;
+  thread_local std::vector<int32_t> starts;
+  thread_local std::vector<LaneInput> in;
+  lane_inputs<F>(xs, n, m.K, bytes, starts, in);
+  lane_block(
+      m, r0, r1, n, m.K / 32 * 8 * 64, dst, ld,
+      [&](int64_t r, int nr, uint8_t* panel, float* scales) { lane_panel<F>(m, r, nr, panel, scales); },
+      [&](const uint8_t* panel, const float* scales, int64_t t, int nt, float* res) {
+        lane_tokens(nt,
+                    [&](auto k) { lane_rows<decltype(k)::value>(panel, scales, m.K, m.group, in.data() + t, res); });
+      });
+}
+#elif HMOE_LEVEL == 1
+// matvec_block's int4 rows at kLaneMinTokens tokens or more (K a multiple of 64).
+void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, const I4Lanes* xl, int64_t n,
+                float* dst, int64_t ld) {
+  lane_block(
+      m, r0, r1, n, m.K / 2 * kLaneRows, dst, ld,
+      [&](int64_t r, int nr, uint8_t* panel, float* scales) { i4_lane_panel(m, r, nr, panel, scales); },
+      [&](const uint8_t* panel, const float* scales, int64_t t, int nt, float* res) {
+        lane_tokens(
+            nt, [&](auto k) { i4_lane_rows<decltype(k)::value>(panel, scales, m.K, m.group, xs + t, xl + t, res); });
+      });
 }
 #endif
 
@@ -636,8 +804,11 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
   if (m.fmt == Fmt::I4) {
     i4_lanes(xs, n, m.K, m.group, lane_values, lanes);
     xl = lanes.data();
-    if (n >= kLaneMinTokens && m.K % 64 == 0) return i4_lane_block(m, r0, r1, xs, xl, n, dst, ld);
+    if (n >= kLaneMinTokens && m.K % 64 == 0) return lane_route(m, r0, r1, xs, xl, n, dst, ld);
   }
+#elif HMOE_LEVEL == 2
+  if (n >= kLaneMinTokens && lanes_fit(m))
+    return (m.fmt == Fmt::I8 ? lane_route<Fmt::I8> : lane_route<Fmt::I4>)(m, r0, r1, xs, n, dst, ld);
 #endif
   decltype(&rows_dispatch<Fmt::F32>) dispatch = nullptr;
   switch (m.fmt) {
