@@ -267,7 +267,7 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
 // those 4 bytes broadcast adds each row's 4 products to its own lane, the block's 8 vectors sum it exactly in int32
 // (started at -offset x the block's activation sum, which takes the stored offset off), and the conversion and
 // scaling cost one vector per 16 rows, token and block. The layout is paid once per panel, for all of a call's tokens.
-constexpr int kLaneRows = 16, kLaneTok = 4;
+constexpr int kLaneRows = 16, kLaneTok = 8;
 constexpr int64_t kLaneMinTokens = 8;  // at 4 tokens the layout cost about what it saved (int8), more (int4)
 constexpr int64_t kLanePanelBytes = 128 << 10;
 
@@ -684,19 +684,15 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
 #endif
 
 #if HMOE_LEVEL >= 1
-// f(std::integral_constant<int, NT>{}) for nt tokens, 1 <= nt <= kLaneTok.
-template <typename Fn>
+// f(std::integral_constant<int, nt>{}) for 1 <= nt <= kLaneTok.
+template <int N = 1, typename Fn>
 inline void lane_tokens(int nt, Fn f) {
-  switch (nt) {
-    case 1:
-      return f(std::integral_constant<int, 1>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    case 3:
-      return f(std::integral_constant<int, 3>{});
-    default:
-      return f(std::integral_constant<int, kLaneTok>{});
-  }
+  if constexpr (N == kLaneTok)
+    f(std::integral_constant<int, N>{});
+  else if (nt == N)
+    f(std::integral_constant<int, N>{});
+  else
+    lane_tokens<N + 1>(nt, f);
 }
 
 // matvec_block's lane route: panels of rows laid out once, kLaneRows at a time (build(r, nr, panel, scales), each
