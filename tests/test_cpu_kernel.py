@@ -180,17 +180,18 @@ def test_quantised_odd_block_counts(fmt, isa, group, tokens):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group, columns", [(32, 384), (64, 384), (96, 384), (128, 384), (64, 8192)])
 def test_quantised_rows_at_many_tokens_match_float64_and_keep_each_token_alone(isa, bits, group, columns):
-    """From 16 tokens on, rows go through lanes (rows_kernel.h, lane_route): the AVX2 level lays out eight int4 rows
-    at a time, the AVX-512 level sixteen int8 or int4 rows; below, and at the portable level, the per-row loops run.
-    100 rows (a short last group of 8 and of 16); 384 columns (6 steps, groups straddling them at 96) or 8192 (several
-    panels and token chunks); 15-42 tokens (runs of 4 and tails of 1-3): float64 of the rounded activations, and a
-    token's output the same bits in any batch of 16 tokens or more, at any thread count. (Below 16 the per-row loop
-    sums in another order: another batch size may round a token's output differently there, as the GEMM routes do.)"""
+    """Rows go through lanes (rows_kernel.h, lane_route) from 16 tokens a call on at the AVX2 level (eight int4 rows
+    at a time), from 8 on at the AVX-512 level (sixteen int8 or int4 rows); below, and at the portable level, the
+    per-row loops run. 100 rows (a short last group of 8 and of 16); 384 columns (6 steps, groups straddling them at
+    96) or 8192 (several panels and token chunks); 9-42 tokens (runs of 4 or 8 and tails of every length): float64 of
+    the rounded activations, and a token's output the same bits in any batch of 16 tokens or more, at any thread
+    count. (Below the lanes' start the per-row loop sums in another order: another batch size may round a token's
+    output differently there, as the GEMM routes do.)"""
     g = torch.Generator().manual_seed(group + columns + bits)
     q = quantize(torch.randn(1, 100, columns, generator=g).mul(0.1), bits, group)
     weight, scale, dense = q.data[0], q.scale[0], q[0].double()
     x = torch.randn(42, columns, generator=g)
-    outs = {n: cpu_kernel.dense_matvec(x[:n], weight, scale, isa) for n in (15, 16, 18, 19, 21, 42)}
+    outs = {n: cpu_kernel.dense_matvec(x[:n], weight, scale, isa) for n in (9, 12, 14, 15, 16, 18, 19, 21, 42)}
     for n, out in outs.items():
         want = quantize_activations(x[:n]).double() @ dense.T
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -21,7 +21,8 @@
 // (int8 / int4: dequantised into a panel) by the expert's tokens, these work items shared with the micro-kernels' in
 // one pass of the threads.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
-// not depend on the thread count nor on which other tokens share the batch.
+// not depend on the thread count. They may depend, in the last bits, on how many tokens an expert gets: from a few
+// tokens a call on (kLaneMinTokens), int8 / int4 rows are summed as lanes, in another order than the per-row loop.
 //
 // The decode attention kernel (attention_kernel.h) shares the ISA levels and the threads' work items; its op's entry
 // is here too.

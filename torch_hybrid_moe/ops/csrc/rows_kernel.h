@@ -1,7 +1,7 @@
 // The micro-kernels, written once with GCC vector extensions and included by moe_cpu.cpp once per ISA level,
 // each time inside its own namespace, under `#pragma GCC target`, with HMOE_VBYTES (vector bytes) and HMOE_LEVEL
 // set: the same source becomes SSE2, AVX2 or AVX-512 code. Needs Fmt, Matrix, QuantRecord, weight_at, pairs_layout,
-// record_pos, layout_pos, quantise_row, inverse_scale, <cmath>, <cstring> and <vector> in scope.
+// record_pos, layout_pos, quantise_row, inverse_scale, <cmath>, <cstring>, <type_traits> and <vector> in scope.
 
 constexpr int W = HMOE_VBYTES / 4;  // fp32 lanes per vector
 constexpr int kStep = 2 * W;        // columns per inner step: two vectors
@@ -170,7 +170,8 @@ struct QuantOperands {
 #if HMOE_LEVEL == 2
 // AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes and sums each 4 products into an int32 lane, 64 bytes
 // per instruction. Weights go in unsigned (int4 as stored, q + 8; int8 with its sign bit flipped, q + 128) and
-// the offset times the block's activation sum comes off again, a share in each of the block's lanes. One step
+// each lane's sum starts at -offset x the activation bytes it multiplies, so the offset comes off in int32, exactly
+// (in float, after the conversion, it cost an int8 identity its bit-exact output). One step
 // reads 64 bytes of a row: int8, two blocks of 8 lanes; int4, four blocks of 4 lanes (the low nibbles hold the
 // even columns, the high nibbles the odd ones, and each pair of blocks' record has its even columns first).
 template <Fmt F>
@@ -212,17 +213,17 @@ template <Fmt F, int NT>
 void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes*,
                 float* res) {
   constexpr int64_t B = kStepBlocks<F>;
-  constexpr float share = -(F == Fmt::I8 ? 128.f : 8.f) / (16 / B);  // of the offset term, per lane
   const QuantOperands<NT> w(m, r0, nr, next, xs);
   const int64_t blocks = m.K / 32, full = blocks / B * B, per_group = m.group / 32;
   const __m512i nibble = _mm512_set1_epi8(15), sign = _mm512_set1_epi8(char(0x80));
+  const __m512i offset = _mm512_set1_epi8(char(F == Fmt::I8 ? 128 : 8)), zero = _mm512_setzero_si512();
   __m512 acc[kRows][NT];
   for (int i = 0; i < kRows; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < full; b += B) {
     for (int64_t o = 0; o < kRows * 64; o += 64) __builtin_prefetch(w.next + b / B * kRows * 64 + o);
-    __m512i lo_x[NT], hi_x[NT];
-    __m512 x_scale[NT], x_offset[NT];
+    __m512i lo_x[NT], hi_x[NT], x_start[NT];
+    __m512 x_scale[NT];
     for (int t = 0; t < NT; ++t) {
       const int8_t* q = w.x[t].q + 32 * b;
       if constexpr (F == Fmt::I8) {
@@ -232,7 +233,9 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
         hi_x[t] = halves(q + 32, q + 96);
       }
       x_scale[t] = block_lanes<B>(w.x[t].scale + b);
-      x_offset[t] = _mm512_mul_ps(block_lanes<B>(w.x[t].sum + b), _mm512_set1_ps(share));
+      __m512i taken = _mm512_dpbusd_epi32(zero, offset, lo_x[t]);
+      if constexpr (F == Fmt::I4) taken = _mm512_dpbusd_epi32(taken, offset, hi_x[t]);
+      x_start[t] = _mm512_sub_epi32(zero, taken);
     }
     for (int i = 0; i < kRows; ++i) {
       const __m512 s = scale_lanes<B>(w.scales[i], b, per_group);
@@ -245,9 +248,9 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
         hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       }
       for (int t = 0; t < NT; ++t) {
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, lo_x[t]);
+        __m512i d = _mm512_dpbusd_epi32(x_start[t], lo, lo_x[t]);
         if constexpr (F == Fmt::I4) d = _mm512_dpbusd_epi32(d, hi, hi_x[t]);
-        acc[i][t] = _mm512_fmadd_ps(s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), x_scale[t], x_offset[t]), acc[i][t]);
+        acc[i][t] = _mm512_fmadd_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(d), x_scale[t]), acc[i][t]);
       }
     }
   }
@@ -281,7 +284,7 @@ inline void transpose16(__m512i (&v)[16]) {
     t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
     t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
   }
-  // per 128-bit lane L, u[4g + k] holds element 4L + k of inputs 4g to 4g + 3
+  // per 128-bit lane L, u[g + k] (g = 0, 4, 8, 12) holds element 4L + k of inputs g to g + 3
   __m512i u[16];
   for (int g = 0; g < 16; g += 4) {
     u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
