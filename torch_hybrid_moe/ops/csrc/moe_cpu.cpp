@@ -54,7 +54,10 @@ constexpr int64_t bits_of(Fmt f) { return f == Fmt::F32 ? 32 : f == Fmt::I8 ? 8 
 // ISA levels of the micro-kernels; the caller passes one the CPU supports (best_isa()).
 enum Isa : int64_t { GENERIC = 0, AVX2 = 1, AVX512 = 2 };
 
-constexpr int64_t kMaxTokens = 32;   // tokens of an expert a phase-A work item takes at a time (its gate / up buffers)
+// Tokens of an expert a phase-A work item takes at a time (its gate / up buffers). Each chunk lays the rows out for
+// the lanes again, and a short last chunk takes the per-row loop: at 32, a 512-token DeepSeek-V2-Lite int8 / int4
+// prefill (48 tokens an expert) took 76-78 ms a layer against 69-70 at 128 (benchmarks/RESULTS.md, 2026-11-28).
+constexpr int64_t kMaxTokens = 128;
 constexpr int64_t kPanelRows = 256;  // rows per weight panel on the GEMM route
 
 // The GEMM route's kernels (the caller's measured choice): torch's on fp32 panels or in bf16, or AMX tiles.
