@@ -580,6 +580,9 @@ constexpr int kLaneRows = 8, kLaneTok = 4;
 constexpr int64_t kLaneMinTokens = 16;          // at 4 and 8 tokens the transposition cost more than it saved
 constexpr int64_t kLanePanelBytes = 128 << 10;  // 64 KB panels ran at two thirds of the rate in the standalone test
 
+// Whether m's rows take the lane route: int4 in whole 64-column steps.
+inline bool lanes_fit(const Matrix& m) { return m.fmt == Fmt::I4 && m.K % 64 == 0; }
+
 // Rows [r, r + nr) of m (nr <= 8; a short group repeats its last row) into panel (K / 2 * 8 bytes: per step, 8
 // vectors of 8 rows x 4 bytes) and scales ([K / group][8]: the rows' group scales, one per lane).
 inline void i4_lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel, float* scales) {
@@ -752,7 +755,7 @@ void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, 
       });
 }
 #elif HMOE_LEVEL == 1
-// matvec_block's int4 rows at kLaneMinTokens tokens or more (K a multiple of 64).
+// matvec_block's int4 rows at kLaneMinTokens tokens or more (lanes_fit).
 void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, const I4Lanes* xl, int64_t n,
                 float* dst, int64_t ld) {
   lane_block(
@@ -803,7 +806,7 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
   if (m.fmt == Fmt::I4) {
     i4_lanes(xs, n, m.K, m.group, lane_values, lanes);
     xl = lanes.data();
-    if (n >= kLaneMinTokens && m.K % 64 == 0) return lane_route(m, r0, r1, xs, xl, n, dst, ld);
+    if (n >= kLaneMinTokens && lanes_fit(m)) return lane_route(m, r0, r1, xs, xl, n, dst, ld);
   }
 #elif HMOE_LEVEL == 2
   if (n >= kLaneMinTokens && lanes_fit(m))
