@@ -34,8 +34,9 @@ def experts(fmt, num_experts, hidden, inter, seed=0, group=32):
     return (gate_up, down, None, None), [gate_up.double(), down.double()]
 
 
-def reference(hidden, ids, weights, gate_up, down, rounded=False):
-    """float64; `rounded`: both projections' inputs rounded per 32 columns (int8 / int4 layers)."""
+def reference(hidden, ids, weights, gate_up, down, rounded=False, bf16_h=False):
+    """float64; `rounded`: both projections' inputs rounded per 32 columns (int8 / int4 layers); `bf16_h`: the down
+    projection's input rounded to bf16 (a bf16 model's bf16 experts)."""
 
     def inputs(x):
         return quantize_activations(x.float()).double() if rounded else x.double()
@@ -44,7 +45,8 @@ def reference(hidden, ids, weights, gate_up, down, rounded=False):
     for t, k in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
         e = int(ids[t, k])
         gate, up = (gate_up[e] @ inputs(hidden[t])).chunk(2)
-        out[t] += float(weights[t, k]) * (down[e] @ inputs(torch.nn.functional.silu(gate) * up))
+        h = torch.nn.functional.silu(gate) * up
+        out[t] += float(weights[t, k]) * (down[e] @ inputs(h.bfloat16() if bf16_h else h))
     return out
 
 
@@ -75,15 +77,15 @@ def check_against_float64(fmt, operands, weights64, tokens, isa=None, route=None
     if bf16_hidden:
         hidden = hidden.bfloat16()
     ids, weights = routing(tokens, gate_up.shape[0], 4)
-    rounded = fmt in ("int8", "int4")
-    ref = reference(hidden, ids, weights, gate_up, down, rounded)
+    rounded, bf16_h = fmt in ("int8", "int4"), fmt == "bfloat16" and bf16_hidden
+    ref = reference(hidden, ids, weights, gate_up, down, rounded, bf16_h)
     out = run(operands, hidden, ids, weights, isa, route)
     atol = 1e-5 * ref.abs().max().item()
-    if rounded:  # an fp32 h on a rounding boundary may take the neighbouring int8 step in the float64 reference:
-        # allow one such step (its scale times the largest down weight); the integer products themselves are
-        # checked exactly in test_dense_linear.py
+    if rounded or bf16_h:  # an fp32 h on a rounding boundary may take the neighbouring int8 or bf16 step in the
+        # float64 reference: allow one such step (its size times the largest down weight); the integer products
+        # themselves are checked exactly in test_dense_linear.py
         gate, up = torch.einsum("enh,th->etn", gate_up, hidden.double()).chunk(2, dim=-1)
-        step = (torch.nn.functional.silu(gate) * up).abs().amax() / 127
+        step = (torch.nn.functional.silu(gate) * up).abs().amax() / (127 if rounded else 128)
         atol += step.item() * down.abs().max().item()
     if route is not None and route.kernel != "fp32" and fmt in ("bfloat16", "int8", "int4"):
         # bf16 GEMM: inputs, gate / up and h rounded to bf16 as transformers' bf16 experts round them
@@ -177,23 +179,14 @@ def test_quantised_odd_block_counts(fmt, isa, group, tokens):
     check_against_float64(fmt, operands, weights64, tokens, isa)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("group, columns", [(32, 384), (64, 384), (96, 384), (128, 384), (64, 8192)])
-def test_quantised_rows_at_many_tokens_match_float64_and_keep_each_token_alone(isa, bits, group, columns):
-    """Rows go through lanes (rows_kernel.h, lane_route) from 16 tokens a call on at the AVX2 level (eight int4 rows
-    at a time), from 8 on at the AVX-512 level (sixteen int8 or int4 rows); below, and at the portable level, the
-    per-row loops run. 100 rows (a short last group of 8 and of 16); 384 columns (6 steps, groups straddling them at
-    96) or 8192 (several panels and token chunks); 9-42 tokens (runs of 4 or 8 and tails of every length): float64 of
-    the rounded activations, and a token's output the same bits in any batch of 16 tokens or more, at any thread
-    count. (Below the lanes' start the per-row loop sums in another order: another batch size may round a token's
-    output differently there, as the GEMM routes do.)"""
-    g = torch.Generator().manual_seed(group + columns + bits)
-    q = quantize(torch.randn(1, 100, columns, generator=g).mul(0.1), bits, group)
-    weight, scale, dense = q.data[0], q.scale[0], q[0].double()
-    x = torch.randn(42, columns, generator=g)
+def check_rows_at_many_tokens(x, weight, scale, dense, isa, reference):
+    """dense_matvec of 9-42 tokens (lane runs of 4 or 8 and tails of every length) against float64: the weight
+    `dense` times `reference(x)` (the activations as the kernel rounds them); and a token's output the same bits in
+    any batch of 16 tokens or more, at any thread count. (Below the lanes' start the per-row loop sums in another
+    order: another batch size may round a token's output differently there, as the GEMM routes do.)"""
     outs = {n: cpu_kernel.dense_matvec(x[:n], weight, scale, isa) for n in (9, 12, 14, 15, 16, 18, 19, 21, 42)}
     for n, out in outs.items():
-        want = quantize_activations(x[:n]).double() @ dense.T
+        want = reference(x[:n]).double() @ dense.T
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert all(torch.equal(outs[n], outs[42][:n]) for n in (16, 18, 19, 21))
     assert torch.equal(cpu_kernel.dense_matvec(x[19:42], weight, scale, isa), outs[42][19:])
@@ -203,6 +196,32 @@ def test_quantised_rows_at_many_tokens_match_float64_and_keep_each_token_alone(i
         assert torch.equal(cpu_kernel.dense_matvec(x, weight, scale, isa), outs[42])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group, columns", [(32, 384), (64, 384), (96, 384), (128, 384), (64, 8192)])
+def test_quantised_rows_at_many_tokens_match_float64_and_keep_each_token_alone(isa, bits, group, columns):
+    """Rows go through lanes (rows_kernel.h, lane_route) from 16 tokens a call on at the AVX2 level (eight int4 rows
+    at a time), from 8 on at the AVX-512 level (sixteen int8 or int4 rows); below, and at the portable level, the
+    per-row loops run. 100 rows (a short last group of 8 and of 16); 384 columns (6 steps, groups straddling them at
+    96) or 8192 (several panels and token chunks)."""
+    g = torch.Generator().manual_seed(group + columns + bits)
+    q = quantize(torch.randn(1, 100, columns, generator=g).mul(0.1), bits, group)
+    x = torch.randn(42, columns, generator=g)
+    check_rows_at_many_tokens(x, q.data[0], q.scale[0], q[0].double(), isa, quantize_activations)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("columns", [384, 2048, 8192])
+def test_bf16_rows_at_many_tokens_match_float64_and_keep_each_token_alone(isa, columns, dtype):
+    """bf16 rows times bf16 activations go through lanes from 8 tokens a call on at the AVX-512 level on CPUs with
+    AVX512-BF16 (32 rows at a time); fp32 activations, and other levels, take the per-row loop. 100 rows (a short last
+    group of 32); 384 columns (one panel holds the rows), 2048 (a panel of 32 rows, the next one prefetched) or 8192
+    (a group larger than a panel, several token chunks). Neither rounds the activations."""
+    g = torch.Generator().manual_seed(columns)
+    weight = torch.randn(100, columns, generator=g).mul(0.1).bfloat16()
+    x = torch.randn(42, columns, generator=g).to(dtype)
+    check_rows_at_many_tokens(x, weight, None, weight.double(), isa, lambda x: x)
 
 
 def test_measured_route_is_one_of_the_routes():

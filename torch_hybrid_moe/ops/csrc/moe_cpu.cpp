@@ -22,7 +22,9 @@
 // one pass of the threads.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count. They may depend, in the last bits, on how many tokens an expert gets: from a few
-// tokens a call on (kLaneMinTokens), int8 / int4 rows are summed as lanes, in another order than the per-row loop.
+// tokens a call on (kLaneMinTokens), int8 / int4 rows are summed as lanes, in another order than the per-row loop, and
+// so are bf16 rows times a bf16 model's activations on CPUs with AVX512-BF16. A bf16 model's bf16 experts round h to
+// bf16 on every route, as the model does.
 //
 // The decode attention kernel (attention_kernel.h) shares the ISA levels and the threads' work items; its op's entry
 // is here too.
@@ -315,7 +317,7 @@ namespace level2 {
 // The kernels of one ISA level.
 struct Kernels {
   int64_t step;  // columns per inner step: the block size of pairs_layout
-  void (*matvec_block)(const Matrix&, int64_t, int64_t, const void* const*, int64_t, float*, int64_t);
+  void (*matvec_block)(const Matrix&, int64_t, int64_t, const void* const*, int64_t, bool, float*, int64_t);
   void (*dequant_rows)(const Matrix&, int64_t, int64_t, float*);
   void (*dequant_rows_bf16)(const Matrix&, int64_t, int64_t, uint16_t*);
   void (*quantise_rows)(const float*, int64_t, Fmt, uint8_t*, float*);
@@ -448,13 +450,29 @@ class KernelInputs {
   std::vector<uint8_t> records_;
 };
 
-// Columns [c0, c0 + n) of one pair's h row, silu(g) * u, at h_pos (null: in natural order).
+// v[0, n) rounded to bf16 values (nearest even; NaN stays NaN, overflow becomes inf), kept as fp32.
+void round_to_bf16(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, v + i, 4);
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(v + i, &b, 4);
+  }
+}
+
+// Columns [c0, c0 + n) of one pair's h row, silu(g) * u, at h_pos (null: in natural order); with `bf16`, rounded to
+// bf16 values, as a bf16 model's experts round it (and the bf16 lanes then take it exactly).
 void gate_into(const Kernels& kern, const float* g, const float* u, int64_t n, float* h_row, int64_t c0,
-               const int64_t* h_pos) {
-  if (!h_pos) return kern.silu_rows(g, u, n, h_row + c0);
+               const int64_t* h_pos, bool bf16) {
+  if (!h_pos) {
+    kern.silu_rows(g, u, n, h_row + c0);
+    if (bf16) round_to_bf16(h_row + c0, n);
+    return;
+  }
   thread_local std::vector<float> gated;
   gated.resize(n);
   kern.silu_rows(g, u, n, gated.data());
+  if (bf16) round_to_bf16(gated.data(), n);
   for (int64_t c = 0; c < n; ++c) h_row[h_pos[c0 + c]] = gated[c];
 }
 
@@ -617,7 +635,10 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   TORCH_CHECK(!amx || (amx_available() && H % kAmxRows == 0 && I % kAmxRows == 0),
               "the AMX GEMM route needs a CPU with AMX and hidden and intermediate sizes that are multiples of ",
               kAmxRows, ": choose another gemm_kernel");
-  const bool direct = bf16 && !amx && fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
+  // A bf16 model's bf16 experts: the activations are bf16 values, h is rounded to bf16 as the model rounds it, and
+  // the micro-kernels may multiply both as bf16 (rows_kernel.h's bf16 lanes).
+  const bool x_bf16 = fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
+  const bool direct = bf16 && !amx && x_bf16;
   const bool panels = !large.empty() && !direct;
   const std::vector<int64_t> none;
   const std::vector<int64_t>& torch_gemm = amx ? none : large;  // the large experts torch's GEMM takes
@@ -655,7 +676,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
         amx_item(m, r0, packed[j], n, g_u.data(), kAmxRows);
         amx_item(m, I + r0, packed[j], n, u, kAmxRows);
         for (int64_t t = 0; t < n; ++t)
-          gate_into(kern, g_u.data() + t * kAmxRows, u + t * kAmxRows, kAmxRows, h + (p0 + t) * I, r0, h_at);
+          gate_into(kern, g_u.data() + t * kAmxRows, u + t * kAmxRows, kAmxRows, h + (p0 + t) * I, r0, h_at, x_bf16);
         return;
       }
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
@@ -664,10 +685,10 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
       std::vector<float> g(std::min(n, kMaxTokens) * nr), u(g.size());
       for (int64_t t0 = 0; t0 < n; t0 += kMaxTokens) {
         const int64_t nt = std::min(kMaxTokens, n - t0);
-        kern.matvec_block(m, r0, r1, x_of_pair.data() + p0 + t0, nt, g.data(), nr);
-        kern.matvec_block(m, I + r0, I + r1, x_of_pair.data() + p0 + t0, nt, u.data(), nr);
+        kern.matvec_block(m, r0, r1, x_of_pair.data() + p0 + t0, nt, x_bf16, g.data(), nr);
+        kern.matvec_block(m, I + r0, I + r1, x_of_pair.data() + p0 + t0, nt, x_bf16, u.data(), nr);
         for (int64_t t = 0; t < nt; ++t)
-          gate_into(kern, g.data() + t * nr, u.data() + t * nr, nr, h + (p0 + t0 + t) * I, r0, h_at);
+          gate_into(kern, g.data() + t * nr, u.data() + t * nr, nr, h + (p0 + t0 + t) * I, r0, h_at, x_bf16);
       }
     });
   }
@@ -684,7 +705,8 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
         gemm_rows(kern, gu.expert(r.experts[a]), 0, 2 * I, gather_rows(x, H, r.pair_token.data() + p0, n), bf16);
     const float* gp = g_u.data_ptr<float>();
     at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) gate_into(kern, gp + t * 2 * I, gp + t * 2 * I + I, I, h + (p0 + t) * I, 0, h_at);
+      for (int64_t t = b; t < e; ++t)
+        gate_into(kern, gp + t * 2 * I, gp + t * 2 * I + I, I, h + (p0 + t) * I, 0, h_at, x_bf16);
     });
   }
 
@@ -703,7 +725,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
       }
       const int64_t a = small[i % n_small], p0 = r.offsets[a], n = r.offsets[a + 1] - p0;
       const int64_t r0 = (i / n_small) * block_b, r1 = std::min(H, r0 + block_b);
-      kern.matvec_block(dn.expert(r.experts[a]), r0, r1, h_of_pair.data() + p0, n, y + p0 * H + r0, H);
+      kern.matvec_block(dn.expert(r.experts[a]), r0, r1, h_of_pair.data() + p0, n, x_bf16, y + p0 * H + r0, H);
     });
   }
   for (const int64_t a : torch_gemm) {
@@ -746,6 +768,7 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
   std::vector<float> xs(T * K);
   activations(x, written_layout(fmt), kern.step, xs.data());
   const KernelInputs in(xs.data(), T, K, fmt, kern, false);
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
   std::vector<const void*> rows(T);
   for (int64_t t = 0; t < T; ++t) rows[t] = in.row(t);
   int64_t total = 0;
@@ -759,7 +782,7 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
     for (int64_t r0 = 0; r0 < rows_of[i]; r0 += block) runs.push_back({i, r0, std::min(rows_of[i], r0 + block)});
   parallel_items(int64_t(runs.size()), [&](int64_t j) {
     const Run& run = runs[j];
-    kern.matvec_block(ms[run.i], run.r0, run.r1, rows.data(), T, outs[run.i] + run.r0, lds[run.i]);
+    kern.matvec_block(ms[run.i], run.r0, run.r1, rows.data(), T, x_bf16, outs[run.i] + run.r0, lds[run.i]);
     finish(run.i, run.r0, run.r1);
   });
 }

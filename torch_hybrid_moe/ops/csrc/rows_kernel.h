@@ -16,6 +16,13 @@ struct I4Lanes {
   const float* group_sum;  // [K / group]: the activations' sum over each weight group
 };
 
+// Lines of the next panel's rows for one dot call to prefetch, one a step of its loop, while it reads the panel in
+// cache.
+struct Prefetch {
+  const uint8_t* at;
+  int64_t lines;
+};
+
 typedef float vf __attribute__((vector_size(HMOE_VBYTES)));
 typedef uint32_t vu __attribute__((vector_size(HMOE_VBYTES)));
 
@@ -274,8 +281,18 @@ constexpr int kLaneRows = 16, kLaneTok = 8;
 constexpr int64_t kLaneMinTokens = 8;  // at 4 tokens the layout cost about what it saved (int8), more (int4)
 constexpr int64_t kLanePanelBytes = 128 << 10;
 
-// Whether m's rows take the lane route: whole 64-byte chunks of every row.
-inline bool lanes_fit(const Matrix& m) { return (m.fmt == Fmt::I8 || m.fmt == Fmt::I4) && m.row_bytes % 64 == 0; }
+// Whether the CPU has AVX512-BF16 (bf16_lane_rows).
+inline bool bf16_lanes() {
+  static const bool ok = __builtin_cpu_supports("avx512bf16");
+  return ok;
+}
+
+// Whether m's rows take the lane route: whole 64-byte chunks of every row, int8 / int4, or bf16 times bf16 values
+// (x_bf16) where the CPU has AVX512-BF16.
+inline bool lanes_fit(const Matrix& m, bool x_bf16) {
+  return m.row_bytes % 64 == 0 &&
+         (m.fmt == Fmt::I8 || m.fmt == Fmt::I4 || (m.fmt == Fmt::BF16 && x_bf16 && bf16_lanes()));
+}
 
 // v[c] comes out as 4-byte element c of every input vector (input i in lane i): a 16 x 16 transposition.
 inline void transpose16(__m512i (&v)[16]) {
@@ -371,7 +388,8 @@ void lane_inputs(const void* const* xs, int64_t n, int64_t K, std::vector<int8_t
 
 // res[t * 16 + i] = row i of the panel . token t for t < NT.
 template <int NT>
-void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t group, const LaneInput* x, float* res) {
+void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t group, const LaneInput* x, Prefetch next,
+               float* res) {
   const int64_t per_group = group / 32;
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
@@ -380,6 +398,7 @@ void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t gro
     __m512i sum[NT];
     for (int t = 0; t < NT; ++t) sum[t] = _mm512_set1_epi32(x[t].start[b]);
     for (int v = 0; v < 8; ++v) {
+      if (8 * b + v < next.lines) __builtin_prefetch(next.at + 64 * (8 * b + v));
       const __m512i wv = _mm512_loadu_si512(w + v);
       for (int t = 0; t < NT; ++t) {
         int32_t four;
@@ -393,6 +412,73 @@ void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t gro
   }
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(res + t * kLaneRows, acc[t]);
 }
+
+// bf16 rows times bf16 values (a bf16 model's activations) at kLaneMinTokens tokens or more, on CPUs with
+// AVX512-BF16: 32 rows as two vectors of 16 fp32 lanes. The per-row loop widens each weight to fp32 (a shift or a
+// mask) and takes one FMA per 16 products; vdpbf16ps takes 16 column pairs of bf16 and adds both products of a pair
+// to its lane, 32 products an instruction (it counts subnormal inputs as zero). 16 rows are laid out once so that
+// vector p holds column pair p of each row; one vdpbf16ps against a token's pair p broadcast adds it to all 16 rows.
+// Two such halves a call keep two independent sums a token: with one, a standalone test of the loop ran at 165 against
+// 250 GMAC/s a thread, where oneDNN's bf16 GEMM ran at 200 (48 tokens, 2,816 x 2,048 in cache; benchmarks/RESULTS.md,
+// 2026-11-28 afternoon).
+constexpr int kBf16LaneRows = 2 * kLaneRows;
+#define HMOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")))
+
+// Rows [r, r + nr) of bf16 m (nr <= 32; a short group repeats its last row) into panel: two halves of 16 rows, each
+// K / 2 vectors, vector p the column pair (2p, 2p + 1) of each of its rows.
+inline void bf16_lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel) {
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* rows[kLaneRows];
+    for (int i = 0; i < kLaneRows; ++i) rows[i] = m.row(r + std::min(kLaneRows * half + i, nr - 1));
+    __m512i* out = reinterpret_cast<__m512i*>(panel) + half * m.K / 2;
+    for (int64_t j = 0; j < m.row_bytes / 64; ++j) {
+      __m512i v[16];
+      for (int i = 0; i < kLaneRows; ++i) v[i] = _mm512_loadu_si512(rows[i] + 64 * j);
+      transpose16(v);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(out + 16 * j + c, v[c]);
+    }
+  }
+}
+
+// Each token's row of bf16 values held as fp32 (in the pairs layout: per 32 columns the even ones, then the odd ones)
+// as K / 2 bf16 pairs, column 2p in the low half of pair p: the upper halves of the fp32 values.
+inline void bf16_lane_inputs(const void* const* xs, int64_t n, int64_t K, std::vector<uint32_t>& pairs,
+                             std::vector<const uint32_t*>& out) {
+  pairs.resize(n * K / 2);
+  out.resize(n);
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int64_t t = 0; t < n; ++t) {
+    const float* x = static_cast<const float*>(xs[t]);
+    uint32_t* p = pairs.data() + t * K / 2;
+    for (int64_t c = 0; c < K; c += 32)
+      _mm512_storeu_si512(p + c / 2, _mm512_or_si512(_mm512_srli_epi32(_mm512_loadu_si512(x + c), 16),
+                                                     _mm512_and_si512(_mm512_loadu_si512(x + c + 16), high)));
+    out[t] = p;
+  }
+}
+
+// res[t * 32 + i] = row i of the panel . token t for t < NT.
+template <int NT>
+HMOE_BF16_TARGET void bf16_lane_rows(const uint8_t* panel, int64_t K, const uint32_t* const* x, Prefetch next,
+                                     float* res) {
+  const __m512i* w = reinterpret_cast<const __m512i*>(panel);
+  __m512 acc[2][NT];
+  for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    if (p < next.lines) __builtin_prefetch(next.at + 64 * p);
+    const __m512bh a = (__m512bh)_mm512_loadu_si512(w + p), b = (__m512bh)_mm512_loadu_si512(w + K / 2 + p);
+    for (int t = 0; t < NT; ++t) {
+      const __m512bh v = (__m512bh)_mm512_set1_epi32(int(x[t][p]));
+      acc[0][t] = _mm512_dpbf16_ps(acc[0][t], a, v);
+      acc[1][t] = _mm512_dpbf16_ps(acc[1][t], b, v);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    _mm512_storeu_ps(res + t * kBf16LaneRows, acc[0][t]);
+    _mm512_storeu_ps(res + t * kBf16LaneRows + kLaneRows, acc[1][t]);
+  }
+}
+#undef HMOE_BF16_TARGET
 #elif HMOE_LEVEL == 1
 // Block b (32 columns) of a row as 32 int8 lanes in the record's order: int8 as stored; int4 (its unpaired last
 // block) as q + 8, the block's 16 bytes' low nibbles (even columns) then high nibbles (odd columns).
@@ -618,7 +704,7 @@ inline void i4_lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel, fl
 // times (the rows' scale x the block's activation scale); then the q + 8 offset off per weight group (I4Lanes).
 template <int NT>
 void i4_lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t group, const void* const* xs,
-                  const I4Lanes* xl, float* res) {
+                  const I4Lanes* xl, Prefetch next, float* res) {
   const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const int64_t per_group = group / 32;
   QuantRecord x[NT];
@@ -634,6 +720,7 @@ void i4_lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t 
       __m256i sum[NT];
       for (int t = 0; t < NT; ++t) sum[t] = _mm256_setzero_si256();
       for (int u = 4 * half; u < 4 * half + 4; ++u) {
+        if (8 * j + u < next.lines) __builtin_prefetch(next.at + 64 * (8 * j + u));
         const __m256i v = _mm256_loadu_si256(w + u);
         const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         for (int t = 0; t < NT; ++t) {
@@ -701,36 +788,45 @@ inline void lane_tokens(int nt, Fn f) {
     lane_tokens<N + 1>(nt, f);
 }
 
-// matvec_block's lane route: panels of rows laid out once, kLaneRows at a time (build(r, nr, panel, scales), each
-// group group_bytes and K / group x kLaneRows scales), then every chunk of tokens passes over them (dot(panel, scales,
-// t, nt, res): res[j * kLaneRows + i] for the nt <= kLaneTok tokens from t), as matvec_block tiles its own.
-template <typename Build, typename Dot>
-void lane_block(const Matrix& m, int64_t r0, int64_t r1, int64_t n, int64_t group_bytes, float* dst, int64_t ld,
-                Build build, Dot dot) {
+// What one lane route lays out and reads: a group's panel bytes and scales, and a token's input bytes.
+struct LaneSizes {
+  int64_t group_bytes, group_scales, token_bytes;
+};
+
+// matvec_block's lane route: panels of rows laid out once, Rows at a time (build(r, nr, panel, scales)), then every
+// chunk of tokens passes over them (dot(panel, scales, t, nt, res): res[j * Rows + i] for the nt <= kLaneTok tokens
+// from t), as matvec_block tiles its own.
+template <int Rows, typename Build, typename Dot>
+void lane_block(const Matrix& m, int64_t r0, int64_t r1, int64_t n, LaneSizes z, float* dst, int64_t ld, Build build,
+                Dot dot) {
   thread_local std::vector<uint8_t> panel;
   thread_local std::vector<float> scales;
-  const int64_t group_scales = m.K / m.group * kLaneRows;
-  const int64_t rows = std::max<int64_t>(1, kLanePanelBytes / group_bytes) * kLaneRows;
-  const int64_t chunk = std::max<int64_t>(1, kTokenChunkBytes / (m.K + m.K / 4) / kLaneTok) * kLaneTok;  // records
-  panel.resize(rows / kLaneRows * group_bytes);
-  scales.resize(rows / kLaneRows * group_scales);
-  float res[kLaneTok * kLaneRows];
+  const int64_t rows = std::max<int64_t>(1, kLanePanelBytes / z.group_bytes) * Rows;
+  const int64_t chunk = std::max<int64_t>(1, kTokenChunkBytes / z.token_bytes / kLaneTok) * kLaneTok;
+  panel.resize(rows / Rows * z.group_bytes);
+  scales.resize(rows / Rows * z.group_scales);
+  float res[kLaneTok * Rows];
   for (int64_t p0 = r0; p0 < r1; p0 += rows) {
     const int64_t p1 = std::min(r1, p0 + rows);
-    for (int64_t r = p0; r < p1; r += kLaneRows)
-      build(r, int(std::min<int64_t>(kLaneRows, p1 - r)), panel.data() + (r - p0) / kLaneRows * group_bytes,
-            scales.data() + (r - p0) / kLaneRows * group_scales);
+    for (int64_t r = p0; r < p1; r += Rows)
+      build(r, int(std::min<int64_t>(Rows, p1 - r)), panel.data() + (r - p0) / Rows * z.group_bytes,
+            scales.data() + (r - p0) / Rows * z.group_scales);
+    // the next panel's rows (contiguous), a share each call of the first chunk: laid out next, they are in cache
+    const int64_t calls = (p1 - p0 + Rows - 1) / Rows * ((std::min(n, chunk) + kLaneTok - 1) / kLaneTok);
+    const int64_t share = ((std::min(r1, p1 + rows) - p1) * m.row_bytes / 64 + calls - 1) / calls;
+    Prefetch next{m.row(p1), share};
     for (int64_t t0 = 0; t0 < n; t0 += chunk) {
       const int64_t t1 = std::min(n, t0 + chunk);
-      for (int64_t r = p0; r < p1; r += kLaneRows) {
-        const uint8_t* pw = panel.data() + (r - p0) / kLaneRows * group_bytes;
-        const float* ps = scales.data() + (r - p0) / kLaneRows * group_scales;
-        const int nr = int(std::min<int64_t>(kLaneRows, p1 - r));
+      for (int64_t r = p0; r < p1; r += Rows) {
+        const uint8_t* pw = panel.data() + (r - p0) / Rows * z.group_bytes;
+        const float* ps = scales.data() + (r - p0) / Rows * z.group_scales;
+        const int nr = int(std::min<int64_t>(Rows, p1 - r));
         for (int64_t t = t0; t < t1; t += kLaneTok) {
           const int nt = int(std::min<int64_t>(kLaneTok, t1 - t));
-          dot(pw, ps, t, nt, res);
+          dot(pw, ps, t, nt, t0 == 0 ? next : Prefetch{nullptr, 0}, res);
+          if (t0 == 0) next.at += 64 * next.lines;
           for (int j = 0; j < nt; ++j)
-            for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * kLaneRows + i];
+            for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * Rows + i];
         }
       }
     }
@@ -739,31 +835,45 @@ void lane_block(const Matrix& m, int64_t r0, int64_t r1, int64_t n, int64_t grou
 #endif
 
 #if HMOE_LEVEL == 2
-// matvec_block's int8 / int4 rows at kLaneMinTokens tokens or more (lanes_fit).
+// matvec_block's int8 / int4 / bf16 rows at kLaneMinTokens tokens or more (lanes_fit).
 template <Fmt F>
 void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
-  thread_local std::vector<int8_t> bytes;
-  thread_local std::vector<int32_t> starts;
-  thread_local std::vector<LaneInput> in;
-  lane_inputs<F>(xs, n, m.K, bytes, starts, in);
-  lane_block(
-      m, r0, r1, n, m.K / 32 * 8 * 64, dst, ld,
-      [&](int64_t r, int nr, uint8_t* panel, float* scales) { lane_panel<F>(m, r, nr, panel, scales); },
-      [&](const uint8_t* panel, const float* scales, int64_t t, int nt, float* res) {
-        lane_tokens(nt,
-                    [&](auto k) { lane_rows<decltype(k)::value>(panel, scales, m.K, m.group, in.data() + t, res); });
-      });
+  if constexpr (F == Fmt::BF16) {
+    thread_local std::vector<uint32_t> pairs;
+    thread_local std::vector<const uint32_t*> in;
+    bf16_lane_inputs(xs, n, m.K, pairs, in);
+    lane_block<kBf16LaneRows>(
+        m, r0, r1, n, {kBf16LaneRows * m.row_bytes, 0, 2 * m.K}, dst, ld,
+        [&](int64_t r, int nr, uint8_t* panel, float*) { bf16_lane_panel(m, r, nr, panel); },
+        [&](const uint8_t* panel, const float*, int64_t t, int nt, Prefetch next, float* res) {
+          lane_tokens(nt, [&](auto k) { bf16_lane_rows<decltype(k)::value>(panel, m.K, in.data() + t, next, res); });
+        });
+  } else {
+    thread_local std::vector<int8_t> bytes;
+    thread_local std::vector<int32_t> starts;
+    thread_local std::vector<LaneInput> in;
+    lane_inputs<F>(xs, n, m.K, bytes, starts, in);
+    lane_block<kLaneRows>(
+        m, r0, r1, n, {m.K / 32 * 8 * 64, m.K / m.group * kLaneRows, record_bytes(m.K)}, dst, ld,
+        [&](int64_t r, int nr, uint8_t* panel, float* scales) { lane_panel<F>(m, r, nr, panel, scales); },
+        [&](const uint8_t* panel, const float* scales, int64_t t, int nt, Prefetch next, float* res) {
+          lane_tokens(nt, [&](auto k) {
+            lane_rows<decltype(k)::value>(panel, scales, m.K, m.group, in.data() + t, next, res);
+          });
+        });
+  }
 }
 #elif HMOE_LEVEL == 1
 // matvec_block's int4 rows at kLaneMinTokens tokens or more (lanes_fit).
 void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, const I4Lanes* xl, int64_t n,
                 float* dst, int64_t ld) {
-  lane_block(
-      m, r0, r1, n, m.K / 2 * kLaneRows, dst, ld,
+  lane_block<kLaneRows>(
+      m, r0, r1, n, {m.K / 2 * kLaneRows, m.K / m.group * kLaneRows, record_bytes(m.K)}, dst, ld,
       [&](int64_t r, int nr, uint8_t* panel, float* scales) { i4_lane_panel(m, r, nr, panel, scales); },
-      [&](const uint8_t* panel, const float* scales, int64_t t, int nt, float* res) {
-        lane_tokens(
-            nt, [&](auto k) { i4_lane_rows<decltype(k)::value>(panel, scales, m.K, m.group, xs + t, xl + t, res); });
+      [&](const uint8_t* panel, const float* scales, int64_t t, int nt, Prefetch next, float* res) {
+        lane_tokens(nt, [&](auto k) {
+          i4_lane_rows<decltype(k)::value>(panel, scales, m.K, m.group, xs + t, xl + t, next, res);
+        });
       });
 }
 #endif
@@ -795,9 +905,11 @@ void rows_dispatch(const Matrix& m, int64_t r0, int nr, const uint8_t* next, con
 }
 
 // dst[t * ld + (r - r0)] = row r of m . xs[t] for rows [r0, r1) and tokens [0, n); xs are fp32 rows in the
-// layout (float formats) or QuantRecords (int8 / int4). Rows are read as one run: while the first chunk streams a
-// panel, each call prefetches the next call's rows, none of another thread's run (its bytes would be read twice).
-void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
+// layout (float formats; `x_bf16`: holding bf16 values, which bf16 rows may multiply as bf16) or QuantRecords (int8 /
+// int4). Rows are read as one run: while the first chunk streams a panel, each call prefetches the next call's rows,
+// none of another thread's run (its bytes would be read twice).
+void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n,
+                  [[maybe_unused]] bool x_bf16, float* dst, int64_t ld) {
   float res[kTok * kRows];
   const I4Lanes* xl = nullptr;
 #if HMOE_LEVEL == 1
@@ -809,8 +921,10 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
     if (n >= kLaneMinTokens && lanes_fit(m)) return lane_route(m, r0, r1, xs, xl, n, dst, ld);
   }
 #elif HMOE_LEVEL == 2
-  if (n >= kLaneMinTokens && lanes_fit(m))
-    return (m.fmt == Fmt::I8 ? lane_route<Fmt::I8> : lane_route<Fmt::I4>)(m, r0, r1, xs, n, dst, ld);
+  if (n >= kLaneMinTokens && lanes_fit(m, x_bf16))
+    return (m.fmt == Fmt::I8   ? lane_route<Fmt::I8>
+            : m.fmt == Fmt::I4 ? lane_route<Fmt::I4>
+                               : lane_route<Fmt::BF16>)(m, r0, r1, xs, n, dst, ld);
 #endif
   decltype(&rows_dispatch<Fmt::F32>) dispatch = nullptr;
   switch (m.fmt) {
