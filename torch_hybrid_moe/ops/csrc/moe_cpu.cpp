@@ -24,7 +24,8 @@
 // not depend on the thread count. They may depend, in the last bits, on how many tokens an expert gets: from a few
 // tokens a call on (kLaneMinTokens), int8 / int4 rows are summed as lanes, in another order than the per-row loop, and
 // so are bf16 rows times a bf16 model's activations on CPUs with AVX512-BF16. A bf16 model's bf16 experts round h to
-// bf16 on every route, as the model does.
+// bf16 on every route, as the model does; where h lies near a rounding boundary, such a last-bit difference moves it a
+// whole bf16 step, as int8 / int4 activations move by an int8 step.
 //
 // The decode attention kernel (attention_kernel.h) shares the ISA levels and the threads' work items; its op's entry
 // is here too.
@@ -450,12 +451,10 @@ class KernelInputs {
   std::vector<uint8_t> records_;
 };
 
-// v[0, n) rounded to bf16 values (nearest even; NaN stays NaN, overflow becomes inf), kept as fp32.
+// v[0, n) rounded to bf16 values as torch rounds them (nearest even, NaN stays NaN), kept as fp32.
 void round_to_bf16(float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    uint32_t b;
-    std::memcpy(&b, v + i, 4);
-    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    const uint32_t b = uint32_t(c10::detail::round_to_nearest_even(v[i])) << 16;
     std::memcpy(v + i, &b, 4);
   }
 }

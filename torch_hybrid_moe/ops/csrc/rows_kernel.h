@@ -16,8 +16,8 @@ struct I4Lanes {
   const float* group_sum;  // [K / group]: the activations' sum over each weight group
 };
 
-// Lines of the next panel's rows for one dot call to prefetch, one a step of its loop, while it reads the panel in
-// cache.
+// Lines of the next panel's rows for one dot call to prefetch, spread over its loop (up to as many a step as the step
+// reads of the panel), while it reads the panel in cache.
 struct Prefetch {
   const uint8_t* at;
   int64_t lines;
@@ -416,7 +416,8 @@ void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t gro
 // bf16 rows times bf16 values (a bf16 model's activations) at kLaneMinTokens tokens or more, on CPUs with
 // AVX512-BF16: 32 rows as two vectors of 16 fp32 lanes. The per-row loop widens each weight to fp32 (a shift or a
 // mask) and takes one FMA per 16 products; vdpbf16ps takes 16 column pairs of bf16 and adds both products of a pair
-// to its lane, 32 products an instruction (it counts subnormal inputs as zero). 16 rows are laid out once so that
+// to its lane, 32 products an instruction (it counts subnormal inputs as zero, so a subnormal weight or activation
+// counts at 8 tokens and not at 7). 16 rows are laid out once so that
 // vector p holds column pair p of each row; one vdpbf16ps against a token's pair p broadcast adds it to all 16 rows.
 // Two such halves a call keep two independent sums a token: with one, a standalone test of the loop ran at 165 against
 // 250 GMAC/s a thread, where oneDNN's bf16 GEMM ran at 200 (48 tokens, 2,816 x 2,048 in cache; benchmarks/RESULTS.md,
@@ -465,7 +466,7 @@ HMOE_BF16_TARGET void bf16_lane_rows(const uint8_t* panel, int64_t K, const uint
   __m512 acc[2][NT];
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K / 2; ++p) {
-    if (p < next.lines) __builtin_prefetch(next.at + 64 * p);
+    for (int64_t l = p; l < next.lines && l < p + K; l += K / 2) __builtin_prefetch(next.at + 64 * l);
     const __m512bh a = (__m512bh)_mm512_loadu_si512(w + p), b = (__m512bh)_mm512_loadu_si512(w + K / 2 + p);
     for (int t = 0; t < NT; ++t) {
       const __m512bh v = (__m512bh)_mm512_set1_epi32(int(x[t][p]));
@@ -811,10 +812,12 @@ void lane_block(const Matrix& m, int64_t r0, int64_t r1, int64_t n, LaneSizes z,
     for (int64_t r = p0; r < p1; r += Rows)
       build(r, int(std::min<int64_t>(Rows, p1 - r)), panel.data() + (r - p0) / Rows * z.group_bytes,
             scales.data() + (r - p0) / Rows * z.group_scales);
-    // the next panel's rows (contiguous), a share each call of the first chunk: laid out next, they are in cache
+    // the next panel's rows (contiguous, within this run), a share each call of the first chunk: laid out next,
+    // they are in cache
     const int64_t calls = (p1 - p0 + Rows - 1) / Rows * ((std::min(n, chunk) + kLaneTok - 1) / kLaneTok);
-    const int64_t share = ((std::min(r1, p1 + rows) - p1) * m.row_bytes / 64 + calls - 1) / calls;
-    Prefetch next{m.row(p1), share};
+    int64_t left = (std::min(r1, p1 + rows) - p1) * m.row_bytes / 64;
+    const int64_t share = (left + calls - 1) / calls;
+    const uint8_t* ahead = m.row(p1);
     for (int64_t t0 = 0; t0 < n; t0 += chunk) {
       const int64_t t1 = std::min(n, t0 + chunk);
       for (int64_t r = p0; r < p1; r += Rows) {
@@ -823,8 +826,10 @@ void lane_block(const Matrix& m, int64_t r0, int64_t r1, int64_t n, LaneSizes z,
         const int nr = int(std::min<int64_t>(Rows, p1 - r));
         for (int64_t t = t0; t < t1; t += kLaneTok) {
           const int nt = int(std::min<int64_t>(kLaneTok, t1 - t));
-          dot(pw, ps, t, nt, t0 == 0 ? next : Prefetch{nullptr, 0}, res);
-          if (t0 == 0) next.at += 64 * next.lines;
+          const Prefetch next{ahead, std::min(share, left)};
+          dot(pw, ps, t, nt, next, res);
+          ahead += 64 * next.lines;
+          left -= next.lines;
           for (int j = 0; j < nt; ++j)
             for (int i = 0; i < nr; ++i) dst[(t + j) * ld + (r - r0) + i] = res[j * Rows + i];
         }
