@@ -1,11 +1,14 @@
-"""Attention of a CPU model's decode steps through `hybrid_moe::decode_attention` (ops/decode_attention.py).
+"""Attention of a CPU model through `hybrid_moe::decode_attention` (decode steps, ops/decode_attention.py) and
+`hybrid_moe::prefill_attention` (prompts in bf16 on CPUs with AVX512-BF16, ops/prefill_attention.py).
 
 torch's SDPA on the CPU runs its flash kernel also for one query, and transformers' eager attention runs two small
 batched GEMMs through oneDNN with the softmax between them: 0.19 and 0.36 ms a layer at 160 cached positions
-(`benchmarks/cpu_decode_costs.py`, AMX Xeon), for about 300 KB of cache read. The op reads each key / value head's
-cache once for the query heads that share it (grouped-query attention) and skips the positions the mask hides.
-Prompts (more than one query), and dtypes other than fp32 / bf16 / fp16, keep SDPA. Masks are SDPA's (boolean, or
-additive), made by the same mask function as for SDPA.
+(`benchmarks/cpu_decode_costs.py`, AMX Xeon), for about 300 KB of cache read. The decode op reads each key / value
+head's cache once for the query heads that share it (grouped-query attention) and skips the positions the mask hides.
+For a prompt SDPA's flash kernel reached a fifth of the CPU's bf16 rate; the prefill op multiplies with the expert
+kernel's bf16 lanes. Other prompts (fp32 / fp16, head sizes not multiples of 32, no AVX512-BF16), other dtypes,
+position biases and soft-capping keep SDPA. Masks are SDPA's (boolean, or additive), made by the same mask function
+as for SDPA, and a prompt without one is causal where SDPA would take it as causal.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+from ..ops import prefill_attention
 from ..ops.decode_attention import DTYPES  # (and registers torch.ops.hybrid_moe.decode_attention)
 from ..ops.kernel_build import extension
 
@@ -33,16 +37,27 @@ def cpu_attention_forward(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: query [B, Hq, Q, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] ->
-    ([B, Q, Hq, Dv], None). One fp32 / bf16 / fp16 query on the CPU, without dropout or gradients: the decode
-    attention op (which has no backward); otherwise SDPA."""
+    ([B, Q, Hq, Dv], None). Without dropout or gradients (the ops have no backward): one fp32 / bf16 / fp16 query on
+    the CPU, the decode attention op; a bf16 prompt the prefill op where it runs; otherwise SDPA."""
     grads = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    other = query.shape[2] != 1 or query.device.type != "cpu" or query.dtype not in DTYPES
-    if other or (module.training and dropout) or grads:
+    decode = query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in DTYPES
+    prompt = (
+        query.shape[2] > 1
+        and prefill_attention.fits(query, key, value, attention_mask)
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and prefill_attention.available()
+    )
+    if not (decode or prompt) or (module.training and dropout) or grads:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    return torch.ops.hybrid_moe.decode_attention(query, key, value, attention_mask, scale), None
+    if decode:
+        return torch.ops.hybrid_moe.decode_attention(query, key, value, attention_mask, scale), None
+    # SDPA's reading: causal only without a mask, where the module (or the call) says so; top-left aligned
+    causal = attention_mask is None and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    return torch.ops.hybrid_moe.prefill_attention(query, key, value, attention_mask, scale, causal), None
 
 
 def use_cpu_attention(model: torch.nn.Module) -> bool:

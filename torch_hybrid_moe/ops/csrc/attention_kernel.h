@@ -1,7 +1,7 @@
 // Decode attention of one (batch row, key / value head): the query heads that share that key / value head, one
-// query each, over the cached positions its mask lets them see. Included by moe_cpu.cpp once per ISA level after
-// rows_kernel.h (its load_step, dequant_rows, lane_sum and, at level 2, exp_lanes), like it; needs Attend, Matrix,
-// and layout_pos in scope.
+// query each, over the cached positions its mask lets them see; and (AVX-512 level, bf16) prefill attention. Included
+// by moe_cpu.cpp once per ISA level after rows_kernel.h (its load_step, dequant_rows, lane_sum and, at level 2,
+// exp_lanes), like it; needs Attend, Matrix, and layout_pos in scope.
 //
 // Each cached key and value row is read once for the whole group of query heads, and positions every head of the
 // group is masked from are not read at all: a static cache's unfilled tail costs nothing.
@@ -157,3 +157,134 @@ void attend(const Attend& a) {
   if (a.fmt == Fmt::BF16) return attend_as<Fmt::BF16>(a);
   attend_as<Fmt::F16>(a);
 }
+
+#if HMOE_LEVEL == 2
+// Prefill attention of one (batch row, key / value head, block of queries) for bf16 q / k / v on CPUs with
+// AVX512-BF16: the rows_kernel.h bf16 lanes do both products. Keys are laid out once per block as lane panels (32 keys
+// a call, a query's column pairs broadcast): scores; values, pair of positions by pair, with their columns as lanes
+// (32 columns a call, a query's probabilities broadcast as bf16 pairs): the output. Softmax in fp32 over the
+// positions the block may see, its exponentials rounded to bf16 for the second product (as torch's flash attention
+// for the CPU rounds them in bf16) and the sum kept in fp32. A query that may see no position gets 0, as SDPA gives.
+struct AttendRows {
+  const uint16_t* q;  // [G heads][L rows][D], strides in elements
+  int64_t q_head, q_row;
+  const uint16_t* k;  // [S][D], rows D apart
+  const uint16_t* v;  // [S][Dv], rows Dv apart
+  uint16_t* out;      // [L rows][G heads][Dv]
+  int64_t out_row, out_head;
+  int64_t G, L, S, D, Dv;
+  float scale;
+  const bool* mask_bool;  // true: may see; or additive; or neither: every position, or (causal) s <= l
+  const float* mask_add;
+  int64_t mask_head, mask_row, mask_pos;
+  bool causal;
+  float bias(int64_t h, int64_t l, int64_t s) const {
+    if (mask_bool) return mask_bool[h * mask_head + l * mask_row + s * mask_pos] ? 0.f : -INFINITY;
+    if (mask_add) return mask_add[h * mask_head + l * mask_row + s * mask_pos];
+    return causal && s > l ? -INFINITY : 0.f;
+  }
+};
+
+// One past the last position row l of head h may see, at least `floor`: a search down from the end, 64 flags a
+// compare for a boolean mask (a static cache's long hidden tail is searched for every row of a prompt).
+inline int64_t seen_end(const AttendRows& a, int64_t h, int64_t l, int64_t floor) {
+  if (!a.mask_bool && !a.mask_add) return std::max(floor, a.causal ? std::min(a.S, l + 1) : a.S);
+  int64_t s = a.S;
+  if (a.mask_bool && a.mask_pos == 1) {
+    const bool* row = a.mask_bool + h * a.mask_head + l * a.mask_row;
+    for (; s - 64 >= floor; s -= 64) {
+      const __m512i flags = _mm512_loadu_si512(row + s - 64);
+      const uint64_t seen = _mm512_test_epi8_mask(flags, flags);
+      if (seen) return s - __builtin_clzll(seen);
+    }
+  }
+  for (; s > floor; --s)
+    if (a.bias(h, l, s - 1) != -INFINITY) return s;
+  return floor;
+}
+
+// Rows [l0, l1) of every head of a.
+inline void attend_rows(const AttendRows& a, int64_t l0, int64_t l1) {
+  const int64_t G = a.G, D = a.D, Dv = a.Dv, rows = G * (l1 - l0);
+  int64_t n = 0;  // positions [0, n): up to the last one some row of the block may see
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t l = l0; l < l1; ++l) n = seen_end(a, h, l, n);
+  const int64_t n_pad = (n + 1) & ~int64_t(1);  // whole pairs of positions for the second product
+  thread_local std::vector<uint8_t> keys, values;
+  thread_local std::vector<float> scores;
+  thread_local std::vector<uint32_t> probs;
+  const Matrix kmat{reinterpret_cast<const uint8_t*>(a.k), nullptr, 2 * D, D, D, Fmt::BF16};
+  keys.resize((n + kBf16LaneRows - 1) / kBf16LaneRows * kBf16LaneRows * 2 * D);
+  for (int64_t r = 0; r < n; r += kBf16LaneRows)
+    bf16_lane_panel(kmat, r, int(std::min<int64_t>(kBf16LaneRows, n - r)), keys.data() + r * 2 * D);
+  // values: for each group of 32 columns, two halves of 16, each n_pad / 2 vectors: (v[2p][c], v[2p + 1][c]) per lane
+  values.resize(Dv / kBf16LaneRows * kBf16LaneRows * n_pad * 2);
+  uint32_t* vp = reinterpret_cast<uint32_t*>(values.data());
+  for (int64_t c0 = 0; c0 < Dv; c0 += kLaneRows)
+    for (int64_t p = 0; p < n_pad / 2; ++p) {
+      const __m512i even =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.v + 2 * p * Dv + c0)));
+      const __m512i odd =
+          2 * p + 1 < n
+              ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.v + (2 * p + 1) * Dv + c0)))
+              : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + (c0 / kLaneRows * n_pad / 2 + p) * kLaneRows,
+                          _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+  scores.resize(rows * n);
+  probs.resize(rows * n_pad / 2);
+  std::vector<const uint32_t*> qs(rows), ps(rows);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t l = l0; l < l1; ++l) {
+      const int64_t i = h * (l1 - l0) + (l - l0);
+      qs[i] = reinterpret_cast<const uint32_t*>(a.q + h * a.q_head + l * a.q_row);
+      ps[i] = probs.data() + i * n_pad / 2;
+    }
+  float res[kLaneTok * kBf16LaneRows];
+  for (int64_t r = 0; r < n; r += kBf16LaneRows) {
+    const int nr = int(std::min<int64_t>(kBf16LaneRows, n - r));
+    for (int64_t t = 0; t < rows; t += kLaneTok) {
+      const int nt = int(std::min<int64_t>(kLaneTok, rows - t));
+      lane_tokens(nt, [&](auto k) {
+        bf16_lane_rows<decltype(k)::value>(keys.data() + r * 2 * D, D, qs.data() + t, Prefetch{nullptr, 0}, res);
+      });
+      for (int j = 0; j < nt; ++j)
+        std::memcpy(scores.data() + (t + j) * n + r, res + j * kBf16LaneRows, nr * sizeof(float));
+    }
+  }
+  std::vector<float> total(rows);
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t l = l0; l < l1; ++l) {
+      const int64_t i = h * (l1 - l0) + (l - l0);
+      float* s = scores.data() + i * n;
+      bool seen = false;
+      for (int64_t j = 0; j < n; ++j) {  // a hidden position is -inf whatever its key holds (inf, NaN)
+        const float bias = a.bias(h, l, j);
+        seen |= bias != -INFINITY;
+        s[j] = bias == -INFINITY ? -INFINITY : s[j] * a.scale + bias;
+      }
+      if (!seen)  // a row that may see nothing: 0, as SDPA gives (a NaN among seen scores stays NaN)
+        std::fill(s, s + n, 0.f);
+      total[i] = seen ? exp_shifted(s, n, row_max(s, n)) : 0.f;
+      uint16_t* p = reinterpret_cast<uint16_t*>(probs.data() + i * n_pad / 2);
+      for (int64_t j = 0; j < n; ++j) p[j] = c10::detail::round_to_nearest_even(s[j]);
+      if (n_pad > n) p[n] = 0;
+    }
+  for (int64_t c0 = 0; c0 < Dv; c0 += kBf16LaneRows) {
+    const uint8_t* panel = values.data() + c0 * n_pad * 2;
+    for (int64_t t = 0; t < rows; t += kLaneTok) {
+      const int nt = int(std::min<int64_t>(kLaneTok, rows - t));
+      lane_tokens(nt, [&](auto k) {
+        bf16_lane_rows<decltype(k)::value>(panel, n_pad, ps.data() + t, Prefetch{nullptr, 0}, res);
+      });
+      for (int j = 0; j < nt; ++j) {
+        const int64_t i = t + j, h = i / (l1 - l0), l = l0 + i % (l1 - l0);
+        const float inv = total[i] == 0.f ? 0.f : 1.f / total[i];
+        uint16_t* o = a.out + l * a.out_row + h * a.out_head + c0;
+        for (int c = 0; c < kBf16LaneRows; ++c)
+          o[c] = c10::detail::round_to_nearest_even(res[j * kBf16LaneRows + c] * inv);
+      }
+    }
+  }
+}
+#endif

@@ -626,6 +626,11 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   std::vector<int64_t> small, large;
   for (int64_t a = 0; a < int64_t(r.experts.size()); ++a)
     (r.offsets[a + 1] - r.offsets[a] >= gemm_tokens ? large : small).push_back(a);
+  // The experts with the most tokens first: the threads take work items in order, and a prompt's few hot experts
+  // (hundreds of tokens each) taken last left one thread working alone at the end of each phase.
+  std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) {
+    return r.offsets[a + 1] - r.offsets[a] > r.offsets[b + 1] - r.offsets[b];
+  });
   // bf16 GEMM (torch's or AMX tiles), for weights bf16 holds exactly or that are approximate already (int8 / int4;
   // fp32 and fp16 weights keep fp32 panels): torch's on the stored weights where they and the activations are bf16
   // (`direct`), else on panels; AMX tiles on bf16 rows in place or on int8 / int4 panels.
@@ -995,6 +1000,95 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
                             const c10::optional<at::Tensor>& mask, double scale) {
   static const int64_t isa = best_isa();
   return decode_attention_at(query, key, value, mask, scale, isa);
+}
+
+bool prefill_attention_available() {
+#ifdef HMOE_X86
+  return best_isa() == AVX512 && level2::bf16_lanes();
+#else
+  return false;
+#endif
+}
+
+// Query rows of one work item (with every query head of its key / value head): a block's scores, probabilities and
+// laid-out keys and values stay in L2.
+constexpr int64_t kQueryBlock = 16;
+
+at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const c10::optional<at::Tensor>& mask, double scale, bool causal) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4,
+              "prefill_attention: expected query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv]");
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "prefill_attention: query, key and value must be CPU tensors");
+  const int64_t B = query.size(0), Hq = query.size(1), L = query.size(2), D = query.size(3);
+  const int64_t Hkv = key.size(1), S = key.size(2), Dv = value.size(3);
+  TORCH_CHECK(
+      key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == S && key.size(3) == D &&
+          Hkv > 0 && Hq % Hkv == 0 && S > 0 && L > 0,
+      "prefill_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with S >= 1 and Hkv dividing Hq");
+  const bool bf16 = query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+                    value.scalar_type() == at::kBFloat16;
+  if (!prefill_attention_available() || !bf16 || D % 32 != 0 || Dv % 32 != 0)  // SDPA's, as the op's torch form
+    return at::scaled_dot_product_attention(query, key, value, mask, 0.0, causal && !mask.has_value(), scale, Hq != Hkv)
+        .transpose(1, 2)
+        .contiguous();
+#ifdef HMOE_X86
+  const at::Tensor q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
+  at::Tensor m;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->dim() == 4 && mask->device().is_cpu() && (mask->size(0) == 1 || mask->size(0) == B) &&
+                    (mask->size(1) == 1 || mask->size(1) == Hq) && (mask->size(2) == 1 || mask->size(2) == L) &&
+                    (mask->size(3) == 1 || mask->size(3) == S),
+                "prefill_attention: the mask must be a CPU tensor broadcastable as [B, Hq, L, S]");
+    TORCH_CHECK(mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type()),
+                "prefill_attention: the mask must be boolean or additive (floating)");
+    m = (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat)).expand({B, Hq, L, S});
+  }
+  at::Tensor out = at::empty({B, L, Hq, Dv}, q.options());
+  const int64_t G = Hq / Hkv, blocks = (L + kQueryBlock - 1) / kQueryBlock;
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  parallel_items(B * Hkv * blocks, [&](int64_t i) {
+    // each head's last block first: under a causal mask it sees the most positions, and would otherwise come last
+    const int64_t b = i / (Hkv * blocks), g = i / blocks % Hkv, l0 = (blocks - 1 - i % blocks) * kQueryBlock;
+    level2::AttendRows a{qp + (b * Hq + g * G) * L * D,
+                         L * D,
+                         D,
+                         kp + (b * Hkv + g) * S * D,
+                         vp + (b * Hkv + g) * S * Dv,
+                         op + (b * L * Hq + g * G) * Dv,
+                         Hq * Dv,
+                         Dv,
+                         G,
+                         L,
+                         S,
+                         D,
+                         Dv,
+                         float(scale),
+                         nullptr,
+                         nullptr,
+                         0,
+                         0,
+                         0,
+                         causal};
+    if (m.defined()) {
+      const int64_t first = b * m.stride(0) + g * G * m.stride(1);
+      if (m.scalar_type() == at::kBool)
+        a.mask_bool = m.data_ptr<bool>() + first;
+      else
+        a.mask_add = m.data_ptr<float>() + first;
+      a.mask_head = m.stride(1);
+      a.mask_row = m.stride(2);
+      a.mask_pos = m.stride(3);
+    }
+    level2::attend_rows(a, l0, std::min(L, l0 + kQueryBlock));
+  });
+  return out;
+#else
+  return at::Tensor();  // not reached: prefill_attention_available() is false
+#endif
 }
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.

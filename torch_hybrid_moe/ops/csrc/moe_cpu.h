@@ -35,6 +35,14 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
 // [B, 1, Hq, Dv] rounded once to the query's dtype. Positions a key / value head's queries may not see are not read.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const c10::optional<at::Tensor>& mask, double scale);
+// Attention of many queries per head (prefill), the `hybrid_moe::prefill_attention` op's CPU kernel: query [B, Hq, L,
+// D], key [B, Hkv, S, D], value [B, Hkv, S, Dv]; mask None (every position, or with `causal` position s for query l
+// when s <= l), boolean (true: may see) or additive, broadcastable as [B, Hq, L, S]; out [B, L, Hq, Dv]. bf16 with
+// D and Dv multiples of 32 on CPUs with AVX512-BF16 (prefill_attention_available): scores and softmax in fp32, the
+// probabilities rounded to bf16 for the product with the values, the output rounded once; otherwise torch's SDPA.
+at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const c10::optional<at::Tensor>& mask, double scale, bool causal);
+bool prefill_attention_available();
 // The same at a given ISA level (for tests).
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);

@@ -1,0 +1,97 @@
+"""`hybrid_moe::prefill_attention`: a prompt's attention (many queries per head) in bf16 on CPUs with AVX512-BF16.
+
+torch's SDPA runs its flash kernel for the CPU at ~0.1-0.2 TFLOP/s on a prompt's bf16 attention: 24 ms a layer of
+Qwen3-30B-A3B's shape at 512 tokens on a 2-core Zen 5, a fifth of the whole prefill (benchmarks/RESULTS.md,
+2026-11-28), where the CPU's bf16 dot products run at ~0.8 TFLOP/s. The op's kernel (csrc/attention_kernel.h) does both
+products with the expert kernel's bf16 lanes (`vdpbf16ps`): per key / value head and block of 16 query rows of all
+the query heads sharing it, the keys the block may see are laid out once and multiplied by every row, the softmax
+runs in fp32, and its exponentials, rounded to bf16 as SDPA's flash kernel rounds them, multiply the values laid out
+by pairs of positions. Positions past the last one a block may see (a causal prompt's future, a static cache's
+unfilled tail) are not read.
+
+Contract: query [B, Hq, L, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] in bf16 (Hkv dividing Hq, D and Dv multiples
+of 32); mask None (every position, or with `causal` position s for query l when s <= l, SDPA's `is_causal`), boolean
+(True: may see) or additive, broadcastable as [B, Hq, L, S]; the output [B, L, Hq, Dv] in bf16. A query that may see
+no position gets 0, as SDPA gives. Other dtypes and head sizes, CPUs without AVX512-BF16, and a process without the
+kernel module get SDPA's result (`prefill_attention_sdpa`); callers that want SDPA's own call check `available()` and
+`fits` first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .kernel_build import extension
+
+_LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
+_LIB.define(
+    "prefill_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale, bool causal) -> Tensor"
+)
+
+
+@torch.compiler.assume_constant_result  # a compiled graph asks once, at trace time (the build is not traceable)
+def available() -> bool:
+    """Whether the op's kernel runs on this CPU (for operands that `fit`)."""
+    return _available()
+
+
+@functools.cache
+def _available() -> bool:
+    ext = extension()
+    return ext is not None and bool(ext.prefill_attention_available())
+
+
+def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether these operands are the kernel's: CPU bf16 of one batch size, head sizes multiples of 32, key / value
+    heads dividing the query heads, a mask None or 4-D broadcastable as [B, Hq, L, S] (SDPA takes more)."""
+    (b, hq, length, d), (hkv, positions) = query.shape, key.shape[1:3]
+    return (
+        query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype == torch.bfloat16
+        and key.shape[0] == value.shape[0] == b
+        and value.shape[1:3] == (hkv, positions)
+        and hq % hkv == 0
+        and d % 32 == 0
+        and value.shape[-1] % 32 == 0
+        and (mask is None or (mask.dim() == 4 and _broadcasts(mask.shape, (b, hq, length, positions))))
+    )
+
+
+def _broadcasts(shape: torch.Size, to: tuple[int, ...]) -> bool:
+    return all(n in (1, m) for n, m in zip(shape, to, strict=True))
+
+
+@torch.library.register_fake("hybrid_moe::prefill_attention", lib=_LIB)
+def _(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], value.shape[3]))
+
+
+@torch.library.impl(_LIB, "prefill_attention", "CompositeExplicitAutograd")
+def prefill_attention_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """The op as torch's SDPA computes it (its CPU kernel, once loaded, takes precedence)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        scale=scale,
+        is_causal=causal and mask is None,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous()
