@@ -174,24 +174,20 @@ struct AttendRows {
   int64_t out_row, out_head;
   int64_t G, L, S, D, Dv;
   float scale;
-  const bool* mask_bool;  // true: may see; or additive; or neither: every position, or (causal) s <= l
-  const float* mask_add;
-  int64_t mask_head, mask_row, mask_pos;
-  bool causal;
+  MaskRef mask;
+  bool causal;  // without a mask: position s for row l only if s <= l
   float bias(int64_t h, int64_t l, int64_t s) const {
-    if (mask_bool) return mask_bool[h * mask_head + l * mask_row + s * mask_pos] ? 0.f : -INFINITY;
-    if (mask_add) return mask_add[h * mask_head + l * mask_row + s * mask_pos];
-    return causal && s > l ? -INFINITY : 0.f;
+    return mask.any() ? mask.bias(h, l, s) : causal && s > l ? -INFINITY : 0.f;
   }
 };
 
 // One past the last position row l of head h may see, at least `floor`: a search down from the end, 64 flags a
 // compare for a boolean mask (a static cache's long hidden tail is searched for every row of a prompt).
 inline int64_t seen_end(const AttendRows& a, int64_t h, int64_t l, int64_t floor) {
-  if (!a.mask_bool && !a.mask_add) return std::max(floor, a.causal ? std::min(a.S, l + 1) : a.S);
+  if (!a.mask.any()) return std::max(floor, a.causal ? std::min(a.S, l + 1) : a.S);
   int64_t s = a.S;
-  if (a.mask_bool && a.mask_pos == 1) {
-    const bool* row = a.mask_bool + h * a.mask_head + l * a.mask_row;
+  if (a.mask.flags && a.mask.pos == 1) {
+    const bool* row = a.mask.flags + h * a.mask.head + l * a.mask.row;
     for (; s - 64 >= floor; s -= 64) {
       const __m512i flags = _mm512_loadu_si512(row + s - 64);
       const uint64_t seen = _mm512_test_epi8_mask(flags, flags);

@@ -78,8 +78,37 @@ struct Matrix {
   const float* row_scale(int64_t r) const { return scale ? scale + r * (K / group) : nullptr; }
 };
 
+// An attention mask as one work item sees it, from its batch row and first query head: boolean (true: may see) or
+// additive (added to the scaled scores; -inf: may not see), element strides between heads, query rows and positions
+// (0 where it broadcasts); or none (every position).
+struct MaskRef {
+  const bool* flags = nullptr;
+  const float* add = nullptr;
+  int64_t head = 0, row = 0, pos = 0;
+  bool any() const { return flags || add; }
+  float bias(int64_t h, int64_t l, int64_t s) const {
+    if (flags) return flags[h * head + l * row + s * pos] ? 0.f : -INFINITY;
+    return add ? add[h * head + l * row + s * pos] : 0.f;
+  }
+};
+
+// m (expanded to [B, Hq, L, S], fp32 if additive; undefined: no mask) from batch row b and query head h0.
+MaskRef mask_ref(const at::Tensor& m, int64_t b, int64_t h0) {
+  MaskRef r;
+  if (!m.defined()) return r;
+  const int64_t first = b * m.stride(0) + h0 * m.stride(1);
+  if (m.scalar_type() == at::kBool)
+    r.flags = m.data_ptr<bool>() + first;
+  else
+    r.add = m.data_ptr<float>() + first;
+  r.head = m.stride(1);
+  r.row = m.stride(2);
+  r.pos = m.stride(3);
+  return r;
+}
+
 // One work item of decode attention (attention_kernel.h): the G query heads sharing one key / value head, one query
-// each, over S cached positions. Strides are in bytes, the mask's in elements (0 where it broadcasts).
+// each, over S cached positions. Strides are in bytes.
 struct Attend {
   Fmt fmt;  // of q, k, v and out: fp32, bf16 or fp16
   const uint8_t* q;
@@ -92,13 +121,8 @@ struct Attend {
   int64_t out_stride;  // between query heads
   int64_t G, D, Dv, S;
   float scale;
-  const bool* mask_bool;  // true: may see; or
-  const float* mask_add;  // added to the scaled scores (-inf: may not see); neither: every position
-  int64_t mask_head, mask_pos;
-  float bias(int64_t h, int64_t s) const {
-    if (mask_bool) return mask_bool[h * mask_head + s * mask_pos] ? 0.f : -INFINITY;
-    return mask_add ? mask_add[h * mask_head + s * mask_pos] : 0.f;
-  }
+  MaskRef mask;
+  float bias(int64_t h, int64_t s) const { return mask.bias(h, 0, s); }
 };
 
 // A layer's weight: every expert's Matrix is a fixed stride apart.
@@ -978,19 +1002,7 @@ at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, c
              Dv,
              S,
              float(scale),
-             nullptr,
-             nullptr,
-             0,
-             0};
-    if (m.defined()) {
-      const int64_t first = b * m.stride(0) + g * G * m.stride(1);
-      if (m.scalar_type() == at::kBool)
-        a.mask_bool = m.data_ptr<bool>() + first;
-      else
-        a.mask_add = m.data_ptr<float>() + first;
-      a.mask_head = m.stride(1);
-      a.mask_pos = m.stride(3);
-    }
+             mask_ref(m, b, g * G)};
     kern.attend(a);
   });
   return out;
@@ -1067,22 +1079,8 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
                          D,
                          Dv,
                          float(scale),
-                         nullptr,
-                         nullptr,
-                         0,
-                         0,
-                         0,
+                         mask_ref(m, b, g * G),
                          causal};
-    if (m.defined()) {
-      const int64_t first = b * m.stride(0) + g * G * m.stride(1);
-      if (m.scalar_type() == at::kBool)
-        a.mask_bool = m.data_ptr<bool>() + first;
-      else
-        a.mask_add = m.data_ptr<float>() + first;
-      a.mask_head = m.stride(1);
-      a.mask_row = m.stride(2);
-      a.mask_pos = m.stride(3);
-    }
     level2::attend_rows(a, l0, std::min(L, l0 + kQueryBlock));
   });
   return out;
