@@ -650,8 +650,9 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   std::vector<int64_t> small, large;
   for (int64_t a = 0; a < int64_t(r.experts.size()); ++a)
     (r.offsets[a + 1] - r.offsets[a] >= gemm_tokens ? large : small).push_back(a);
-  // The experts with the most tokens first: the threads take work items in order, and a prompt's few hot experts
-  // (hundreds of tokens each) taken last left one thread working alone at the end of each phase.
+  // The experts with the most tokens first: the threads take work items in order, so a prompt's few hot experts
+  // (hundreds of tokens each) cannot start last and leave one thread working alone at a phase's end (in the one profile
+  // taken it measured no different: benchmarks/RESULTS.md, 2026-11-28 afternoon).
   std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) {
     return r.offsets[a + 1] - r.offsets[a] > r.offsets[b + 1] - r.offsets[b];
   });
