@@ -7,15 +7,16 @@
 # - what the graph's fills and CPU round trips cost (graph_costs.py; off by default, measured 2026-11-28);
 # - ours as `simulate --save-ours` tuned it on the fourth lease's trace and profile (benchmarks/measured/), beside
 #   the default's fixed settings, at budgets 0.25 and 0.5;
-# - a profiled prefill of the default and the ring in halves at budget 0.25 (the host time split by the dispatch's
+# - a profiled prefill of the default and the ring in halves (8 and 16 buffers) at budget 0.25 (the host time split by the dispatch's
 #   named ranges);
-# - the CPU kernels' tests at the levels this machine's CPU has and the development boxes may lack (AVX-512, AMX);
+# - the CPU kernels' tests at the levels this machine's CPU has and the development boxes may lack (AVX-512, AMX),
+#   the bf16 lanes and the prompt attention among them;
 # - the paper stacks' live rows (off by default, measured in earlier leases; on an H200, 2026-11-27, the three
 #   took ~130 s, so PAPERS_S=60 gets one).
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-out: eight files, the most the device tool
-# brings back. The default limits add up to 590 s, inside one 600-second device call; a limit of 0 skips its step.
+# brings back. The default limits add up to 580 s, inside one 600-second device call; a limit of 0 skips its step.
 #
-#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=240 MAIN_S=180 TUNED_S=50 GRAPH_S=0 PREFILL_S=60 ISA_S=60 PAPERS_S=0
+#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=200 MAIN_S=170 TUNED_S=40 GRAPH_S=0 PREFILL_S=80 ISA_S=90 PAPERS_S=0
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -40,22 +41,22 @@ step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: s
 # --timeout (pytest-timeout, on the device box) fails a test that hangs with its traceback, before the step's limit
 # cuts pytest off ahead of its FAILURES section (2026-11-28); -rP prints what passing tests printed: each
 # scheduler's placement time inside a graph
-step "${TEST_S:-240}" tests.txt python -m pytest -v -rP -n 12 --timeout 150 -p no:cacheprovider \
+step "${TEST_S:-200}" tests.txt python -m pytest -v -rP -n 12 --timeout 150 -p no:cacheprovider \
     tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py |
     grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)| us'"
-step "${MAIN_S:-180}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid lru \
+step "${MAIN_S:-170}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid lru \
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/  # the rows' cost profile, for simulate --profile
-step "${TUNED_S:-50}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows --budgets 0.25 0.5 \
+step "${TUNED_S:-40}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows --budgets 0.25 0.5 \
     --stack-file benchmarks/measured/2026-11-28-gpu-h200/ours-tuned.json | grep -v -e "^{" -e Warn
 step "${GRAPH_S:-0}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
-step "${PREFILL_S:-60}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
-    --prompt 512 4096 --repeats 1 --rows hybrid stream-8 --budgets 0.25 --profile /tmp/gpu-checks-profile |
+step "${PREFILL_S:-80}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
+    --prompt 512 4096 --repeats 1 --rows hybrid stream-8 stream-16 --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
 # On this box's CPU (2026-11-28) the kernel's refusals of bad operands crashed their processes: each refusal test
 # alone in a fresh process, then after an AMX test in the same one (does the AMX route leave something broken?),
 # with the dense GEMM's refusal (a literal message) as a control; then the kernels' other tests at this CPU's levels,
-# named as they end
+# named as they end. Where the first refusal crashes, cuda-gdb (the box has no gdb) prints the C-level backtrace.
 kernel_tests() {
     local rc
     local -a runs=(
@@ -71,13 +72,19 @@ kernel_tests() {
         rc=$?
         echo "rc $rc: $run"
         [ $rc -eq 0 ] || grep -E "Fatal|Error|error" /tmp/kernel-test.log | head -3
+        if [ $rc -ge 128 ] && [ -z "${traced:-}" ] && command -v cuda-gdb >/dev/null; then
+            traced=1
+            timeout 60 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt -ex "info sharedlibrary" \
+                --args python -m pytest -p no:xdist -p no:cacheprovider -q "${ids[@]}" >/tmp/kernel-gdb.log 2>&1
+            grep -E "^#|signal|stdc\+\+|gomp|gcc_s" /tmp/kernel-gdb.log | head -40
+        fi
     done
     local -a skip=()
     for run in "${runs[@]::4}"; do skip+=(--deselect "$run"); done
     python -m pytest -v -n 8 -p no:cacheprovider "${skip[@]}" tests/test_cpu_kernel.py tests/test_dense_linear.py \
-        tests/test_cpu_attention.py | grep -E "FAILED|ERROR|Fatal|node down|[0-9]+ (passed|failed)"
+        tests/test_cpu_attention.py tests/test_prefill_attention.py | grep -E "FAILED|ERROR|Fatal|node down|[0-9]+ (passed|failed)"
 }
 export -f kernel_tests  # `timeout` runs programs, not shell functions
-step "${ISA_S:-60}" tests.txt bash -c kernel_tests
+step "${ISA_S:-90}" tests.txt bash -c kernel_tests
 step "${PAPERS_S:-0}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn

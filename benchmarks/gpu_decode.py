@@ -21,8 +21,8 @@ Rows, each on a freshly built model (patching moves its experts into pinned host
   graph on and off;
 - no-stream: the hybrid row with the prefill staging ring off (`staging_slots=0`): every expert not in a slot is
   computed on the CPU at prefill; the other rows stream the heaviest through the ring (runtime/staging_ring.py);
-- stream-8: the hybrid row with a ring of 8 buffers, computed 4 experts at a time (grouped GEMMs) while the other
-  4 fill;
+- stream-8, stream-16: the hybrid row with a ring of 8 (16) buffers, computed 4 (8) experts at a time (grouped
+  GEMMs) while the other half fills;
 - accelerate: transformers + accelerate `device_map` offload (the routed experts' modules on "cpu", their
   weights streamed to the GPU at every forward);
 - gpu: the whole model on the GPU, no offload, compiled by transformers' own generate (static cache): the
@@ -45,7 +45,8 @@ better of two: every routed expert copied to the GPU once at the measured pinned
 the CPU at the host's copy rate; the prefill column's share of it is printed beside it.
 
     python benchmarks/gpu_decode.py [--layers 27] [--budgets 0.25 0.5]
-        [--rows hybrid lru prefetch prefetch-1 deferral dali hybrimoe ours all-cpu on-demand no-stream accelerate gpu]
+        [--rows hybrid lru prefetch prefetch-1 deferral dali hybrimoe ours all-cpu on-demand no-stream stream-8
+                stream-16 accelerate gpu]
         [--graph off on] [--tokens 32] [--prompt 512 [4096 ...]] [--cpu-threads N] [--json] [--profile DIR]
         [--trace PATH] [--stack-file FILE]
 
@@ -105,6 +106,7 @@ VARIANTS = {
     "on-demand": {"scheduler": "on_demand"},
     "no-stream": {"staging_slots": 0},
     "stream-8": {"staging_slots": 8},
+    "stream-16": {"staging_slots": 16},
 }
 
 
