@@ -245,9 +245,13 @@ def test_a_profile_measured_on_a_loaded_machine_is_not_cached(tmp_path, monkeypa
         return m
 
     monkeypatch.setattr(profiling, "measure", disturbed)
-    with pytest.warns(UserWarning, match="profile not cached: the fitted cpu curve misses"):
+    with pytest.warns(UserWarning, match="profile not cached: the fitted cpu curve misses") as said:
         profiling.profile_hardware(expert)
     assert not list(tmp_path.rglob("*.json"))
+    times = synthetic_measurements(expert, profiling.DEFAULT_TOKENS).cpu_s
+    times[profiling.DEFAULT_TOKENS[1]] *= 3
+    shown = ", ".join(f"{n}: {s * 1e3:.3g}" for n, s in times.items())
+    assert f"(ms an expert by tokens: {shown})" in str(said[0].message)  # what was measured: the miss can be read
 
 
 def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):

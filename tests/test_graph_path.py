@@ -184,6 +184,8 @@ def test_grouped_slot_form_on_the_cpu_needs_rows_16_bytes_apart():
     assert not expert_math.grouped_slots(torch.zeros(4, 2 * 6, 12))  # I = 6: 24 bytes
     assert not expert_math.grouped_slots(torch.zeros(4, 2 * 8, 12, dtype=torch.bfloat16))  # H = 12: 24 bytes
     assert not expert_math.grouped_slots(torch.zeros(4, 8, 12, dtype=torch.float64))  # a dtype it lacks
+    assert not expert_math.grouped_slots(torch.zeros(1024, 2 * 8, 12))  # more slots than the CUDA kernel takes
+    assert expert_math.grouped_slots(torch.zeros(1023, 2 * 8, 12))
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])

@@ -1,6 +1,9 @@
 """The kernel build's lock handling (ops/kernel_build.py): torch's loader waits forever on a lock left behind."""
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -26,3 +29,29 @@ def test_a_recent_lock_or_none_is_left_alone(tmp_path):
     assert not kernel_build.clear_stale_lock(tmp_path)
     assert not kernel_build.clear_stale_lock(tmp_path, now=time.time() + kernel_build.STALE_LOCK_S - 60)
     assert lock.exists()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel")
+def test_a_compiler_that_links_libstdcxx_statically_still_formats_whole_messages(tmp_path):
+    """The H200 box's g++ links libstdc++ statically: the kernel then held a second copy beside torch's, and a refusal
+    whose message formats a number crashed the process (there) or stopped at the number (here). Built fresh in a
+    child process with such a compiler, the refusal's message must come out whole."""
+    compiler = tmp_path / "g++"
+    compiler.write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -static-libstdc++\n')
+    compiler.chmod(0o755)
+    refuse = (
+        "import torch\n"
+        "from torch_hybrid_moe.ops import cpu_kernel\n"
+        "from torch_hybrid_moe.ops.quantize import quantize\n"
+        "gate_up, down = quantize(torch.randn(4, 64, 64), 8, 32), quantize(torch.randn(4, 64, 32), 8, 32)\n"
+        "hidden, ids, weights = torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)\n"
+        "try:  # 64 columns in 4 groups of 16\n"
+        "    cpu_kernel.moe_experts(hidden, ids, weights, gate_up.data, down.data, torch.zeros(2, 64),\n"
+        "                           gate_up.scale.repeat(1, 1, 2), down.scale)\n"
+        "except RuntimeError as err:\n"
+        "    print(err)\n"
+    )
+    env = {**os.environ, "CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    done = subprocess.run([sys.executable, "-c", refuse], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "multiple of 32" in done.stdout, done.stdout + done.stderr[-2000:]

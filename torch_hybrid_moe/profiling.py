@@ -400,10 +400,12 @@ def measure_share(expert: ExpertShape, repeats: int, pool_bytes: int) -> dict[in
     projection where torch has one for these weights) for one token routed to 1 and to SHARE_EXPERTS distinct slots
     of a pool, each inside a captured graph. The per-expert profile (`measure_gpu`) cannot tell how much of an
     expert call is fixed cost and how much reading its weights, which the grouped call pays once and per expert."""
-    from .ops.expert_math import slot_experts_
+    from .ops.expert_math import GROUPED_MM_MAX_GROUPS, slot_experts_
 
-    # at least SHARE_EXPERTS distinct experts, however large (a small pool holds 2 of Mixtral's)
-    gate_up, down = _expert_pool(expert, max(pool_bytes, SHARE_EXPERTS * expert.nbytes), "cuda")
+    # at least SHARE_EXPERTS distinct experts, however large (a small pool holds 2 of Mixtral's), and no more than
+    # the grouped GEMM takes as slots (a pool of tiny experts would hold thousands)
+    pool_bytes = min(max(pool_bytes, SHARE_EXPERTS * expert.nbytes), GROUPED_MM_MAX_GROUPS * expert.nbytes)
+    gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
     hidden = torch.randn(1, expert.hidden, device="cuda", dtype=torch.bfloat16)
     out = torch.zeros(1, expert.hidden, device="cuda")
     share: dict[int, float] = {}
@@ -584,5 +586,10 @@ def _doubtful(profile: HardwareProfile) -> str:
         return f"load average {m.load:.1f} above the {cores} cores while measuring"
     worst = max((abs(err), side, n) for side, errs in profile.fit_errors().items() for n, err in errs.items())
     if worst[0] > FIT_TOLERANCE:
-        return f"the fitted {worst[1]} curve misses the {worst[2]}-token measurement by {worst[0]:.0%}"
+        times = m.cpu_s if worst[1] == "cpu" else m.gpu_s or {}
+        measured = ", ".join(f"{n}: {s * 1e3:.3g}" for n, s in sorted(times.items()))
+        return (
+            f"the fitted {worst[1]} curve misses the {worst[2]}-token measurement by {worst[0]:.0%} (ms an expert by "
+            f"tokens: {measured})"
+        )
     return ""

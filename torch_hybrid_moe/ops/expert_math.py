@@ -73,12 +73,16 @@ def expert_into_(
     out.index_add_(0, tokens, y.to(out.dtype) * weights.to(out.dtype).unsqueeze(-1))
 
 
+GROUPED_MM_MAX_GROUPS = 1023  # torch._grouped_mm's CUDA kernel takes fewer than 1024 groups (its check: count < 1024)
+
+
 def grouped_slots(slot_gate_up: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these slots [S, 2I, H] with no host synchronisation: on the CPU (fp32,
     bf16, fp16), and for bf16 on NVIDIA GPUs of compute capability 9.x and 10.x, the only ones with its device kernel.
     On other GPUs it loops over the groups from a host copy of their offsets, which a CUDA graph cannot capture.
-    Its operands' rows must also start 16 bytes apart: H and I must be multiples of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or slot_gate_up.dim() != 3:
+    Its operands' rows must also start 16 bytes apart: H and I must be multiples of 16 bytes, and its CUDA kernel
+    takes at most GROUPED_MM_MAX_GROUPS groups (slots)."""
+    if not hasattr(torch, "_grouped_mm") or slot_gate_up.dim() != 3 or slot_gate_up.shape[0] > GROUPED_MM_MAX_GROUPS:
         return False
     _, two_inter, hidden = slot_gate_up.shape
     if any(d * slot_gate_up.element_size() % 16 for d in (hidden, two_inter // 2)):

@@ -30,12 +30,19 @@ _HEADERS = ("moe_cpu.h", "amx_gemm.h", "rows_kernel.h", "attention_kernel.h")
 _SOURCES = (*_COMPILED, *(_CSRC / name for name in _HEADERS))
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
 STALE_LOCK_S = 30 * 60  # a build takes minutes: a lock this old is one a killed process left behind
+_CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
+# libstdc++ named as a shared library: a compiler set up to link it statically (the H200 box's /opt/gcc g++ does)
+# puts a second copy of it in the kernel beside the one torch loaded, and every message the kernel formats then
+# breaks: on that box the process crashed in the stream code, here the stream stops at the first number.
+_LDFLAGS = ("-fopenmp", "-lstdc++")
 
 
 @functools.cache
 def source_digest() -> str:
-    """What the compiled kernel is: its sources and torch's version (its build's name; the measured routes' key)."""
-    return hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode()).hexdigest()[:12]
+    """What the compiled kernel is: its sources, flags and torch's version (its build's name; the measured routes'
+    key)."""
+    what = b"".join(p.read_bytes() for p in _SOURCES) + " ".join((*_CFLAGS, *_LDFLAGS, torch.__version__)).encode()
+    return hashlib.sha256(what).hexdigest()[:12]
 
 
 @functools.cache
@@ -58,8 +65,8 @@ def extension() -> ModuleType | None:
         return cpp_extension.load(
             name=name,
             sources=[str(p) for p in _COMPILED],
-            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
             verbose=False,
         )
     except Exception as err:
