@@ -86,12 +86,15 @@ def test_half_precision_rounds_once(impl, dtype, heads, kv_heads, d):
 
 
 @pytest.mark.parametrize("impl", _implementations())
-def test_a_query_that_sees_nothing_is_nan(impl):
-    """As softmax over nothing but -inf is; the other heads of its group are unaffected."""
+def test_a_query_that_sees_nothing_is_zero_as_sdpa_gives(impl):
+    """SDPA, which the op stands in for, gives 0 there (softmax over nothing but -inf would give NaN); the other heads
+    of its group are unaffected."""
     query, key, value = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
     mask = torch.tensor([True, False]).view(1, 2, 1, 1).expand(1, 2, 1, 5)
     out = attend(impl, query, key, value, mask, 1.0)
-    assert out[0, 0, 1].isnan().all()
+    assert torch.equal(out[0, 0, 1], torch.zeros(8))
+    torch.testing.assert_close(out[0, 0, 1].double(), reference(query, key, value, mask, 1.0)[0, 0, 1])
+    assert torch.equal(attend(impl, query, key, value, torch.zeros_like(mask), 1.0), torch.zeros(1, 1, 2, 8))
     torch.testing.assert_close(
         out[0, 0, 0].double(), reference(query, key, value, None, 1.0)[0, 0, 0], rtol=1e-5, atol=1e-6
     )

@@ -10,8 +10,8 @@ in torch (`decode_attention_math`).
 
 Contract: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (S >= 1, Hkv dividing Hq) in one dtype, fp32,
 bf16 or fp16; mask None, boolean (True: may see) or additive, broadcastable as [B, Hq, 1, S]; scores and softmax in
-fp32, the output [B, 1, Hq, Dv] in the query's dtype. A query that may see no position gets NaN, as softmax over
-nothing but -inf does.
+fp32, the output [B, 1, Hq, Dv] in the query's dtype. A query that may see no position gets 0, as SDPA gives (the
+attention this op stands in for; softmax over nothing but -inf would give NaN).
 """
 
 from __future__ import annotations
@@ -86,5 +86,7 @@ def decode_attention_math(
     if mask is not None:  # [B or 1, 1 or Hq, 1, S] -> [B, Hkv, groups, S]
         mask = mask.expand(b, hq, 1, key.shape[2]).reshape(b, hkv, hq // hkv, -1)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    out = torch.matmul(torch.softmax(scores, dim=-1), value.float())  # [B, Hkv, groups, Dv]
+    sees = (scores != float("-inf")).any(dim=-1, keepdim=True)  # a NaN score is seen, and its NaN stays
+    weights = torch.where(sees, torch.softmax(scores, dim=-1), 0.0)
+    out = torch.matmul(weights, value.float())  # [B, Hkv, groups, Dv]
     return out.reshape(b, 1, hq, value.shape[-1]).to(query.dtype)

@@ -111,6 +111,7 @@ void attend_as(const Attend& a) {
   std::unique_ptr<float[]> buf(new float[G * D + G * Dv + G + G * n + std::min(chunk, n) * Dv]);
   float *q = buf.get(), *acc = q + G * D, *total = acc + G * Dv, *scores = total + G, *rows = scores + G * n;
   std::fill(acc, acc + G * Dv, 0.f);
+  std::vector<char> sees(G, 0);  // whether each head may see some position
   // Query and value rows widened to fp32 as the expert kernel widens weight rows: in pairs_layout's column order.
   const Matrix queries{a.q, nullptr, a.q_stride, D, D, F}, values{a.v, nullptr, a.v_stride, Dv, Dv, F};
   dequant_rows(queries, 0, G, q);
@@ -125,6 +126,7 @@ void attend_as(const Attend& a) {
         for (int64_t i = 0; i < nh; ++i) head_dots<F, 1>(q + (h + i) * D, D, key, dots + i);
       for (int64_t i = 0; i < nh; ++i) {  // a hidden position is -inf whatever its key holds (inf, NaN)
         const float bias = a.bias(h + i, seen[j]);
+        sees[h + i] |= bias != -INFINITY;
         scores[(h + i) * n + j] = bias == -INFINITY ? -INFINITY : dots[i] * a.scale + bias;
       }
     }
@@ -135,13 +137,12 @@ void attend_as(const Attend& a) {
     for (int64_t j = 0; j < m; ++j) dequant_rows(values, seen[j0 + j], seen[j0 + j] + 1, rows + j * Dv);
     for (int64_t h = 0; h < G; ++h) add_weighted(acc + h * Dv, scores + h * n + j0, rows, m, Dv);
   }
-  // Normalised, back in column order, and rounded once; a head that may see no position gets 0 / 0 = NaN, as softmax
-  // over -inf gives.
+  // Normalised, back in column order, and rounded once; a head that may see no position gets 0, as SDPA gives.
   for (int64_t h = 0; h < G; ++h) {
     const float inv = 1.f / total[h];
     uint8_t* out = a.out + h * a.out_stride;
     for (int64_t c = 0; c < Dv; ++c) {
-      const float x = n ? acc[h * Dv + layout_pos(c, Dv, F, kStep)] * inv : NAN;
+      const float x = sees[h] ? acc[h * Dv + layout_pos(c, Dv, F, kStep)] * inv : 0.f;
       if constexpr (F == Fmt::F32)
         reinterpret_cast<float*>(out)[c] = x;
       else if constexpr (F == Fmt::BF16)
