@@ -65,8 +65,9 @@ def _experts(num_experts=6, hidden=64, inter=32, seed=0):
 @pytest.mark.parametrize("streamed", [[4, 0, 5, 2], [3, 1, 5, 0, 2, 4]])
 def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
     """More experts than buffers (each buffer reused), int4 masters dequantised into the buffers; with four buffers
-    or more, half of them computed together by grouped GEMMs while the other half fills: the sum over the streamed
-    experts' pairs, and nothing of the others, against the float64 per-expert loop."""
+    or more, half of them computed together by grouped GEMMs while the other half fills, a group's consecutive ids
+    copied together: the sum over the streamed experts' pairs, and nothing of the others, against the float64
+    per-expert loop."""
     grouped = []  # the experts of each grouped call
     monkeypatch.setattr(
         staging_ring, "expert_into_", lambda *a: (a[7] is not None and grouped.append(len(a[4]))) or expert_into_(*a)
@@ -83,6 +84,9 @@ def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
     ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(40)])
     weights = torch.rand(40, 2, generator=g)
     got = torch.zeros(40, 64)
+    copies = []  # (first expert, experts) of each copy
+    copy_experts = store.copy_experts
+    monkeypatch.setattr(store, "copy_experts", lambda e, gu, dn: copies.append((e, len(gu))) or copy_experts(e, gu, dn))
     ring = StagingRing(store.device, tuple(gate_up.shape[1:]), tuple(down.shape[1:]), torch.float32, depth)
     moved = ring.run(store, got, hidden, ids, weights, streamed)
     assert moved == len(streamed) * store.expert_bytes
@@ -99,6 +103,15 @@ def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
     group = min(depth // 2, -(-len(streamed) // 2)) if depth >= 4 else 1  # at least two groups
     assert grouped == ([min(group, len(streamed) - g) for g in range(0, len(streamed), group)] if group > 1 else [])
+    order = sorted(streamed)  # each group's runs of consecutive ids, in one copy each
+    runs = []
+    for g in range(0, len(order), group):
+        for e in order[g : g + group]:
+            if runs and e == runs[-1][0] + runs[-1][1] and runs[-1][0] >= order[g]:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((e, 1))
+    assert copies == runs
 
 
 def test_ring_refuses_no_buffers():

@@ -58,18 +58,20 @@ class ExpertStore(SlotMap):
         return self.expert_bytes
 
     def _fill(self, slot: int, expert: int) -> None:
-        self.copy_expert(expert, self.slot_gate_up[slot], self.slot_down[slot])
+        self.copy_experts(expert, self.slot_gate_up[slot : slot + 1], self.slot_down[slot : slot + 1])
 
-    def copy_expert(self, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Write `expert`'s host master into two device buffers of the slots' shapes and dtype (dequantised there:
-        quantised experts cross the link quantised), on the current stream."""
+    def copy_experts(self, first: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Write the host masters of experts first, first + 1, ... into device buffers [k, ...] of the slots' shapes
+        and dtype (dequantised there: quantised experts cross the link quantised), on the current stream: one copy
+        per weight for the k consecutive experts, which the host master holds side by side."""
+        experts = slice(first, first + gate_up.shape[0])
         for dst, src in ((gate_up, self.host_gate_up), (down, self.host_down)):
             if isinstance(src, QuantizedWeight):
-                data = src.data[expert].to(self.device, non_blocking=True)
-                scale = src.scale[expert].to(self.device, non_blocking=True)
+                data = src.data[experts].to(self.device, non_blocking=True)
+                scale = src.scale[experts].to(self.device, non_blocking=True)
                 dst.copy_(dequantize(data, scale, src.bits, src.group_size))
             else:
-                dst.copy_(src[expert], non_blocking=True)
+                dst.copy_(src[experts], non_blocking=True)
 
     def wait_for_copies(self) -> None:
         """Order the compute stream after every queued slot fill."""

@@ -9,11 +9,14 @@ copies: the same code path, tested without a GPU.
 With four buffers or more the ring works in halves: while one half's experts are computed together (one grouped
 GEMM per projection, where torch has the kernel), the other half's are copied in. Each expert computed alone
 queues a dozen kernels from the host; at 512 prompt tokens on an H100 that host work, not the link, bounded the
-step (RESULTS.md, 2026-11-27).
+step (RESULTS.md, 2026-11-27). For the same reason a group's experts with consecutive ids, which lie side by side in
+the host master, cross the link in one copy per weight: the ring takes its experts in id order, so at long prompts,
+which stream most of a layer's experts, most of a group is one copy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -62,6 +65,7 @@ class StagingRing:
         and `hidden` live on the ring's device. Queued without host synchronisation on CUDA."""
         if not experts:
             return 0
+        experts = sorted(experts)  # consecutive ids copy together; a group's pairs are summed together anyway
         gate_up, down = self.buffers()
         num_k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
@@ -85,8 +89,7 @@ class StagingRing:
             members = experts[g : g + group]
             first = (q % (self.depth // group)) * group  # the group's buffers: one half, then the other
             slots = range(first, first + len(members))
-            for expert, slot in zip(members, slots):
-                self._copy_in(store, expert, gate_up[slot], down[slot], slot)
+            self._copy_in(store, members, first, gate_up, down)
             if compute is not None:  # the copy stream runs in order: its last copy done, all are
                 compute.wait_event(self._copied[slots[-1]])
             rows = slice(start, start + sum(sizes[g : g + group]))
@@ -108,17 +111,22 @@ class StagingRing:
             start = rows.stop
         return len(experts) * store.expert_bytes
 
-    def _copy_in(self, store: ExpertStore, expert: int, gate_up: torch.Tensor, down: torch.Tensor, slot: int) -> None:
-        """The expert's host master into buffer `slot`, after the compute that last read that buffer (in this step,
-        an earlier one or another layer's; an event never recorded is no wait)."""
-        if self._copy_stream is None:
-            store.copy_expert(expert, gate_up, down)
-            return
-        stream = self._copy_stream
-        stream.wait_event(self._computed[slot])
-        with torch.cuda.stream(stream):
-            store.copy_expert(expert, gate_up, down)
-            self._copied[slot].record(stream)
+    def _copy_in(
+        self, store: ExpertStore, members: list[int], first: int, gate_up: torch.Tensor, down: torch.Tensor
+    ) -> None:
+        """The host masters of `members` (ascending ids) into buffers first, first + 1, ..., one copy per weight for
+        each run of consecutive ids, after the computes that last read those buffers (in this step, an earlier one or
+        another layer's; an event never recorded is no wait). The group's last buffer's event marks them all copied."""
+        runs = [0] + [i for i in range(1, len(members)) if members[i] != members[i - 1] + 1] + [len(members)]
+        last = first + len(members) - 1
+        if self._copy_stream is not None:
+            for slot in range(first, last + 1):
+                self._copy_stream.wait_event(self._computed[slot])
+        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext():
+            for a, b in itertools.pairwise(runs):
+                store.copy_experts(members[a], gate_up[first + a : first + b], down[first + a : first + b])
+            if self._copy_stream is not None:
+                self._copied[last].record(self._copy_stream)
 
     def _to_device(self, values: torch.Tensor) -> torch.Tensor:
         """A small host tensor on the ring's device without waiting for queued work (pinned, asynchronous)."""
