@@ -73,7 +73,7 @@ class StagingRing:
         grouped, ids = flat[order], torch.tensor(experts, dtype=flat.dtype)
         starts = torch.searchsorted(grouped, ids).tolist()
         ends = torch.searchsorted(grouped, ids, right=True).tolist()
-        pairs = torch.cat([order[a:b] for a, b in zip(starts, ends)])
+        pairs = order[torch.isin(grouped, ids)]  # the streamed experts' pairs, in their (ascending) order
         tokens, weights = self._to_device(pairs // num_k), self._to_device(topk_weights.reshape(-1)[pairs])
         compute = torch.cuda.current_stream(self.device) if self._copy_stream is not None else None
         sizes = [b - a for a, b in zip(starts, ends)]
