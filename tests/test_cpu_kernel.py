@@ -1,5 +1,6 @@
 """The C++ CPU expert kernel against float64, for every weight format and every ISA level this CPU runs."""
 
+import contextlib
 import copy
 
 import pytest
@@ -183,11 +184,33 @@ def test_quantised_odd_block_counts(fmt, isa, group, tokens):
     check_against_float64(fmt, operands, weights64, tokens, isa)
 
 
+@contextlib.contextmanager
+def lanes_from(tokens, level):
+    """Every format's lanes at `level` from `tokens` tokens a call on, for the block (this machine's measured starts
+    before and after)."""
+    ext = cpu_kernel.extension()
+    formats = cpu_kernel.LANE_FORMATS.get(level, ())
+    before = {f: ext.get_lane_start(level, f) for f in formats}
+    try:
+        for f in formats:
+            ext.set_lane_start(level, f, tokens)
+        yield
+    finally:
+        for f, start in before.items():
+            ext.set_lane_start(level, f, start)
+
+
 def check_rows_at_many_tokens(x, weight, scale, dense, isa, reference):
     """dense_matvec of 9-42 tokens (lane runs of 4 or 8 and tails of every length) against float64: the weight
     `dense` times `reference(x)` (the activations as the kernel rounds them); and a token's output the same bits in
-    any batch of 16 tokens or more, at any thread count. (Below the lanes' start the per-row loop sums in another
+    any batch of 16 tokens or more, at any thread count. The lanes start at 8 tokens at the AVX-512 level and 16 at
+    the AVX2 level here (the kernel's starts until measured). (Below the lanes' start the per-row loop sums in another
     order: another batch size may round a token's output differently there, as the GEMM routes do.)"""
+    with lanes_from({1: 16, 2: 8}.get(isa, cpu_kernel.UNLIMITED), isa):
+        check_pinned_rows_at_many_tokens(x, weight, scale, dense, isa, reference)
+
+
+def check_pinned_rows_at_many_tokens(x, weight, scale, dense, isa, reference):
     outs = {n: cpu_kernel.dense_matvec(x[:n], weight, scale, isa) for n in (9, 12, 14, 15, 16, 18, 19, 21, 42)}
     for n, out in outs.items():
         want = reference(x[:n]).double() @ dense.T
@@ -227,6 +250,33 @@ def test_bf16_rows_at_many_tokens_match_float64_and_keep_each_token_alone(isa, c
     weight = torch.randn(600, columns, generator=g).mul(0.1).bfloat16()
     x = torch.randn(42, columns, generator=g).to(dtype)
     check_rows_at_many_tokens(x, weight, None, weight.double(), isa, lambda x: x)
+
+
+def test_lane_start_is_where_the_lanes_win_from_on():
+    counts = (8, 16, 32, 64)
+    assert cpu_kernel.lane_start_from(counts, [2, 3, 4, 5], [1, 2, 3, 4]) == 8  # faster everywhere
+    assert cpu_kernel.lane_start_from(counts, [2, 3, 4, 5], [3, 2, 3, 4]) == 16
+    assert cpu_kernel.lane_start_from(counts, [2, 3, 4, 5], [1, 4, 3, 4]) == 32  # a win below a loss is no start
+    assert cpu_kernel.lane_start_from(counts, [2, 3, 4, 5], [1, 2, 3, 5]) == cpu_kernel.UNLIMITED  # a tie: no lanes
+
+
+def test_lane_starts_are_measured_set_and_checked(kernel):
+    """The starts measured at this CPU's best level are the kernel's; a level, format or count it has no lane route
+    for is refused."""
+    level = cpu_kernel.best_isa()
+    starts = cpu_kernel.lane_starts()
+    assert set(starts) <= set(cpu_kernel.LANE_FORMATS.get(level, ()))
+    assert all(n in (*cpu_kernel.LANE_TOKENS, cpu_kernel.UNLIMITED) for n in starts.values())
+    assert all(kernel.get_lane_start(level, f) == n for f, n in starts.items())
+    with pytest.raises(RuntimeError, match="ISA levels 1 and 2, not 3"):
+        kernel.set_lane_start(3, "int4", 8)
+    with pytest.raises(RuntimeError, match="no lane route for fp16 at ISA level 2"):
+        kernel.set_lane_start(2, "fp16", 8)
+    with pytest.raises(RuntimeError, match="no lane route for int8 at ISA level 1"):
+        kernel.get_lane_start(1, "int8")
+    with pytest.raises(RuntimeError, match="token count >= 1, got 0"):
+        kernel.set_lane_start(1, "int4", 0)
+    assert kernel.get_lane_start(1, "int4") in (*cpu_kernel.LANE_TOKENS, cpu_kernel.UNLIMITED)  # nothing changed
 
 
 def test_measured_route_is_one_of_the_routes():

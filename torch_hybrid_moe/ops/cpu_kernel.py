@@ -3,6 +3,7 @@ shape, and its dense matrix-vector products."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -12,9 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernel_build import best_isa, extension
+from . import kernel_build
+from .kernel_build import extension
 from .measured import count, last_level_cache_bytes, measured
 from .quantize import kernel_operands, to_cpu_format
+
+
+def best_isa() -> int:
+    """The highest ISA level the kernel runs at here (-1: none), with this machine's lane starts measured and set
+    first (`lane_starts`): every path to the kernel asks this before its first call."""
+    level = kernel_build.best_isa()
+    if level > 0:
+        lane_starts()
+    return level
 
 
 def _level(isa: int | None) -> int:
@@ -54,6 +65,11 @@ MICRO_KERNELS = GemmRoute(UNLIMITED)  # no expert reaches the GEMM
 ROUTE_TOKENS = (16, 32, 64, 128, 256, 512)  # tokens per expert at which the routes are compared
 COLD_BYTES = 2**30  # at most this much memory for the copies that keep a route's measurement out of the caches
 ROUTE_INTER = 512  # time scales with an expert's rows: wider experts are timed on this many intermediate columns
+LANE_FORMATS = {1: ("int4",), 2: ("bf16", "int8", "int4")}  # the formats each ISA level has lanes for
+LANE_TOKENS = (8, 16, 32, 64)  # tokens a call at which the lanes are timed against the per-row loop
+LANE_HIDDEN = 2048  # the lanes are timed on experts of this many columns (and ROUTE_INTER intermediate ones)
+LANE_GROUP = 64  # int8 / int4 experts timed in groups of this many columns (HybridMoEConfig's default)
+LANE_STORAGE = {"bf16": (torch.bfloat16, 0), "int8": (torch.int8, LANE_GROUP), "int4": (torch.uint8, LANE_GROUP)}
 
 
 def moe_experts(
@@ -136,18 +152,7 @@ def _measure_route(
     # fp32 panels, which ran at 52 GMAC/s at 256 against the micro-kernels' 61 (AVX2; benchmarks/RESULTS.md, 11-28).
     inter = min(inter, ROUTE_INTER)
     g = torch.Generator().manual_seed(0)
-    gate_up = torch.randn(2, 2 * inter, hidden_size, generator=g) * hidden_size**-0.5
-    down = torch.randn(2, hidden_size, inter, generator=g) * inter**-0.5
-    if group:  # int8, or int4 packed in uint8
-        fmt = "int8" if stored == torch.int8 else "int4"
-        operands = [t for w in (gate_up, down) for t in kernel_operands(to_cpu_format(w, fmt, group))]
-    else:
-        operands = [gate_up.to(stored), None, down.to(stored), None]
-    # A layer's experts stream from DRAM, which favours the routes that read each weight once: each call takes the
-    # next pair of copies, spread over twice the largest cache (tiles that win on cached weights can lose here).
-    pair_bytes = sum(t.numel() * t.element_size() for t in operands if t is not None)
-    pairs = max(1, min(-(-2 * last_level_cache_bytes() // pair_bytes), COLD_BYTES // pair_bytes))
-    gu, gus, dn, dns = (None if t is None else t.repeat(pairs, *[1] * (t.dim() - 1)) for t in operands)
+    (gu, gus, dn, dns), pairs = _cold_experts(hidden_size, inter, stored, group, g)
     turn = itertools.count()
     gemms = [GemmRoute(1, "fp32")]
     if activations == torch.bfloat16 and (stored == torch.bfloat16 or group):  # bf16 holds them, or they are rounded
@@ -172,6 +177,80 @@ def _measure_route(
         micro.append(seconds[0])
         gemm.append(seconds[1:])
     return _crossover(counts, micro, gemm, [r.kernel for r in gemms])
+
+
+def _cold_experts(
+    hidden_size: int, inter: int, stored: torch.dtype, group: int, g: torch.Generator
+) -> tuple[list[torch.Tensor | None], int]:
+    """Kernel operands (gate_up, its scales, down, its scales) of `pairs` pairs of random experts stored as `stored`
+    (int8 / int4 in groups of `group` columns where `group`): a layer's experts stream from DRAM, which favours the
+    routes that read each weight once, so each timed call takes the next pair of copies, spread over twice the largest
+    cache (tiles that win on cached weights can lose here)."""
+    gate_up = torch.randn(2, 2 * inter, hidden_size, generator=g) * hidden_size**-0.5
+    down = torch.randn(2, hidden_size, inter, generator=g) * inter**-0.5
+    if group:  # int8, or int4 packed in uint8
+        fmt = "int8" if stored == torch.int8 else "int4"
+        operands = [t for w in (gate_up, down) for t in kernel_operands(to_cpu_format(w, fmt, group))]
+    else:
+        operands = [gate_up.to(stored), None, down.to(stored), None]
+    pair_bytes = sum(t.numel() * t.element_size() for t in operands if t is not None)
+    pairs = max(1, min(-(-2 * last_level_cache_bytes() // pair_bytes), COLD_BYTES // pair_bytes))
+    return [None if t is None else t.repeat(pairs, *[1] * (t.dim() - 1)) for t in operands], pairs
+
+
+@functools.cache
+def lane_starts() -> dict[str, int]:
+    """From how many tokens a call the kernel sums each format's rows as lanes at this CPU's best ISA level, measured
+    here (once per machine, kept with the routes) and set in the kernel. The lanes lay a panel of rows out once per
+    call and then run several times the per-row loop's rate: where that pays depends on the CPU (csrc/moe_cpu.cpp,
+    lane_start). bf16 only where the CPU has AVX512-BF16 (the prefill attention's requirement too)."""
+    level, ext = kernel_build.best_isa(), extension()
+    starts = {}
+    for fmt in LANE_FORMATS.get(level, ()):
+        if fmt == "bf16" and not ext.prefill_attention_available():
+            continue
+        starts[fmt] = _measure_lane_start(fmt, level, torch.get_num_threads(), LANE_TOKENS)
+        ext.set_lane_start(level, fmt, starts[fmt])
+    return starts
+
+
+@measured(decode=count)
+def _measure_lane_start(fmt: str, level: int, threads: int, counts: tuple[int, ...], repeats: int = 3) -> int:
+    # `counts` is part of the stored key, as for the routes
+    stored, group = LANE_STORAGE[fmt]
+    g = torch.Generator().manual_seed(0)
+    (gu, gus, dn, dns), pairs = _cold_experts(LANE_HIDDEN, ROUTE_INTER, stored, group, g)
+    activations = torch.bfloat16 if fmt == "bf16" else torch.float32  # bf16 lanes need bf16 values
+    ext, turn, before = extension(), itertools.count(), extension().get_lane_start(level, fmt)
+    rows: list[float] = []
+    lanes: list[float] = []
+    try:
+        for n in counts:
+            hidden = torch.randn(n, LANE_HIDDEN, generator=g).to(activations)
+            ids = (2 * torch.arange(pairs)[:, None, None] + torch.tensor([0, 1])).expand(pairs, n, 2).contiguous()
+            weights, out = torch.full((n, 2), 0.5), torch.zeros(n, LANE_HIDDEN)
+
+            def run(start: int, x: torch.Tensor = hidden, i: torch.Tensor = ids, w: torch.Tensor = weights) -> None:
+                ext.set_lane_start(level, fmt, start)
+                ext.moe_experts(x, i[next(turn) % pairs], w, gu, gus, dn, dns, level, UNLIMITED, 0, out)
+
+            row_s, lane_s = interleaved_medians([lambda: run(UNLIMITED), lambda: run(1)], repeats)
+            rows.append(row_s)
+            lanes.append(lane_s)
+    finally:
+        ext.set_lane_start(level, fmt, before)
+    return lane_start_from(counts, rows, lanes)
+
+
+def lane_start_from(counts: Sequence[int], rows: Sequence[float], lanes: Sequence[float]) -> int:
+    """The lanes' start from measured seconds per token count: the smallest count from which the lanes beat the
+    per-row loop at every larger one; UNLIMITED where they lose at the largest."""
+    start = UNLIMITED
+    for n, row_s, lane_s in reversed(list(zip(counts, rows, lanes, strict=True))):
+        if lane_s >= row_s:
+            break
+        start = n
+    return start
 
 
 def _crossover(

@@ -29,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_available", &prefill_attention_available,
         "Whether the prefill_attention op's kernel runs here (AVX-512 with AVX512-BF16)");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");
+  m.def("get_lane_start", &get_lane_start, "From how many tokens a call a level sums a format's rows as lanes");
+  m.def("set_lane_start", &set_lane_start, "Set from how many tokens a call a level sums a format's rows as lanes");
   m.def("amx_available", &amx_available, "Whether the AMX GEMM kernel runs here (AMX-BF16, tile state granted)");
   bind_host_bridge(m);
 }

@@ -22,7 +22,7 @@
 // one pass of the threads.
 // On the micro-kernel route every dot product is one thread's full-row sum in a fixed order, so results do
 // not depend on the thread count. They may depend, in the last bits, on how many tokens an expert gets: from a few
-// tokens a call on (kLaneMinTokens), int8 / int4 rows are summed as lanes, in another order than the per-row loop, and
+// tokens a call on (lane_start), int8 / int4 rows are summed as lanes, in another order than the per-row loop, and
 // so are bf16 rows times a bf16 model's activations on CPUs with AVX512-BF16. A bf16 model's bf16 experts round h to
 // bf16 on every route, as the model does; where h lies near a rounding boundary, such a last-bit difference moves it a
 // whole bf16 step, as int8 / int4 activations move by an int8 step.
@@ -41,7 +41,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -304,6 +306,13 @@ inline int64_t layout_pos(int64_t c, int64_t K, Fmt f, int64_t step) {
   return c - j + (j & 1) * (step >> 1) + (j >> 1);
 }
 
+// From how many tokens a call each ISA level's micro-kernels sum a format's rows as lanes (rows_kernel.h, lane_route).
+// Where the layout starts to pay depends on the CPU: from 8 tokens on the 2-core Zen 5 the AVX-512 lanes were tuned on,
+// while on the 16-core H200 Xeon a bf16 expert's 16-token call then took about twice its earlier time (inferred from its
+// cost profile; benchmarks/RESULTS.md, 2026-11-28). So ops/cpu_kernel.py measures them per machine (`lane_starts`) and
+// sets them (set_lane_start); until then each level's kLaneMinTokens.
+int64_t lane_start(int64_t level, Fmt f);
+
 namespace level0 {
 #define HMOE_VBYTES 16
 #define HMOE_LEVEL 0
@@ -338,6 +347,28 @@ namespace level2 {
 }  // namespace level2
 #pragma GCC pop_options
 #endif
+
+constexpr int64_t kNoLanes = std::numeric_limits<int64_t>::max();
+#ifdef HMOE_X86
+constexpr int64_t kAvx2Lanes = level1::kLaneMinTokens, kAvx512Lanes = level2::kLaneMinTokens;
+#else
+constexpr int64_t kAvx2Lanes = kNoLanes, kAvx512Lanes = kNoLanes;
+#endif
+// [level][Fmt]: the formats with a lane route at each level (AVX2: int4; AVX-512: bf16, int8, int4).
+std::atomic<int64_t> lane_starts[3][5] = {
+    {kNoLanes, kNoLanes, kNoLanes, kNoLanes, kNoLanes},
+    {kNoLanes, kNoLanes, kNoLanes, kNoLanes, kAvx2Lanes},
+    {kNoLanes, kAvx512Lanes, kNoLanes, kAvx512Lanes, kAvx512Lanes}};
+
+int64_t lane_start(int64_t level, Fmt f) { return lane_starts[level][int(f)].load(std::memory_order_relaxed); }
+
+// The format a lane start is named by, where `level` has a lane route for it.
+Fmt lane_format(int64_t level, const std::string& name) {
+  TORCH_CHECK(level == AVX2 || level == AVX512, "lane routes run at ISA levels 1 and 2, not ", level);
+  const Fmt f = name == "bf16" ? Fmt::BF16 : name == "int8" ? Fmt::I8 : name == "int4" ? Fmt::I4 : Fmt::F32;
+  TORCH_CHECK(f != Fmt::F32 && (level == AVX512 || f == Fmt::I4), "no lane route for ", name, " at ISA level ", level);
+  return f;
+}
 
 // The kernels of one ISA level.
 struct Kernels {
@@ -1013,6 +1044,13 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
                             const c10::optional<at::Tensor>& mask, double scale) {
   static const int64_t isa = best_isa();
   return decode_attention_at(query, key, value, mask, scale, isa);
+}
+
+int64_t get_lane_start(int64_t level, const std::string& format) { return lane_start(level, lane_format(level, format)); }
+
+void set_lane_start(int64_t level, const std::string& format, int64_t tokens) {
+  TORCH_CHECK(tokens >= 1, "a lane start is a token count >= 1, got ", tokens);
+  lane_starts[level][int(lane_format(level, format))].store(tokens, std::memory_order_relaxed);
 }
 
 bool prefill_attention_available() {

@@ -1,6 +1,8 @@
 // The CPU expert kernel's entry points, shared by its Python binding and the CUDA host-function bridge.
 #pragma once
 
+#include <string>
+
 #include <torch/extension.h>
 
 // out[t] += sum_k weights[t, k] * FFN_{ids[t, k]}(hidden[t]) over the pairs with id >= 0. An expert with at least
@@ -61,6 +63,11 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
 
 // The highest ISA level this CPU runs: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI.
 int64_t best_isa();
+
+// From how many tokens a call the micro-kernels at ISA `level` sum `format`'s rows ("bf16", "int8", "int4") as lanes:
+// measured per machine by ops/cpu_kernel.py, which sets it.
+int64_t get_lane_start(int64_t level, const std::string& format);
+void set_lane_start(int64_t level, const std::string& format, int64_t tokens);
 
 // Whether the AMX GEMM kernel (gemm_kernel 2) runs here: the CPU has AMX-BF16 and Linux granted the tile state.
 bool amx_available();

@@ -270,7 +270,7 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
     }
 }
 
-// int8 / int4 at kLaneMinTokens tokens or more: sixteen rows as the sixteen int32 lanes. The loop above converts and
+// int8 / int4 from lane_start tokens on: sixteen rows as the sixteen int32 lanes. The loop above converts and
 // scales each row's sums for every token, three vector operations beside every one (int8) or two (int4) vpdpbusd.
 // Here a panel of 16 rows is laid out once so that vector v of block b holds 4 unsigned bytes of each row (int8:
 // q + 128; int4: one nibble, q + 8), in order against the block's activation bytes 4v to 4v + 3: one vpdpbusd with
@@ -278,7 +278,9 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
 // (started at -offset x the block's activation sum, which takes the stored offset off), and the conversion and
 // scaling cost one vector per 16 rows, token and block. The layout is paid once per panel, for all of a call's tokens.
 constexpr int kLaneRows = 16, kLaneTok = 8;
-constexpr int64_t kLaneMinTokens = 8;  // at 4 tokens the layout cost about what it saved (int8), more (int4)
+// The lanes' start until measured (lane_start): on the Zen 5 box, at 4 tokens the layout cost about what it saved
+// (int8), more (int4).
+constexpr int64_t kLaneMinTokens = 8;
 constexpr int64_t kLanePanelBytes = 128 << 10;
 
 // Whether the CPU has AVX512-BF16 (bf16_lane_rows).
@@ -413,7 +415,7 @@ void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t gro
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(res + t * kLaneRows, acc[t]);
 }
 
-// bf16 rows times bf16 values (a bf16 model's activations) at kLaneMinTokens tokens or more, on CPUs with
+// bf16 rows times bf16 values (a bf16 model's activations) from lane_start tokens on, on CPUs with
 // AVX512-BF16: 32 rows as two vectors of 16 fp32 lanes. The per-row loop widens each weight to fp32 (a shift or a
 // mask) and takes one FMA per 16 products; vdpbf16ps takes 16 column pairs of bf16 and adds both products of a pair
 // to its lane, 32 products an instruction (it counts subnormal inputs as zero, so a subnormal weight or activation
@@ -655,16 +657,16 @@ void rows_dot_i4(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const
     }
 }
 
-// int4 at kLaneMinTokens tokens or more: eight rows as the eight int32 lanes. The loop above spends a conversion, a
+// int4 from lane_start tokens on: eight rows as the eight int32 lanes. The loop above spends a conversion, a
 // scale multiply and an add on every row and token for each 64 columns, with a row's sum spread over its lanes. Here
 // a row group's bytes are first transposed into a panel (vector u of a step holds bytes [4u, 4u + 4) of each of the
 // 8 rows), so that one vpmaddubsw on a vector and four activation bytes broadcast gives each row's own products in
 // its own lane. A block's 8 products per row are summed exactly in int16 (at most 8 x 2 x 15 x 127 = 30,480), and the
 // conversion and scaling then cost one vector per 8 rows, token and block: 81 against 53 GMAC/s a thread in a
 // standalone test of the two loops (benchmarks/RESULTS.md, 2026-11-28). The transposition is paid once per
-// panel, for all of a call's tokens; below kLaneMinTokens it is not worth it.
+// panel, for all of a call's tokens; below lane_start it is not worth it.
 constexpr int kLaneRows = 8, kLaneTok = 4;
-constexpr int64_t kLaneMinTokens = 16;          // at 4 and 8 tokens the transposition cost more than it saved
+constexpr int64_t kLaneMinTokens = 16;  // until measured (lane_start): at 4 and 8 tokens the transposition cost more
 constexpr int64_t kLanePanelBytes = 128 << 10;  // 64 KB panels ran at two thirds of the rate in the standalone test
 
 // Whether m's rows take the lane route: int4 in whole 64-column steps.
@@ -840,7 +842,7 @@ void lane_block(const Matrix& m, int64_t r0, int64_t r1, int64_t n, LaneSizes z,
 #endif
 
 #if HMOE_LEVEL == 2
-// matvec_block's int8 / int4 / bf16 rows at kLaneMinTokens tokens or more (lanes_fit).
+// matvec_block's int8 / int4 / bf16 rows from lane_start tokens on (lanes_fit).
 template <Fmt F>
 void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst, int64_t ld) {
   if constexpr (F == Fmt::BF16) {
@@ -869,7 +871,7 @@ void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, 
   }
 }
 #elif HMOE_LEVEL == 1
-// matvec_block's int4 rows at kLaneMinTokens tokens or more (lanes_fit).
+// matvec_block's int4 rows from lane_start tokens on (lanes_fit).
 void lane_route(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, const I4Lanes* xl, int64_t n,
                 float* dst, int64_t ld) {
   lane_block<kLaneRows>(
@@ -923,10 +925,10 @@ void matvec_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs
   if (m.fmt == Fmt::I4) {
     i4_lanes(xs, n, m.K, m.group, lane_values, lanes);
     xl = lanes.data();
-    if (n >= kLaneMinTokens && lanes_fit(m)) return lane_route(m, r0, r1, xs, xl, n, dst, ld);
+    if (n >= lane_start(HMOE_LEVEL, m.fmt) && lanes_fit(m)) return lane_route(m, r0, r1, xs, xl, n, dst, ld);
   }
 #elif HMOE_LEVEL == 2
-  if (n >= kLaneMinTokens && lanes_fit(m, x_bf16))
+  if (n >= lane_start(HMOE_LEVEL, m.fmt) && lanes_fit(m, x_bf16))
     return (m.fmt == Fmt::I8   ? lane_route<Fmt::I8>
             : m.fmt == Fmt::I4 ? lane_route<Fmt::I4>
                                : lane_route<Fmt::BF16>)(m, r0, r1, xs, n, dst, ld);
