@@ -308,9 +308,9 @@ inline int64_t layout_pos(int64_t c, int64_t K, Fmt f, int64_t step) {
 
 // From how many tokens a call each ISA level's micro-kernels sum a format's rows as lanes (rows_kernel.h, lane_route).
 // Where the layout starts to pay depends on the CPU: from 8 tokens on the 2-core Zen 5 the AVX-512 lanes were tuned on,
-// while on the 16-core H200 Xeon a bf16 expert's 16-token call then took about twice its earlier time (inferred from its
-// cost profile; benchmarks/RESULTS.md, 2026-11-28). So ops/cpu_kernel.py measures them per machine (`lane_starts`) and
-// sets them (set_lane_start); until then each level's kLaneMinTokens.
+// while on the 16-core H200 Xeon a bf16 expert's 16-token call then took about twice its earlier time (inferred from
+// its cost profile; benchmarks/RESULTS.md, 2026-11-28). So ops/cpu_kernel.py measures them per machine (`lane_starts`)
+// and sets them (set_lane_start); until then each level's kLaneMinTokens.
 int64_t lane_start(int64_t level, Fmt f);
 
 namespace level0 {
@@ -355,10 +355,9 @@ constexpr int64_t kAvx2Lanes = level1::kLaneMinTokens, kAvx512Lanes = level2::kL
 constexpr int64_t kAvx2Lanes = kNoLanes, kAvx512Lanes = kNoLanes;
 #endif
 // [level][Fmt]: the formats with a lane route at each level (AVX2: int4; AVX-512: bf16, int8, int4).
-std::atomic<int64_t> lane_starts[3][5] = {
-    {kNoLanes, kNoLanes, kNoLanes, kNoLanes, kNoLanes},
-    {kNoLanes, kNoLanes, kNoLanes, kNoLanes, kAvx2Lanes},
-    {kNoLanes, kAvx512Lanes, kNoLanes, kAvx512Lanes, kAvx512Lanes}};
+std::atomic<int64_t> lane_starts[3][5] = {{kNoLanes, kNoLanes, kNoLanes, kNoLanes, kNoLanes},
+                                          {kNoLanes, kNoLanes, kNoLanes, kNoLanes, kAvx2Lanes},
+                                          {kNoLanes, kAvx512Lanes, kNoLanes, kAvx512Lanes, kAvx512Lanes}};
 
 int64_t lane_start(int64_t level, Fmt f) { return lane_starts[level][int(f)].load(std::memory_order_relaxed); }
 
@@ -1046,7 +1045,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
   return decode_attention_at(query, key, value, mask, scale, isa);
 }
 
-int64_t get_lane_start(int64_t level, const std::string& format) { return lane_start(level, lane_format(level, format)); }
+int64_t get_lane_start(int64_t level, const std::string& format) {
+  return lane_start(level, lane_format(level, format));
+}
 
 void set_lane_start(int64_t level, const std::string& format, int64_t tokens) {
   TORCH_CHECK(tokens >= 1, "a lane start is a token count >= 1, got ", tokens);
