@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch_hybrid_moe.model_patches.cpu_attention import cpu_attention_forward
 from torch_hybrid_moe.ops import prefill_attention
 
-needs_kernel = pytest.mark.skipif(not prefill_attention.available(), reason="needs AVX512-BF16 and the kernel module")
+needs_kernel = pytest.mark.skipif(not prefill_attention.runs_here(), reason="needs AVX512-BF16 and the kernel module")
 
 
 class _Module(torch.nn.Module):
@@ -70,7 +70,7 @@ SHAPES = [  # (B, Hq, Hkv, L, S, D, Dv): grouped and not, blocks of 16 rows and 
 def test_matches_float64_sdpa(impl, shape, kind):
     """The C++ kernel and the op's SDPA form (where the kernel module is not loaded), within the bf16 output's own
     rounding and the probabilities' (SDPA rounds both as well)."""
-    if impl == "kernel" and not prefill_attention.available():
+    if impl == "kernel" and not prefill_attention.runs_here():
         pytest.skip("needs AVX512-BF16 and the kernel module")
     b, hq, hkv, length, positions, d, dv = shape
     if kind == "static" and positions < length:
@@ -131,8 +131,9 @@ def test_bad_shapes_are_refused():
 @needs_kernel
 @pytest.mark.parametrize("is_causal", [None, False])
 def test_the_attention_function_sends_bf16_prompts_to_the_op(monkeypatch, is_causal):
-    """A bf16 prompt the kernel takes (a transposed query, as transformers passes it) goes to the op, causal without a
-    mask where SDPA would be (as the module says), with SDPA's result."""
+    """A bf16 prompt the kernel takes (a transposed query, as transformers passes it) goes to the op where it is
+    chosen, causal without a mask where SDPA would be (as the module says), with SDPA's result."""
+    monkeypatch.setattr(prefill_attention, "_beats_sdpa", lambda threads: True)
     query, key, value = operands(1, 8, 2, 24, 24, 64, 64)
     query = query.transpose(2, 3).contiguous().transpose(2, 3)
     module = _Module()
@@ -164,3 +165,23 @@ def test_the_attention_function_keeps_sdpa_for_other_prompts(monkeypatch):
     monkeypatch.setattr(prefill_attention, "available", lambda: False)
     cpu_attention_forward(module, query, key, value, None)
     assert called == [query.shape] * 4
+
+
+@needs_kernel
+def test_the_op_is_chosen_where_it_beat_sdpa_here(monkeypatch):
+    """Where the kernel runs, prompts take it only if it beat SDPA in this machine's timing (a bool, kept with the
+    routes); where it lost, SDPA."""
+    assert isinstance(prefill_attention._beats_sdpa(torch.get_num_threads()), bool)
+    assert prefill_attention.available() == prefill_attention._beats_sdpa(torch.get_num_threads())
+    monkeypatch.setattr(prefill_attention, "_beats_sdpa", lambda threads: False)
+    assert not prefill_attention.available()
+    query, key, value = operands(1, 8, 2, 24, 24, 64, 64)
+    module = _Module()
+    module.num_key_value_groups = 4
+    called = []
+    monkeypatch.setattr(
+        "torch_hybrid_moe.model_patches.cpu_attention.sdpa_attention_forward",
+        lambda *a, **k: called.append(a[1].shape) or (None, None),
+    )
+    cpu_attention_forward(module, query, key, value, None)
+    assert called == [query.shape]

@@ -14,7 +14,8 @@ of 32); mask None (every position, or with `causal` position s for query l when 
 (True: may see) or additive, broadcastable as [B, Hq, L, S]; the output [B, L, Hq, Dv] in bf16. A query that may see
 no position gets 0, as SDPA gives. Other dtypes and head sizes, CPUs without AVX512-BF16, and a process without the
 kernel module get SDPA's result (`prefill_attention_sdpa`); callers that want SDPA's own call check `available()` and
-`fits` first.
+`fits` first. `available()` also asks whether the kernel beat SDPA on this machine (timed once, kept with the routes):
+SDPA's bf16 products may run on AMX tiles where the CPU has them, and the lanes were measured on a CPU without.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import functools
 import torch
 
 from .kernel_build import extension
+from .measured import flag, measured
 
 _LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
 _LIB.define(
@@ -33,14 +35,38 @@ _LIB.define(
 
 @torch.compiler.assume_constant_result  # a compiled graph asks once, at trace time (the build is not traceable)
 def available() -> bool:
-    """Whether the op's kernel runs on this CPU (for operands that `fit`)."""
-    return _available()
+    """Whether prompts (that `fit`) should take the op here: its kernel runs on this CPU and beat SDPA's there."""
+    return runs_here() and _beats_sdpa(torch.get_num_threads())
 
 
 @functools.cache
-def _available() -> bool:
+def runs_here() -> bool:
+    """Whether the op's kernel runs on this CPU (AVX-512 with AVX512-BF16, the kernel module built)."""
     ext = extension()
     return ext is not None and bool(ext.prefill_attention_available())
+
+
+TIMED_SHAPE = (1, 16, 4, 256, 128)  # batch, query heads, key / value heads, prompt tokens, head size: Qwen3-MoE-like
+
+
+@measured(decode=flag)
+def _beats_sdpa(threads: int, shape: tuple[int, ...] = TIMED_SHAPE, repeats: int = 5) -> bool:
+    """Whether the kernel took less time than SDPA (the op's SDPA form) on a causal bf16 prompt of `shape`, medians of
+    `repeats` turns each."""
+    from .cpu_kernel import interleaved_medians  # the routes' timer
+
+    b, hq, hkv, length, d = shape
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(b, h, length, d, generator=g).bfloat16() for h in (hq, hkv, hkv))
+    scale = d**-0.5
+    ours, sdpa = interleaved_medians(
+        [
+            lambda: torch.ops.hybrid_moe.prefill_attention(query, key, value, None, scale, True),
+            lambda: prefill_attention_sdpa(query, key, value, None, scale, True),
+        ],
+        repeats,
+    )
+    return ours < sdpa
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
