@@ -24,11 +24,15 @@ rm -f "$out"/{machine,tests,main,prefill}.txt  # the steps add to their logs: a 
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/thm-cache}
 layers=${LAYERS:-8}
 common=(--layers "$layers" --graph on --tokens 32 --prompt 512 4096 --repeats 2 --json)
-{
+# the machine, and what the CPU kernel measured on it: the lane starts and whether its prompt attention beat SDPA
+# (building the kernel here, before the tests' workers would all wait for one build)
+[ -n "${PARSE_ONLY:-}" ] || {
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     lscpu | grep -E "Model name|^CPU\(s\)|Flags"
     python -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
+    timeout 300 python -c "from torch_hybrid_moe.ops import cpu_kernel, prefill_attention as p
+print('lane starts', cpu_kernel.lane_starts(), 'prompt attention on the op:', p.available())"
 } >"$out/machine.txt" 2>&1
 head -4 "$out/machine.txt"
 step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: skip it), its output added to $out/LOG
