@@ -150,7 +150,8 @@ def test_the_attention_function_sends_bf16_prompts_to_the_op(monkeypatch, is_cau
 
 
 def test_the_attention_function_keeps_sdpa_for_other_prompts(monkeypatch):
-    """A position bias, a 2-D mask, query and keys of different batch sizes, or no kernel: SDPA."""
+    """A position bias, a 2-D mask, query and keys of different batch sizes, or a kernel that lost this machine's
+    timing against SDPA: SDPA."""
     query, key, value = operands(1, 8, 2, 24, 24, 64, 64)
     module = _Module()
     module.num_key_value_groups = 4
@@ -162,26 +163,15 @@ def test_the_attention_function_keeps_sdpa_for_other_prompts(monkeypatch):
     cpu_attention_forward(module, query, key, value, None, position_bias=torch.zeros(1, 8, 24, 24))
     cpu_attention_forward(module, query, key, value, torch.ones(24, 24, dtype=torch.bool))
     cpu_attention_forward(module, query, key.expand(2, -1, -1, -1), value.expand(2, -1, -1, -1), None)
-    monkeypatch.setattr(prefill_attention, "available", lambda: False)
+    monkeypatch.setattr(prefill_attention, "_beats_sdpa", lambda threads: False)
+    assert not prefill_attention.available()
     cpu_attention_forward(module, query, key, value, None)
     assert called == [query.shape] * 4
 
 
 @needs_kernel
-def test_the_op_is_chosen_where_it_beat_sdpa_here(monkeypatch):
+def test_the_op_is_chosen_where_it_beat_sdpa_here():
     """Where the kernel runs, prompts take it only if it beat SDPA in this machine's timing (a bool, kept with the
-    routes); where it lost, SDPA."""
-    assert isinstance(prefill_attention._beats_sdpa(torch.get_num_threads()), bool)
-    assert prefill_attention.available() == prefill_attention._beats_sdpa(torch.get_num_threads())
-    monkeypatch.setattr(prefill_attention, "_beats_sdpa", lambda threads: False)
-    assert not prefill_attention.available()
-    query, key, value = operands(1, 8, 2, 24, 24, 64, 64)
-    module = _Module()
-    module.num_key_value_groups = 4
-    called = []
-    monkeypatch.setattr(
-        "torch_hybrid_moe.model_patches.cpu_attention.sdpa_attention_forward",
-        lambda *a, **k: called.append(a[1].shape) or (None, None),
-    )
-    cpu_attention_forward(module, query, key, value, None)
-    assert called == [query.shape]
+    routes; where it lost: test_the_attention_function_keeps_sdpa_for_other_prompts)."""
+    beat = prefill_attention._beats_sdpa(torch.get_num_threads())
+    assert isinstance(beat, bool) and prefill_attention.available() == beat
