@@ -14,9 +14,10 @@
 # - the paper stacks' live rows (off by default, measured in earlier leases; on an H200, 2026-11-27, the three
 #   took ~130 s, so PAPERS_S=60 gets one).
 # Logs and records go to $OUT (the device tool's folder) or ./gpu-out: eight files, the most the device tool
-# brings back. The default limits add up to 580 s, inside one 600-second device call; a limit of 0 skips its step.
+# brings back. The default limits add up to 600 s, one device call; a limit of 0 skips its step, except MACHINE_S,
+# the first step's, which builds the kernel (a build cut short leaves a lock the later steps wait on: keep it ample).
 #
-#     bash benchmarks/gpu_checks.sh   # LAYERS=8 TEST_S=200 MAIN_S=170 TUNED_S=40 GRAPH_S=0 PREFILL_S=80 ISA_S=90 PAPERS_S=0
+#     bash benchmarks/gpu_checks.sh   # LAYERS=8 MACHINE_S=120 TEST_S=150 MAIN_S=170 TUNED_S=40 GRAPH_S=0 PREFILL_S=60 ISA_S=60 PAPERS_S=0
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -31,10 +32,9 @@ common=(--layers "$layers" --graph on --tokens 32 --prompt 512 4096 --repeats 2 
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     lscpu | grep -E "Model name|^CPU\(s\)|Flags"
     python -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-    timeout 300 python -c "from torch_hybrid_moe.ops import cpu_kernel, prefill_attention as p
+    timeout "${MACHINE_S:-120}" python -c "from torch_hybrid_moe.ops import cpu_kernel, prefill_attention as p
 print('lane starts', cpu_kernel.lane_starts(), 'prompt attention on the op:', p.available())"
-} >"$out/machine.txt" 2>&1
-head -4 "$out/machine.txt"
+} >"$out/machine.txt" 2>&1 && head -4 "$out/machine.txt"
 step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: skip it), its output added to $out/LOG
     local limit=$1 log=$2
     shift 2
@@ -49,7 +49,7 @@ step() {  # step LIMIT_S LOG COMMAND...: run COMMAND under LIMIT_S seconds (0: s
 # --timeout (pytest-timeout, on the device box) fails a test that hangs with its traceback, before the step's limit
 # cuts pytest off ahead of its FAILURES section (2026-11-28); -rP prints what passing tests printed: each
 # scheduler's placement time inside a graph
-step "${TEST_S:-200}" tests.txt python -m pytest -v -rP -n 12 --timeout 150 -p no:cacheprovider \
+step "${TEST_S:-150}" tests.txt python -m pytest -v -rP -n 12 --timeout 150 -p no:cacheprovider \
     tests/test_cuda.py tests/test_cuda_graph.py tests/test_triton_kernels.py |
     grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)| us'"
 step "${MAIN_S:-170}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows gpu hybrid lru \
@@ -59,7 +59,7 @@ cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/ 2>
 step "${TUNED_S:-40}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows --budgets 0.25 0.5 \
     --stack-file benchmarks/measured/2026-11-28-gpu-h200/ours-tuned.json | grep -v -e "^{" -e Warn
 step "${GRAPH_S:-0}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
-step "${PREFILL_S:-80}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
+step "${PREFILL_S:-60}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
     --prompt 512 4096 --repeats 1 --rows hybrid stream-8 stream-16 --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
 # On this box's CPU (2026-11-28) the kernel's refusals of bad operands crashed their processes: each refusal test
@@ -94,6 +94,6 @@ kernel_tests() {
         tests/test_cpu_attention.py tests/test_prefill_attention.py | grep -E "FAILED|ERROR|Fatal|node down|[0-9]+ (passed|failed)"
 }
 export -f kernel_tests  # `timeout` runs programs, not shell functions
-step "${ISA_S:-90}" tests.txt bash -c kernel_tests
+step "${ISA_S:-60}" tests.txt bash -c kernel_tests
 step "${PAPERS_S:-0}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows dali hybrimoe all-cpu \
     --budgets 0.25 | grep -v -e "^{" -e Warn

@@ -460,16 +460,16 @@ def main() -> None:
         help="also write a decode and a prefill profiler trace per row into DIR and print each one's top ops",
     )
     args = p.parse_args()
-    if os.environ.get("GPU_DECODE_PARSE_ONLY"):  # gpu_checks.sh's arguments, checked by the test suite
-        print("gpu_decode.py: arguments taken", file=sys.stderr)
-        return
     args.graph = [g == "on" for g in args.graph]
     if not args.rows and args.stack_file is None:
         raise SystemExit("--rows names none and no --stack-file gives one: nothing to measure")
-    if not torch.cuda.is_available() and not args.trace:
-        raise SystemExit("gpu_decode.py needs a CUDA GPU (without one it only records --trace)")
     if min(args.prompt) < 16:
         raise SystemExit("--prompt lengths must be at least 16 (the decode run's prompt is the first 16 tokens)")
+    if os.environ.get("GPU_DECODE_PARSE_ONLY"):  # gpu_checks.sh's arguments, checked by the test suite
+        print("gpu_decode.py: arguments taken", file=sys.stderr)
+        return
+    if not torch.cuda.is_available() and not args.trace:
+        raise SystemExit("gpu_decode.py needs a CUDA GPU (without one it only records --trace)")
     config = lite_config(args.layers)
     if args.trace:
         record(config, prompt_ids(config, 16), args.tokens, args.trace)

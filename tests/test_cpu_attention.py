@@ -95,6 +95,8 @@ def test_a_query_that_sees_nothing_is_zero_as_sdpa_gives(impl):
     assert torch.equal(out[0, 0, 1], torch.zeros(8))
     torch.testing.assert_close(out[0, 0, 1].double(), reference(query, key, value, mask, 1.0)[0, 0, 1])
     assert torch.equal(attend(impl, query, key, value, torch.zeros_like(mask), 1.0), torch.zeros(1, 1, 2, 8))
+    hidden = torch.full(mask.shape, float("-inf"))  # additive, hiding every position
+    assert torch.equal(attend(impl, query, key, value, hidden, 1.0), torch.zeros(1, 1, 2, 8))
     torch.testing.assert_close(
         out[0, 0, 0].double(), reference(query, key, value, None, 1.0)[0, 0, 0], rtol=1e-5, atol=1e-6
     )

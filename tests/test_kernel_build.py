@@ -41,13 +41,13 @@ def test_a_compiler_that_links_libstdcxx_statically_still_formats_whole_messages
     compiler.chmod(0o755)
     refuse = (
         "import torch\n"
-        "from torch_hybrid_moe.ops import cpu_kernel\n"
+        "from torch_hybrid_moe.ops import kernel_build\n"
         "from torch_hybrid_moe.ops.quantize import quantize\n"
         "gate_up, down = quantize(torch.randn(4, 64, 64), 8, 32), quantize(torch.randn(4, 64, 32), 8, 32)\n"
         "hidden, ids, weights = torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)\n"
-        "try:  # 64 columns in 4 groups of 16\n"
-        "    cpu_kernel.moe_experts(hidden, ids, weights, gate_up.data, down.data, torch.zeros(2, 64),\n"
-        "                           gate_up.scale.repeat(1, 1, 2), down.scale)\n"
+        "try:  # 64 columns in 4 groups of 16; the kernel itself (no route or lane measurement)\n"
+        "    kernel_build.extension().moe_experts(hidden, ids, weights, gate_up.data, gate_up.scale.repeat(1, 1, 2),\n"
+        "                                         down.data, down.scale, 0, 2**62, 0, torch.zeros(2, 64))\n"
         "except RuntimeError as err:\n"
         "    print(err)\n"
     )

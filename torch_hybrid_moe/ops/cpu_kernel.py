@@ -7,6 +7,7 @@ import functools
 import itertools
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from .quantize import kernel_operands, to_cpu_format
 
 def best_isa() -> int:
     """The highest ISA level the kernel runs at here (-1: none), with this machine's lane starts measured and set
-    first (`lane_starts`): every path to the kernel asks this before its first call."""
+    first (`lane_starts`): the Python paths to the kernel ask this (or `gemm_route`, as a captured step's CPU task
+    does) before their first call."""
     level = kernel_build.best_isa()
     if level > 0:
         lane_starts()
@@ -112,7 +114,9 @@ def routed(tokens: int) -> bool:
 def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> GemmRoute:
     """The prefill route measured fastest on this machine for experts shaped and stored like these (see `GemmRoute`),
     timed once per process and shape on experts of the same format; the micro-kernels for batches too small to
-    reach any GEMM threshold (decode), which need no measurement."""
+    reach any GEMM threshold (decode), which need no measurement. Sets this machine's lane starts first (`best_isa`):
+    a captured decode step's CPU task calls the kernel with this route directly."""
+    best_isa()
     if not routed(hidden.shape[0]):
         return MICRO_KERNELS
     hidden_size = hidden.shape[1]
@@ -198,12 +202,21 @@ def _cold_experts(
     return [None if t is None else t.repeat(pairs, *[1] * (t.dim() - 1)) for t in operands], pairs
 
 
-@functools.cache
 def lane_starts() -> dict[str, int]:
     """From how many tokens a call the kernel sums each format's rows as lanes at this CPU's best ISA level, measured
-    here (once per machine, kept with the routes) and set in the kernel. The lanes lay a panel of rows out once per
-    call and then run several times the per-row loop's rate: where that pays depends on the CPU (csrc/moe_cpu.cpp,
-    lane_start). bf16 only where the CPU has AVX512-BF16 (the prefill attention's requirement too)."""
+    here (once per machine, kept with the routes; at the thread count of the first call) and set in the kernel. The
+    lanes lay a panel of rows out once per call and then run several times the per-row loop's rate: where that pays
+    depends on the CPU (csrc/moe_cpu.cpp, lane_start). bf16 only where the CPU has AVX512-BF16 (the prefill
+    attention's requirement too). One thread measures; the others wait for it (the timing sets the kernel's table)."""
+    with _LANES_LOCK:
+        return _lane_starts()
+
+
+_LANES_LOCK = threading.Lock()
+
+
+@functools.cache
+def _lane_starts() -> dict[str, int]:
     level, ext = kernel_build.best_isa(), extension()
     starts = {}
     for fmt in LANE_FORMATS.get(level, ()):
@@ -214,7 +227,14 @@ def lane_starts() -> dict[str, int]:
     return starts
 
 
-@measured(decode=count)
+def _lane_count(value: object) -> int:
+    """A stored lane start, or ValueError (measured again): a token count of at least 1."""
+    if count(value) < 1:
+        raise ValueError(f"not a lane start: {value!r}")
+    return count(value)
+
+
+@measured(decode=_lane_count)
 def _measure_lane_start(fmt: str, level: int, threads: int, counts: tuple[int, ...], repeats: int = 3) -> int:
     # `counts` is part of the stored key, as for the routes
     stored, group = LANE_STORAGE[fmt]

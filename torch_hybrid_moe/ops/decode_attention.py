@@ -83,10 +83,14 @@ def decode_attention_math(
     hkv = key.shape[1]
     q = query.reshape(b, hkv, hq // hkv, d).float()
     scores = torch.matmul(q, key.float().transpose(2, 3)) * scale  # [B, Hkv, groups, S]
+    weights = None
     if mask is not None:  # [B or 1, 1 or Hq, 1, S] -> [B, Hkv, groups, S]
         mask = mask.expand(b, hq, 1, key.shape[2]).reshape(b, hkv, hq // hkv, -1)
+        visible = mask if mask.dtype == torch.bool else mask != float("-inf")
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-    sees = (scores != float("-inf")).any(dim=-1, keepdim=True)  # a NaN score is seen, and its NaN stays
-    weights = torch.where(sees, torch.softmax(scores, dim=-1), 0.0)
+        # a query the mask lets see nothing: 0, as the kernel gives; NaN and inf scores of seen positions stay
+        weights = torch.where(visible.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1), 0.0)
+    if weights is None:
+        weights = torch.softmax(scores, dim=-1)
     out = torch.matmul(weights, value.float())  # [B, Hkv, groups, Dv]
     return out.reshape(b, 1, hq, value.shape[-1]).to(query.dtype)

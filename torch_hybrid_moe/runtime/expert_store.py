@@ -62,14 +62,16 @@ class ExpertStore(SlotMap):
 
     def copy_experts(self, first: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Write the host masters of experts first, first + 1, ... into device buffers [k, ...] of the slots' shapes
-        and dtype (dequantised there: quantised experts cross the link quantised), on the current stream: one copy
-        per weight for the k consecutive experts, which the host master holds side by side."""
+        and dtype, on the current stream: the k consecutive experts, side by side in the host master, cross in one
+        copy per tensor (quantised ones quantised, with their scales, then dequantised there one expert at a time:
+        the fp32 temporaries of k at once would be k times an expert's)."""
         experts = slice(first, first + gate_up.shape[0])
         for dst, src in ((gate_up, self.host_gate_up), (down, self.host_down)):
             if isinstance(src, QuantizedWeight):
                 data = src.data[experts].to(self.device, non_blocking=True)
                 scale = src.scale[experts].to(self.device, non_blocking=True)
-                dst.copy_(dequantize(data, scale, src.bits, src.group_size))
+                for i in range(dst.shape[0]):
+                    dst[i].copy_(dequantize(data[i], scale[i], src.bits, src.group_size))
             else:
                 dst.copy_(src[experts], non_blocking=True)
 
