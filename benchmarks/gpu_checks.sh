@@ -4,11 +4,13 @@
 # - the CUDA tests;
 # - gpu_decode.py's rows: the no-offload ceiling, the default stack (ours on CUDA) and the LRU stack at three
 #   budgets, with the routing trace, its routers and the local cost profile for `hybrid-moe simulate`;
-# - what the graph's fills and CPU round trips cost (graph_costs.py; off by default, measured 2026-11-28);
 # - ours as `simulate --save-ours` tuned it on the fourth lease's trace and profile (benchmarks/measured/), beside
-#   the default's fixed settings, at budgets 0.25 and 0.5;
-# - a profiled prefill of the default and the ring in halves (8 and 16 buffers) at budget 0.25 (the host time split by the dispatch's
-#   named ranges);
+#   the default's fixed settings, at budgets 0.25 and 0.5 (off by default: the fifth lease's one row, at 0.25, ran
+#   slower than the default);
+# - what the graph's fills and CPU round trips cost, and whether the CPU share and fills beside it compete for the
+#   host's memory (graph_costs.py; the first two measured 2026-11-28);
+# - a profiled prefill of the default and the ring in halves (8 and 16 buffers) at budget 0.25 (the host time split
+#   by the dispatch's named ranges);
 # - the CPU kernels' tests at the levels this machine's CPU has and the development boxes may lack (AVX-512, AMX),
 #   the bf16 lanes and the prompt attention among them;
 # - the paper stacks' live rows (off by default, measured in earlier leases; on an H200, 2026-11-27, the three
@@ -17,7 +19,7 @@
 # brings back. The default limits add up to 600 s, one device call; a limit of 0 skips its step, except MACHINE_S,
 # the first step's, which builds the kernel (a build cut short leaves a lock the later steps wait on: keep it ample).
 #
-#     bash benchmarks/gpu_checks.sh   # LAYERS=8 MACHINE_S=120 TEST_S=150 MAIN_S=170 TUNED_S=40 GRAPH_S=0 PREFILL_S=60 ISA_S=60 PAPERS_S=0
+#     bash benchmarks/gpu_checks.sh   # LAYERS=8 MACHINE_S=120 TEST_S=150 MAIN_S=170 TUNED_S=0 GRAPH_S=40 PREFILL_S=60 ISA_S=60 PAPERS_S=0
 set -u -o pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -56,9 +58,9 @@ step "${MAIN_S:-170}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --
     --budgets 0.25 0.5 1.0 --trace "$out/trace.safetensors" | grep -v -e "^{" -e Warn
 # the rows' cost profile, for simulate --profile (none where its fit was doubted: the rows' warnings say why)
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/ 2>/dev/null || echo "no cost profile cached"
-step "${TUNED_S:-40}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows --budgets 0.25 0.5 \
+step "${TUNED_S:-0}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows --budgets 0.25 0.5 \
     --stack-file benchmarks/measured/2026-11-28-gpu-h200/ours-tuned.json | grep -v -e "^{" -e Warn
-step "${GRAPH_S:-0}" main.txt python benchmarks/graph_costs.py  # the graph's fills and CPU round trips, timed
+step "${GRAPH_S:-40}" main.txt python benchmarks/graph_costs.py  # fills, CPU round trips, and the two together
 step "${PREFILL_S:-60}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
     --prompt 512 4096 --repeats 1 --rows hybrid stream-8 stream-16 --budgets 0.25 --profile /tmp/gpu-checks-profile |
     grep -E "tok/s|Error|^---|hybrid_moe::|Name"
