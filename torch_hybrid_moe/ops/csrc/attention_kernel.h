@@ -200,16 +200,24 @@ inline int64_t seen_end(const AttendRows& a, int64_t h, int64_t l, int64_t floor
   return floor;
 }
 
+// One worker's buffers for attend_rows: the block's keys and values laid out, its scores and probabilities.
+struct RowsScratch {
+  std::vector<uint8_t> keys, values;
+  std::vector<float> scores;
+  std::vector<uint32_t> probs;
+};
+
 // Rows [l0, l1) of every head of a.
-inline void attend_rows(const AttendRows& a, int64_t l0, int64_t l1) {
+inline void attend_rows(const AttendRows& a, int64_t l0, int64_t l1, RowsScratch& scratch) {
   const int64_t G = a.G, D = a.D, Dv = a.Dv, rows = G * (l1 - l0);
   int64_t n = 0;  // positions [0, n): up to the last one some row of the block may see
   for (int64_t h = 0; h < G; ++h)
     for (int64_t l = l0; l < l1; ++l) n = seen_end(a, h, l, n);
   const int64_t n_pad = (n + 1) & ~int64_t(1);  // whole pairs of positions for the second product
-  thread_local std::vector<uint8_t> keys, values;
-  thread_local std::vector<float> scores;
-  thread_local std::vector<uint32_t> probs;
+  std::vector<uint8_t>& keys = scratch.keys;    // plain references (not a structured binding): lambdas below use them
+  std::vector<uint8_t>& values = scratch.values;
+  std::vector<float>& scores = scratch.scores;
+  std::vector<uint32_t>& probs = scratch.probs;
   const Matrix kmat{reinterpret_cast<const uint8_t*>(a.k), nullptr, 2 * D, D, D, Fmt::BF16};
   keys.resize((n + kBf16LaneRows - 1) / kBf16LaneRows * kBf16LaneRows * 2 * D);
   for (int64_t r = 0; r < n; r += kBf16LaneRows)

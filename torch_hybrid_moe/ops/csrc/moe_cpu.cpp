@@ -431,13 +431,22 @@ Routing group_by_expert(const at::Tensor& ids, int64_t num_experts) {
   return r;
 }
 
-// Runs item(i) for i in [0, n) on torch's intra-op threads, handing out items dynamically.
+// The threads parallel_items runs n items on: each gets a worker number below this.
+int64_t item_workers(int64_t n) { return std::min<int64_t>(at::get_num_threads(), n); }
+
+// Runs item(i) for i in [0, n) on torch's intra-op threads, handing out items dynamically; or item(i, worker), with
+// worker < item_workers(n) numbering the thread that runs it, for scratch the call owns (it is freed with the call,
+// where a thread_local buffer would keep its largest size for the process's life).
 template <typename Fn>
 void parallel_items(int64_t n, const Fn& item) {
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) item(i);
+  at::parallel_for(0, item_workers(n), 1, [&](int64_t worker, int64_t) {  // grain 1: one worker a chunk
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      if constexpr (std::is_invocable_v<const Fn&, int64_t, int64_t>)
+        item(i, worker);
+      else
+        item(i);
+    }
   });
 }
 
@@ -1102,7 +1111,8 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  parallel_items(B * Hkv * blocks, [&](int64_t i) {
+  std::vector<level2::RowsScratch> scratch(item_workers(B * Hkv * blocks));  // ~40 MB a worker at 32k positions
+  parallel_items(B * Hkv * blocks, [&](int64_t i, int64_t worker) {
     // each head's last block first: under a causal mask it sees the most positions, and would otherwise come last
     const int64_t b = i / (Hkv * blocks), g = i / blocks % Hkv, l0 = (blocks - 1 - i % blocks) * kQueryBlock;
     level2::AttendRows a{qp + (b * Hq + g * G) * L * D,
@@ -1121,7 +1131,7 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, con
                          float(scale),
                          mask_ref(m, b, g * G),
                          causal};
-    level2::attend_rows(a, l0, std::min(L, l0 + kQueryBlock));
+    level2::attend_rows(a, l0, std::min(L, l0 + kQueryBlock), scratch[worker]);
   });
   return out;
 #else
