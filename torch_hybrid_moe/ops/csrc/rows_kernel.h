@@ -283,10 +283,20 @@ constexpr int kLaneRows = 16, kLaneTok = 8;
 constexpr int64_t kLaneMinTokens = 8;
 constexpr int64_t kLanePanelBytes = 128 << 10;
 
-// Whether the CPU has AVX512-BF16 (bf16_lane_rows).
+// AVX512-BF16 intrinsics need GCC 10 or clang 9; older compilers build the kernel without the bf16 lanes (the
+// per-row loop takes bf16 rows, SDPA the prompt's attention).
+#if defined(__clang__) ? __clang_major__ >= 9 : defined(__GNUC__) && __GNUC__ >= 10
+#define HMOE_BF16 1
+#endif
+
+// Whether the CPU has AVX512-BF16 and this build its intrinsics (bf16_lane_rows).
 inline bool bf16_lanes() {
+#ifdef HMOE_BF16
   static const bool ok = __builtin_cpu_supports("avx512bf16");
   return ok;
+#else
+  return false;
+#endif
 }
 
 // Whether m's rows take the lane route: whole 64-byte chunks of every row, int8 / int4, or bf16 times bf16 values
@@ -425,7 +435,11 @@ void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t gro
 // 250 GMAC/s a thread, where oneDNN's bf16 GEMM ran at 200 (48 tokens, 2,816 x 2,048 in cache; benchmarks/RESULTS.md,
 // 2026-11-28 afternoon).
 constexpr int kBf16LaneRows = 2 * kLaneRows;
+#ifdef HMOE_BF16
 #define HMOE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,fma,f16c")))
+#else
+#define HMOE_BF16_TARGET
+#endif
 
 // Rows [r, r + nr) of bf16 m (nr <= 32; a short group repeats its last row) into panel: two halves of 16 rows, each
 // K / 2 vectors, vector p the column pair (2p, 2p + 1) of each of its rows.
@@ -460,10 +474,11 @@ inline void bf16_lane_inputs(const void* const* xs, int64_t n, int64_t K, std::v
   }
 }
 
-// res[t * 32 + i] = row i of the panel . token t for t < NT.
+// res[t * 32 + i] = row i of the panel . token t for t < NT. (Without the intrinsics never called: bf16_lanes().)
 template <int NT>
 HMOE_BF16_TARGET void bf16_lane_rows(const uint8_t* panel, int64_t K, const uint32_t* const* x, Prefetch next,
                                      float* res) {
+#ifdef HMOE_BF16
   const __m512i* w = reinterpret_cast<const __m512i*>(panel);
   __m512 acc[2][NT];
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
@@ -480,6 +495,7 @@ HMOE_BF16_TARGET void bf16_lane_rows(const uint8_t* panel, int64_t K, const uint
     _mm512_storeu_ps(res + t * kBf16LaneRows, acc[0][t]);
     _mm512_storeu_ps(res + t * kBf16LaneRows + kLaneRows, acc[1][t]);
   }
+#endif
 }
 #undef HMOE_BF16_TARGET
 #elif HMOE_LEVEL == 1
