@@ -175,3 +175,12 @@ def test_the_op_is_chosen_where_it_beat_sdpa_here():
     routes; where it lost: test_the_attention_function_keeps_sdpa_for_other_prompts)."""
     beat = prefill_attention._beats_sdpa(torch.get_num_threads())
     assert isinstance(beat, bool) and prefill_attention.available() == beat
+
+
+def test_fake_kernel_gives_the_op_s_shape():
+    """The op's fake kernel (its SDPA form on fake tensors) passes torch.library's checks: shapes and dtypes as the
+    real kernel's, for GQA heads, an MLA-like value width and a mask."""
+    query, key, value = operands(1, 8, 2, 24, 24, 64, 32)
+    mask = torch.ones(1, 1, 24, 24, dtype=torch.bool).tril()
+    for args in ((query, key, value, None, 0.125, True), (query, key, value, mask, 0.125, False)):
+        torch.library.opcheck(torch.ops.hybrid_moe.prefill_attention.default, args, test_utils="test_faketensor")

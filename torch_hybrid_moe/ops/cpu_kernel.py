@@ -32,9 +32,10 @@ def best_isa() -> int:
 
 def _level(isa: int | None) -> int:
     """The ISA level to run at: the CPU's best, or one below it (for tests)."""
-    level = best_isa() if isa is None else isa
-    if not 0 <= level <= best_isa():
-        raise ValueError(f"ISA level {level} not available here (best: {best_isa()})")
+    best = best_isa()
+    level = best if isa is None else isa
+    if not 0 <= level <= best:
+        raise ValueError(f"ISA level {level} not available here (best: {best})")
     return level
 
 
@@ -166,9 +167,7 @@ def _measure_route(
     micro: list[float] = []  # per token count: the micro-kernels' seconds, and each GEMM's
     gemm: list[list[float]] = []
     for n in counts:
-        hidden = torch.randn(n, hidden_size, generator=g).to(activations)
-        ids = (2 * torch.arange(pairs)[:, None, None] + torch.tensor([0, 1])).expand(pairs, n, 2).contiguous()
-        weights, out = torch.full((n, 2), 0.5), torch.zeros(n, hidden_size)
+        hidden, ids, weights, out = _timed_inputs(n, hidden_size, activations, pairs, g)
         seconds = interleaved_medians(
             [
                 lambda r=r, x=hidden, i=ids, w=weights, o=out: extension().moe_experts(
@@ -215,6 +214,16 @@ def lane_starts() -> dict[str, int]:
 _LANES_LOCK = threading.Lock()
 
 
+def _timed_inputs(
+    n: int, hidden_size: int, activations: torch.dtype, pairs: int, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A timed call's hidden rows (n tokens), its routing for each of `pairs` pairs of cold experts (ids[j]: every
+    token to pair j's two experts, weight 0.5 each) and its fp32 output."""
+    hidden = torch.randn(n, hidden_size, generator=g).to(activations)
+    ids = (2 * torch.arange(pairs)[:, None, None] + torch.tensor([0, 1])).expand(pairs, n, 2).contiguous()
+    return hidden, ids, torch.full((n, 2), 0.5), torch.zeros(n, hidden_size)
+
+
 @functools.cache
 def _lane_starts() -> dict[str, int]:
     level, ext = kernel_build.best_isa(), extension()
@@ -246,9 +255,7 @@ def _measure_lane_start(fmt: str, level: int, threads: int, counts: tuple[int, .
     lanes: list[float] = []
     try:
         for n in counts:
-            hidden = torch.randn(n, LANE_HIDDEN, generator=g).to(activations)
-            ids = (2 * torch.arange(pairs)[:, None, None] + torch.tensor([0, 1])).expand(pairs, n, 2).contiguous()
-            weights, out = torch.full((n, 2), 0.5), torch.zeros(n, LANE_HIDDEN)
+            hidden, ids, weights, out = _timed_inputs(n, LANE_HIDDEN, activations, pairs, g)
 
             def run(start: int, x: torch.Tensor = hidden, i: torch.Tensor = ids, w: torch.Tensor = weights) -> None:
                 ext.set_lane_start(level, fmt, start)

@@ -83,14 +83,13 @@ def decode_attention_math(
     hkv = key.shape[1]
     q = query.reshape(b, hkv, hq // hkv, d).float()
     scores = torch.matmul(q, key.float().transpose(2, 3)) * scale  # [B, Hkv, groups, S]
-    weights = None
+    sees = None  # per query: whether the mask lets it see any position (0 where not, as the kernel gives)
     if mask is not None:  # [B or 1, 1 or Hq, 1, S] -> [B, Hkv, groups, S]
         mask = mask.expand(b, hq, 1, key.shape[2]).reshape(b, hkv, hq // hkv, -1)
-        visible = mask if mask.dtype == torch.bool else mask != float("-inf")
+        sees = (mask if mask.dtype == torch.bool else mask != float("-inf")).any(dim=-1, keepdim=True)
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
-        # a query the mask lets see nothing: 0, as the kernel gives; NaN and inf scores of seen positions stay
-        weights = torch.where(visible.any(dim=-1, keepdim=True), torch.softmax(scores, dim=-1), 0.0)
-    if weights is None:
-        weights = torch.softmax(scores, dim=-1)
+    weights = torch.softmax(scores, dim=-1)  # NaN and inf scores of seen positions stay
+    if sees is not None:
+        weights = torch.where(sees, weights, 0.0)
     out = torch.matmul(weights, value.float())  # [B, Hkv, groups, Dv]
     return out.reshape(b, 1, hq, value.shape[-1]).to(query.dtype)

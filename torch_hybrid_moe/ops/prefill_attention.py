@@ -89,18 +89,6 @@ def _broadcasts(shape: torch.Size, to: tuple[int, ...]) -> bool:
     return all(n in (1, m) for n, m in zip(shape, to, strict=True))
 
 
-@torch.library.register_fake("hybrid_moe::prefill_attention", lib=_LIB)
-def _(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    causal: bool,
-) -> torch.Tensor:
-    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], value.shape[3]))
-
-
 @torch.library.impl(_LIB, "prefill_attention", "CompositeExplicitAutograd")
 def prefill_attention_sdpa(
     query: torch.Tensor,
@@ -121,3 +109,7 @@ def prefill_attention_sdpa(
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous()
+
+
+# SDPA computes shapes on fake tensors too: the form above is also the op's fake kernel (its output [B, L, Hq, Dv])
+torch.library.register_fake("hybrid_moe::prefill_attention", prefill_attention_sdpa, lib=_LIB)
