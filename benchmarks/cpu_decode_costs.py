@@ -7,7 +7,12 @@ built: the same math in fp32) and the `hybrid_moe::decode_attention` op (model_p
 cache filled or not. Medians,
 interleaved; the CPU is printed.
 
-    python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41]
+Last, what one call of each costs cold, as a decode step makes it: after a pass over --flush-mb of other memory (the
+weights the step streamed since that op's last call), which leaves caches, TLBs and branch predictors holding other
+things. Back-to-back timings (the sections above, and the route measurements at warm-up) do not see that cost; a
+token pays it at every op boundary.
+
+    python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41] [--flush-mb 256]
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ LINEARS = {"lm_head": (151936, 2048), "q_proj": (4096, 2048), "k_proj": (512, 20
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 
-def medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each run, taking turns (one warm-up round)."""
+def medians(
+    runs: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
+) -> dict[str, float]:
+    """Median seconds of each run, taking turns (one warm-up round); `before` runs untimed ahead of each."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(repeats + 1):
         for name, run in runs.items():
+            if before is not None:
+                before()
             start = time.perf_counter()
             run()
             if round_:
@@ -64,7 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--flush-mb", type=int, default=256, help="memory read between two cold calls")
     args = parser.parse_args()
+    if args.flush_mb < 1 or args.repeats < 1 or args.threads < 1:
+        parser.error("--threads, --repeats and --flush-mb must be positive")
     torch.set_num_threads(args.threads)
     info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "unknown CPU")
@@ -165,6 +177,27 @@ def main() -> None:
             args.repeats,
         )
         print(f"{f'{filled} / {length}':>16} {t['SDPA'] * 1e3:7.3f} {t['math'] * 1e3:21.3f} {t['op'] * 1e3:7.3f}")
+
+    # One call hot (right after the same call) and cold (after a pass over other memory), per op a decode step calls.
+    router = torch.empty(EXPERTS, HIDDEN, dtype=torch.bfloat16).normal_(0, 0.02)
+    x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+    q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 4, 160, 128, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(1, 1, 1, 160, dtype=torch.bool)
+    calls = {
+        "torch.empty(2048)": lambda: torch.empty(HIDDEN),
+        f"F.linear, router {EXPERTS}x{HIDDEN}": lambda: F.linear(x, router),
+        "matvecs op, the same": lambda: torch.ops.hybrid_moe.matvecs(x, [router], [None], [None]),
+        "matvecs op, 0 tokens": lambda: torch.ops.hybrid_moe.matvecs(x[:0], [router], [None], [None]),
+        "decode attention op, 160": lambda: cpu_attention_forward(module, q, k, v, mask),
+    }
+    flush = torch.ones(args.flush_mb << 18)  # fp32: flush_mb MB
+    hot = {name: medians({name: call}, args.repeats)[name] for name, call in calls.items()}  # back to back
+    cold = medians(calls, args.repeats, before=flush.sum)
+    print(f"\none call, hot (right after itself) and cold (after reading {args.flush_mb} MB of other memory), us:")
+    print(f"{'call':<30} {'hot':>7} {'cold':>7} {'cold - hot':>10}")
+    for name in calls:
+        print(f"{name:<30} {hot[name] * 1e6:7.0f} {cold[name] * 1e6:7.0f} {(cold[name] - hot[name]) * 1e6:10.0f}")
 
 
 if __name__ == "__main__":

@@ -159,29 +159,34 @@ Fmt format_of(const at::Tensor& w) {
 }
 
 // A quantised weight's group size is K over its scales' last dimension.
-Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K) {
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.device().is_cpu(), name,
-              " must be a contiguous CPU [E, N, K] tensor");
+// `experts`: w is [E, N, K] (scales [E, N, K / group]); else one dense [N, K] weight (scales [N, K / group]), read in
+// place with no view made: a decode step's op calls pay for every dispatcher call cold
+// (benchmarks/cpu_decode_costs.py).
+Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K,
+                 bool experts = true) {
+  const int64_t e = experts ? 1 : 0;
+  TORCH_CHECK(w.dim() == e + 2 && w.is_contiguous() && w.device().is_cpu(), name, " must be a contiguous CPU ",
+              experts ? "[E, N, K]" : "[N, K]", " tensor");
   const Fmt fmt = format_of(w);
   const bool quantised = fmt == Fmt::I8 || fmt == Fmt::I4;
   const int64_t stored_k = fmt == Fmt::I4 ? K / 2 : K;
-  TORCH_CHECK(w.size(2) == stored_k, name, " has ", w.size(2), " columns, expected ", stored_k);
+  TORCH_CHECK(w.size(e + 1) == stored_k, name, " has ", w.size(e + 1), " columns, expected ", stored_k);
   Layer layer{};
-  layer.N = w.size(1);
-  layer.expert_bytes = w.stride(0) * w.element_size();
+  layer.N = w.size(e);
+  layer.expert_bytes = e ? w.stride(0) * w.element_size() : 0;
   layer.first = Matrix{static_cast<const uint8_t*>(w.data_ptr()), nullptr, stored_k * w.element_size(), K, K, fmt};
   if (quantised) {
     TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
     const at::Tensor& s = *scale;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.device().is_cpu() && s.dim() == 3 &&
-                    s.size(0) == w.size(0) && s.size(1) == layer.N && s.size(2) > 0,
-                name, " scales must be contiguous CPU fp32 [E, N, K / group]");
-    const int64_t group = K / s.size(2);
-    TORCH_CHECK(K % s.size(2) == 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(2),
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.device().is_cpu() && s.dim() == e + 2 &&
+                    (e == 0 || s.size(0) == w.size(0)) && s.size(e) == layer.N && s.size(e + 1) > 0,
+                name, " scales must be contiguous CPU fp32 ", experts ? "[E, N, K / group]" : "[N, K / group]");
+    const int64_t group = K / s.size(e + 1);
+    TORCH_CHECK(K % s.size(e + 1) == 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(e + 1),
                 " must be a whole multiple of 32");
     layer.first.scale = s.data_ptr<float>();
     layer.first.group = group;
-    layer.expert_scales = s.stride(0);
+    layer.expert_scales = e ? s.stride(0) : 0;
   } else {
     TORCH_CHECK(!scale.has_value(), name, ": scales given for unquantised weights");
   }
@@ -871,9 +876,9 @@ DenseWeight dense_weight(const at::Tensor& weight, const c10::optional<at::Tenso
   c10::optional<at::Tensor> s;
   if (scale.has_value()) {
     d.scale = scale->contiguous();
-    s = d.scale.unsqueeze(0);
+    s = d.scale;
   }
-  const Layer layer = make_layer("weight", d.weight.unsqueeze(0), s, K);
+  const Layer layer = make_layer("weight", d.weight, s, K, false);
   d.m = layer.first;
   d.rows = layer.N;
   return d;
@@ -885,7 +890,7 @@ at::Tensor input_rows(const at::Tensor& x, const char* op) {
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
               ": x must be fp32, bf16 or fp16");
-  return x.reshape({-1, x.size(-1)}).contiguous();
+  return x.dim() == 2 && x.is_contiguous() ? x : x.reshape({-1, x.size(-1)}).contiguous();
 }
 
 // x's shape with its last dimension n: an output of x's rows.
