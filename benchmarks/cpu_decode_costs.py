@@ -8,9 +8,11 @@ cache filled or not. Medians,
 interleaved; the CPU is printed.
 
 Last, what one call of each costs cold, as a decode step makes it: after a pass over --flush-mb of other memory (the
-weights the step streamed since that op's last call), which leaves caches, TLBs and branch predictors holding other
-things. Back-to-back timings (the sections above, and the route measurements at warm-up) do not see that cost; a
-token pays it at every op boundary.
+weights the step streamed since that op's last call), which leaves the caches (code and operands alike) and, on 4 KB
+pages, the TLBs holding other things; the pass is itself a threaded torch op, so the dispatcher's common path and
+the OpenMP threads are warmer than in a step. Each round times a call cold, then again at once (hot). Back-to-back
+timings (the sections above, and the route measurements at warm-up) do not see that cost; a token pays it at every
+op boundary.
 
     python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41] [--flush-mb 256]
 """
@@ -39,15 +41,11 @@ LINEARS = {"lm_head": (151936, 2048), "q_proj": (4096, 2048), "k_proj": (512, 20
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 
-def medians(
-    runs: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
-) -> dict[str, float]:
-    """Median seconds of each run, taking turns (one warm-up round); `before` runs untimed ahead of each."""
+def medians(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, taking turns (one warm-up round)."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(repeats + 1):
         for name, run in runs.items():
-            if before is not None:
-                before()
             start = time.perf_counter()
             run()
             if round_:
@@ -178,9 +176,10 @@ def main() -> None:
         )
         print(f"{f'{filled} / {length}':>16} {t['SDPA'] * 1e3:7.3f} {t['math'] * 1e3:21.3f} {t['op'] * 1e3:7.3f}")
 
-    # One call hot (right after the same call) and cold (after a pass over other memory), per op a decode step calls.
+    # One call cold (after a pass over other memory), then hot (again at once), per op a decode step calls.
     router = torch.empty(EXPERTS, HIDDEN, dtype=torch.bfloat16).normal_(0, 0.02)
     x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+    no_tokens = x[:0]
     q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 4, 160, 128, dtype=torch.bfloat16) for _ in range(2))
     mask = torch.ones(1, 1, 1, 160, dtype=torch.bool)
@@ -188,16 +187,29 @@ def main() -> None:
         "torch.empty(2048)": lambda: torch.empty(HIDDEN),
         f"F.linear, router {EXPERTS}x{HIDDEN}": lambda: F.linear(x, router),
         "matvecs op, the same": lambda: torch.ops.hybrid_moe.matvecs(x, [router], [None], [None]),
-        "matvecs op, 0 tokens": lambda: torch.ops.hybrid_moe.matvecs(x[:0], [router], [None], [None]),
-        "decode attention op, 160": lambda: cpu_attention_forward(module, q, k, v, mask),
+        "matvecs op, 0 tokens": lambda: torch.ops.hybrid_moe.matvecs(no_tokens, [router], [None], [None]),
+        "decode attention op, 160": lambda: torch.ops.hybrid_moe.decode_attention(q, k, v, mask, 128**-0.5),
     }
-    flush = torch.ones(args.flush_mb << 18)  # fp32: flush_mb MB
-    hot = {name: medians({name: call}, args.repeats)[name] for name, call in calls.items()}  # back to back
-    cold = medians(calls, args.repeats, before=flush.sum)
-    print(f"\none call, hot (right after itself) and cold (after reading {args.flush_mb} MB of other memory), us:")
+    flush = torch.ones(args.flush_mb << 18)  # fp32: flush_mb MiB
+    times: dict[str, dict[str, list[float]]] = {name: {"cold": [], "hot": []} for name in calls}
+    flush_s = []
+    for _ in range(args.repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            flush.sum()
+            flush_s.append(time.perf_counter() - start)
+            for kind in ("cold", "hot"):
+                start = time.perf_counter()
+                call()
+                times[name][kind].append(time.perf_counter() - start)
+    print(
+        f"\none call, cold (after reading {args.flush_mb} MiB of other memory, at "
+        f"{flush.nbytes / statistics.median(flush_s) / 1e9:.1f} GB/s) and hot (again at once), us:"
+    )
     print(f"{'call':<30} {'hot':>7} {'cold':>7} {'cold - hot':>10}")
-    for name in calls:
-        print(f"{name:<30} {hot[name] * 1e6:7.0f} {cold[name] * 1e6:7.0f} {(cold[name] - hot[name]) * 1e6:10.0f}")
+    for name, t in times.items():
+        hot, cold = statistics.median(t["hot"]), statistics.median(t["cold"])
+        print(f"{name:<30} {hot * 1e6:7.0f} {cold * 1e6:7.0f} {(cold - hot) * 1e6:10.0f}")
 
 
 if __name__ == "__main__":

@@ -196,6 +196,14 @@ def test_many_row_route_refuses_bad_operands():
         cpu_kernel.dense_gemm(x, q.data[0], q.scale[0], torch.zeros(5))
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8])
+def test_decode_route_refuses_quantized_weights_without_columns(dtype):
+    """An int8 / int4 weight of no columns has a group size of 0, which the kernels would divide by: refused."""
+    weight = torch.zeros(4, 0, dtype=dtype)
+    with pytest.raises(RuntimeError, match="positive multiple of 32"):
+        torch.ops.hybrid_moe.matvecs(torch.zeros(1, 0), [weight], [torch.ones(4, 1)], [None])
+
+
 def test_quantized_linear_without_the_kernel_takes_the_dequantised_route(monkeypatch):
     """No compiler on the machine: the micro-kernels are missing, and decode rows must not reach them."""
     base = torch.nn.Linear(64, 8, bias=False)

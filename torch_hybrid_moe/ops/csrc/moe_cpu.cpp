@@ -182,8 +182,8 @@ Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::
                     (e == 0 || s.size(0) == w.size(0)) && s.size(e) == layer.N && s.size(e + 1) > 0,
                 name, " scales must be contiguous CPU fp32 ", experts ? "[E, N, K / group]" : "[N, K / group]");
     const int64_t group = K / s.size(e + 1);
-    TORCH_CHECK(K % s.size(e + 1) == 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(e + 1),
-                " must be a whole multiple of 32");
+    TORCH_CHECK(K % s.size(e + 1) == 0 && group > 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(e + 1),
+                " must be a positive multiple of 32");
     layer.first.scale = s.data_ptr<float>();
     layer.first.group = group;
     layer.expert_scales = e ? s.stride(0) : 0;
