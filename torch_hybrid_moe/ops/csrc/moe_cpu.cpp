@@ -160,8 +160,7 @@ Fmt format_of(const at::Tensor& w) {
 
 // A quantised weight's group size is K over its scales' last dimension.
 // `experts`: w is [E, N, K] (scales [E, N, K / group]); else one dense [N, K] weight (scales [N, K / group]), read in
-// place with no view made: a decode step's op calls pay for every dispatcher call cold
-// (benchmarks/cpu_decode_costs.py).
+// place: no [1, N, K] view is made for it.
 Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K,
                  bool experts = true) {
   const int64_t e = experts ? 1 : 0;
