@@ -16,7 +16,7 @@ LAYERS = (
     ("config",),
     ("runtime",),
     ("model_patches", "compile_passes"),
-    ("loading", "gguf_checkpoint", "prepared", "traces", "tiny_models", "embedded"),
+    ("loading", "gguf_checkpoint", "prepared", "traces", "tiny_models", "embedded", "generation"),
     ("simulator", "planning", "cli", "__main__"),
 )
 

@@ -1,7 +1,8 @@
 """Build the C++ CPU side: the expert kernel (`csrc/moe_cpu.cpp`) with its AMX tiles for prefill
 (`csrc/amx_gemm.cpp`) and the decode attention kernel (`csrc/attention_kernel.h`), the table of layers whose experts
-all run on the CPU behind the `hybrid_moe::cpu_moe` op (`csrc/cpu_layers.cpp`), and the CUDA host-function bridge that
-runs the kernel from inside captured graphs (`csrc/host_bridge.cpp`).
+all run on the CPU behind the `hybrid_moe::cpu_moe` op (`csrc/cpu_layers.cpp`), greedy decoding's argmax
+(`csrc/greedy.cpp`), and the CUDA host-function bridge that runs the kernel from inside captured graphs
+(`csrc/host_bridge.cpp`).
 
 The kernel is compiled on first use with torch's own extension builder (g++ and ninja; no CUDA toolkit),
 once per machine and torch version, and cached under torch's extensions directory. Where it cannot be
@@ -24,7 +25,8 @@ import torch
 
 _CSRC = Path(__file__).parent / "csrc"
 _COMPILED = tuple(
-    _CSRC / name for name in ("module.cpp", "moe_cpu.cpp", "amx_gemm.cpp", "cpu_layers.cpp", "host_bridge.cpp")
+    _CSRC / name
+    for name in ("module.cpp", "moe_cpu.cpp", "amx_gemm.cpp", "cpu_layers.cpp", "greedy.cpp", "host_bridge.cpp")
 )
 _HEADERS = ("moe_cpu.h", "amx_gemm.h", "rows_kernel.h", "attention_kernel.h")
 _SOURCES = (*_COMPILED, *(_CSRC / name for name in _HEADERS))

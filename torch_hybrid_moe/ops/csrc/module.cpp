@@ -4,13 +4,15 @@
 
 #include <torch/library.h>
 
-// The ops whose schemas Python defines (ops/dense_linear.py) get their CPU kernels here: a compiled decode step calls
-// them through the dispatcher straight into C++, without the Python of a torch.library.custom_op (~20-40 us a call).
+// The ops whose schemas Python defines (ops/dense_linear.py, ops/greedy.py, ...) get their CPU kernels here: a
+// compiled decode step calls them through the dispatcher straight into C++, without the Python of a
+// torch.library.custom_op (~20-40 us a call).
 TORCH_LIBRARY_IMPL(hybrid_moe, CPU, m) {
   m.impl("matvecs", &matvecs);
   m.impl("cpu_moe", &cpu_moe);
   m.impl("decode_attention", &decode_attention);
   m.impl("prefill_attention", &prefill_attention);
+  m.impl("greedy_tokens", &greedy_tokens);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,0 +1,115 @@
+"""`thm.greedy_generate` gives `generate(do_sample=False)`'s tokens, and `hybrid_moe::greedy_tokens` torch.argmax's."""
+
+import pytest
+import torch
+
+import torch_hybrid_moe as thm
+from torch_hybrid_moe import generation
+from torch_hybrid_moe.errors import InputError
+from torch_hybrid_moe.ops.greedy import greedy_tokens_torch
+from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
+
+from .conftest import patched_copy
+
+
+def prompts(batch: int = 2, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(batch * length))
+
+
+class Recorder:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.put_values: list[torch.Tensor] = []
+        self.ended = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.put_values.append(value)
+
+    def end(self) -> None:
+        self.ended += 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_tokens_are_the_unpatched_models_greedy_tokens(reference_models, arch) -> None:
+    ref = reference_models[arch]
+    x = prompts()
+    want = ref.generate(x, max_new_tokens=10, do_sample=False)
+    model = patched_copy(ref, expert_budget=0.0)
+    for _ in range(2):  # the second call reuses the compiled step and replays its decode steps past Dynamo
+        assert torch.equal(thm.greedy_generate(model, x, 10), want)
+
+
+@pytest.mark.slow
+def test_slots_and_a_shorter_prompt_after_a_longer_one(reference_models) -> None:
+    ref = reference_models["qwen3_moe"]
+    model = patched_copy(ref, expert_budget=0.25)  # the general dispatch, with slots
+    for length, new in ((9, 12), (4, 5)):  # the second reuses the first's longer static cache
+        x = prompts(batch=1, length=length)
+        assert torch.equal(thm.greedy_generate(model, x, new), ref.generate(x, max_new_tokens=new, do_sample=False))
+
+
+@pytest.mark.slow
+def test_end_tokens_pad_finished_rows_and_end_the_call_as_generate_does(reference_models) -> None:
+    ref = reference_models["mixtral"]
+    x = prompts()
+    free = ref.generate(x, max_new_tokens=12, do_sample=False)
+    end = int(free[0, x.shape[1] + 3])  # row 0 produces it at its fourth new token
+    want = ref.generate(x, max_new_tokens=12, do_sample=False, eos_token_id=end, pad_token_id=1)
+    model = patched_copy(ref, expert_budget=0.0)
+    streamer = Recorder()
+    got = thm.greedy_generate(model, x, 12, eos_token_id=end, pad_token_id=1, streamer=streamer)
+    assert torch.equal(got, want)
+    assert torch.equal(streamer.put_values[0], x) and streamer.ended == 1
+    assert torch.equal(torch.stack(streamer.put_values[1:], dim=1), got[:, x.shape[1] :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 5, 17, 8191, 16385, 151936])
+def test_greedy_tokens_is_torch_argmax(kernel, dtype, vocab) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits[1] = logits[1].round()  # ties: the first index wins
+    logits[2] = float("-inf")
+    if vocab > 3:
+        logits[3, vocab // 2] = logits[3, vocab - 1] = float("nan")  # the first NaN wins
+        logits[4, vocab - 1] = logits[4].max() + 1  # the largest at the very end
+    for fn in (torch.ops.hybrid_moe.greedy_tokens, greedy_tokens_torch):
+        got = fn(logits)
+        assert got.dtype == torch.long
+        assert torch.equal(got, logits.argmax(-1))
+    if vocab > 1:  # a strided view
+        assert torch.equal(torch.ops.hybrid_moe.greedy_tokens(logits[:, 1:]), logits[:, 1:].argmax(-1))
+
+
+@pytest.mark.parametrize("logits", [torch.zeros(4), torch.zeros(2, 0), torch.zeros(1, 2, 3)])
+def test_greedy_tokens_refuses_what_is_not_rows_of_logits(kernel, logits) -> None:
+    with pytest.raises((RuntimeError, ValueError), match="greedy_tokens: logits must be"):
+        torch.ops.hybrid_moe.greedy_tokens(logits)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: thm.greedy_generate(m, prompts()[0], 4), "input_ids must be an integer tensor"),
+        (lambda m: thm.greedy_generate(m, prompts().float(), 4), "input_ids must be an integer tensor"),
+        (lambda m: thm.greedy_generate(m, prompts()[:, :0], 4), "input_ids must be an integer tensor"),
+        (lambda m: thm.greedy_generate(m, prompts(), 0), "max_new_tokens must be a positive int"),
+        (lambda m: thm.greedy_generate(m, prompts(), True), "max_new_tokens must be a positive int"),
+        (lambda m: thm.greedy_generate(m, prompts(), 2.0), "max_new_tokens must be a positive int"),
+        (lambda m: thm.greedy_generate(m, prompts(), 4, eos_token_id=10**6), "eos_token_id must be token ids"),
+        (lambda m: thm.greedy_generate(m, prompts(), 4, eos_token_id=[-1]), "eos_token_id must be token ids"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_runs(reference_models, call, message) -> None:
+    model = patched_copy(reference_models["qwen3_moe"], expert_budget=0.0)
+    with pytest.raises(InputError, match=message):
+        call(model)
+    assert model not in generation._CACHE_LENGTHS  # nothing ran: no cache was sized for it
+    assert all(s.steps == 0 for s in thm.stats(model).values())
+
+
+def test_an_unpatched_model_is_refused(reference_models) -> None:
+    with pytest.raises(InputError, match="patched by torch_hybrid_moe: patch it first"):
+        thm.greedy_generate(reference_models["qwen3_moe"], prompts(), 4)
