@@ -1,6 +1,7 @@
 """End-to-end decode and prefill on one CPU, side by side on the same weights: ours, unpatched transformers
 (eager and Inductor) and llama.cpp, interleaved and repeated; medians with spread, peak RSS, greedy-token
-agreement with transformers, and the memory floor of a decode token.
+agreement with transformers, and the memory floor of a decode token. Ours generates with `thm.greedy_generate` (the
+package's greedy loop: generate()'s tokens, less its per-token Python), transformers with `generate()`.
 
 Checkpoints are generated once (random bf16 weights at a real model's layer shape, `save_pretrained`, the
 embedded tokenizer) under --cache. llama.cpp rows need a llama.cpp source tree built with CMake (--llama-cpp,
@@ -179,11 +180,17 @@ def run_torch_row(row: str, path: Path, prompt: int, tokens: int, threads: int) 
         model.generation_config.compile_config = config
     ids = torch.randint(100, 2000, (1, prompt), generator=torch.Generator().manual_seed(prompt))
     gen.update(max_new_tokens=tokens, min_new_tokens=tokens)  # one static-cache size: warm-up compiles for it
+
+    def run(**kw: object) -> torch.Tensor:
+        if row.startswith("ours"):  # greedy tokens as the package gives them, with no end token (min_new_tokens)
+            return thm.greedy_generate(model, ids, tokens, eos_token_id=[], **kw)
+        return model.generate(ids, **gen, **kw)
+
     with torch.no_grad():
-        model.generate(ids, **gen)
+        run()
         stamps = _Stamps()
         start = time.perf_counter()
-        out = model.generate(ids, streamer=stamps, **gen)
+        out = run(streamer=stamps)
     times = stamps.times  # the prompt's push, then one per new token: the first ends prefill
     return dict(
         prefill_tok_s=prompt / (times[1] - start),

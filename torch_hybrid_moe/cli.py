@@ -48,7 +48,7 @@ T = TypeVar("T")
 
 
 class _TimingStreamer(BaseStreamer):
-    """Timestamps generate()'s token pushes: the first push is the prompt, the second ends prefill."""
+    """Timestamps greedy_generate()'s token pushes: the first push is the prompt, the second ends prefill."""
 
     def __init__(self, total: int) -> None:
         self.times: list[float] = []
@@ -145,15 +145,17 @@ def generate(args: argparse.Namespace) -> int:
     if args.prompt_tokens:  # the prompt's tokens repeated to this length: a prefill figure that means something
         ids = ids.repeat(1, -(-args.prompt_tokens // ids.shape[1]))[:, : args.prompt_tokens]
     ids = ids.to(device)
-    gen = {"max_new_tokens": args.max_new_tokens, "do_sample": False}
     with torch.no_grad():
         start = time.perf_counter()
-        _timed("warm-up generate (compiles the decode step)", lambda: model.generate(ids, **gen))
+        _timed(
+            "warm-up generate (compiles the decode step)",
+            lambda: thm.greedy_generate(model, ids, args.max_new_tokens),
+        )
         compile_s = time.perf_counter() - start
         thm.reset_stats(model)
         streamer = _TimingStreamer(args.max_new_tokens)
         start = time.perf_counter()
-        out = model.generate(ids, streamer=streamer, **gen)
+        out = thm.greedy_generate(model, ids, args.max_new_tokens, streamer=streamer)
     times = streamer.times
     prefill_s = times[1] - start
     decode_s = times[-1] - times[1]

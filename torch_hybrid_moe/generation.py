@@ -41,9 +41,9 @@ def greedy_generate(
 ) -> torch.Tensor:
     """The prompt `input_ids` ([batch, length], rows of one length, no padding) followed by up to `max_new_tokens`
     greedy tokens, as `model.generate(input_ids, do_sample=False, max_new_tokens=...)` returns them: a row that
-    produced an end token (`eos_token_id`, default the model's generation config's) continues with `pad_token_id`
-    until every row has, which ends the call. `streamer` gets the prompt, then each step's tokens, as `generate()`
-    gives them. For a model patched by torch_hybrid_moe."""
+    produced an end token (`eos_token_id`, default the model's generation config's; [] for none) continues with
+    `pad_token_id` until every row has, which ends the call. `streamer` gets the prompt, then each step's tokens,
+    as `generate()` gives them. For a model patched by torch_hybrid_moe."""
     eos, pad = _check(model, input_ids, max_new_tokens, eos_token_id, pad_token_id)
     if input_ids.device.type != "cpu":
         hf: Any = model  # nn.Module's __getattr__ hides generate() from the type checker
