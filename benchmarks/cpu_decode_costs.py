@@ -12,7 +12,8 @@ weights the step streamed since that op's last call), which leaves the caches (c
 pages, the TLBs holding other things; the pass is itself a threaded torch op, so the dispatcher's common path and
 the OpenMP threads are warmer than in a step. Each round times a call cold, then again at once (hot). Back-to-back
 timings (the sections above, and the route measurements at warm-up) do not see that cost; a token pays it at every
-op boundary.
+op boundary. Among those calls, greedy decoding's argmax over an LM head's row: torch's (as generate() takes it, on
+an fp32 copy) and the `hybrid_moe::greedy_tokens` op (thm.greedy_generate's).
 
     python benchmarks/cpu_decode_costs.py [--threads 2] [--repeats 41] [--flush-mb 256]
 """
@@ -183,12 +184,16 @@ def main() -> None:
     q = torch.randn(1, 32, 1, 128, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 4, 160, 128, dtype=torch.bfloat16) for _ in range(2))
     mask = torch.ones(1, 1, 1, 160, dtype=torch.bool)
+    logits = torch.randn(1, LINEARS["lm_head"][0], dtype=torch.bfloat16)
     calls = {
         "torch.empty(2048)": lambda: torch.empty(HIDDEN),
         f"F.linear, router {EXPERTS}x{HIDDEN}": lambda: F.linear(x, router),
         "matvecs op, the same": lambda: torch.ops.hybrid_moe.matvecs(x, [router], [None], [None]),
         "matvecs op, 0 tokens": lambda: torch.ops.hybrid_moe.matvecs(no_tokens, [router], [None], [None]),
         "decode attention op, 160": lambda: torch.ops.hybrid_moe.decode_attention(q, k, v, mask, 128**-0.5),
+        "argmax, LM head row (bf16)": lambda: logits.argmax(-1),
+        "argmax of its fp32 copy": lambda: logits.float().argmax(-1),  # generate()'s greedy step
+        "greedy_tokens op, the row": lambda: torch.ops.hybrid_moe.greedy_tokens(logits),
     }
     flush = torch.ones(args.flush_mb << 18)  # fp32: flush_mb MiB
     times: dict[str, dict[str, list[float]]] = {name: {"cold": [], "hot": []} for name in calls}

@@ -7,10 +7,13 @@ not known to the profiler: the op names say which part of the step it is (`hybri
 `hybrid_moe::dispatch`: the experts, `aten::bmm`: decode attention, the rest: the compiled graph's own kernels,
 Dynamo's guards and the ops around them). With --replay it times, without the profiler, each decode step's forward
 called both ways on alternate steps: the graph called directly (runtime/decode_replay.py, the default) and through
-Dynamo's frame evaluation, so that both see the same moments of a noisy host.
+Dynamo's frame evaluation, so that both see the same moments of a noisy host. With --loop it times whole decode
+tokens of `generate()` against `thm.greedy_generate` (the same tokens, without generate()'s per-token Python), in
+alternating rounds: each round's median gap between two tokens reaching a streamer, then the medians over rounds and
+of the paired differences.
 
     python benchmarks/decode_profile.py [--shape qwen3-30b-a3b] [--layers 4] [--weights model|int8|int4] [--tokens 32]
-        [--prefill | --replay [--rounds 4]]
+        [--prefill | --replay [--rounds 4] | --loop [--rounds 4]]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from end_to_end import SHAPES, checkpoint
+from end_to_end import SHAPES, _Stamps, checkpoint
 
 
 def profiled(
@@ -96,6 +99,42 @@ def replay_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds:
     )
 
 
+def loop_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds: int) -> str:
+    """Per round, generate() then greedy_generate: the median time between two decode tokens of each (the prompt's
+    push, prefill and the first decode step left out), and the paired difference; medians [quartiles] over rounds."""
+    import torch_hybrid_moe as thm
+
+    model.generation_config.eos_token_id = None  # both make every token, with no per-step work for an end token
+    ways = {
+        "generate()": lambda streamer: model.generate(
+            ids, do_sample=False, max_new_tokens=tokens + 2, streamer=streamer
+        ),
+        "thm.greedy_generate": lambda streamer: thm.greedy_generate(model, ids, tokens + 2, streamer=streamer),
+    }
+    same = torch.equal(*(run(None) for run in ways.values()))  # also compiles each
+    ms: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(rounds):
+        for way, run in ways.items():
+            stamps = _Stamps()
+            run(stamps)
+            gaps = [b - a for a, b in zip(stamps.times[2:], stamps.times[3:])]
+            ms[way].append(statistics.median(gaps) * 1e3)
+    pairs = [g - o for g, o in zip(*ms.values())]
+
+    def spread(values: list[float]) -> str:
+        q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+        return f"{statistics.median(values):.2f} [{q[0]:.2f}-{q[2]:.2f}]"
+
+    return "\n".join(
+        [
+            f"{'ms a decode token: median [quartiles]':>40}  rounds",
+            *(f"{way:>40}  {spread(v)}  {len(v)}" for way, v in ms.items()),
+            f"{'paired: generate() less greedy_generate':>40}  {spread(pairs)}  {len(pairs)}",
+            f"{'same tokens':>40}  {same}",
+        ]
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -111,7 +150,10 @@ def main() -> None:
     parser.add_argument(
         "--replay", action="store_true", help="time decode steps called directly against through Dynamo instead"
     )
-    parser.add_argument("--rounds", type=int, default=4, help="--replay: generations of --tokens steps")
+    parser.add_argument(
+        "--loop", action="store_true", help="time decode tokens of generate() against thm.greedy_generate instead"
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="--replay, --loop: generations of --tokens steps (each)")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rows", type=int, default=25, help="ops listed")
     parser.add_argument("--threads", type=int, default=2)
@@ -119,8 +161,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.tokens < 1 or args.prompt < 1 or args.rounds < 1:
         parser.error("--tokens, --prompt and --rounds must be at least 1")
-    if args.prefill and args.replay:
-        parser.error("--prefill and --replay measure different things: give one")
+    if args.prefill + args.replay + args.loop > 1:
+        parser.error("--prefill, --replay and --loop measure different things: give one")
     import torch_hybrid_moe as thm
 
     torch.set_num_threads(args.threads)
@@ -135,9 +177,9 @@ def main() -> None:
         dtype=torch.bfloat16,
     )
     ids = torch.randint(100, 2000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    if args.replay:
+    if args.replay or args.loop:
         with torch.no_grad():
-            table = replay_table(model, ids, args.tokens, args.rounds)
+            table = (replay_table if args.replay else loop_table)(model, ids, args.tokens, args.rounds)
         print(
             f"{args.shape}, {args.layers} layers, {args.weights} weights, {args.threads} threads, "
             f"a {args.prompt}-token prompt, {args.rounds} x {args.tokens} decode steps alternating, "

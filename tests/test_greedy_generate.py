@@ -1,12 +1,14 @@
 """`thm.greedy_generate` gives `generate(do_sample=False)`'s tokens, and `hybrid_moe::greedy_tokens` torch.argmax's."""
 
+import copy
+
 import pytest
 import torch
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe import generation
 from torch_hybrid_moe.errors import InputError
-from torch_hybrid_moe.ops.greedy import greedy_tokens_torch
+from torch_hybrid_moe.runtime.decode_replay import DecodeReplay
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES
 
 from .conftest import patched_copy
@@ -32,13 +34,26 @@ class Recorder:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_tokens_are_the_unpatched_models_greedy_tokens(reference_models, arch) -> None:
+def test_tokens_are_the_unpatched_models_greedy_tokens(reference_models, arch, monkeypatch) -> None:
     ref = reference_models[arch]
     x = prompts()
     want = ref.generate(x, max_new_tokens=10, do_sample=False)
     model = patched_copy(ref, expert_budget=0.0)
-    for _ in range(2):  # the second call reuses the compiled step and replays its decode steps past Dynamo
+    made: list[DecodeReplay] = []
+    monkeypatch.setattr(generation, "DecodeReplay", lambda *a: made.append(DecodeReplay(*a)) or made[-1])
+    for _ in range(2):  # the second call reuses the compiled step
         assert torch.equal(thm.greedy_generate(model, x, 10), want)
+    assert [r.replays for r in made] == [7, 7]  # 9 decode steps a call: 2 through Dynamo, 7 past it
+
+
+@pytest.mark.slow
+def test_a_bf16_model_gives_its_reference_tokens(reference_models) -> None:
+    ref = copy.deepcopy(reference_models["qwen3_moe"]).to(torch.bfloat16)
+    x = prompts()
+    assert torch.equal(
+        thm.greedy_generate(patched_copy(ref, expert_budget=0.0), x, 10),
+        ref.generate(x, max_new_tokens=10, do_sample=False),
+    )
 
 
 @pytest.mark.slow
@@ -55,32 +70,65 @@ def test_end_tokens_pad_finished_rows_and_end_the_call_as_generate_does(referenc
     ref = reference_models["mixtral"]
     x = prompts()
     free = ref.generate(x, max_new_tokens=12, do_sample=False)
-    end = int(free[0, x.shape[1] + 3])  # row 0 produces it at its fourth new token
-    want = ref.generate(x, max_new_tokens=12, do_sample=False, eos_token_id=end, pad_token_id=1)
+    ends = [int(free[0, x.shape[1] + 2]), int(free[1, x.shape[1] + 5])]  # each row's, by its sixth new token
+    want = ref.generate(x, max_new_tokens=12, do_sample=False, eos_token_id=ends, pad_token_id=1)
+    assert want.shape[1] < x.shape[1] + 12  # the call ends early: every row has ended
     model = patched_copy(ref, expert_budget=0.0)
     streamer = Recorder()
-    got = thm.greedy_generate(model, x, 12, eos_token_id=end, pad_token_id=1, streamer=streamer)
+    got = thm.greedy_generate(model, x, 12, eos_token_id=ends, pad_token_id=1, streamer=streamer)
     assert torch.equal(got, want)
     assert torch.equal(streamer.put_values[0], x) and streamer.ended == 1
     assert torch.equal(torch.stack(streamer.put_values[1:], dim=1), got[:, x.shape[1] :])
+    assert torch.equal(thm.greedy_generate(model, x, 1), free[:, : x.shape[1] + 1])  # the prompt's token alone
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["repetition_penalty", "pad_in_prompt"])
+def test_what_generate_does_beyond_an_argmax_is_generates(reference_models, case, monkeypatch) -> None:
+    """A generation config with a logits processor, or a prompt whose pad tokens generate() masks: generate()'s
+    tokens, which a plain argmax over an unmasked prompt would not give."""
+    ref = copy.deepcopy(reference_models["qwen3_moe"])
+    x = prompts()
+    if case == "repetition_penalty":
+        ref.generation_config.repetition_penalty = 1.5
+    else:
+        x[0, :3] = ref.generation_config.pad_token_id  # left padding
+    want = ref.generate(x, max_new_tokens=10, do_sample=False)
+    model = patched_copy(ref, expert_budget=0.0)
+    assert torch.equal(thm.greedy_generate(model, x, 10), want)
+    monkeypatch.setattr(generation, "_beyond_argmax", lambda *args: False)  # the plain loop would differ
+    assert not torch.equal(thm.greedy_generate(model, x, 10), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("vocab", [1, 5, 17, 8191, 16385, 151936])
 def test_greedy_tokens_is_torch_argmax(kernel, dtype, vocab) -> None:
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(5, vocab, generator=gen).to(dtype)
+    logits = torch.randn(8, vocab, generator=gen).to(dtype)
     logits[1] = logits[1].round()  # ties: the first index wins
     logits[2] = float("-inf")
     if vocab > 3:
         logits[3, vocab // 2] = logits[3, vocab - 1] = float("nan")  # the first NaN wins
         logits[4, vocab - 1] = logits[4].max() + 1  # the largest at the very end
-    for fn in (torch.ops.hybrid_moe.greedy_tokens, greedy_tokens_torch):
-        got = fn(logits)
-        assert got.dtype == torch.long
-        assert torch.equal(got, logits.argmax(-1))
-    if vocab > 1:  # a strided view
-        assert torch.equal(torch.ops.hybrid_moe.greedy_tokens(logits[:, 1:]), logits[:, 1:].argmax(-1))
+    # With 4 threads a 151,936-entry row is 4 chunks of `per`: ties and NaNs on both sides of a boundary.
+    per = -(-vocab // 4)
+    if vocab == 151936:
+        logits[5, per - 1] = logits[5, per] = logits[5].max() + 1
+        logits[6, per] = logits[6, per + 5] = float("nan")
+        logits[7, per - 1] = logits[7, per] = float("nan")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = torch.ops.hybrid_moe.greedy_tokens(logits)
+        strided = torch.ops.hybrid_moe.greedy_tokens(logits[:, 1:]) if vocab > 1 else None
+    finally:
+        torch.set_num_threads(threads)
+    assert got.dtype == torch.long
+    assert torch.equal(got, logits.argmax(-1))
+    if vocab == 151936:
+        assert got[5:].tolist() == [per - 1, per, per - 1]
+    if strided is not None:
+        assert torch.equal(strided, logits[:, 1:].argmax(-1))
 
 
 @pytest.mark.parametrize("logits", [torch.zeros(4), torch.zeros(2, 0), torch.zeros(1, 2, 3)])
@@ -92,14 +140,17 @@ def test_greedy_tokens_refuses_what_is_not_rows_of_logits(kernel, logits) -> Non
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda m: thm.greedy_generate(m, prompts()[0], 4), "input_ids must be an integer tensor"),
-        (lambda m: thm.greedy_generate(m, prompts().float(), 4), "input_ids must be an integer tensor"),
-        (lambda m: thm.greedy_generate(m, prompts()[:, :0], 4), "input_ids must be an integer tensor"),
+        (lambda m: thm.greedy_generate(m, prompts()[0], 4), "input_ids must be an int64 / int32"),
+        (lambda m: thm.greedy_generate(m, prompts().float(), 4), "input_ids must be an int64 / int32"),
+        (lambda m: thm.greedy_generate(m, prompts()[:, :0], 4), "input_ids must be an int64 / int32"),
         (lambda m: thm.greedy_generate(m, prompts(), 0), "max_new_tokens must be a positive int"),
         (lambda m: thm.greedy_generate(m, prompts(), True), "max_new_tokens must be a positive int"),
         (lambda m: thm.greedy_generate(m, prompts(), 2.0), "max_new_tokens must be a positive int"),
         (lambda m: thm.greedy_generate(m, prompts(), 4, eos_token_id=10**6), "eos_token_id must be token ids"),
         (lambda m: thm.greedy_generate(m, prompts(), 4, eos_token_id=[-1]), "eos_token_id must be token ids"),
+        (lambda m: thm.greedy_generate(m, prompts(), 4, pad_token_id=10**6), "pad_token_id must be a token id"),
+        (lambda m: thm.greedy_generate(m, prompts(), 4, pad_token_id=True), "pad_token_id must be a token id"),
+        (lambda m: thm.greedy_generate(m, prompts().to(torch.int8), 4), "input_ids must be an int64 / int32"),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(reference_models, call, message) -> None:

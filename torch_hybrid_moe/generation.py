@@ -1,11 +1,13 @@
 """Greedy decoding in a loop of our own: `generate(do_sample=False)`'s tokens, less its per-token Python.
 
-On the CPU, `model.generate()` spends ~1.4 ms a token outside the compiled forward on 2 cores of an AVX2 EPYC (input
-preparation, stopping criteria, a copy of the logits to fp32 and ATen's scalar argmax), 7% of a 4-bit token of
-Qwen3-30B-A3B's layer shape (benchmarks/RESULTS.md, 2026-11-29). Here a decode step is one compiled graph from a
+On the CPU, `model.generate()` spends 1.3-2.0 ms a token outside the compiled forward on 2 cores of an AVX2 EPYC
+(input preparation, stopping criteria, a copy of the logits to fp32 and ATen's scalar argmax), 7-10% of a 4-bit token
+of Qwen3-30B-A3B's layer shape (benchmarks/RESULTS.md, 2026-11-29). Here a decode step is one compiled graph from a
 token to the next, the forward and `hybrid_moe::greedy_tokens`, called past Dynamo as `generate()`'s steps are
-(runtime/decode_replay.py); the prompt runs uncompiled, as in `generate()`. Same forward, same static cache, same
-argmax: the same tokens. Off the CPU this is `generate(do_sample=False)` itself, whose decode step is one CUDA graph.
+(runtime/decode_replay.py); the prompt runs uncompiled, as in `generate()`. The same forward over a static cache
+(whose unfilled tail is masked, so its length changes no sum) and the same argmax: the same tokens. Where
+`generate()` would do more than that (off the CPU, whose decode step is one CUDA graph; a generation config that
+adds logits processors or beams; a prompt holding the pad token, which `generate()` masks), this is `generate()`.
 """
 
 from __future__ import annotations
@@ -17,17 +19,39 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
-from transformers import PreTrainedModel, StaticCache
+from transformers import GenerationConfig, PreTrainedModel, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from .errors import InputError
 from .model_patches.base import is_patched
-from .ops import greedy  # noqa: F401  (registers hybrid_moe::greedy_tokens)
 from .runtime.decode_replay import DecodeReplay
 
 # The longest static cache each model has decoded into: later calls reuse its size, so the compiled step is not
-# compiled again for every prompt length (as `generate()` keeps its own).
+# compiled again for every prompt length (as `generate()` keeps its own). Sizes go up in powers of two from
+# _MIN_CACHE: a growing conversation recompiles a few times, not once per turn (Dynamo's limit is 8 a code object).
 _CACHE_LENGTHS: weakref.WeakKeyDictionary[PreTrainedModel, int] = weakref.WeakKeyDictionary()
+_MIN_CACHE = 256
+# What generate(do_sample=False) does beyond a plain argmax when a generation config sets it (field, its no-op value):
+# a logits processor (penalties, forced or suppressed tokens, a minimum length) or beam search.
+_PLAIN = (
+    ("num_beams", 1),
+    ("repetition_penalty", 1.0),
+    ("encoder_repetition_penalty", 1.0),
+    ("no_repeat_ngram_size", 0),
+    ("bad_words_ids", None),
+    ("min_length", 0),
+    ("min_new_tokens", None),
+    ("suppress_tokens", None),
+    ("begin_suppress_tokens", None),
+    ("forced_bos_token_id", None),
+    ("forced_eos_token_id", None),
+    ("sequence_bias", None),
+    ("exponential_decay_length_penalty", None),
+    ("remove_invalid_values", False),
+    ("renormalize_logits", False),
+    ("guidance_scale", None),
+    ("watermarking_config", None),
+)
 
 
 def greedy_generate(
@@ -45,8 +69,8 @@ def greedy_generate(
     `pad_token_id` until every row has, which ends the call. `streamer` gets the prompt, then each step's tokens,
     as `generate()` gives them. For a model patched by torch_hybrid_moe."""
     eos, pad = _check(model, input_ids, max_new_tokens, eos_token_id, pad_token_id)
-    if input_ids.device.type != "cpu":
-        hf: Any = model  # nn.Module's __getattr__ hides generate() from the type checker
+    if input_ids.device.type != "cpu" or _beyond_argmax(model.generation_config, input_ids, eos, pad):
+        hf: Any = model  # generate() is GenerationMixin's, which PreTrainedModel's type does not include
         return hf.generate(
             input_ids,
             do_sample=False,
@@ -56,8 +80,9 @@ def greedy_generate(
             streamer=streamer,
         )
     batch, length = input_ids.shape
-    size = max(length + max_new_tokens, _CACHE_LENGTHS.get(model, 0))
-    _CACHE_LENGTHS[model] = size
+    size = max(_MIN_CACHE, _CACHE_LENGTHS.get(model, 0))
+    while size < length + max_new_tokens:
+        size *= 2
     forward = _ForwardNames(type(model))
     cache = {forward.cache: StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=size)}
     step = DecodeReplay(model, functools.partial(_compiled_step(), model))
@@ -85,7 +110,17 @@ def greedy_generate(
                 break
     if streamer is not None:
         streamer.end()
+    _CACHE_LENGTHS[model] = size  # only once a call of that size has run
     return torch.cat(out, dim=1)
+
+
+def _beyond_argmax(config: GenerationConfig, input_ids: torch.Tensor, eos: tuple[int, ...], pad: int | None) -> bool:
+    """Whether generate(do_sample=False) would do more than take each step's argmax: logits processors or beams
+    the generation config asks for, or an attention mask it infers from pad tokens in the prompt (a pad token that
+    is no end token)."""
+    return any(getattr(config, field, default) not in (default, None) for field, default in _PLAIN) or (
+        pad is not None and pad not in eos and bool((input_ids == pad).any())
+    )
 
 
 def next_tokens(model: PreTrainedModel, **inputs: object) -> torch.Tensor:
@@ -125,14 +160,16 @@ def _check(
     if (
         not isinstance(input_ids, torch.Tensor)
         or input_ids.dim() != 2
-        or input_ids.is_floating_point()
-        or input_ids.is_complex()
-        or input_ids.dtype == torch.bool
+        or input_ids.dtype not in (torch.int32, torch.int64)
         or 0 in input_ids.shape
     ):
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        shape = (
+            f"{input_ids.dtype} {tuple(input_ids.shape)}"
+            if isinstance(input_ids, torch.Tensor)
+            else type(input_ids).__name__
+        )
         raise InputError(
-            f"input_ids must be an integer tensor [batch, length] of at least one token, got {shape}: "
+            f"input_ids must be an int64 / int32 tensor [batch, length] of at least one token, got {shape}: "
             "pass tokenizer(..., return_tensors='pt').input_ids"
         )
     device = next(model.parameters()).device
@@ -140,12 +177,18 @@ def _check(
         raise InputError(f"input_ids are on {input_ids.device} but the model is on {device}: move them first")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    config = model.generation_config
+    config, vocab = model.generation_config, model.config.vocab_size
+
+    def token(t: object) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+
     eos = config.eos_token_id if eos_token_id is None else eos_token_id
     eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < model.config.vocab_size for t in eos):
-        raise InputError(f"eos_token_id must be token ids below the vocabulary size {model.config.vocab_size}: {eos}")
+    if not all(map(token, eos)):
+        raise InputError(f"eos_token_id must be token ids below the vocabulary size {vocab}: {eos}")
     pad = config.pad_token_id if pad_token_id is None else pad_token_id
+    if pad is not None and not token(pad):
+        raise InputError(f"pad_token_id must be a token id below the vocabulary size {vocab}, got {pad!r}")
     if pad is None and eos:
         pad = eos[0]  # as generate() does
     return eos, pad

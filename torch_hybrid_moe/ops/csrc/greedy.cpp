@@ -1,8 +1,9 @@
 // `hybrid_moe::greedy_tokens`: each row's argmax, the next token of greedy decoding (generation.py). ATen's argmax is a
-// scalar loop with an index beside every compare: over a Qwen3 vocabulary row (151,936 entries) it took 0.73 ms in
-// bf16 and 0.17 ms in fp32 on 2 cores of an AVX2 EPYC, a few percent of an int4 token. Here a row is cut into one
-// chunk per thread; each chunk finds its largest value 16 entries at a time, then the first place it occurs. The answer
-// is torch.argmax's: the first index of the largest value, or of the first NaN where a row has one.
+// scalar loop with an index beside every compare: over a Qwen3 vocabulary row (151,936 entries) it took 0.77 ms in
+// bf16, and 0.50 ms with the fp32 copy generate() takes first, on 2 cores of an AVX2 EPYC, against 0.04 ms here
+// (benchmarks/cpu_decode_costs.py). Here a row is cut into one chunk per thread; each chunk finds its largest value 16
+// entries at a time, then the first place it occurs. The answer is torch.argmax's: the first index of the largest
+// value, or of the first NaN where a row has one.
 
 #include <limits>
 #include <vector>
@@ -143,8 +144,8 @@ at::Tensor greedy_tokens(const at::Tensor& logits) {
     case at::kHalf:
       rows_argmax<c10::Half>(x, out.data_ptr<int64_t>());
       break;
-    default:
-      TORCH_CHECK(false, "greedy_tokens: logits must be fp32, bf16 or fp16, got ", x.scalar_type());
+    default:  // no model's logits: ATen's own loop
+      return at::argmax(x, -1);
   }
   return out;
 }

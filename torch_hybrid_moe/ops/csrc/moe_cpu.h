@@ -61,7 +61,8 @@ void drop_cpu_layer(int64_t owner);
 std::tuple<int64_t, int64_t, int64_t> take_cpu_layer_counts(int64_t owner);
 at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const at::Tensor& topk_weights, int64_t layer);
 
-// Each row's argmax over logits [rows, V] (fp32, bf16 or fp16) as torch.argmax gives it: greedy decoding's next tokens,
+// Each row's argmax over logits [rows, V] as torch.argmax gives it (fp32, bf16 and fp16 in chunks per thread; other
+// dtypes through ATen): greedy decoding's next tokens,
 // the `hybrid_moe::greedy_tokens` op's CPU kernel (greedy.cpp).
 at::Tensor greedy_tokens(const at::Tensor& logits);
 
