@@ -12,6 +12,7 @@ adds logits processors or beams; a prompt holding the pad token, which `generate
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import weakref
@@ -70,14 +71,11 @@ def greedy_generate(
     as `generate()` gives them. For a model patched by torch_hybrid_moe."""
     eos, pad = _check(model, input_ids, max_new_tokens, eos_token_id, pad_token_id)
     if input_ids.device.type != "cpu" or _beyond_argmax(model.generation_config, input_ids, eos, pad):
+        config = copy.deepcopy(model.generation_config)  # the end tokens as resolved here: none stays none
+        config.eos_token_id, config.pad_token_id = list(eos) or None, pad
         hf: Any = model  # generate() is GenerationMixin's, which PreTrainedModel's type does not include
         return hf.generate(
-            input_ids,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=list(eos) or None,
-            pad_token_id=pad,
-            streamer=streamer,
+            input_ids, generation_config=config, do_sample=False, max_new_tokens=max_new_tokens, streamer=streamer
         )
     batch, length = input_ids.shape
     size = max(_MIN_CACHE, _CACHE_LENGTHS.get(model, 0))
