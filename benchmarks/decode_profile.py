@@ -66,6 +66,13 @@ class Alternating:
         return out
 
 
+def spread(values: list[float], scale: float, digits: int) -> str:
+    """Median [quartiles] of `values` times `scale`, as the tables print them (one value: itself for all three)."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    mid, low, high = (v * scale for v in (statistics.median(values), q[0], q[2]))
+    return f"{mid:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
+
+
 def replay_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds: int) -> str:
     """Medians and quartiles of a decode step's forward each way over `rounds` generations, and of the paired
     differences (a Dynamo step less the direct step before it)."""
@@ -85,16 +92,12 @@ def replay_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds:
             "changes each step); nothing to compare"
         )
 
-    def spread(values: list[float]) -> str:
-        q = statistics.quantiles(values, n=4)
-        return f"{statistics.median(values) * 1e3:.3f} [{q[0] * 1e3:.3f}-{q[2] * 1e3:.3f}]"
-
     return "\n".join(
         [
             f"{'forward ms: median [quartiles]':>34}  steps",
-            f"{'graph called directly':>34}  {spread(ways['direct'])}  {len(ways['direct'])}",
-            f"{'through Dynamo':>34}  {spread(ways['dynamo'])}  {len(ways['dynamo'])}",
-            f"{'paired: Dynamo less direct':>34}  {spread(pairs)}  {len(pairs)}",
+            f"{'graph called directly':>34}  {spread(ways['direct'], 1e3, 3)}  {len(ways['direct'])}",
+            f"{'through Dynamo':>34}  {spread(ways['dynamo'], 1e3, 3)}  {len(ways['dynamo'])}",
+            f"{'paired: Dynamo less direct':>34}  {spread(pairs, 1e3, 3)}  {len(pairs)}",
         ]
     )
 
@@ -121,15 +124,11 @@ def loop_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds: i
             ms[way].append(statistics.median(gaps) * 1e3)
     pairs = [g - o for g, o in zip(*ms.values())]
 
-    def spread(values: list[float]) -> str:
-        q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
-        return f"{statistics.median(values):.2f} [{q[0]:.2f}-{q[2]:.2f}]"
-
     return "\n".join(
         [
             f"{'ms a decode token: median [quartiles]':>40}  rounds",
-            *(f"{way:>40}  {spread(v)}  {len(v)}" for way, v in ms.items()),
-            f"{'paired: generate() less greedy_generate':>40}  {spread(pairs)}  {len(pairs)}",
+            *(f"{way:>40}  {spread(v, 1, 2)}  {len(v)}" for way, v in ms.items()),
+            f"{'paired: generate() less greedy_generate':>40}  {spread(pairs, 1, 2)}  {len(pairs)}",
             f"{'same tokens':>40}  {same}",
         ]
     )
