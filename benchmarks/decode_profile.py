@@ -1,11 +1,12 @@
-"""Where a decode token's time goes: torch.profiler over `generate` with ours (`from_pretrained` at expert budget 0),
-per op, per token. Two generations of the same prompt, of 2 and of 2 + N new tokens, are profiled and subtracted,
-so prefill and the first step cancel out and what is left is N decode steps. With --prefill it profiles one
-generation of a single new token instead (the prompt's prefill and the LM head) and lists ops per input shape, which
-tells one projection from another. The weights' bytes each op reads are
-not known to the profiler: the op names say which part of the step it is (`hybrid_moe::linear`: the dense layers,
-`hybrid_moe::dispatch`: the experts, `aten::bmm`: decode attention, the rest: the compiled graph's own kernels,
-Dynamo's guards and the ops around them). With --replay it times, without the profiler, each decode step's forward
+"""Where a decode token's time goes: torch.profiler over `thm.greedy_generate` (the package's decode loop) with ours
+(`from_pretrained` at expert budget 0), per op, per token. Two generations of the same prompt, of 2 and of 2 + N new
+tokens, are profiled and subtracted, so prefill and the first step cancel out and what is left is N decode steps.
+With --prefill it profiles one generation of a single new token instead (the prompt's prefill and the LM head) and
+lists ops per input shape, which tells one projection from another. The weights' bytes each op reads are not known
+to the profiler: the op names say which part of the step it is (`hybrid_moe::matvecs` / `hybrid_moe::linear`: the
+dense layers, `hybrid_moe::cpu_moe` / `hybrid_moe::dispatch`: the experts, `hybrid_moe::decode_attention`: attention,
+`hybrid_moe::greedy_tokens`: the argmax; the rest: the compiled graph's own kernels and wrapper, and the ops around
+them). With --replay it times, without the profiler, each decode step's forward
 called both ways on alternate steps: the graph called directly (runtime/decode_replay.py, the default) and through
 Dynamo's frame evaluation, so that both see the same moments of a noisy host. With --loop it times whole decode
 tokens of `generate()` against `thm.greedy_generate` (the same tokens, without generate()'s per-token Python), in
@@ -34,13 +35,14 @@ from end_to_end import SHAPES, _Stamps, checkpoint
 def profiled(
     model: torch.nn.Module, ids: torch.Tensor, new: int, shapes: bool = False
 ) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Seconds of one greedy generation of `new` tokens and {op: (self seconds, calls)} in it (after a warm-up);
-    `shapes`: one entry per op and input shapes."""
-    gen = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new)
-    model.generate(ids, **gen)
+    """Seconds of one greedy generation of `new` tokens (no end token) and {op: (self seconds, calls)} in it (after a
+    warm-up); `shapes`: one entry per op and input shapes."""
+    import torch_hybrid_moe as thm
+
+    thm.greedy_generate(model, ids, new, eos_token_id=[])
     with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
         start = time.perf_counter()
-        model.generate(ids, **gen)
+        thm.greedy_generate(model, ids, new, eos_token_id=[])
         seconds = time.perf_counter() - start
     return seconds, {
         e.key + (f" {e.input_shapes}" if shapes else ""): (e.self_cpu_time_total / 1e6, e.count)
