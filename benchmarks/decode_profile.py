@@ -1,6 +1,7 @@
 """Where a decode token's time goes: torch.profiler over `thm.greedy_generate` (the package's decode loop) with ours
-(`from_pretrained` at expert budget 0), per op, per token. Two generations of the same prompt, of 2 and of 2 + N new
-tokens, are profiled and subtracted, so prefill and the first step cancel out and what is left is N decode steps.
+(`from_pretrained` at expert budget 0), per op, per token. Two generations of the same prompt, of 3 and of 3 + N new
+tokens, are profiled and subtracted, so prefill and the first two decode steps (through Dynamo, before the step is
+called directly) cancel out and what is left is N decode steps.
 With --prefill it profiles one generation of a single new token instead (the prompt's prefill and the LM head) and
 lists ops per input shape, which tells one projection from another. The weights' bytes each op reads are not known
 to the profiler: the op names say which part of the step it is (`hybrid_moe::matvecs` / `hybrid_moe::linear`: the
@@ -201,8 +202,8 @@ def main() -> None:
             print(f"{op_s * 1e3:9.2f} {calls:5d} {op_s * 1e3 / calls:8.2f}  {name[:120]}")
         return
     with torch.no_grad():
-        short_s, short = profiled(model, ids, 2)
-        long_s, long = profiled(model, ids, 2 + args.tokens)
+        short_s, short = profiled(model, ids, 3)
+        long_s, long = profiled(model, ids, 3 + args.tokens)
     per_token = (long_s - short_s) / args.tokens
     if per_token <= 0:  # the prompt's prefill, in both runs, varied by more than the decode steps took
         sys.exit(

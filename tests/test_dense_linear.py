@@ -204,6 +204,15 @@ def test_decode_route_refuses_quantized_weights_without_columns(dtype):
         torch.ops.hybrid_moe.matvecs(torch.zeros(1, 0), [weight], [torch.ones(4, 1)], [None])
 
 
+@pytest.mark.parametrize("rows", [0, 4])
+def test_matvecs_refuses_float_weights_without_columns(rows):
+    """x and bf16 weights of no columns (with rows or none): refused with an error, not a division by zero."""
+    with pytest.raises(RuntimeError, match="no columns"):
+        torch.ops.hybrid_moe.matvecs(
+            torch.zeros(1, 0, dtype=torch.bfloat16), [torch.zeros(rows, 0, dtype=torch.bfloat16)], [None], [None]
+        )
+
+
 def test_quantized_linear_without_the_kernel_takes_the_dequantised_route(monkeypatch):
     """No compiler on the machine: the micro-kernels are missing, and decode rows must not reach them."""
     base = torch.nn.Linear(64, 8, bias=False)
@@ -341,13 +350,14 @@ def test_matvecs_of_siblings_equal_each_linear_alone(dtype):
     torch.library.opcheck(torch.ops.hybrid_moe.matvecs.default, (x, weights, scales, biases))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, "int4"])
-def test_matvecs_runs_cover_every_row_once_at_any_thread_count(dtype):
-    """Rows are handed out in runs that shrink towards the end (guided): with tens of thousands of short rows across
-    siblings, every row is computed once, the same bit for bit at 1, 2 and 3 threads, and within fp32 summation
-    error of float64."""
+def test_matvecs_runs_cover_every_row_at_any_thread_count(dtype, tokens):
+    """At decode rows are handed out in runs that shrink towards the end (guided): with tens of thousands of short
+    rows across siblings, every row is computed, the same bit for bit at 1, 2 and 3 threads, and within fp32
+    summation error of float64."""
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
     weights, scales, wanted = [], [], []
     for n in (9001, 3, 17003):
         w = torch.randn(n, 64, generator=g) * 0.1

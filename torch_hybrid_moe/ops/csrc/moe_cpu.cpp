@@ -589,10 +589,12 @@ at::Tensor bf16_expert(const at::Tensor& gate_up, const at::Tensor& down, const 
 // Rows per work item on the micro-kernel route, for `rows` rows cut into about `runs` runs. An item's rows are one
 // run, read front to back: small items cost bandwidth (each new run restarts the hardware prefetchers, and 64-row
 // items left a third of the read bandwidth unused on an AVX-512 EPYC: benchmarks/RESULTS.md, 2026-11-25), while a
-// few items per thread let the others make up for a thread slowed by other work.
+// few items per thread let the others make up for a thread slowed by other work. (At decode matvec_runs cuts only a
+// call's last few runs shorter.)
 int64_t run_rows(int64_t rows, int64_t runs) { return ((rows + runs - 1) / runs + kRows - 1) / kRows * kRows; }
 constexpr int64_t kRunsPerThread = 4;
-constexpr int64_t kShortestRun = 32 << 10;  // bytes of weight rows: guided runs end at this length
+constexpr int64_t kGuidedTokens = 4;        // up to this many tokens matvec_runs' runs shrink towards the end
+constexpr int64_t kShortestRun = 32 << 10;  // about the bytes of weight rows its shortest runs read
 
 // moe_experts' fp32 buffers (activations, h, y), kept per calling thread from one call to the next: allocated anew they
 // cost page faults and zeroing on every call (~20 ms of a 512-token Qwen3-30B-A3B layer on 2 cores). Buffers above
@@ -836,6 +838,7 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
                  const std::vector<float*>& outs, const std::vector<int64_t>& lds, Isa isa, const Finish& finish) {
   const int64_t T = x.size(0), K = x.size(1);
   if (T == 0 || ms.empty()) return;
+  TORCH_CHECK(K > 0, "x has no columns: a dense product needs K >= 1");
   const Fmt fmt = ms[0].fmt;
   const Kernels kern = kernels_for(isa);
   std::vector<float> xs(T * K);
@@ -846,12 +849,16 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
   for (int64_t t = 0; t < T; ++t) rows[t] = in.row(t);
   int64_t total = 0;
   for (const int64_t n : rows_of) total += n;
-  // Runs shrink with the rows left (guided), from run_rows' length down to kShortestRun: the threads' last runs end
-  // close together. With equal runs one thread waited for the other's last one: 2% of the q / k / v and o projections'
-  // rate at decode in a one-off timing (4 layers of Qwen3-30B-A3B's int4 projections after a 64 MB pass, 2 threads,
-  // AVX2 EPYC).
+  // At decode (up to kGuidedTokens tokens) runs shrink with the rows left (guided), from run_rows' length down to
+  // about kShortestRun bytes of rows (whole kRows groups, never longer than run_rows'), so that the threads' last runs
+  // end close together: with equal runs one thread waited for the other's last one, 2% of the q / k / v and o
+  // projections' rate at decode in a one-off timing (4 layers of Qwen3-30B-A3B's int4 projections after a 64 MB
+  // pass, 2 threads, AVX2 EPYC). More tokens keep equal runs: a run's fixed costs (the activations' lanes, a partial
+  // lane panel) grow with the token count.
   const int64_t threads = at::get_num_threads(), longest = run_rows(total, kRunsPerThread * threads);
-  const int64_t shortest = std::max<int64_t>(kRows, kShortestRun / ms[0].row_bytes / kRows * kRows);
+  const int64_t shortest =
+      T <= kGuidedTokens ? std::min(longest, std::max<int64_t>(kRows, kShortestRun / ms[0].row_bytes / kRows * kRows))
+                         : longest;
   struct Run {
     int64_t i, r0, r1;
   };
@@ -859,7 +866,7 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
   int64_t left = total;
   for (int64_t i = 0; i < int64_t(ms.size()); ++i)
     for (int64_t r0 = 0; r0 < rows_of[i];) {
-      const int64_t size = std::clamp(run_rows(left, 2 * threads), shortest, std::max(shortest, longest));
+      const int64_t size = std::clamp(run_rows(left, 2 * threads), shortest, longest);
       const int64_t r1 = std::min(rows_of[i], r0 + size);
       runs.push_back({i, r0, r1});
       left -= r1 - r0;
