@@ -11,18 +11,21 @@ without the profiler, each decode step's forward called both ways on alternate s
 (runtime/decode_replay.py, the default) and through Dynamo's frame evaluation, so that both see the same moments of a
 noisy host. With --loop it times whole decode tokens of `generate()` against `thm.greedy_generate` (the same tokens,
 without generate()'s per-token Python), in alternating rounds: each round's median gap between two tokens reaching a
-streamer, then the medians over rounds and of the paired differences.
+streamer, then the medians over rounds and of the paired differences. With --wrapper it times, in the same way,
+`thm.greedy_generate` with its decode step's graph wrapper in Python against in C++ (the CPU default).
 
     python benchmarks/decode_profile.py [--shape qwen3-30b-a3b] [--layers 4] [--weights model|int8|int4] [--tokens 32]
-        [--prefill | --replay [--rounds 4] | --loop [--rounds 4]]
+        [--prefill | --replay [--rounds 4] | --loop [--rounds 4] | --wrapper [--rounds 4]]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -116,6 +119,35 @@ def loop_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds: i
         ),
         "thm.greedy_generate": lambda streamer: thm.greedy_generate(model, ids, tokens + 2, streamer=streamer),
     }
+    return alternated(ways, rounds)
+
+
+def wrapper_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds: int) -> str:
+    """Per round, thm.greedy_generate with its decode step's graph wrapper in Python, then in C++ (the package's
+    CPU default, compile_passes/backend.py's CPU_DECODE_OPTIONS): as loop_table measures them."""
+    import torch_hybrid_moe as thm
+    from torch_hybrid_moe import generation
+
+    steps = {
+        "Python wrapper": torch.compile(generation.next_tokens, backend="hybrid_moe", fullgraph=True, dynamic=False),
+        "C++ wrapper": generation._compiled_step(),
+    }
+
+    def run(step: object, streamer: object) -> torch.Tensor:
+        default = generation._compiled_step
+        generation._compiled_step = lambda: step  # the step greedy_generate calls, for this run only
+        try:
+            return thm.greedy_generate(model, ids, tokens + 2, eos_token_id=[], streamer=streamer)
+        finally:
+            generation._compiled_step = default
+
+    return alternated({way: functools.partial(run, step) for way, step in steps.items()}, rounds)
+
+
+def alternated(ways: dict[str, Callable[[object], torch.Tensor]], rounds: int) -> str:
+    """Rounds of each way in turn (a generation given a streamer): per round, each way's median time between two
+    decode tokens (the prompt's push, prefill and the first decode step left out), and the first way's less the
+    second's; medians [quartiles] over rounds, and whether both gave the same tokens."""
     same = torch.equal(*(run(None) for run in ways.values()))  # also compiles each
     ms: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(rounds):
@@ -124,13 +156,13 @@ def loop_table(model: torch.nn.Module, ids: torch.Tensor, tokens: int, rounds: i
             run(stamps)
             gaps = [b - a for a, b in zip(stamps.times[2:], stamps.times[3:])]
             ms[way].append(statistics.median(gaps) * 1e3)
-    pairs = [g - o for g, o in zip(*ms.values())]
-
+    pairs = [a - b for a, b in zip(*ms.values())]
+    first, second = ways
     return "\n".join(
         [
             f"{'ms a decode token: median [quartiles]':>40}  rounds",
             *(f"{way:>40}  {spread(v, 1, 2)}  {len(v)}" for way, v in ms.items()),
-            f"{'paired: generate() less greedy_generate':>40}  {spread(pairs, 1, 2)}  {len(pairs)}",
+            f"{f'paired: {first} less {second}':>40}  {spread(pairs, 1, 2)}  {len(pairs)}",
             f"{'same tokens':>40}  {same}",
         ]
     )
@@ -154,7 +186,14 @@ def main() -> None:
     parser.add_argument(
         "--loop", action="store_true", help="time decode tokens of generate() against thm.greedy_generate instead"
     )
-    parser.add_argument("--rounds", type=int, default=4, help="--replay, --loop: generations of --tokens steps (each)")
+    parser.add_argument(
+        "--wrapper",
+        action="store_true",
+        help="time decode tokens of thm.greedy_generate with the step's wrapper in Python against in C++ instead",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="--replay, --loop, --wrapper: generations of --tokens steps (each)"
+    )
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rows", type=int, default=25, help="ops listed")
     parser.add_argument("--threads", type=int, default=2)
@@ -162,8 +201,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.tokens < 1 or args.prompt < 1 or args.rounds < 1:
         parser.error("--tokens, --prompt and --rounds must be at least 1")
-    if args.prefill + args.replay + args.loop > 1:
-        parser.error("--prefill, --replay and --loop measure different things: give one")
+    if args.prefill + args.replay + args.loop + args.wrapper > 1:
+        parser.error("--prefill, --replay, --loop and --wrapper measure different things: give one")
     import torch_hybrid_moe as thm
 
     torch.set_num_threads(args.threads)
@@ -178,9 +217,10 @@ def main() -> None:
         dtype=torch.bfloat16,
     )
     ids = torch.randint(100, 2000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    if args.replay or args.loop:
+    if args.replay or args.loop or args.wrapper:
+        table_of = replay_table if args.replay else loop_table if args.loop else wrapper_table
         with torch.no_grad():
-            table = (replay_table if args.replay else loop_table)(model, ids, args.tokens, args.rounds)
+            table = table_of(model, ids, args.tokens, args.rounds)
         print(
             f"{args.shape}, {args.layers} layers, {args.weights} weights, {args.threads} threads, "
             f"a {args.prompt}-token prompt, {args.rounds} x {args.tokens} decode steps alternating, "

@@ -326,7 +326,8 @@ def test_patched_bf16_model_routes_its_linears_and_saves_unchanged(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, "int8", "int4"])
 def test_matvecs_of_siblings_equal_each_linear_alone(dtype):
     """One `hybrid_moe::matvecs` call over several weights (with and without biases) gives each weight's own
-    product: the same fp32 sum rounded once to x's dtype, bit for bit; against float64 within that rounding."""
+    product side by side: the same fp32 sum rounded once to x's dtype, bit for bit; against float64 within that
+    rounding."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, 128, generator=g).to(torch.bfloat16 if isinstance(dtype, str) else dtype)
     weights, scales, biases, wanted = [], [], [], []
@@ -342,9 +343,10 @@ def test_matvecs_of_siblings_equal_each_linear_alone(dtype):
             dense, xs = w.double(), x.reshape(-1, 128).double()
         weights.append(w), scales.append(s), biases.append(b)
         wanted.append((xs @ dense.T + (0 if b is None else b.double())).reshape(2, 3, n))
-    outs = torch.ops.hybrid_moe.matvecs(x, weights, scales, biases)
-    for w, s, b, got, want in zip(weights, scales, biases, outs, wanted):
-        alone = torch.ops.hybrid_moe.matvecs(x, [w], [s], [b])[0]
+    out = torch.ops.hybrid_moe.matvecs(x, weights, scales, biases)
+    assert out.shape == (2, 3, sum(w.shape[0] for w in weights))
+    for w, s, b, got, want in zip(weights, scales, biases, out.split([w.shape[0] for w in weights], -1), wanted):
+        alone = torch.ops.hybrid_moe.matvecs(x, [w], [s], [b])
         assert got.dtype == x.dtype and torch.equal(got, alone)
         torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3)
     torch.library.opcheck(torch.ops.hybrid_moe.matvecs.default, (x, weights, scales, biases))
@@ -377,8 +379,8 @@ def test_matvecs_runs_cover_every_row_at_any_thread_count(dtype, tokens):
     finally:
         torch.set_num_threads(threads)
     for t in (2, 3):
-        assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[t]))
-    for got, want in zip(outs[1], wanted):
+        assert torch.equal(outs[1], outs[t])
+    for got, want in zip(outs[1].split([w.shape[0] for w in weights], -1), wanted):
         torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3)
 
 

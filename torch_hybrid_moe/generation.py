@@ -23,6 +23,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
+from .compile_passes.backend import CPU_DECODE_OPTIONS
 from .errors import InputError
 from .model_patches.base import is_patched
 from .runtime.decode_replay import DecodeReplay
@@ -129,8 +130,11 @@ def next_tokens(model: PreTrainedModel, **inputs: object) -> torch.Tensor:
 
 @functools.cache
 def _compiled_step() -> Callable[..., torch.Tensor]:
-    """`next_tokens` compiled once per process with the hybrid_moe backend; Dynamo keeps a graph per model."""
-    return torch.compile(next_tokens, backend="hybrid_moe", fullgraph=True, dynamic=False)
+    """`next_tokens` compiled once per process with the hybrid_moe backend (a CPU step: its wrapper in C++); Dynamo
+    keeps a graph per model."""
+    return torch.compile(
+        next_tokens, backend="hybrid_moe", fullgraph=True, dynamic=False, options=dict(CPU_DECODE_OPTIONS)
+    )
 
 
 class _ForwardNames:

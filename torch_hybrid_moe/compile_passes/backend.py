@@ -32,6 +32,11 @@ from .moe_regions import rewrite_experts_regions
 from .prefetch import insert_prefetch
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(HybridMoEConfig)}
+# Inductor options for a CPU decode step (torch.compile(..., options=CPU_DECODE_OPTIONS)): the graph's wrapper in
+# C++, which calls our ops through the dispatcher, instead of ~300 lines of Python a step for 4 layers. On 4 int4
+# layers of Qwen3-30B-A3B's shape, 2 threads of an AVX2 EPYC: 55.3 against 51.7 tok/s, paired in one process
+# (benchmarks/RESULTS.md, 2026-11-29 morning); its cost is one more C++ compile at warm-up.
+CPU_DECODE_OPTIONS = {"cpp_wrapper": True}
 
 
 def hybrid_moe_backend(

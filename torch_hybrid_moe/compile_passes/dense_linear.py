@@ -9,7 +9,6 @@ backward. The choice is made here, once per weight shape, and baked into the gra
 
 from __future__ import annotations
 
-import operator
 from typing import cast
 
 import torch
@@ -42,9 +41,7 @@ def route_dense_linears(gm: fx.GraphModule, example_inputs: list) -> int:
             continue
         rows = example.numel() // example.shape[-1]
         if isinstance(rows, int) and rows <= limit:  # a graph of this token count only (decode): the kernel's own op
-            with gm.graph.inserting_before(node):
-                call = gm.graph.call_function(_MATVECS.default, (x, [weight], [None], [bias]))
-            node.target, node.args = operator.getitem, (call, 0)
+            node.target, node.args = _MATVECS.default, (x, [weight], [None], [bias])
         else:  # a token count that varies: the op that picks the route per call
             node.target, node.args = torch.ops.hybrid_moe.linear.default, (x, weight, None, bias, limit)
         replaced += 1
@@ -55,33 +52,34 @@ def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
     """Merge the `hybrid_moe::matvecs` calls that read the same input with weights of one dtype into one call at the
     first one's place: one pass of the threads over all their rows, one op call, the input prepared once (for k / v
     projections of a few MB the op's fixed cost is a large share of their time). Results are unchanged: every
-    output row is the same fp32 sum. Returns how many calls were merged away."""
+    output row is the same fp32 sum; each call's output becomes its columns of the merged one (a view). Returns how
+    many calls were merged away."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    groups: dict[tuple[fx.Node, torch.dtype], list[tuple[fx.Node, list[list]]]] = {}
+    groups: dict[tuple[fx.Node, torch.dtype], list[tuple[fx.Node, list[list], int]]] = {}
     for node in gm.graph.nodes:
         if not calls(node, _MATVECS) or node.kwargs:
             continue
         x, operands = node.args[0], [list(cast(list, a)) for a in node.args[1:4]]  # weights, scales, biases
-        example = operands[0][0].meta.get("example_value") if isinstance(operands[0][0], fx.Node) else None
-        if isinstance(x, fx.Node) and isinstance(example, torch.Tensor):
-            groups.setdefault((x, example.dtype), []).append((node, operands))
+        examples = [w.meta.get("example_value") if isinstance(w, fx.Node) else None for w in operands[0]]
+        if isinstance(x, fx.Node) and all(isinstance(e, torch.Tensor) for e in examples):
+            width = sum(cast(torch.Tensor, e).shape[0] for e in examples)
+            groups.setdefault((x, cast(torch.Tensor, examples[0]).dtype), []).append((node, operands, width))
     merged_away = 0
     for (x, _), members in groups.items():
         first = members[0][0]
-        inputs = [a for _, operands in members for listed in operands for a in listed if isinstance(a, fx.Node)]
+        inputs = [a for _, operands, _ in members for listed in operands for a in listed if isinstance(a, fx.Node)]
         if len(members) < 2 or any(order[a] > order[first] for a in inputs):
             continue  # one call, or a weight computed after the first call: nothing to merge at its place
-        if any(u.target is not operator.getitem for node, _ in members for u in node.users):
-            continue
         with gm.graph.inserting_before(first):
             merged = gm.graph.call_function(
-                _MATVECS.default, (x, *([a for _, operands in members for a in operands[i]] for i in range(3)))
+                _MATVECS.default, (x, *([a for _, operands, _ in members for a in operands[i]] for i in range(3)))
             )
         offset = 0
-        for node, operands in members:
-            for user in list(node.users):
-                user.args = (merged, offset + cast(int, user.args[1]))
-            offset += len(operands[0])
+        for node, _, width in members:
+            with gm.graph.inserting_before(node):
+                columns = gm.graph.call_function(torch.ops.aten.slice.Tensor, (merged, -1, offset, offset + width))
+            node.replace_all_uses_with(columns)
             gm.graph.erase_node(node)
+            offset += width
         merged_away += len(members) - 1
     return merged_away

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import CompileConfig
 from transformers.integrations.moe import ExpertsInterface
 
+from ..compile_passes.backend import CPU_DECODE_OPTIONS
 from ..config import HybridMoEConfig
 from ..ops import cpu_kernel
 from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
@@ -177,7 +178,7 @@ def patch_with_spec(
     if device.type == "cpu":
         use_cpu_attention(model)
     model.to(device)  # dense weights, attention, routers and shared experts
-    _compile_decode_with_backend(model, capture)
+    _compile_decode_with_backend(model, capture, device.type == "cpu")
     setattr(model, _PATCHED_ATTR, config)
     return model
 
@@ -348,15 +349,19 @@ def _replayed_call(model: torch.nn.Module) -> Callable[[object], DecodeReplay]:
     return get_compiled_call
 
 
-def _compile_decode_with_backend(model: torch.nn.Module, capture: bool) -> None:
-    """Make plain `generate()` use a static cache and compile its decode step with `backend="hybrid_moe"`;
-    with `capture`, each decode step then runs as one CUDA graph (runtime/decode_graphs.py), otherwise past
-    Dynamo once its steps agree (runtime/decode_replay.py)."""
+def _compile_decode_with_backend(model: torch.nn.Module, capture: bool, on_cpu: bool) -> None:
+    """Make plain `generate()` use a static cache and compile its decode step with `backend="hybrid_moe"` (on the
+    CPU with its wrapper in C++); with `capture`, each decode step then runs as one CUDA graph
+    (runtime/decode_graphs.py), otherwise past Dynamo once its steps agree (runtime/decode_replay.py)."""
     gen = getattr(model, "generation_config", None)
     if gen is None:
         return
     gen.cache_implementation = "static"
-    compile_config = CompileConfig(fullgraph=True, backend="hybrid_moe", mode="default")
+    compile_config = (  # torch.compile takes a mode or options, not both
+        CompileConfig(fullgraph=True, backend="hybrid_moe", mode=None, options=dict(CPU_DECODE_OPTIONS))
+        if on_cpu
+        else CompileConfig(fullgraph=True, backend="hybrid_moe", mode="default")
+    )
     compile_config._compile_all_devices = True  # transformers auto-compiles on CUDA only unless told
     gen.compile_config = compile_config
     if capture:

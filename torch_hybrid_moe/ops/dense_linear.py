@@ -33,19 +33,21 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # `hybrid_moe::matvecs`: x [..., K] times sibling weights that read it (attention's q / k / v), each [N_i, K] (bf16 /
-# fp16 / fp32, or int8 / packed int4 with fp32 group scales), plus their biases, each output in x's dtype, summed in
-# fp32 and rounded once. Its CPU kernel is C++ (csrc/moe_cpu.cpp), registered when the kernel module loads, so a
-# compiled decode step reaches it through the dispatcher alone; one call streams all the siblings' rows on every
-# thread at once, preparing x once.
+# fp16 / fp32, or int8 / packed int4 with fp32 group scales), plus their biases: the outputs side by side in one
+# tensor [..., sum N_i] of x's dtype, summed in fp32 and rounded once. Its CPU kernel is C++ (csrc/moe_cpu.cpp),
+# registered when the kernel module loads, so a compiled decode step reaches it through the dispatcher alone; one
+# call streams all the siblings' rows on every thread at once, preparing x once. One output tensor, not a list:
+# Inductor's C++ wrapper reads a list-returning custom op's result wrongly (it crashed), and calls a single-output
+# one without Python.
 _LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
-_LIB.define("matvecs(Tensor x, Tensor[] weights, Tensor?[] scales, Tensor?[] biases) -> Tensor[]")
+_LIB.define("matvecs(Tensor x, Tensor[] weights, Tensor?[] scales, Tensor?[] biases) -> Tensor")
 
 
 @torch.library.register_fake("hybrid_moe::matvecs", lib=_LIB)
 def _(
     x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None], biases: list[torch.Tensor | None]
-) -> list[torch.Tensor]:
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
 @torch.library.custom_op(
@@ -66,7 +68,7 @@ def linear(
         if scale is None:
             return gemm(x, weight, bias, weight.dtype in KERNEL_DTYPES and upcast_wins(weight))
         return dequantized_linear(x, QuantizedWeight.from_kernel_operands(weight, scale), bias)
-    return torch.ops.hybrid_moe.matvecs(x, [weight], [scale], [bias])[0]
+    return torch.ops.hybrid_moe.matvecs(x, [weight], [scale], [bias])
 
 
 def dequantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -120,7 +122,7 @@ class RoutedLinear(torch.nn.Module):
             or x.numel() // x.shape[-1] > self.max_tokens
         ):
             return gemm(x, self.weight, self.bias, self.upcast and x.dtype == self.weight.dtype)
-        return torch.ops.hybrid_moe.matvecs(x, [self.weight], [None], [self.bias])[0]
+        return torch.ops.hybrid_moe.matvecs(x, [self.weight], [None], [self.bias])
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
@@ -149,7 +151,7 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As RoutedLinear: a graph traced for few rows holds the kernel's own op, not the op that picks a route.
         if 0 < x.numel() // x.shape[-1] <= self.max_tokens:
-            return torch.ops.hybrid_moe.matvecs(x, [self.qweight], [self.scale], [self.bias])[0]
+            return torch.ops.hybrid_moe.matvecs(x, [self.qweight], [self.scale], [self.bias])
         return torch.ops.hybrid_moe.linear(x, self.qweight, self.scale, self.bias, self.max_tokens)
 
     def extra_repr(self) -> str:

@@ -921,9 +921,9 @@ std::vector<int64_t> shape_with_last(const at::Tensor& x, int64_t n) {
 
 template <typename T>
 void round_rows(const float* src, int64_t T_, int64_t ld, int64_t r0, int64_t r1, const float* bias, T* dst,
-                int64_t N) {
+                int64_t dst_ld) {
   for (int64_t t = 0; t < T_; ++t)
-    for (int64_t r = r0; r < r1; ++r) dst[t * N + r] = T(src[t * ld + r] + (bias ? bias[r] : 0.f));
+    for (int64_t r = r0; r < r1; ++r) dst[t * dst_ld + r] = T(src[t * ld + r] + (bias ? bias[r] : 0.f));
 }
 
 }  // namespace
@@ -960,9 +960,8 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
   return out.to(x.scalar_type()).reshape(shape_with_last(x, w.rows));
 }
 
-std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
-                                const c10::List<c10::optional<at::Tensor>>& scales,
-                                const c10::List<c10::optional<at::Tensor>>& biases) {
+at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& scales,
+                   const c10::List<c10::optional<at::Tensor>>& biases) {
   const int64_t n = int64_t(weights.size());
   TORCH_CHECK(n > 0 && int64_t(scales.size()) == n && int64_t(biases.size()) == n,
               "matvecs: one scale and one bias entry (or None) per weight");
@@ -971,9 +970,9 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
   const int64_t K = rows.size(1), T = rows.size(0);
   std::vector<DenseWeight> held(n);
   std::vector<Matrix> ms(n);
-  std::vector<int64_t> N(n), lds(n);
+  std::vector<int64_t> N(n), lds(n), offsets(n);
   std::vector<float*> outs(n);
-  std::vector<at::Tensor> biases_f(n), results(n);
+  std::vector<at::Tensor> biases_f(n);
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
     held[i] = dense_weight(weights[i], scales.get(i), K);
@@ -990,10 +989,11 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
   }
   std::vector<float> acc(T * total);  // fp32 sums side by side, each weight's columns at its offset
   for (int64_t i = 0, offset = 0; i < n; offset += N[i], ++i) {
+    offsets[i] = offset;
     outs[i] = acc.data() + offset;
     lds[i] = total;
-    results[i] = at::empty(shape_with_last(x, N[i]), x.options());
   }
+  at::Tensor out = at::empty(shape_with_last(x, total), x.options());
   // Each run is rounded to x's dtype (bias added in fp32) by the thread that summed it: one rounding, as torch's
   // GEMM gives it, and no second pass over the outputs.
   static const Isa isa = static_cast<Isa>(best_isa());
@@ -1001,14 +1001,14 @@ std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
     const float* bias = biases_f[i].defined() ? biases_f[i].data_ptr<float>() : nullptr;
     switch (dtype) {
       case at::kFloat:
-        return round_rows(outs[i], T, total, r0, r1, bias, results[i].data_ptr<float>(), N[i]);
+        return round_rows(outs[i], T, total, r0, r1, bias, out.data_ptr<float>() + offsets[i], total);
       case at::kBFloat16:
-        return round_rows(outs[i], T, total, r0, r1, bias, results[i].data_ptr<c10::BFloat16>(), N[i]);
+        return round_rows(outs[i], T, total, r0, r1, bias, out.data_ptr<c10::BFloat16>() + offsets[i], total);
       default:
-        return round_rows(outs[i], T, total, r0, r1, bias, results[i].data_ptr<c10::Half>(), N[i]);
+        return round_rows(outs[i], T, total, r0, r1, bias, out.data_ptr<c10::Half>() + offsets[i], total);
     }
   });
-  return results;
+  return out;
 }
 
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

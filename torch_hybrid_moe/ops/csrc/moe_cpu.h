@@ -25,11 +25,12 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                       const c10::optional<at::Tensor>& bias);
 
-// Sibling linears reading one input x [..., K] (attention's q / k / v): outs[i] [..., N_i] in x's dtype, summed in fp32
-// at the CPU's best ISA level, plus biases[i], rounded once; the `hybrid_moe::matvecs` op's CPU kernel.
-std::vector<at::Tensor> matvecs(const at::Tensor& x, at::TensorList weights,
-                                const c10::List<c10::optional<at::Tensor>>& scales,
-                                const c10::List<c10::optional<at::Tensor>>& biases);
+// Sibling linears reading one input x [..., K] (attention's q / k / v): their outputs side by side, [..., sum N_i] in
+// x's dtype (weight i's at columns [N_0 + ... + N_{i-1}, + N_i)), summed in fp32 at the CPU's best ISA level, plus
+// biases[i], rounded once; the `hybrid_moe::matvecs` op's CPU kernel. One tensor, not a list: Inductor's C++ wrapper
+// calls single-output ops through the dispatcher alone.
+at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& scales,
+                   const c10::List<c10::optional<at::Tensor>>& biases);
 
 // Attention of one query per head (decode) over a key / value cache, the `hybrid_moe::decode_attention` op's CPU
 // kernel: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (one dtype: fp32, bf16 or fp16), mask None,
