@@ -158,12 +158,14 @@ def alternated(ways: dict[str, Callable[[object], torch.Tensor]], rounds: int) -
             ms[way].append(statistics.median(gaps) * 1e3)
     pairs = [a - b for a, b in zip(*ms.values())]
     first, second = ways
+    labels = {"head": "ms a decode token: median [quartiles]", "paired": f"paired: {first} less {second}"}
+    width = max(map(len, [*labels.values(), *ways]))
     return "\n".join(
         [
-            f"{'ms a decode token: median [quartiles]':>40}  rounds",
-            *(f"{way:>40}  {spread(v, 1, 2)}  {len(v)}" for way, v in ms.items()),
-            f"{f'paired: {first} less {second}':>40}  {spread(pairs, 1, 2)}  {len(pairs)}",
-            f"{'same tokens':>40}  {same}",
+            f"{labels['head']:>{width}}  rounds",
+            *(f"{way:>{width}}  {spread(v, 1, 2)}  {len(v)}" for way, v in ms.items()),
+            f"{labels['paired']:>{width}}  {spread(pairs, 1, 2)}  {len(pairs)}",
+            f"{'same tokens':>{width}}  {same}",
         ]
     )
 

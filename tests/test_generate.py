@@ -32,6 +32,21 @@ def test_plain_generate_after_patch_gives_reference_tokens(reference_models, arc
     assert all(s.steps >= 10 for s in thm.stats(model).values())
 
 
+def test_the_decode_step_takes_the_cpp_wrapper_on_the_cpu_only():
+    """generate()'s decode step compiles with Inductor's C++ wrapper on the CPU (its Python wrapper costs time every
+    step) and with the default mode elsewhere (a CUDA step replays as one CUDA graph); torch.compile takes a mode
+    or options, never both."""
+    from torch_hybrid_moe.compile_passes.backend import CPU_DECODE_OPTIONS
+    from torch_hybrid_moe.model_patches.base import _compile_decode_with_backend
+    from torch_hybrid_moe.tiny_models import tiny_model
+
+    for on_cpu, want in ((True, (None, CPU_DECODE_OPTIONS)), (False, ("default", None))):
+        model = tiny_model("qwen3_moe")
+        _compile_decode_with_backend(model, False, on_cpu)
+        config = model.generation_config.compile_config
+        assert (config.backend, config.mode, config.options) == ("hybrid_moe", *want)
+
+
 def _counting_config(counter):
     config = CompileConfig(backend=counter, fullgraph=True, mode="default")
     config._compile_all_devices = True

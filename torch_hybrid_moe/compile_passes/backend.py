@@ -33,9 +33,9 @@ from .prefetch import insert_prefetch
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(HybridMoEConfig)}
 # Inductor options for a CPU decode step (torch.compile(..., options=CPU_DECODE_OPTIONS)): the graph's wrapper in
-# C++, which calls our ops through the dispatcher, instead of ~300 lines of Python a step for 4 layers. On 4 int4
-# layers of Qwen3-30B-A3B's shape, 2 threads of an AVX2 EPYC: 55.3 against 51.7 tok/s, paired in one process
-# (benchmarks/RESULTS.md, 2026-11-29 morning); its cost is one more C++ compile at warm-up.
+# C++, which calls our ops through the dispatcher, instead of ~300 lines of Python a step for 4 layers. On 4 int4 /
+# int8 layers of Qwen3-30B-A3B's shape, 2 threads of an AVX2 EPYC: 0.7-1.0 / 1.9 ms a token less, paired
+# (`benchmarks/decode_profile.py --wrapper`; benchmarks/RESULTS.md, "The CPU decode step's graph wrapper in C++").
 CPU_DECODE_OPTIONS = {"cpp_wrapper": True}
 
 

@@ -26,9 +26,9 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const c10::optional<at::Tensor>& bias);
 
 // Sibling linears reading one input x [..., K] (attention's q / k / v): their outputs side by side, [..., sum N_i] in
-// x's dtype (weight i's at columns [N_0 + ... + N_{i-1}, + N_i)), summed in fp32 at the CPU's best ISA level, plus
-// biases[i], rounded once; the `hybrid_moe::matvecs` op's CPU kernel. One tensor, not a list: Inductor's C++ wrapper
-// calls single-output ops through the dispatcher alone.
+// x's dtype (weight i's at columns [o_i, o_i + N_i), o_i = N_0 + ... + N_{i-1}), summed in fp32 at the CPU's best ISA
+// level, plus biases[i], rounded once; the `hybrid_moe::matvecs` op's CPU kernel. One tensor, not a list: Inductor's
+// C++ wrapper calls single-output ops through the dispatcher alone.
 at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& scales,
                    const c10::List<c10::optional<at::Tensor>>& biases);
 
