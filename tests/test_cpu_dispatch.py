@@ -96,6 +96,32 @@ def test_cpu_moe_refuses_a_freed_layer_and_bad_ids():
         CPU_MOE(hidden, torch.tensor([[0, 1]]), weights, handle)
 
 
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_cpu_moe_takes_any_float_dtypes_as_dispatch_does(hidden_dtype, weights_dtype):
+    """cpu_moe converts the routing weights and rounds its sums in C++, without torch ops: dispatch's result, in
+    hidden's dtype, for every pairing of dtypes a graph may hand it."""
+    model = thm.patch_model(tiny_model("mixtral", dtype=torch.bfloat16), expert_budget=0.0, device="cpu")
+    handle = next(iter(model_layers(model).values())).handle
+    hidden = torch.randn(3, model.config.hidden_size, dtype=hidden_dtype)
+    ids, weights = torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.rand(3, 2, dtype=weights_dtype)
+    out = CPU_MOE(hidden, ids, weights, handle)
+    assert out.dtype == hidden_dtype
+    assert torch.equal(out, torch.ops.hybrid_moe.dispatch(hidden, ids, weights, handle))
+
+
+def test_cpu_moe_refuses_misshapen_routing():
+    model = thm.patch_model(tiny_model("mixtral", dtype=torch.bfloat16), expert_budget=0.0, device="cpu")
+    handle = next(iter(model_layers(model).values())).handle
+    hidden = torch.randn(1, model.config.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"topk_ids must be an integer tensor \[T, K\]"):
+        CPU_MOE(hidden, torch.tensor([0, 1]), torch.tensor([0.5, 0.5]), handle)
+    with pytest.raises(RuntimeError, match=r"topk_weights must be \[T, K\] like topk_ids"):
+        CPU_MOE(hidden, torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.25, 0.25]]), handle)
+    with pytest.raises(RuntimeError, match="topk_weights must be a floating tensor"):
+        CPU_MOE(hidden, torch.tensor([[0, 1]]), torch.tensor([[1, 1]]), handle)
+
+
 def test_a_bound_handle_computes_the_bound_layers_experts(monkeypatch):
     """Stock models share one compiled graph and bind its handles to the calling model's layers before each call:
     cpu_moe follows the binding (two models with other weights, one graph, each the logits and the counts of the same

@@ -87,24 +87,28 @@ def greedy_generate(
     step = DecodeReplay(model, functools.partial(_compiled_step(), model))
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype) if eos else None
     pad_ids = torch.tensor(pad if pad is not None else 0, dtype=input_ids.dtype)
-    unfinished = torch.ones(batch, dtype=torch.bool)
+    unfinished = torch.ones(batch, 1, dtype=torch.bool)
+    # Each step's inputs made before the first: a decode op is dearer than its work (the Python and the dispatcher
+    # come back from DRAM after the weights' stream), so a step makes none of its own.
+    positions = [torch.arange(length).expand(batch, length)]
+    positions += [torch.full((batch, 1), length + i) for i in range(max_new_tokens - 1)]
+    cache_positions = [p[0] for p in positions] if forward.cache_position else []
     out = [input_ids]
     if streamer is not None:
         streamer.put(input_ids.cpu())
     with torch.no_grad():
         for i in range(max_new_tokens):
-            positions = torch.arange(length).expand(batch, length) if i == 0 else torch.full((batch, 1), length + i - 1)
-            inputs = dict(input_ids=input_ids if i == 0 else out[-1], position_ids=positions, **cache)
+            inputs = dict(input_ids=out[-1], position_ids=positions[i], **cache)
             if forward.cache_position:  # a transformers release whose forward takes them gets cache positions too
-                inputs["cache_position"] = positions[0]
+                inputs["cache_position"] = cache_positions[i]
             # the prompt uncompiled, as generate() runs it; each decode step as one graph
             tokens = next_tokens(model, **inputs) if i == 0 else cast(torch.Tensor, step(**inputs))
             if eos_ids is not None:
                 tokens = torch.where(unfinished, tokens, pad_ids)
                 unfinished &= ~torch.isin(tokens, eos_ids)
-            out.append(tokens[:, None])
+            out.append(tokens)
             if streamer is not None:
-                streamer.put(tokens.cpu())
+                streamer.put(tokens[:, 0].cpu())
             if eos_ids is not None and not unfinished.any():
                 break
     if streamer is not None:
@@ -123,9 +127,10 @@ def _beyond_argmax(config: GenerationConfig, input_ids: torch.Tensor, eos: tuple
 
 
 def next_tokens(model: PreTrainedModel, **inputs: object) -> torch.Tensor:
-    """The greedy next token [batch] after the step's inputs: the forward's last logits, their argmax."""
+    """The greedy next token [batch, 1] after the step's inputs (the next step's input ids): the forward's last
+    logits, their argmax."""
     logits = model(**inputs, use_cache=True, logits_to_keep=1).logits
-    return torch.ops.hybrid_moe.greedy_tokens(logits[:, -1])
+    return torch.ops.hybrid_moe.greedy_tokens(logits[:, -1])[:, None]
 
 
 @functools.cache

@@ -16,7 +16,9 @@
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "moe_cpu.h"
@@ -63,18 +65,45 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
     return dispatch.call(hidden, topk_ids, topk_weights, layer);
   }
   TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "hidden must be a CPU tensor [T, H]");
-  TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()), "topk_ids must be an integer tensor");
+  TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.dim() == 2,
+              "topk_ids must be an integer tensor [T, K]");
   TORCH_CHECK(topk_ids.device().is_cpu() && topk_weights.device().is_cpu(),
               "topk_ids and topk_weights must be on the CPU");
-  at::Tensor out = at::zeros(hidden.sizes(), hidden.options().dtype(at::kFloat));
+  TORCH_CHECK(at::isFloatingType(topk_weights.scalar_type()), "topk_weights must be a floating tensor");
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
+  TORCH_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == T && topk_weights.size(1) == K,
+              "topk_weights must be [T, K] like topk_ids");
+  // The routing weights in fp32 and the sums, in buffers kept per thread and seen as tensors without a dispatcher
+  // call: at decode each op a layer calls costs more than its work (its code and data come back from DRAM after the
+  // expert stream), and zeros plus two dtype conversions were five of them.
+  constexpr size_t kKeptSums = size_t(1) << 20;
+  thread_local std::vector<float> sums, routing;
+  sums.assign(T * H, 0.f);
+  routing.resize(T * K);
+  const at::Tensor w = topk_weights.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "cpu_moe", [&] {
+    const scalar_t* src = w.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < T * K; ++i) routing[i] = static_cast<float>(src[i]);
+  });
+  const auto as_tensor = [](std::vector<float>& v, at::IntArrayRef shape) {
+    return at::from_blob(v.data(), shape, at::TensorOptions().dtype(at::kFloat));
+  };
+  at::Tensor out_f = as_tensor(sums, {T, H});
   static const int64_t isa = best_isa();
-  const int64_t active =
-      moe_experts(hidden.contiguous(), topk_ids.to(at::kLong).contiguous(), topk_weights.to(at::kFloat).contiguous(),
-                  l->gate_up, l->gate_up_scale, l->down, l->down_scale, isa, int64_t(1) << 62, /*gemm_kernel=*/0, out);
+  const int64_t active = moe_experts(hidden.contiguous(), ids, as_tensor(routing, {T, K}), l->gate_up, l->gate_up_scale,
+                                     l->down, l->down_scale, isa, int64_t(1) << 62,
+                                     /*gemm_kernel=*/0, out_f);
   l->steps.fetch_add(1);
-  l->tokens.fetch_add(hidden.size(0));
+  l->tokens.fetch_add(T);
   l->experts.fetch_add(active);
-  return out.to(hidden.scalar_type());
+  at::Tensor out = at::empty(hidden.sizes(), hidden.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "cpu_moe", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < T * H; ++i) dst[i] = static_cast<scalar_t>(sums[i]);
+  });
+  if (sums.size() > kKeptSums) std::vector<float>().swap(sums);  // a prompt's sums are not held for good
+  return out;
 }
 
 void publish_cpu_layer(int64_t handle, int64_t owner, at::Tensor gate_up, c10::optional<at::Tensor> gate_up_scale,
