@@ -88,8 +88,8 @@ def greedy_generate(
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype) if eos else None
     pad_ids = torch.tensor(pad if pad is not None else 0, dtype=input_ids.dtype)
     unfinished = torch.ones(batch, 1, dtype=torch.bool)
-    # Each step's inputs made before the first: a decode op is dearer than its work (the Python and the dispatcher
-    # come back from DRAM after the weights' stream), so a step makes none of its own.
+    # Each step's inputs made before the first, and the step's ids already [batch, 1]: no op of a step runs outside
+    # its graph but the ones an end token or a streamer asks for.
     positions = [torch.arange(length).expand(batch, length)]
     positions += [torch.full((batch, 1), length + i) for i in range(max_new_tokens - 1)]
     cache_positions = [p[0] for p in positions] if forward.cache_position else []

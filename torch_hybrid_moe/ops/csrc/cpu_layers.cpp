@@ -74,9 +74,9 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
   const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
   TORCH_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == T && topk_weights.size(1) == K,
               "topk_weights must be [T, K] like topk_ids");
-  // The routing weights in fp32 and the sums, in buffers kept per thread and seen as tensors without a dispatcher
-  // call: at decode each op a layer calls costs more than its work (its code and data come back from DRAM after the
-  // expert stream), and zeros plus two dtype conversions were five of them.
+  // The routing weights in fp32 and the sums, in buffers kept per thread and seen as tensors, converted and rounded
+  // here: no zeros and no dtype conversions through the dispatcher (five ops a layer at decode, ~0.1 ms of self time
+  // a token over 4 int4 layers on 2 cores in the profiler; benchmarks/RESULTS.md, 2026-11-29 afternoon).
   constexpr size_t kKeptSums = size_t(1) << 20;
   thread_local std::vector<float> sums, routing;
   sums.assign(T * H, 0.f);
