@@ -99,8 +99,8 @@ def test_cpu_moe_refuses_a_freed_layer_and_bad_ids():
 @pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_cpu_moe_takes_any_float_dtypes_as_dispatch_does(hidden_dtype, weights_dtype):
-    """cpu_moe converts the routing weights and rounds its sums in C++, without torch ops: dispatch's result, in
-    hidden's dtype, for every pairing of dtypes a graph may hand it."""
+    """cpu_moe converts the routing weights and rounds its sums in C++, without dtype-conversion ops: dispatch's
+    result, in hidden's dtype, for every pairing of dtypes a graph may hand it."""
     model = thm.patch_model(tiny_model("mixtral", dtype=torch.bfloat16), expert_budget=0.0, device="cpu")
     handle = next(iter(model_layers(model).values())).handle
     hidden = torch.randn(3, model.config.hidden_size, dtype=hidden_dtype)
@@ -118,8 +118,10 @@ def test_cpu_moe_refuses_misshapen_routing():
         CPU_MOE(hidden, torch.tensor([0, 1]), torch.tensor([0.5, 0.5]), handle)
     with pytest.raises(RuntimeError, match=r"topk_weights must be \[T, K\] like topk_ids"):
         CPU_MOE(hidden, torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.25, 0.25]]), handle)
-    with pytest.raises(RuntimeError, match="topk_weights must be a floating tensor"):
+    with pytest.raises(RuntimeError, match=r"floating tensor \(fp32, fp64, bf16 or fp16\), got Long"):
         CPU_MOE(hidden, torch.tensor([[0, 1]]), torch.tensor([[1, 1]]), handle)
+    with pytest.raises(RuntimeError, match=r"topk_ids and hidden disagree on the token count: topk_ids \[2, 2\]"):
+        CPU_MOE(hidden, torch.tensor([[0, 1], [1, 0]]), torch.tensor([[0.5, 0.5], [0.5, 0.5]]), handle)
 
 
 def test_a_bound_handle_computes_the_bound_layers_experts(monkeypatch):

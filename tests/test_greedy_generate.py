@@ -164,3 +164,17 @@ def test_bad_input_is_refused_before_anything_runs(reference_models, call, messa
 def test_an_unpatched_model_is_refused(reference_models) -> None:
     with pytest.raises(InputError, match="patched by torch_hybrid_moe: patch it first"):
         thm.greedy_generate(reference_models["qwen3_moe"], prompts(), 4)
+
+
+def test_step_positions_cross_their_blocks_unchanged() -> None:
+    """The positions made ahead in blocks are each step's own: the prompt's, then length + i - 1 at step i, across
+    block boundaries, with the cache positions as their first row."""
+    from torch_hybrid_moe.generation import _POSITION_BLOCK, _positions
+
+    batch, length, steps = 2, 5, 2 * _POSITION_BLOCK + 3
+    made = list(_positions(batch, length, steps))
+    assert len(made) == steps
+    assert torch.equal(made[0][0], torch.arange(length).expand(batch, length))
+    for i, (positions, cache_position) in enumerate(made[1:], start=1):
+        assert positions.shape == (batch, 1) and positions.is_contiguous()
+        assert (positions == length + i - 1).all() and torch.equal(cache_position, positions[0])

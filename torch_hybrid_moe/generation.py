@@ -16,7 +16,7 @@ import copy
 import functools
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -33,6 +33,7 @@ from .runtime.decode_replay import DecodeReplay
 # _MIN_CACHE: a growing conversation recompiles a few times, not once per turn (Dynamo's limit is 8 a code object).
 _CACHE_LENGTHS: weakref.WeakKeyDictionary[PreTrainedModel, int] = weakref.WeakKeyDictionary()
 _MIN_CACHE = 256
+_POSITION_BLOCK = 256  # decode steps whose positions are made at a time
 # What generate(do_sample=False) does beyond a plain argmax when a generation config sets it (field, its no-op value):
 # a logits processor (penalties, forced or suppressed tokens, a minimum length) or beam search.
 _PLAIN = (
@@ -88,19 +89,14 @@ def greedy_generate(
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype) if eos else None
     pad_ids = torch.tensor(pad if pad is not None else 0, dtype=input_ids.dtype)
     unfinished = torch.ones(batch, 1, dtype=torch.bool)
-    # Each step's inputs made before the first, and the step's ids already [batch, 1]: no op of a step runs outside
-    # its graph but the ones an end token or a streamer asks for.
-    positions = [torch.arange(length).expand(batch, length)]
-    positions += [torch.full((batch, 1), length + i) for i in range(max_new_tokens - 1)]
-    cache_positions = [p[0] for p in positions] if forward.cache_position else []
     out = [input_ids]
     if streamer is not None:
         streamer.put(input_ids.cpu())
     with torch.no_grad():
-        for i in range(max_new_tokens):
-            inputs = dict(input_ids=out[-1], position_ids=positions[i], **cache)
+        for i, (positions, cache_position) in enumerate(_positions(batch, length, max_new_tokens)):
+            inputs = dict(input_ids=out[-1], position_ids=positions, **cache)
             if forward.cache_position:  # a transformers release whose forward takes them gets cache positions too
-                inputs["cache_position"] = cache_positions[i]
+                inputs["cache_position"] = cache_position
             # the prompt uncompiled, as generate() runs it; each decode step as one graph
             tokens = next_tokens(model, **inputs) if i == 0 else cast(torch.Tensor, step(**inputs))
             if eos_ids is not None:
@@ -115,6 +111,17 @@ def greedy_generate(
         streamer.end()
     _CACHE_LENGTHS[model] = size  # only once a call of that size has run
     return torch.cat(out, dim=1)
+
+
+def _positions(batch: int, length: int, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each step's position ids [batch, n] and cache positions [n]: the prompt's, then one for each new token, made
+    _POSITION_BLOCK steps ahead, so that with the step's ids already [batch, 1] no op of a decode step runs outside its
+    graph but those an end token or a streamer asks for."""
+    prompt = torch.arange(length).expand(batch, length)
+    yield prompt, prompt[0]
+    for start in range(length, length + steps - 1, _POSITION_BLOCK):
+        block = [torch.full((batch, 1), p) for p in range(start, min(start + _POSITION_BLOCK, length + steps - 1))]
+        yield from [(p, p[0]) for p in block]
 
 
 def _beyond_argmax(config: GenerationConfig, input_ids: torch.Tensor, eos: tuple[int, ...], pad: int | None) -> bool:

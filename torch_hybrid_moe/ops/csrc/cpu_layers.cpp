@@ -69,11 +69,15 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
               "topk_ids must be an integer tensor [T, K]");
   TORCH_CHECK(topk_ids.device().is_cpu() && topk_weights.device().is_cpu(),
               "topk_ids and topk_weights must be on the CPU");
-  TORCH_CHECK(at::isFloatingType(topk_weights.scalar_type()), "topk_weights must be a floating tensor");
+  const at::ScalarType wt = topk_weights.scalar_type();
+  TORCH_CHECK(wt == at::kFloat || wt == at::kDouble || wt == at::kBFloat16 || wt == at::kHalf,
+              "topk_weights must be a floating tensor (fp32, fp64, bf16 or fp16), got ", wt);
   const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
   const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
-  TORCH_CHECK(topk_weights.dim() == 2 && topk_weights.size(0) == T && topk_weights.size(1) == K,
-              "topk_weights must be [T, K] like topk_ids");
+  TORCH_CHECK(ids.size(0) == T, "topk_ids and hidden disagree on the token count: topk_ids ", topk_ids.sizes(),
+              ", hidden ", hidden.sizes());
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must be [T, K] like topk_ids, got ",
+              topk_weights.sizes(), " and ", topk_ids.sizes());
   // The routing weights in fp32 and the sums, in buffers kept per thread and seen as tensors, converted and rounded
   // here: no zeros and no dtype conversions through the dispatcher (five ops a layer at decode, ~0.1 ms of self time
   // a token over 4 int4 layers on 2 cores in the profiler; benchmarks/RESULTS.md, 2026-11-29 afternoon).
@@ -102,7 +106,10 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
     scalar_t* dst = out.data_ptr<scalar_t>();
     for (int64_t i = 0; i < T * H; ++i) dst[i] = static_cast<scalar_t>(sums[i]);
   });
-  if (sums.size() > kKeptSums) std::vector<float>().swap(sums);  // a prompt's sums are not held for good
+  if (sums.size() > kKeptSums) {  // a direct call with many tokens does not hold its buffers for good
+    std::vector<float>().swap(sums);
+    std::vector<float>().swap(routing);
+  }
   return out;
 }
 
