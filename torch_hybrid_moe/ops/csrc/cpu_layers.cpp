@@ -11,12 +11,12 @@
 // statistics when they are read. A handle that names no published layer (a graph compiled for an all-CPU layer whose
 // handle went to a layer with slots) takes the `hybrid_moe::dispatch` op instead.
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
-#include <vector>
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -78,20 +78,20 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
               ", hidden ", hidden.sizes());
   TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights must be [T, K] like topk_ids, got ",
               topk_weights.sizes(), " and ", topk_ids.sizes());
-  // The routing weights in fp32 and the sums, in buffers kept per thread and seen as tensors, converted and rounded
+  // The routing weights in fp32 and the sums, in a buffer kept per thread and seen as tensors, converted and rounded
   // here: no zeros and no dtype conversions through the dispatcher (five ops a layer at decode, ~0.1 ms of self time
   // a token over 4 int4 layers on 2 cores in the profiler; benchmarks/RESULTS.md, 2026-11-29 afternoon).
-  constexpr size_t kKeptSums = size_t(1) << 20;
-  thread_local std::vector<float> sums, routing;
-  sums.assign(T * H, 0.f);
-  routing.resize(T * K);
+  const Scratch<struct CpuMoeScratch> scratch(T * H + T * K);
+  float* const sums = scratch.data();
+  float* const routing = sums + T * H;
+  std::fill(sums, sums + T * H, 0.f);
   const at::Tensor w = topk_weights.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "cpu_moe", [&] {
     const scalar_t* src = w.data_ptr<scalar_t>();
     for (int64_t i = 0; i < T * K; ++i) routing[i] = static_cast<float>(src[i]);
   });
-  const auto as_tensor = [](std::vector<float>& v, at::IntArrayRef shape) {
-    return at::from_blob(v.data(), shape, at::TensorOptions().dtype(at::kFloat));
+  const auto as_tensor = [](float* p, at::IntArrayRef shape) {
+    return at::from_blob(p, shape, at::TensorOptions().dtype(at::kFloat));
   };
   at::Tensor out_f = as_tensor(sums, {T, H});
   static const int64_t isa = best_isa();
@@ -106,10 +106,6 @@ at::Tensor cpu_moe(const at::Tensor& hidden, const at::Tensor& topk_ids, const a
     scalar_t* dst = out.data_ptr<scalar_t>();
     for (int64_t i = 0; i < T * H; ++i) dst[i] = static_cast<scalar_t>(sums[i]);
   });
-  if (sums.size() > kKeptSums) {  // a direct call with many tokens does not hold its buffers for good
-    std::vector<float>().swap(sums);
-    std::vector<float>().swap(routing);
-  }
   return out;
 }
 

@@ -596,39 +596,6 @@ constexpr int64_t kRunsPerThread = 4;
 constexpr int64_t kGuidedTokens = 4;        // up to this many tokens matvec_runs' runs shrink towards the end
 constexpr int64_t kShortestRun = 32 << 10;  // about the bytes of weight rows its shortest runs read
 
-// moe_experts' fp32 buffers (activations, h, y), kept per calling thread from one call to the next: allocated anew they
-// cost page faults and zeroing on every call (~20 ms of a 512-token Qwen3-30B-A3B layer on 2 cores). Buffers above
-// kKeptScratch bytes are freed when the call ends, so one long prompt does not hold them for good.
-class Scratch {
- public:
-  explicit Scratch(int64_t n) {
-    if (n > capacity()) {
-      buffer().reset(new float[n]);  // uninitialised: every element used is written first
-      capacity() = n;
-    }
-  }
-  ~Scratch() {
-    if (capacity() * int64_t(sizeof(float)) > kKeptScratch) {
-      buffer().reset();
-      capacity() = 0;
-    }
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  float* data() const { return buffer().get(); }
-
- private:
-  static constexpr int64_t kKeptScratch = int64_t(64) << 20;
-  static std::unique_ptr<float[]>& buffer() {
-    thread_local std::unique_ptr<float[]> b;
-    return b;
-  }
-  static int64_t& capacity() {
-    thread_local int64_t c = 0;
-    return c;
-  }
-};
-
 // Each large expert's activation rows (rows_of(p) for its pairs p, in format f's layout), packed for amx_rows in
 // natural column order; one expert per thread.
 template <typename RowOf>
@@ -718,7 +685,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   const std::vector<int64_t> none;
   const std::vector<int64_t>& torch_gemm = amx ? none : large;  // the large experts torch's GEMM takes
 
-  const Scratch scratch(T * H + P * I + P * H);
+  const Scratch<struct MoeExpertsScratch> scratch(T * H + P * I + P * H);  // activations, h, y
   float* const x = scratch.data();
   float* const h = x + T * H;
   float* const y = h + P * I;
