@@ -142,6 +142,31 @@ def test_each_stock_model_computes_with_its_own_experts(reference_models):
 
 
 @pytest.mark.slow
+def test_experts_with_their_own_gate_are_left_as_they_are(reference_models, caplog):
+    """Experts whose class gates its own way (a clamped SwiGLU, as transformers' HY-V4, GLM-5 Next, Step-3.7 and
+    DeepSeek-V4 experts do) compute something `dispatch` does not: their region is left in the graph, with a
+    warning, and the compiled model computes what the eager one does."""
+    import copy
+
+    model = copy.deepcopy(reference_models["mixtral"])
+    stock = type(model.model.layers[0].mlp.experts)
+
+    class Clamped(stock):
+        def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(max=0.01)) * up.clamp(-0.01, 0.01)
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = Clamped
+    x = torch.randint(3, 96, (1, 5))
+    with torch.no_grad():
+        want = model(x).logits
+        got = torch.compile(model, backend="hybrid_moe", fullgraph=True)(x).logits
+    torch.testing.assert_close(got, want)
+    assert "Clamped gates its experts its own way" in caplog.text
+
+
+@pytest.mark.slow
 def test_compiled_stock_model_follows_weight_changes_and_new_options(reference_models):
     model = _perturbed(reference_models["mixtral"], 3)
     x = torch.randint(3, 96, (1, 5))
@@ -153,6 +178,10 @@ def test_compiled_stock_model_follows_weight_changes_and_new_options(reference_m
         torch.testing.assert_close(compiled(x).logits, model(x).logits)
         # an in-place edit of one expert's weights
         model.model.layers[1].mlp.experts.down_proj[0].mul_(3.0)
+        torch.testing.assert_close(compiled(x).logits, model(x).logits)
+        # new memory under a parameter (no version bump): `.data = t`, as module.to() and weight loaders do
+        experts = model.model.layers[0].mlp.experts
+        experts.gate_up_proj.data = 2.0 * experts.gate_up_proj.data
         torch.testing.assert_close(compiled(x).logits, model(x).logits)
         # compiling again with other options: they take effect (all experts in slots, none on the CPU)
         recompiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, options={"expert_budget": 1.0})

@@ -437,6 +437,32 @@ def test_decode_step_merges_sibling_linears_into_one_call(architecture, dense, m
     assert torch.equal(logits[0], logits[1])
 
 
+def test_siblings_with_an_in_place_write_between_them_are_not_merged(monkeypatch):
+    """`q = lin(x); x.mul_(2); k = lin(x)`: merged at q's place, k would read x before the write. Compiled, both
+    equal the eager module's."""
+
+    class Siblings(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = (torch.nn.Linear(64, 32, bias=False) for _ in range(2))
+
+        def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = h * 1.0
+            q = self.q(x)
+            x.mul_(2.0)
+            return q, self.k(x)
+
+    monkeypatch.setattr(dense_linear, "kernel_token_limit", lambda weight, repeats=5: 4)  # decode rows routed
+    torch.manual_seed(0)
+    model = Siblings().to(torch.bfloat16).eval()
+    h = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(h)
+        got = torch.compile(model, backend="hybrid_moe", fullgraph=True)(h)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_routed_linear_keeps_gradients():
     """The micro-kernels have no backward: with gradients wanted a RoutedLinear takes torch's GEMM at any row count."""
     base = torch.nn.Linear(256, 64, bias=True).to(torch.bfloat16)

@@ -160,3 +160,14 @@ def test_shipped_models_generate_at_any_batch_size(name, loaded):
             inputs = tokenizer(texts[:size], return_tensors="pt", padding=True)
             want = model.generate(**inputs, **gen)
             assert torch.equal(patched.generate(**inputs, **gen), want)
+
+
+def test_a_local_directory_wins_over_an_embedded_model_of_its_name(tmp_path, monkeypatch):
+    """`./mixtral-tiny` holding another checkpoint loads as transformers would load it: the directory."""
+    from torch_hybrid_moe.embedded import resolve_model
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "mixtral-tiny")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("mixtral-tiny") == "mixtral-tiny"
+    assert thm.from_pretrained("mixtral-tiny", device="cpu").config.model_type == "qwen3_moe"
+    assert resolve_model("deepseek-tiny") == str(embedded_models()["deepseek-tiny"])

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -87,6 +88,53 @@ def test_dtype_auto_takes_the_checkpoints(tmp_path):
     assert thm.from_pretrained(tmp_path, dtype=torch.float32, device="cpu").lm_head.weight.dtype == torch.float32
 
 
+@pytest.mark.slow
+def test_dtype_auto_without_a_config_dtype_takes_the_stored_weights(tmp_path):
+    """A config.json that names no dtype: transformers' "auto" reads the stored weights' dtype; so does ours."""
+    tiny_model("qwen3_moe", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if "dtype" not in k}))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    assert reference.lm_head.weight.dtype == torch.bfloat16  # what the stored weights say
+    model = thm.from_pretrained(tmp_path, device="cpu", expert_budget=0.0)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(_logits(model), _logits(thm.patch_model(reference, device="cpu", expert_budget=0.0)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("same", [True, False])
+def test_tied_embeddings_with_both_tensors_in_the_file_load_as_transformers_loads_them(same, tmp_path):
+    """tie_word_embeddings with both tensors in the file: transformers ties them where they are equal, and
+    leaves them untied, each with its own values, where they differ; ours too."""
+    model = tiny_model("qwen3_moe")
+    model.config.tie_word_embeddings = True
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embedding.clone() if same else torch.randn_like(embedding)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert (reference.lm_head.weight is reference.model.embed_tokens.weight) == same
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = thm.from_pretrained(tmp_path, device="cpu", expert_budget=0.0)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == same
+    assert any("loaded untied" in str(w.message) for w in caught) != same
+    assert torch.equal(ours.model.embed_tokens.weight, embedding)
+    assert torch.equal(ours.lm_head.weight, weights["lm_head.weight"])
+    assert torch.equal(_logits(ours), _logits(thm.patch_model(reference, device="cpu", expert_budget=0.0)))
+
+
+def _rewrite_header(path, edit):
+    """The safetensors file at `path` with its JSON header changed by `edit(header)`, the data bytes as they were."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + size :])
+
+
 def _break(path, edit):
     weights = load_file(path / "model.safetensors")
     edit(weights)
@@ -103,6 +151,10 @@ def _break(path, edit):
         ("truncated", "the file is truncated"),
         ("unsupported", "model type 'llama' is not supported"),
         ("offline_hub", "cannot fetch 'nobody/no-such-model' from the hub"),
+        ("broadcastable_shape", "tensor model.norm.weight is \\[1\\], the model wants \\[32\\]"),
+        ("integer_weights", "holds torch.int8 values, the model wants torch.bfloat16 weights"),
+        ("quantised", "is quantised \\(bitsandbytes\\), which this loader does not read"),
+        ("corrupt_header", "the file is corrupt"),
     ],
 )
 def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
@@ -126,8 +178,19 @@ def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
         name = "nobody/no-such-model"
+    if case == "broadcastable_shape":  # loaded in another dtype: converted through a buffer, never broadcast
+        _break(tmp_path, lambda w: w.update({"model.norm.weight": torch.tensor([0.5])}))
+    if case == "integer_weights":  # integer codes (a quantised checkpoint's) are not weights
+        _break(tmp_path, lambda w: w.update({"model.norm.weight": torch.ones(32, dtype=torch.int8)}))
+    if case == "quantised":
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(
+            json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}})
+        )
+    if case == "corrupt_header":  # a shape that disagrees with the tensor's byte range
+        _rewrite_header(tmp_path / "model.safetensors", lambda h: h["model.norm.weight"].update(shape=[16]))
     with pytest.raises(InputError, match=message) as err:
-        thm.from_pretrained(name, device="cpu")
+        thm.from_pretrained(name, device="cpu", dtype=torch.bfloat16)
     assert "\n" not in str(err.value)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,13 +91,21 @@ def from_pretrained(
                 f"{name_or_path}: model type {model_config.model_type!r} is not supported; supported: "
                 f"{', '.join(sorted(ARCHITECTURES))}"
             )
+        if quantization := getattr(model_config, "quantization_config", None):
+            fields = quantization if isinstance(quantization, dict) else vars(quantization)
+            raise InputError(
+                f"{name_or_path} is quantised ({fields.get('quant_method', 'a quantization_config')}), which this "
+                "loader does not read; pass its bf16 / fp16 original (cpu_weight_dtype 'int8' / 'int4' quantises "
+                "it) or a GGUF file"
+            )
         prepared = read_marker(directory)
         if prepared is not None:  # experts already in a host format: read as they are
             config = config_for(config, prepared, directory)
         quantised_store = prepared is not None and prepared[0] in ("int8", "int4")
         source = Checkpoint(directory, model_config.model_type, quantised_store)
-    if dtype == "auto":
-        dtype = getattr(model_config, "dtype", None) or torch.float32
+    if dtype == "auto":  # as transformers: config.json's dtype, else the stored weights' (GGUF: dequantised to fp32)
+        stored = source.stored_dtype() if isinstance(source, Checkpoint) else torch.float32
+        dtype = getattr(model_config, "dtype", None) or stored
     with no_init_weights():  # parameters stay torch.empty: allocated, never touched, so not resident
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.tie_weights()  # tied weights (tie_word_embeddings) become one tensor, loaded under either name
@@ -269,6 +278,12 @@ class Checkpoint:
                 if match := _PER_EXPERT.fullmatch(name):
                     self.per_expert[match["prefix"]].append((int(match["expert"]), _ROLE[match["proj"]], (key, shard)))
 
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of the checkpoint's first floating tensor (what transformers' dtype="auto" takes when
+        config.json names none); fp32 where it holds none."""
+        dtypes = (shard.tensors[key][0] for key, shard in self.source.values())
+        return next((dtype for dtype in dtypes if dtype.is_floating_point), torch.float32)
+
     def expert_layout(self, name: str, experts: torch.nn.Module) -> ExpertSources:
         """Where layer `name`'s experts are in the checkpoint, checked against the model's shapes."""
         if self.quantised_store:
@@ -398,18 +413,36 @@ class Checkpoint:
         by_tensor: dict[int, list[str]] = defaultdict(list)  # tied weights: one tensor, several names
         for name, tensor in wanted.items():
             by_tensor[id(tensor)].append(name)
-        found = [name for name in wanted if name in self.source]
-        loaded = {id(wanted[name]) for name in found}
-        missing = [names[0] for ident, names in by_tensor.items() if ident not in loaded]
+        stored = [[n for n in names if n in self.source] for names in by_tensor.values()]
+        missing = [names[0] for names, have in zip(by_tensor.values(), stored) if not have]
         if missing:
             raise InputError(
                 f"checkpoint {self.directory} lacks {len(missing)} of the model's weights (first: "
                 f"{missing[0]}); config.json and the weights disagree"
             )
         with torch.no_grad():
-            for name in tqdm(found, desc="loading dense weights", unit="tensor", leave=False):
-                key, shard = self.source[name]
-                shard.read(key, wanted[name].data)
+            for first, *others in tqdm(stored, desc="loading dense weights", unit="tensor", leave=False):
+                key, shard = self.source[first]
+                shard.read(key, wanted[first].data)
+                for name in others:  # tied names the file holds too: tied only where equal, as transformers ties
+                    own = torch.empty_like(wanted[first].data)
+                    self.source[name][1].read(self.source[name][0], own)
+                    if not torch.equal(own, wanted[first].data):
+                        _untie(model, name, own, first)
+
+
+def _untie(model: torch.nn.Module, name: str, values: torch.Tensor, tied_to: str) -> None:
+    """Parameter `name` as its own tensor of `values`, no longer `tied_to`'s: the config ties them, but the
+    checkpoint holds both, different (transformers then leaves them untied, and says so)."""
+    module, attr = name.rsplit(".", 1)
+    old = model.get_parameter(name)
+    setattr(model.get_submodule(module), attr, torch.nn.Parameter(values, requires_grad=old.requires_grad))
+    getattr(model, "all_tied_weights_keys", {}).pop(name, None)
+    warnings.warn(
+        f"config.json ties {name} to {tied_to}, but the checkpoint holds both, with different values: loaded "
+        "untied (as transformers does); set tie_word_embeddings=False in config.json to silence this",
+        stacklevel=4,
+    )
 
 
 class Shard:
@@ -427,7 +460,14 @@ class Shard:
         for key, entry in header.items():
             if entry["dtype"] not in _SAFETENSORS_DTYPES:
                 raise InputError(f"{path}: tensor {key} has dtype {entry['dtype']}, which this loader does not read")
-            self.tensors[key] = (_SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["data_offsets"][0])
+            dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
+            begin, stop = entry["data_offsets"]
+            if stop - begin != torch.Size(shape).numel() * dtype.itemsize or begin < 0:
+                raise InputError(
+                    f"{path}: tensor {key}'s header gives {stop - begin} bytes at offset {begin} for {entry['dtype']} "
+                    f"{list(shape)}: the file is corrupt; write it again"
+                )
+            self.tensors[key] = (dtype, shape, begin)
         end = self.start + max((entry["data_offsets"][1] for entry in header.values()), default=0)
         if path.stat().st_size < end:
             raise InputError(
@@ -448,12 +488,17 @@ class Shard:
         if rows is not None:
             offset += rows[0] * torch.Size(shape[1:]).numel() * dtype.itemsize
             shape = (rows[1] - rows[0], *shape[1:])
-        target = into if into.dtype == dtype and into.is_contiguous() else torch.empty(shape, dtype=dtype)
-        if tuple(target.shape) != tuple(shape):
+        if tuple(into.shape) != tuple(shape):
             raise InputError(
                 f"{self.path}: tensor {key} is {list(shape)}, the model wants {list(into.shape)}; "
                 "config.json and the weights disagree"
             )
+        if into.dtype.is_floating_point and not dtype.is_floating_point:
+            raise InputError(
+                f"{self.path}: tensor {key} holds {dtype} values, the model wants {into.dtype} weights; is the "
+                "checkpoint quantised (load its bf16 / fp16 original)?"
+            )
+        target = into if into.dtype == dtype and into.is_contiguous() else torch.empty(shape, dtype=dtype)
         with open(self.path, "rb") as f:
             f.seek(self.start + offset)
             if f.readinto(target.view(-1).view(torch.uint8).numpy()) != target.nbytes:

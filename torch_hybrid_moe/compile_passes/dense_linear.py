@@ -9,6 +9,8 @@ backward. The choice is made here, once per weight shape, and baked into the gra
 
 from __future__ import annotations
 
+import bisect
+import operator
 from typing import cast
 
 import torch
@@ -48,14 +50,30 @@ def route_dense_linears(gm: fx.GraphModule, example_inputs: list) -> int:
     return replaced
 
 
+def _mutates(node: fx.Node) -> bool:
+    """Whether `node` writes a tensor in place (an op with a mutable schema, `x.mul_(...)`, `x *= ...`,
+    `x[i] = ...`), as a Dynamo-level graph may."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    in_place_operator = getattr(target, "__module__", None) in ("operator", "_operator") and name.startswith("i")
+    return (name.endswith("_") and not name.endswith("__")) or in_place_operator or target is operator.setitem
+
+
 def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
     """Merge the `hybrid_moe::matvecs` calls that read the same input with weights of one dtype into one call at the
     first one's place: one pass of the threads over all their rows, one op call, the input prepared once (for k / v
     projections of a few MB the op's fixed cost is a large share of their time). Results are unchanged: every
-    output row is the same fp32 sum; each call's output becomes its columns of the merged one (a view). Returns how
-    many calls were merged away."""
+    output row is the same fp32 sum; each call's output becomes its columns of the merged one (a view). Calls with
+    an in-place write between them are not merged (the write may change the input). Returns how many calls were
+    merged away."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    groups: dict[tuple[fx.Node, torch.dtype], list[tuple[fx.Node, list[list], int]]] = {}
+    writes = [order[node] for node in gm.graph.nodes if _mutates(node)]
+    groups: dict[tuple[fx.Node, torch.dtype, int], list[tuple[fx.Node, list[list], int]]] = {}
     for node in gm.graph.nodes:
         if not calls(node, _MATVECS) or node.kwargs:
             continue
@@ -63,9 +81,10 @@ def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
         examples = [w.meta.get("example_value") if isinstance(w, fx.Node) else None for w in operands[0]]
         if isinstance(x, fx.Node) and all(isinstance(e, torch.Tensor) for e in examples):
             width = sum(cast(torch.Tensor, e).shape[0] for e in examples)
-            groups.setdefault((x, cast(torch.Tensor, examples[0]).dtype), []).append((node, operands, width))
+            run = bisect.bisect(writes, order[node])  # calls merge only within a run free of in-place writes
+            groups.setdefault((x, cast(torch.Tensor, examples[0]).dtype, run), []).append((node, operands, width))
     merged_away = 0
-    for (x, _), members in groups.items():
+    for (x, _, _), members in groups.items():
         first = members[0][0]
         inputs = [a for _, operands, _ in members for listed in operands for a in listed if isinstance(a, fx.Node)]
         if len(members) < 2 or any(order[a] > order[first] for a in inputs):

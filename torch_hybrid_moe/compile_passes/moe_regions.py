@@ -28,14 +28,15 @@ _SILU = {F.silu, torch.ops.aten.silu.default, torch.ops.aten.silu}
 @dataclass
 class ExpertsRegion:
     path: str
+    cls: type  # the experts module's class
     nodes: list[fx.Node] = field(default_factory=list)
     params: dict[str, fx.Node] = field(default_factory=dict)
 
 
-def _experts_path(node: fx.Node) -> str | None:
+def _experts_module(node: fx.Node) -> tuple[str, type] | None:
     for path, cls in (node.meta.get("nn_module_stack") or {}).values():
         if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and hasattr(cls, "_apply_gate"):
-            return path
+            return path, cls
     return None
 
 
@@ -51,10 +52,10 @@ def _param_name(node: fx.Node) -> str | None:
 def find_experts_regions(graph: fx.Graph) -> list[ExpertsRegion]:
     regions: dict[str, ExpertsRegion] = {}
     for node in graph.nodes:
-        path = _experts_path(node)
-        if path is None:
+        found = _experts_module(node)
+        if found is None:
             continue
-        region = regions.setdefault(path, ExpertsRegion(path))
+        region = regions.setdefault(found[0], ExpertsRegion(*found))
         if node.op == "placeholder":
             if (name := _param_name(node)) is not None:
                 region.params[name] = node
@@ -94,6 +95,10 @@ def _rewrite(
         return "its gate_up_proj/down_proj are not graph inputs"
     if not any(n.target in _SILU for n in region.nodes):
         return "no SiLU activation found in the experts body"
+    # transformers' default gate is act(gate) * up; a class of its own (a clamped SwiGLU, GPT-OSS's) computes
+    # something else, which dispatch does not
+    if getattr(region.cls._apply_gate, "__name__", "") != "_default_apply_gate":
+        return f"{region.cls.__name__} gates its experts its own way (_apply_gate), not as SiLU(gate) * up"
     inside = set(region.nodes)
     params = set(region.params.values())
     inputs = [a for n in region.nodes for a in n.all_input_nodes if a not in inside and a not in params]

@@ -30,12 +30,13 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve_model(name_or_path: str) -> str:
-    """An embedded model's directory for its name; an existing directory or a hub id (owner/name) as given.
-    Anything else is an InputError saying what was looked for."""
+    """An existing directory as given (as transformers would load it, even where an embedded model has its name);
+    else an embedded model's directory for its name, or a hub id (owner/name) as given. Anything else is an
+    InputError saying what was looked for."""
     embedded = embedded_models()
-    if name_or_path in embedded:
-        return str(embedded[name_or_path])
     path = Path(name_or_path).expanduser()
+    if name_or_path in embedded and not path.is_dir():
+        return str(embedded[name_or_path])
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise InputError(f"model directory {name_or_path} has no config.json (is it a transformers checkpoint?)")

@@ -5,9 +5,11 @@ for every model of the same architecture (nothing it guards on tells two instanc
 graph names *sites*, not layers: before each call, `StockSites` binds every site to the layer of the
 parameters that call passes in. That layer is attached to the `gate_up_proj` parameter itself, so it lives
 exactly as long as the model and is found again by `stats(model)`; it is rebuilt when the parameters
-changed in place since it was made (`load_state_dict`, in-place edits) or when the compile asks for
-another configuration. A compiled graph therefore never computes with another model's experts, stale
-weights, or an earlier compile's options.
+changed in place since it was made (`load_state_dict`, in-place edits), were given other memory (`p.data = t`,
+`model.to(dtype)`), or when the compile asks for another configuration. A compiled graph therefore never computes
+with another model's experts, stale weights, or an earlier compile's options. One write is not seen: an in-place
+op on `p.data` (it bypasses the version counter, as it does autograd's checks); edit `p` itself under
+`torch.no_grad()`.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ LAYER_ATTR = "_hybrid_moe_layer"
 _SOURCE_ATTR = "_hybrid_moe_source"  # what the attached layer was built from: versions and the down tensor
 
 
-def _source(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, int, int]:
-    """Changes whenever either tensor is written in place (version counters) or `down` is another tensor."""
-    return gate_up._version, down._version, id(down)
+def _source(gate_up: torch.Tensor, down: torch.Tensor) -> tuple:
+    """Changes whenever either tensor is written in place (version counters), is given other memory, dtype or
+    device (`.data = t`, `module.to`), or `down` is another tensor."""
+    return tuple((w._version, w.data_ptr(), w.dtype, w.device) for w in (gate_up, down)) + (id(down),)
 
 
 def layer_for_parameters(
