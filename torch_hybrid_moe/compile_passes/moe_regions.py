@@ -97,7 +97,7 @@ def _rewrite(
         return "no SiLU activation found in the experts body"
     # transformers' default gate is act(gate) * up; a class of its own (a clamped SwiGLU, GPT-OSS's) computes
     # something else, which dispatch does not
-    if getattr(region.cls._apply_gate, "__name__", "") != "_default_apply_gate":
+    if getattr(getattr(region.cls, "_apply_gate", None), "__name__", "") != "_default_apply_gate":
         return f"{region.cls.__name__} gates its experts its own way (_apply_gate), not as SiLU(gate) * up"
     inside = set(region.nodes)
     params = set(region.params.values())
