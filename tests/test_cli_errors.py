@@ -18,6 +18,7 @@ from torch_hybrid_moe.simulator.synthetic import synthetic_trace
 from torch_hybrid_moe.traces import Trace
 
 TRACE = Path(torch_hybrid_moe.embedded.__file__).parent / "traces" / "mixtral-tiny-heldout-at0.safetensors"
+DEEPSEEK_TRACE = TRACE.with_name("deepseek-tiny-heldout-at0.safetensors")
 
 
 def one_line_error(capsys, argv, match):
@@ -73,6 +74,22 @@ def test_saving_ours_with_prefetch_is_refused_before_anything_runs(tmp_path, cap
     assert not out.exists()
 
 
+def test_saving_ours_over_an_input_trace_is_refused(tmp_path, capsys):
+    copy = tmp_path / "trace.safetensors"
+    copy.write_bytes(TRACE.read_bytes())
+    one_line_error(capsys, ["simulate", "--trace", str(copy), "--save-ours", str(copy)], "is an input trace")
+    assert copy.read_bytes() == TRACE.read_bytes()
+
+
+@pytest.mark.parametrize("keep, steps", [("prefill", 0), ("one decode step", 1)])
+def test_simulate_refuses_a_trace_with_too_few_decode_steps(keep, steps, tmp_path, capsys):
+    trace = Trace.load(TRACE)
+    short = trace.select(trace.step <= (0 if keep == "prefill" else 1))
+    short.save(tmp_path / "short.safetensors")
+    argv = ["simulate", "--trace", str(tmp_path / "short.safetensors")]
+    one_line_error(capsys, argv, f"holds {steps} decode steps; simulate needs at least 2")
+
+
 @pytest.mark.parametrize("spec, match", [("0,1,0.5,0", "w_size"), ("4,1,1.0,0", "decay"), ("4,1,0.5,-1", ">= 0")])
 def test_ours_settings_are_checked_before_anything_runs(spec, match, tmp_path, capsys):
     out = tmp_path / "ours.json"
@@ -114,6 +131,8 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1000", "--prompt-tokens", "1000"], "too few"),
         (["eval-ppl", "--max-tokens", "-5"], "--max-tokens: must be >= 1, got -5"),
+        (["eval-ppl", "--max-tokens", "16"], "perplexity is measured in windows of 256 tokens"),
+        (["eval-ppl", "--mode", "daop_precalc", "--precalc-from-layer", "9"], "approximates nothing in this model"),
         (["generate", "--prompt", ""], "--prompt: must not be empty"),
         (["generate", "--max-new-tokens", "1"], "--max-new-tokens: must be >= 2"),
         (["generate", "--expert-budget", "2"], "--expert-budget: must be in [0.0, 1.0]"),
@@ -122,6 +141,10 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["generate", "--model", "{tmp}"], "has no config.json"),
         (["generate", "--model", "tiny:llama"], "unknown tiny model 'llama'"),
         (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
+        (["generate", "--cpu-weight-group-size", "48"], "cpu_weight_group_size must be a positive multiple of 32"),
+        (["simulate", "--trace", str(TRACE), "--batch", "999"], "--batch 999: "),
+        (["prepare", "--model", "deepseek-tiny", "--cpu-weight-dtype", "int8", "--out", "{json}/s"], "is a file"),
+        (["simulate", "--trace", str(TRACE), "--calibration", str(DEEPSEEK_TRACE)], "must come from the same model"),
     ],
 )
 def test_cli_user_errors_are_one_line(argv, match, tmp_path, capsys):
@@ -259,9 +282,10 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
     from torch_hybrid_moe.traces import Trace
 
     original = Trace.load(TRACE)
-    rows = 40
+    rows = (original.sequence == 0).nonzero().flatten()  # one sequence: its prompt, then its decode steps
+    assert int(original.step[rows].max()) >= 2
     with (tmp_path / "routing.jsonl").open("w") as f:
-        for r in range(rows):
+        for r in rows.tolist():
             layers = original.layers.items()
             f.write(
                 json.dumps(
@@ -292,11 +316,11 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
     )
     converted = Trace.load(out)
     for idx, layer in original.layers.items():
-        assert torch.equal(converted.layers[idx].topk_ids, layer.topk_ids[:rows])
+        assert torch.equal(converted.layers[idx].topk_ids, layer.topk_ids[rows])
         k = layer.topk_ids.shape[1]
-        assert torch.equal(converted.layers[idx].scores[:, :k], layer.scores[:rows, :k])
+        assert torch.equal(converted.layers[idx].scores[:, :k], layer.scores[rows, :k])
         assert not converted.layers[idx].scores[:, k:].any()  # beyond the top-k nothing is known
-    assert torch.equal(converted.position, original.position[:rows])
+    assert torch.equal(converted.position, original.position[rows])
     capsys.readouterr()
     assert main(["simulate", "--trace", str(out), "--ours", "2,1,0.5,0", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
@@ -309,7 +333,20 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
         ("not json", "line 1 is not JSON"),
         (
             '{"sequence": 0, "step": -1, "ids": {"0": [1]}, "weights": {"0": [1.0]}}',
-            "'step' must be a non-negative int",
+            "'step' must be an int in [0, 2**31)",
+        ),
+        ('{"sequence": 0, "step": 0, "token": "abc", "ids": {"0": [1]}, "weights": {"0": [1.0]}}', "'token' must"),
+        ('{"sequence": 0, "step": 0, "token": 1.7, "ids": {"0": [1]}, "weights": {"0": [1.0]}}', "'token' must"),
+        ('{"sequence": 1099511627776, "step": 0, "ids": {"0": [1]}, "weights": {"0": [1.0]}}', "'sequence' must"),
+        (
+            '{"sequence": 0, "step": 0, "ids": {"0": [3, 3]}, "weights": {"0": [0.5, 0.5]}}',
+            "must list distinct expert ids",
+        ),
+        ('{"sequence": 0, "step": 0, "ids": {"0": [1000000000000000000000000000000]}, "weights": {"0": [1.0]}}', "ids"),
+        (
+            '{"sequence": 0, "step": 1, "ids": {"0": [1]}, "weights": {"0": [1.0]}}\n'
+            '{"sequence": 0, "step": 1, "ids": {"0": [2]}, "weights": {"0": [1.0]}}',
+            "sequence 0 has a second row for decode step 1",
         ),
         (
             '{"sequence": 0, "step": 0, "ids": {"0": [9]}, "weights": {"0": [1.0]}}',

@@ -87,6 +87,22 @@ def test_graph_replay_matches_reference_for_32_steps(arch, budget):
             assert buf.task.submits == buf.task.syncs == buf.task.runs == runner.replays + runner.captures
 
 
+def test_graph_replays_hand_generate_each_steps_own_hidden_states():
+    """generate() keeps each step's hidden states as they come: every replay's must be its own, not the graph's
+    output buffers, which the next replay overwrites."""
+    ref = tiny_model("mixtral").cuda()
+    model = thm.patch_model(copy.deepcopy(ref).cpu(), expert_budget=0.25, device="cuda")
+    runner, _ = _spy(model)
+    x = torch.randint(3, 96, (1, 5), device="cuda")
+    settings = dict(max_new_tokens=6, do_sample=False, output_hidden_states=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = (m.generate(x, **settings).hidden_states for m in (ref, model))
+    assert runner.replays > 0
+    for step_want, step_got in zip(want[1:], got[1:]):  # the decode steps (the first entry is the prompt's)
+        for a, b in zip(step_want, step_got):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fmt, tolerance", [("model", 1.5e-2), ("int8", 2e-2)])
 def test_bf16_graph_replay_matches_reference(fmt, tolerance):
     """bf16 slots in the captured decode step: the grouped slot share on GPUs of compute capability 9.x / 10.x (the

@@ -104,3 +104,17 @@ def test_plan_refuses_bad_models(tmp_path, capsys, monkeypatch):
     one_line_error(
         capsys, ["plan", "--model", "nobody/no-such-model"], "cannot fetch 'nobody/no-such-model' from the hub"
     )
+
+
+def test_plan_takes_a_top_k_above_half_the_experts_and_refuses_a_config_without_experts(tmp_path, capsys):
+    """Mixtral with 4 experts, top-3: planned (its synthetic routing lists every expert); a Qwen3-MoE config whose
+    layers are all dense: one line saying there is nothing to offload."""
+    config = tiny_model("mixtral").config
+    config.num_local_experts, config.num_experts_per_tok = 4, 3
+    config.save_pretrained(tmp_path / "top3")
+    assert main(["plan", "--model", str(tmp_path / "top3"), "--gpu-memory", "2GiB", "--host-memory", "8GiB"]) == 0
+    assert "top-3" in capsys.readouterr().out
+    dense = tiny_model("qwen3_moe").config
+    dense.mlp_only_layers = list(range(dense.num_hidden_layers))
+    dense.save_pretrained(tmp_path / "dense")
+    one_line_error(capsys, ["plan", "--model", str(tmp_path / "dense")], "has no MoE layers")

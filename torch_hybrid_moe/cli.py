@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from torch_hybrid_moe.cost_model import CostModel
     from torch_hybrid_moe.profiling import HardwareProfile
     from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.replay import GraphStep
     from torch_hybrid_moe.simulator.stacks import Stack
     from torch_hybrid_moe.traces import Trace
 
@@ -192,7 +193,8 @@ def eval_ppl(args: argparse.Namespace) -> int:
     """Perplexity of the unpatched model and of the patched model in the chosen mode, on the held-out text."""
     from torch_hybrid_moe.compile_passes.daop_precalc import precalc_stats
     from torch_hybrid_moe.embedded.corpus import heldout_text
-    from torch_hybrid_moe.embedded.evaluation import decode_perplexity, perplexity
+    from torch_hybrid_moe.embedded.evaluation import SEQ, decode_perplexity, perplexity
+    from torch_hybrid_moe.model_patches.base import check_precalc_start, moe_layer_indices
 
     if args.deferred_experts is not None and args.mode != "expert_deferral":
         raise InputError("--deferred-experts needs --mode expert_deferral")
@@ -210,14 +212,21 @@ def eval_ppl(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise InputError(f"--deferred-experts: {err}") from None
     if args.mode == "daop_precalc":
-        start = PRECALC_FROM_LAYER if args.precalc_from_layer is None else args.precalc_from_layer
+        # the paper's first approximated block, or a shallower model's last MoE block
+        moe_indices = moe_layer_indices(model)
+        start = min(PRECALC_FROM_LAYER, moe_indices[-1]) if args.precalc_from_layer is None else args.precalc_from_layer
         try:
             config = config.replace(mode="daop_precalc", precalc_from_layer=start)
+            check_precalc_start(config, moe_indices)  # before the reference's minutes, not after
         except (TypeError, ValueError) as err:
             raise InputError(f"--precalc-from-layer: {err}") from None
     # DAOP approximates decode steps only: both sides are then measured one token per step.
     measure = decode_perplexity if args.mode == "daop_precalc" else perplexity
-    ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0][: args.max_tokens + 1]
+    ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    tokens = min(args.max_tokens, ids.numel() - 1) // SEQ * SEQ  # whole windows: what is measured is what is shown
+    if not tokens:
+        raise InputError(f"--max-tokens {args.max_tokens}: perplexity is measured in windows of {SEQ} tokens")
+    ids = ids[: tokens + 1]
     reference = measure(model, ids)
     thm.patch_model(model, config)
     # Expert Deferral and DAOP are passes of the hybrid_moe backend, so those modes measure the compiled forward
@@ -239,7 +248,7 @@ def eval_ppl(args: argparse.Namespace) -> int:
         quantised.append(f"{config.dense_weight_dtype} dense layers")
     if quantised:
         mode = f"approximate ({', '.join(quantised)})" if mode == "exact" else f"{mode}, {', '.join(quantised)}"
-    print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {mode}  budget {args.expert_budget}")
+    print(f"model {args.model}  held-out tokens {ids.numel() - 1}  mode {mode}  budget {config.expert_budget}")
     print(f"perplexity: unpatched {reference:.4f}   patched {patched:.4f}   ratio {patched / reference:.6f}")
     if args.mode == "daop_precalc":
         pairs = max(1, sum(c.pairs for c in counts))
@@ -353,8 +362,21 @@ def simulate(args: argparse.Namespace) -> int:
             "--save-ours: ours with prefetch does not run live (DALI's residual prefetch needs residual vectors the "
             "runtime lacks): give --ours W,U,DECAY,0"
         )
+    if args.save_ours and any(
+        path is not None and args.save_ours.resolve() == Path(path).resolve() for path in (args.trace, args.calibration)
+    ):
+        raise InputError(f"--save-ours {args.save_ours} is an input trace; name another file (nothing was written)")
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
+    for loaded, path in ((trace, args.trace), (held, args.calibration)):
+        if loaded is None:
+            continue
+        steps = len(set(loaded.step[loaded.step > 0].tolist()))
+        if steps < 2:  # tuning replays each half of the decode steps; a rate needs tokens behind it
+            raise InputError(f"{path} holds {steps} decode steps; simulate needs at least 2 (trace more new tokens)")
+    sequences = len(set(trace.sequence.tolist()))
+    if args.batch > sequences:
+        raise InputError(f"--batch {args.batch}: {args.trace} holds {sequences} sequences; pass --batch <= {sequences}")
     source, source_path = (held, args.calibration) if held is not None else (trace, args.trace)
     if args.routers and not source.gate_inputs:
         raise InputError(
@@ -417,7 +439,8 @@ def simulate(args: argparse.Namespace) -> int:
                 "gate inputs, which this trace lacks"
             )
             events.pop(stack.name, None)
-    if args.save_ours:  # last, once every stack ran: a refused or failed run leaves no file
+    plots = _simulation_plots(args, trace, costs, calibration, ran, events, results, graph) if args.plot_dir else []
+    if args.save_ours:  # last, once every stack ran and plotted: a refused or failed run leaves no file
         provenance = {
             "trace": str(source_path),
             "hardware": str(args.profile) if args.profile else args.hardware,
@@ -430,7 +453,6 @@ def simulate(args: argparse.Namespace) -> int:
         record = {"format": STACK_FILE_FORMAT, **_stack_fields(mine), "tuned_on": provenance}
         args.save_ours.write_text(json.dumps(record, indent=1) + "\n")
         _phase(f"wrote ours' settings to {args.save_ours} (HybridMoEConfig.from_stack_file, or generate --stack)")
-    plots = _simulation_plots(args, trace, costs, calibration, ran, events, results) if args.plot_dir else []
     by_name = {r.stack: r for r in results}
     bound_tok_s = by_name["bound"].decode_tok_s
 
@@ -523,8 +545,10 @@ def _simulation_plots(
     stacks: list,
     events: dict[str, list],
     results: list,
+    graph: GraphStep | None,
 ) -> list[Path]:
-    """Each stack's timeline of decode steps 1-3, and hit rate and decode speed against the cache ratio."""
+    """Each stack's timeline of decode steps 1-3, and hit rate and decode speed against the cache ratio (replayed
+    as the table's rows were: `graph`)."""
     from torch_hybrid_moe.simulator import plots
 
     where = f"{Path(args.trace).stem}, {costs.hardware.name}, batch {args.batch}"
@@ -537,7 +561,9 @@ def _simulation_plots(
         for name in events
     ]
     ratios = sorted({*plots.DEFAULT_RATIOS, args.cache_ratio})
-    sweep = plots.sweep_cache_ratio(trace, stacks, costs, ratios, args.batch, calibration, progress=True, done=results)
+    sweep = plots.sweep_cache_ratio(
+        trace, stacks, costs, ratios, args.batch, calibration, progress=True, done=results, graph=graph
+    )
     paths.append(plots.plot_hit_rate(sweep, args.plot_dir / "hit-rate-vs-cache-ratio.png", title=where))
     paths.append(plots.plot_decode_speed(sweep, args.plot_dir / "decode-vs-cache-ratio.png", title=where))
     return paths
@@ -818,7 +844,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--precalc-from-layer",
         type=int,
         default=None,
-        help=f"with --mode daop_precalc: first decoder block approximated (default {PRECALC_FROM_LAYER})",
+        help=f"with --mode daop_precalc: first decoder block approximated (default {PRECALC_FROM_LAYER}, or the "
+        "model's last MoE block where it has fewer)",
     )
     e.add_argument("--max-tokens", type=_bounded(int, 1), default=16384)
     s.add_argument("--trace", type=Path, required=True)

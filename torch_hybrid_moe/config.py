@@ -140,9 +140,9 @@ class HybridMoEConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_budget", _budget_value(self.expert_budget))
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
-            raise ValueError(f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}")
+            raise InputError(f"cpu_weight_dtype must be one of {CPU_WEIGHT_DTYPES}, got {self.cpu_weight_dtype!r}")
         if self.dense_weight_dtype not in DENSE_WEIGHT_DTYPES:
-            raise ValueError(
+            raise InputError(
                 f"dense_weight_dtype must be one of {DENSE_WEIGHT_DTYPES}, got {self.dense_weight_dtype!r}"
             )
         if (
@@ -150,27 +150,27 @@ class HybridMoEConfig:
             or not isinstance(self.cpu_weight_group_size, int)
             or (self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32)
         ):
-            raise ValueError(
+            raise InputError(
                 f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}"
             )
         for name in ("staging_slots", "fills_per_step", "prefetch_size", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+                raise InputError(f"{name} must be a non-negative int, got {value!r}")
         if self.prefetch_size and self.prefetcher == "none":
-            raise ValueError(
+            raise InputError(
                 f"prefetch_size={self.prefetch_size} needs a prefetcher (prefetcher='none' copies nothing)"
             )
         if not isinstance(self.cuda_graph, bool):
             raise TypeError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+            raise InputError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         self.budget_bytes()  # validates the budget's range or size string
         self._check_mode()
         if self.hardware not in ("", "local", *HARDWARE):
-            raise ValueError(f"hardware must be '', 'local' or one of {sorted(HARDWARE)}, got {self.hardware!r}")
+            raise InputError(f"hardware must be '', 'local' or one of {sorted(HARDWARE)}, got {self.hardware!r}")
         if self.expert_shape not in ("", *EXPERT_SHAPES):
-            raise ValueError(f"expert_shape must be '' or one of {sorted(EXPERT_SHAPES)}, got {self.expert_shape!r}")
+            raise InputError(f"expert_shape must be '' or one of {sorted(EXPERT_SHAPES)}, got {self.expert_shape!r}")
         if self.scheduler != AUTO:
             SCHEDULERS.check(self.scheduler)
         if self.cache_policy != AUTO:
@@ -233,7 +233,7 @@ class HybridMoEConfig:
         options = self.cache_options
         if self.cache_policy == AUTO:
             if options:
-                raise ValueError(
+                raise InputError(
                     f"cache_options {options!r} need a named cache_policy ('auto' chooses the policy and its settings)"
                 )
             object.__setattr__(self, "cache_options", ())
@@ -247,35 +247,35 @@ class HybridMoEConfig:
         allowed = CACHE_POLICIES.options(self.cache_policy)
         unknown = sorted(set(names) - set(allowed))
         if unknown:
-            raise ValueError(
+            raise InputError(
                 f"cache policy {self.cache_policy!r} takes no option(s) {unknown}; its options: "
                 f"{', '.join(allowed) or 'none'}"
             )
         if len(set(names)) < len(names):
-            raise ValueError(f"cache_options names an option twice: {names}")
+            raise InputError(f"cache_options names an option twice: {names}")
         object.__setattr__(self, "cache_options", tuple(sorted(pairs, key=lambda p: p[0])))
 
     def _check_mode(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+            raise InputError(f"mode must be one of {MODES}, got {self.mode!r}")
         n = self.deferred_experts
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"deferred_experts must be an int, got {n!r}")
         if self.mode != "expert_deferral" and n != 0:
-            raise ValueError(f"deferred_experts={n} needs mode='expert_deferral' (mode {self.mode!r} defers nothing)")
+            raise InputError(f"deferred_experts={n} needs mode='expert_deferral' (mode {self.mode!r} defers nothing)")
         if self.mode == "expert_deferral" and n < 1:
-            raise ValueError(f"mode='expert_deferral' needs deferred_experts >= 1 (and < the model's top-k), got {n}")
+            raise InputError(f"mode='expert_deferral' needs deferred_experts >= 1 (and < the model's top-k), got {n}")
         start = self.precalc_from_layer
         if isinstance(start, bool) or not isinstance(start, int):
             raise TypeError(f"precalc_from_layer must be an int, got {start!r}")
         if start < 0:
-            raise ValueError(f"precalc_from_layer must be a decoder-block index >= 0, got {start}")
+            raise InputError(f"precalc_from_layer must be a decoder-block index >= 0, got {start}")
         if self.mode != "daop_precalc" and start != PRECALC_FROM_LAYER:
-            raise ValueError(
+            raise InputError(
                 f"precalc_from_layer={start} needs mode='daop_precalc' (mode {self.mode!r} predicts nothing)"
             )
         if self.mode == "daop_precalc" and self.prefetcher != "none":
-            raise ValueError(
+            raise InputError(
                 f"mode='daop_precalc' predicts each layer's routing itself and decides from the slot map "
                 f"at that moment; prefetcher {self.prefetcher!r} would change the slots around it "
                 "(use prefetcher='none')"
@@ -290,7 +290,7 @@ class HybridMoEConfig:
     def check_top_k(self, top_k: int) -> None:
         """With Expert Deferral, at least one of each token's `top_k` experts must stay immediate."""
         if self.mode == "expert_deferral" and not 0 < self.deferred_experts < top_k:
-            raise ValueError(
+            raise InputError(
                 f"deferred_experts must lie in [1, top_k - 1] = [1, {top_k - 1}] for a model that routes each "
                 f"token to top_k = {top_k} experts, got {self.deferred_experts}"
             )
@@ -309,14 +309,14 @@ class HybridMoEConfig:
         if isinstance(b, str):
             size = parse_size(b)
             if size is None:
-                raise ValueError(
+                raise InputError(
                     f"expert_budget {b!r} is not a size with a unit such as '512MiB', '6GB' or '1TiB' "
                     "(a fraction is a number, not a string: expert_budget=0.5)"
                 )
             return size
         if not 0.0 <= b <= 1.0:  # a float by now (__post_init__); NaN fails too
             hint = " (a byte budget is a size with a unit, such as '6GiB')" if b > 1 else ""
-            raise ValueError(f"expert_budget fraction must lie in [0, 1], got {b!r}{hint}")
+            raise InputError(f"expert_budget fraction must lie in [0, 1], got {b!r}{hint}")
         return None
 
     def slots_per_layer(self, num_experts: int, expert_bytes: int, num_layers: int) -> int:

@@ -72,6 +72,8 @@ def summarise(config: PretrainedConfig) -> ModelSummary:
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config()
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    if not experts:
+        raise InputError(f"this {model_type} config has no MoE layers (nothing to offload): plan a config with experts")
     expert_weights = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts)
     total = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     dtype = getattr(text, "dtype", None) or torch.bfloat16

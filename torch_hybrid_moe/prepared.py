@@ -68,6 +68,9 @@ def check_request(out: Path, config: HybridMoEConfig) -> None:
     """Refuse, before anything is read, an output that exists or a config that prepares nothing."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{out} exists and is not an empty directory; pass a new one (nothing is overwritten)")
+    blocking = next((parent for parent in out.absolute().parents if parent.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise InputError(f"{out}: {blocking} is a file, so no directory can be made there; pass another path")
     if config.cpu_weight_dtype == "model":
         raise InputError("prepare needs a host format: pass cpu_weight_dtype bfloat16, int8 or int4")
     if config.dense_weight_dtype != "model":

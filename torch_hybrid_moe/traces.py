@@ -194,6 +194,12 @@ def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external"
             torch.zeros(0, dtype=torch.int32),
             torch.zeros(0, 1, dtype=torch.float16),
         )
+    seen: set[tuple[int, int]] = set()
+    for number, row in enumerate(rows, 1):  # a decode step is one row of its sequence (prefill may be many)
+        key = (row["sequence"], row["step"])
+        if row["step"] and key in seen:
+            raise InputError(f"{path}: row {number}: sequence {key[0]} has a second row for decode step {key[1]}")
+        seen.add(key)
     sequence = torch.tensor([r["sequence"] for r in rows], dtype=torch.int32)
     position = torch.zeros_like(sequence)
     for seq in sequence.unique():
@@ -229,10 +235,10 @@ def _jsonl_row(path: Path, number: int, line: str) -> dict:
         raise InputError(f"{path}: line {number} is not JSON ({err.msg})") from None
     if not isinstance(row, dict):
         raise InputError(f"{path}: line {number} is not a JSON object")
-    for name in ("sequence", "step"):
-        v = row.get(name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise InputError(f"{path}: line {number}: {name!r} must be a non-negative int, got {v!r}")
+    for name in ("sequence", "step", "token"):
+        v = row.get(name, 0)  # "token" is optional
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+            raise InputError(f"{path}: line {number}: {name!r} must be an int in [0, 2**31), got {v!r}")
     for name in ("ids", "weights"):
         if not isinstance(row.get(name), dict) or not row[name]:
             raise InputError(f"{path}: line {number}: {name!r} must map MoE layer indices to lists")
@@ -245,6 +251,10 @@ def _jsonl_row(path: Path, number: int, line: str) -> dict:
                 or any(isinstance(v, bool) or not isinstance(v, kind) for v in values)
             ):
                 raise InputError(f"{path}: line {number}: {name}[{layer!r}] must be a list of numbers")
+            if name == "ids" and (len(set(values)) != len(values) or not all(0 <= v < 2**15 for v in values)):
+                raise InputError(
+                    f"{path}: line {number}: ids[{layer!r}] must list distinct expert ids in [0, 32768), got {values}"
+                )
     return row
 
 

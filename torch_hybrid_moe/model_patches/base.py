@@ -19,6 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..compile_passes.backend import CPU_DECODE_OPTIONS
 from ..config import HybridMoEConfig
+from ..errors import InputError
 from ..ops import cpu_kernel
 from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
 from ..ops.quantize import QuantizedWeight, check_group_size, empty_cpu_format, to_cpu_format
@@ -128,12 +129,7 @@ def patch_with_spec(
         for idx, block in moe_layers
     }
     config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
-    last = moe_layers[-1][0]
-    if config.mode == "daop_precalc" and (config.precalc_from_layer > last or len(moe_layers) < 2):
-        raise ValueError(
-            f"precalc_from_layer={config.precalc_from_layer} approximates nothing in this model: its last "
-            f"MoE layer is decoder block {last} and a predicted layer needs an MoE layer before it"
-        )
+    check_precalc_start(config, [idx for idx, _ in moe_layers])
     routing = RoutingRule(spec.score_fn, bool(spec.renormalises(cfg)))
     # Patched models a caller dropped linger in reference cycles (transformers keeps the compiled call on the
     # model): collect them now, so their layer handles, and with them their compiled graphs, are reused
@@ -260,6 +256,26 @@ def _router(block: torch.nn.Module, spec: ArchSpec, cfg: object) -> Router:
         getattr(cfg, "n_group", None) or 1,
         getattr(cfg, "topk_group", None) or 1,
     )
+
+
+def moe_layer_indices(model: torch.nn.Module) -> list[int]:
+    """The decoder blocks of `model` (a supported architecture) whose MLP is an MoE block, by its config."""
+    from . import ARCHITECTURES
+
+    cfg = model.config.get_text_config()
+    spec = ARCHITECTURES[model.config.model_type]
+    return [idx for idx in range(cfg.num_hidden_layers) if spec.is_moe_layer(cfg, idx)]
+
+
+def check_precalc_start(config: HybridMoEConfig, moe_indices: list[int]) -> None:
+    """DAOP's pre-calculation predicts MoE layers from `precalc_from_layer` on, each from an MoE layer before it:
+    refuse a start that leaves nothing to approximate."""
+    if config.mode == "daop_precalc" and (len(moe_indices) < 2 or config.precalc_from_layer > moe_indices[-1]):
+        raise InputError(
+            f"precalc_from_layer={config.precalc_from_layer} approximates nothing in this model: its last MoE layer "
+            f"is decoder block {moe_indices[-1] if moe_indices else None} and a predicted layer needs an MoE layer "
+            "before it"
+        )
 
 
 def _find_moe_layers(model: torch.nn.Module, spec: ArchSpec, cfg: object) -> list[tuple[int, torch.nn.Module]]:

@@ -25,6 +25,17 @@ from .layer import HybridMoELayer
 from .stats import model_layers
 
 
+def _detached(output: object) -> object:
+    """A replay's output as generate() may keep it: every replay overwrites the graph's output tensors, and
+    generate() stores a step's hidden states and attentions as they come (it copies only the logits), so those are
+    cloned (a step asks for them only with output_hidden_states / output_attentions)."""
+    fields = ("hidden_states", "attentions")
+    if not isinstance(output, dict) or all(output.get(f) is None for f in fields):
+        return output
+    cloned = {f: pytree.tree_map(torch.clone, output[f]) for f in fields if output.get(f) is not None}
+    return type(output)(**{**output, **cloned})
+
+
 def _cache_argument(kwargs: dict[str, object]) -> str:
     """The name generate() passes the KV cache under: `cache` from transformers 5.24, `past_key_values` before."""
     return "cache" if "cache" in kwargs else "past_key_values"
@@ -74,7 +85,7 @@ class DecodeGraphs:
         self.replays += 1
         note_replay()
         check_task_errors()
-        return entry.output
+        return _detached(entry.output)
 
     def _signature(self, kwargs: dict[str, object]) -> tuple[tuple, list, pytree.TreeSpec] | None:
         """(key, leaves, spec) of a call: what a captured graph is valid for; None when it cannot be captured.
@@ -100,10 +111,13 @@ class DecodeGraphs:
                 except TypeError:
                     return None
                 parts.append(leaf)
-        # The graph writes into this cache's buffers: a new cache object needs its own graph.
-        static_layers = cast(list[StaticLayer], cache.layers)  # each checked above
+        # The graph reads and writes this cache's buffers and length counters: a new cache needs its own graph, even
+        # where the allocator hands it the old one's addresses for some of them.
+        layers: list[Any] = cache.layers  # StaticLayers, each checked above; initialised, so their tensors are set
+        if not all(isinstance(layer.cumulative_length, torch.Tensor) for layer in layers):
+            return None
         parts.append(
-            tuple(t.data_ptr() for layer in static_layers for t in (layer.keys, layer.values))  # type: ignore[union-attr]  # initialised: set
+            tuple(t.data_ptr() for layer in layers for t in (layer.keys, layer.values, layer.cumulative_length))
         )
         return tuple(parts), leaves, spec
 

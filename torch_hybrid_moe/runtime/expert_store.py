@@ -91,14 +91,15 @@ def _host_copy(weight: torch.Tensor, pin: bool) -> torch.Tensor: ...
 @overload
 def _host_copy(weight: QuantizedWeight, pin: bool) -> QuantizedWeight: ...
 def _host_copy(weight: HostWeight, pin: bool) -> HostWeight:
-    """The host master: the CPU tensor itself when no pinning is needed (no second copy), else a pinned copy."""
+    """The host master: the CPU tensor itself when no pinning is needed (no second copy; a contiguous one where it is
+    not, as the kernels read it), else a pinned copy."""
     if isinstance(weight, QuantizedWeight):
         return QuantizedWeight(
             _host_copy(weight.data, pin), _host_copy(weight.scale, pin), weight.bits, weight.group_size
         )
     weight = weight.detach()
     if weight.device.type == "cpu" and not pin:
-        return weight
+        return weight.contiguous()
     host = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=pin)
     host.copy_(weight)
     return host

@@ -85,10 +85,22 @@ class Calibration:
         everything else learnt from `calibration` (default: the trace itself)."""
         source = calibration or trace
         if source.meta["num_experts"] != trace.meta["num_experts"] or source.meta["layers"] != trace.meta["layers"]:
-            raise ValueError("the calibration trace must come from the same model as the trace it calibrates for")
-        return cls.learn(
-            source, load_routers(model or trace.meta["model"], trace.meta["layers"]) if source.gate_inputs else {}
-        )
+            raise InputError(
+                f"the calibration trace ({source.meta['model']}: {source.meta['num_experts']} experts, layers "
+                f"{source.meta['layers']}) must come from the same model as the trace it calibrates for "
+                f"({trace.meta['model']}: {trace.meta['num_experts']} experts, layers {trace.meta['layers']})"
+            )
+        # routers only where both traces kept gate inputs: the judged trace's replay feeds them its own
+        gated = source.gate_inputs and trace.gate_inputs
+        routers = load_routers(model or trace.meta["model"], trace.meta["layers"]) if gated else {}
+        for idx, router in routers.items():  # checked here, before any stack replays them
+            if tuple(router.weight.shape) != (trace.meta["num_experts"], trace.meta["hidden_size"]):
+                raise InputError(
+                    f"the router of layer {idx} is [{router.weight.shape[0]} experts, {router.weight.shape[1]} "
+                    f"inputs], the trace's model has {trace.meta['num_experts']} experts and hidden size "
+                    f"{trace.meta['hidden_size']}: pass the traced model's routers"
+                )
+        return cls.learn(source, routers)
 
     @classmethod
     def learn(cls, source: Trace, routers: dict[int, Router]) -> Calibration:

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from ..cost_model import CostModel
 from ..traces import Trace
 from .calibration import Calibration
-from .replay import Event, SimResult, simulate
+from .replay import Event, GraphStep, SimResult, simulate
 from .stacks import Stack
 
 LANES = ("pcie", "gpu", "cpu")  # bottom to top
@@ -97,16 +97,17 @@ def sweep_cache_ratio(
     calibration: Calibration | None = None,
     progress: bool = False,
     done: Iterable[SimResult] = (),
+    graph: GraphStep | None = None,
 ) -> dict[str, list[SimResult]]:
-    """`simulate` of each stack at each cache ratio (ascending): stack name -> results in ratio order.
-    `done`: results already run on the same trace, costs, batch and calibration, reused for their stack and
-    ratio instead of running again."""
+    """`simulate` of each stack at each cache ratio (ascending): stack name -> results in ratio order, decode
+    steps replayed as `graph` runs them where given. `done`: results already run on the same trace, costs, batch,
+    calibration and graph, reused for their stack and ratio instead of running again."""
     calibration = calibration or Calibration.from_trace(trace)
     stacks, ratios = list(stacks), sorted(set(ratios))
     known = {(r.stack, r.cache_ratio): r for r in done if r.batch == batch and r.hardware == costs.hardware.name}
     runs = [(s, r) for s in stacks for r in ratios if (s.name, r) not in known]
     for stack, ratio in tqdm(runs, desc="cache-ratio sweep", unit="run", leave=False, disable=not progress):
-        known[stack.name, ratio] = simulate(trace, stack, costs, batch, ratio, calibration)
+        known[stack.name, ratio] = simulate(trace, stack, costs, batch, ratio, calibration, graph=graph)
     return {s.name: [known[s.name, r] for r in ratios] for s in stacks}
 
 

@@ -32,13 +32,14 @@ def synthetic_trace(
 
     Each row of a layer reuses the previous row's experts of its sequence with probability `locality`; otherwise
     it draws `top_k` distinct experts with Zipf(`skew`) popularity over a per-layer random ranking of the experts.
-    Router scores are the popularity renormalised over each row's 2k listed experts (its k chosen, then k more
-    Zipf draws). No gate inputs are kept, so gate-based prefetchers cannot run on it.
+    Router scores are the popularity renormalised over each row's listed experts (its k chosen, then up to k more
+    Zipf draws: 2k, or every expert where there are fewer). No gate inputs are kept, so gate-based prefetchers cannot
+    run on it.
     """
     if skew < 0 or not 0 <= locality <= 1:
         raise ValueError(f"skew must be >= 0 and locality in [0, 1]; got skew {skew}, locality {locality}")
-    if not (0 < top_k and 2 * top_k <= num_experts):
-        raise ValueError(f"need 0 < top_k and 2 * top_k <= num_experts; got top_k {top_k}, {num_experts} experts")
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"need 0 < top_k <= num_experts; got top_k {top_k}, {num_experts} experts")
     if prompt_tokens < 1 or new_tokens < 2 or sequences < 1 or num_layers < 1:
         raise ValueError("need at least one sequence, layer and prompt token, and two new tokens")
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +51,7 @@ def synthetic_trace(
         rank = torch.randperm(num_experts, generator=g)  # expert rank[r] has the r-th highest popularity
         p = torch.empty(num_experts, dtype=torch.float64)
         p[rank] = popularity
-        listed = torch.multinomial(p.expand(n, -1), 2 * top_k, replacement=False, generator=g)
+        listed = torch.multinomial(p.expand(n, -1), min(2 * top_k, num_experts), replacement=False, generator=g)
         reuse = torch.rand(n, generator=g) < locality
         reuse[::rows_per_seq] = False  # a sequence's first row has nothing to reuse
         for row in reuse.nonzero().flatten().tolist():
