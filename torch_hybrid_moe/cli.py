@@ -214,7 +214,9 @@ def eval_ppl(args: argparse.Namespace) -> int:
     if args.mode == "daop_precalc":
         # the paper's first approximated block, or a shallower model's last MoE block
         moe_indices = moe_layer_indices(model)
-        start = min(PRECALC_FROM_LAYER, moe_indices[-1]) if args.precalc_from_layer is None else args.precalc_from_layer
+        start = args.precalc_from_layer
+        if start is None:
+            start = min(PRECALC_FROM_LAYER, moe_indices[-1]) if moe_indices else PRECALC_FROM_LAYER
         try:
             config = config.replace(mode="daop_precalc", precalc_from_layer=start)
             check_precalc_start(config, moe_indices)  # before the reference's minutes, not after
