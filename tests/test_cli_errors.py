@@ -143,6 +143,7 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
         (["generate", "--cpu-weight-group-size", "48"], "cpu_weight_group_size must be a positive multiple of 32"),
         (["simulate", "--trace", str(TRACE), "--batch", "999"], "--batch 999: "),
+        (["simulate", "--trace", str(TRACE), "--ours", "2,1,0.5,99"], "--ours: prefetch 99 experts a layer"),
         (["prepare", "--model", "deepseek-tiny", "--cpu-weight-dtype", "int8", "--out", "{json}/s"], "is a file"),
         (["simulate", "--trace", str(TRACE), "--calibration", str(DEEPSEEK_TRACE)], "must come from the same model"),
     ],
@@ -393,8 +394,9 @@ def test_simulate_with_a_profile_from_another_machine(tmp_path, monkeypatch, cap
     assert main([*argv, "--hardware", "local", "--expert-shape", "mixtral-8x7b", "--json"]) == 0
     local = {r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r}
     assert elsewhere == local and elsewhere["ours"] > 0
-    assert main([*argv, "--profile", str(path)]) == 0
-    assert f"profile {path}" in capsys.readouterr().out
+    assert main([*argv, "--profile", str(path), "--cache-ratio", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert f"profile {path}" in out and "cache ratio 0.3 (2 of 8 experts a layer in slots)" in out
     old = tmp_path / "old.json"
     data = json.loads(path.read_text())
     data["key"]["format"] = profiling.FORMAT - 1

@@ -376,6 +376,11 @@ def simulate(args: argparse.Namespace) -> int:
         steps = len(set(loaded.step[loaded.step > 0].tolist()))
         if steps < 2:  # tuning replays each half of the decode steps; a rate needs tokens behind it
             raise InputError(f"{path} holds {steps} decode steps; simulate needs at least 2 (trace more new tokens)")
+    if args.ours and args.ours[3] > trace.meta["num_experts"]:
+        raise InputError(
+            f"--ours: prefetch {args.ours[3]} experts a layer, but {args.trace}'s layers have "
+            f"{trace.meta['num_experts']}; pass at most that"
+        )
     sequences = len(set(trace.sequence.tolist()))
     if args.batch > sequences:
         raise InputError(f"--batch {args.batch}: {args.trace} holds {sequences} sequences; pass --batch <= {sequences}")
@@ -478,9 +483,12 @@ def simulate(args: argparse.Namespace) -> int:
             print(f"wrote {path}", file=sys.stderr)
         return 0
     where = f"profile {args.profile}" if args.profile else f"hardware {args.hardware}"
+    num_experts = trace.meta["num_experts"]
+    slots = int(args.cache_ratio * num_experts + 1e-9)  # as the replay rounds it
     print(f"trace {args.trace} ({trace.meta['model']}), {where}: {costs.hardware.description}")
     print(
-        f"experts sized as {costs.expert.name}; batch {args.batch}; cache ratio {args.cache_ratio}"
+        f"experts sized as {costs.expert.name}; batch {args.batch}; cache ratio {args.cache_ratio} ({slots} of "
+        f"{num_experts} experts a layer in slots)"
         f"{f'; calibrated on {args.calibration}' if args.calibration else ''}"
     )
     tuned_on = (
