@@ -352,7 +352,7 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.simulator import simulate as replay
     from torch_hybrid_moe.simulator.bound import bound
     from torch_hybrid_moe.simulator.calibration import Calibration
-    from torch_hybrid_moe.simulator.replay import GraphStep
+    from torch_hybrid_moe.simulator.replay import GraphStep, slots_for
     from torch_hybrid_moe.simulator.stacks import PAPERS
     from torch_hybrid_moe.simulator.tuning import LIVE_CACHES, judged_rank, oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
@@ -484,7 +484,7 @@ def simulate(args: argparse.Namespace) -> int:
         return 0
     where = f"profile {args.profile}" if args.profile else f"hardware {args.hardware}"
     num_experts = trace.meta["num_experts"]
-    slots = int(args.cache_ratio * num_experts + 1e-9)  # as the replay rounds it
+    slots = slots_for(args.cache_ratio, num_experts)
     print(f"trace {args.trace} ({trace.meta['model']}), {where}: {costs.hardware.description}")
     print(
         f"experts sized as {costs.expert.name}; batch {args.batch}; cache ratio {args.cache_ratio} ({slots} of "

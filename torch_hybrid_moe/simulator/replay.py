@@ -280,13 +280,18 @@ def simulate(
     link = _Link(costs, events)
     calibration = calibration or Calibration.from_trace(trace)
     request = RequestActivations(list(trace.layers), num_experts, history=calibration.requests)
-    slots = int(cache_ratio * num_experts + 1e-9) if stack.uses_slots else 0
+    slots = slots_for(cache_ratio, num_experts) if stack.uses_slots else 0
     layers, prefetchers = _build_layers(trace, stack, costs, slots, steps, calibration, request, link)
     _check_deferred(trace, stack)
     replay = _Replay(trace, stack, costs, layers, prefetchers, request, link, events, graph)
     for step_no, ((prefill, tokens, counts_by_layer), (_, rows)) in enumerate(zip(steps, step_rows(trace, batch))):
         replay.step(step_no, prefill, tokens, counts_by_layer, rows)
     return replay.result(batch, cache_ratio, len(steps))
+
+
+def slots_for(cache_ratio: float, num_experts: int) -> int:
+    """Slots a layer gets at `cache_ratio`: whole experts, rounded down (a ratio short of one expert gives none)."""
+    return int(cache_ratio * num_experts + 1e-9)
 
 
 def _build_layers(
