@@ -405,6 +405,21 @@ def test_simulate_with_a_profile_from_another_machine(tmp_path, monkeypatch, cap
     one_line_error(capsys, [*argv, "--profile", str(tmp_path / "x.json")], "is not a readable cost profile")
     one_line_error(capsys, [*argv, "--profile", str(tmp_path / "missing.json")], "is not a readable cost profile")
     one_line_error(capsys, [*argv, "--profile", str(old)], f"is a cost profile of format {profiling.FORMAT - 1}")
+    for field, value, match in [
+        ("hidden", -4096, "not positive sizes"),
+        ("inter", 1.5, "not positive sizes"),
+        ("dense", float("inf"), "not positive sizes"),
+        ("slot_bytes_per_weight", -2.0, "not positive sizes"),
+        ("bytes_per_weight", 0.7, "no host format has 0.7 bytes"),
+    ]:
+        tampered = json.loads(path.read_text())
+        tampered["key"]["expert"][field] = value
+        old.write_text(json.dumps(tampered))
+        one_line_error(capsys, [*argv, "--profile", str(old)], match)
+    tampered = json.loads(path.read_text())
+    tampered["key"]["weights"] = "int4 (groups of 64)"  # times of int4 experts, read as bf16 ones
+    old.write_text(json.dumps(tampered))
+    one_line_error(capsys, [*argv, "--profile", str(old)], "was measured with int4 (groups of 64) weights")
     one_line_error(capsys, [*argv, "--profile", str(path), "--hardware", "rtx4090"], "not allowed with argument")
 
 

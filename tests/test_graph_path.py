@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_hybrid_moe as thm
-from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
+from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
 from torch_hybrid_moe.embedded import load_model
 from torch_hybrid_moe.ops import cpu_kernel
 from torch_hybrid_moe.ops.expert_math import accumulate_experts_, slot_experts_
@@ -849,10 +849,74 @@ def test_decode_graph_signature_covers_every_decode_call_of_generate(arch):
     assert all(any(isinstance(leaf, torch.Tensor) for leaf in s[1]) for s in signatures)
 
 
+@pytest.mark.parametrize(("arch", "topk_method"), [(a, None) for a in TINY_ARCHITECTURES] + [("deepseek_v2", "greedy")])
+def test_prefetch_routers_choose_the_experts_the_model_routes_to(arch, topk_method, tmp_path):
+    """The router a live patch (the block's gate) and the simulator (the saved weights and config.json) replay for
+    prefetching picks each token's experts as the model does: DeepSeek-V2's group_limited_greedy ranks a group by
+    its best score, V3 by its two best, V2's greedy ignores groups (V3's rule on V2 missed a third of the tokens)."""
+    from torch_hybrid_moe.model_patches import ARCHITECTURES
+    from torch_hybrid_moe.model_patches.base import _router
+    from torch_hybrid_moe.simulator.calibration import load_routers
+
+    model = tiny_model(arch).float()
+    cfg = model.config.get_text_config()
+    idx, block = next((i, layer.mlp) for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    if topk_method:
+        cfg.topk_method = block.gate.topk_method = topk_method
+    seen = []
+    block.experts.register_forward_hook(lambda module, args, out: seen.append(args[1]))
+    x = torch.randn(1, 512, cfg.hidden_size)
+    with torch.no_grad():
+        block(x)
+    model.save_pretrained(tmp_path)
+    for router in (_router(block, ARCHITECTURES[arch], cfg), load_routers(tmp_path, [idx])[idx]):
+        ids, _ = router.route(x[0])
+        assert torch.equal(ids.sort(-1).values, seen[0].sort(-1).values)
+
+
+def test_decode_graphs_are_dropped_when_a_parameter_moved_before_a_generate_call():
+    """A captured graph reads the parameters at the addresses it was captured with: after one is rebound
+    (`p.data = t`) the next generate() call must not replay it (it would read freed memory); an in-place write,
+    which the graph reads, keeps it."""
+    from torch_hybrid_moe.runtime.decode_graphs import DecodeGraphs
+
+    model = thm.patch_model(tiny_model("mixtral"), device="cpu")
+    runner = DecodeGraphs(model)
+    runner.graphs[("signature",)] = None  # stands for a captured graph
+    runner.get_compiled_call(None)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    runner.get_compiled_call(None)
+    assert list(runner.graphs) == [("signature",)]
+    model.lm_head.weight.data = model.lm_head.weight.data.clone()
+    runner.get_compiled_call(None)
+    assert not runner.graphs
+
+
 @pytest.mark.parametrize("field, value", [("fills_per_step", -1), ("cpu_threads", 1.5), ("cuda_graph", 1)])
 def test_graph_options_are_validated(field, value):
     with pytest.raises((ValueError, TypeError), match=field):
         thm.HybridMoEConfig(**{field: value})
+
+
+def test_live_costs_price_slot_reads_at_the_slots_dtype_and_copies_at_the_host_copys():
+    """int4 host experts are dequantised to bf16 on arrival: a cost-aware scheduler's model reads a slot's bf16
+    weights on the accelerator and copies the int4 ones over the link (pricing both at int4 made slots look 3.6x
+    cheaper to read)."""
+    from .test_loading import _qwen3
+
+    config = thm.HybridMoEConfig(
+        cpu_weight_dtype="int4", cpu_weight_group_size=32, hardware="rtx4090", scheduler="dali_greedy"
+    )
+    model = thm.patch_model(_qwen3(64, 8, 64, 2).to(torch.bfloat16), config, device="cpu")
+    weights = 3 * 64 * 64
+    for layer in model_layers(model).values():
+        costs = layer.scheduler.costs
+        assert (layer.info.expert_bytes, layer.info.slot_bytes) == (weights // 2 + weights // 32 * 4, weights * 2)
+        bf16 = CostModel(HARDWARE["rtx4090"], ExpertShape("bf16", 64, 64, 2.0))
+        int4 = CostModel(HARDWARE["rtx4090"], ExpertShape("int4", 64, 64, layer.info.expert_bytes / weights))
+        assert costs.t_gpu(1) == pytest.approx(bf16.t_gpu(1)) and costs.t_gpu(64) == pytest.approx(bf16.t_gpu(64))
+        assert costs.t_transfer() == pytest.approx(int4.t_transfer()) and costs.t_cpu(1) == pytest.approx(int4.t_cpu(1))
 
 
 def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching():

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from torch_hybrid_moe import planning
 from torch_hybrid_moe.cli import main
-from torch_hybrid_moe.cost_model import HARDWARE, CostModel
+from torch_hybrid_moe.cost_model import BANDWIDTH_EFFICIENCY, HARDWARE, CostModel
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 from .test_cli_errors import one_line_error
@@ -23,6 +23,8 @@ def test_summary_matches_the_built_model(arch):
     assert (s.expert_weights, s.moe_layers) == (expert_weights, len(experts))
     assert s.expert_weights + s.dense_weights == sum(p.numel() for p in model.parameters())
     assert s.expert_weights == s.moe_layers * s.num_experts * s.expert_weights_each
+    lookup, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert s.lookup_weights == (0 if lookup.data_ptr() == head.data_ptr() else lookup.numel())
     cache, tokens = DynamicCache(config=model.config), 7
     with torch.no_grad():
         model(torch.randint(3, 90, (1, tokens)), cache=cache, use_cache=True)
@@ -41,6 +43,7 @@ def _summary(**overrides):
         inter=32,
         expert_weights=4 * 8 * 3 * 64 * 32,
         dense_weights=100_000,
+        lookup_weights=20_000,
         model_bytes=2,
         kv_bytes_per_token=1024,
     )
@@ -68,6 +71,36 @@ def test_budget_and_host_memory_by_hand():
     assert fits == {"bfloat16": False, "int8": False, "int4": True}
     assert all(p.expert_budget == 0 for p in tight)
     assert set(next(p for p in tight if p.fits_host).speeds) == {"ktransformers"}  # no slots: all-CPU stacks only
+
+
+def test_a_cpu_only_plan_reads_the_dense_layers_on_the_cpu_at_the_models_bytes():
+    """Without a GPU a token's dense work runs on the CPU between its experts: 4 M more dense weights add their bf16
+    bytes at the CPU's rate to every token, whatever the experts' format (the GPU's rate, or the experts' int4
+    bytes, would add far less); the input embedding, of which a token reads one row, adds nothing."""
+    h = HARDWARE["rtx4090"]
+    costs_for = lambda shape: CostModel(h, shape)  # noqa: E731
+
+    def seconds(**weights: int) -> dict[str, float]:
+        _, _, plans = planning.plan(_summary(**weights), 0, 10**12, 10, costs_for, prompt=32)
+        return {p.fmt: 1 / p.speeds["ktransformers"][0] for p in plans}
+
+    few, many = seconds(dense_weights=1_000_000), seconds(dense_weights=5_000_000)
+    by_hand = 4_000_000 * 2 / (h.cpu_bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    assert all(many[fmt] - few[fmt] == pytest.approx(by_hand, rel=1e-6) for fmt in few)
+    assert seconds(dense_weights=5_000_000, lookup_weights=4_020_000) == pytest.approx(few, rel=1e-9)
+
+
+def test_with_every_expert_in_a_slot_the_host_format_does_not_change_decode():
+    """Slots hold experts dequantised to the model's dtype: with room for all of them the GPU reads bf16 weights
+    whatever the host copy's format, so bf16, int8 and int4 plans decode alike (pricing the slots' reads at the
+    host copy's bytes made int4 look faster)."""
+    s = _summary()
+    costs_for = lambda shape: CostModel(HARDWARE["rtx4090"], shape)  # noqa: E731
+    _, _, plans = planning.plan(s, 10**12, 10**12, 10, costs_for, prompt=32)
+    assert all(p.expert_budget == 1.0 for p in plans)
+    decode = {p.fmt: p.speeds["lru-cache"][0] for p in plans}
+    assert decode["int4"] == pytest.approx(decode["bfloat16"], rel=1e-9)
+    assert decode["int8"] == pytest.approx(decode["bfloat16"], rel=1e-9)
 
 
 def test_plan_command_prints_the_answer(tmp_path, capsys):

@@ -40,6 +40,27 @@ def test_prepared_store_loads_as_the_original(fmt, source, tmp_path, monkeypatch
     assert json.loads((out / "hybrid_moe_store.json").read_text())["cpu_weight_dtype"] == fmt
 
 
+def test_a_prepared_store_quantises_the_dense_layers_in_the_group_asked_for(source, tmp_path):
+    """Loading takes the experts' group from the store (32) but the dense layers' from the config (64, the
+    default): the same model as patching the original with those two groups, not dense layers silently in 32."""
+    out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype="int4", **GROUP))
+    model = thm.from_pretrained(out, expert_budget=0.0, device="cpu", dense_weight_dtype="int4")
+    want = thm.from_pretrained(
+        source,
+        expert_budget=0.0,
+        device="cpu",
+        cpu_weight_dtype="int4",
+        dense_weight_dtype="int4",
+        **GROUP,
+        dense_weight_group_size=64,
+    )
+    dense = [m for m in model.modules() if type(m).__name__ == "QuantizedLinear"]
+    assert dense and all(m.qweight.shape[-1] * 2 == 64 * m.scale.shape[-1] for m in dense)
+    assert torch.equal(_logits(model), _logits(want))
+    with pytest.raises(InputError, match="dense_weight_group_size must be a positive multiple of 32 \\(or 0\\)"):
+        thm.HybridMoEConfig(dense_weight_group_size=48)
+
+
 def test_prepared_store_refuses_another_format(source, tmp_path):
     out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype="int4", **GROUP))
     with pytest.raises(InputError, match="prepared as int4 .* load it with cpu_weight_dtype='int4'"):

@@ -56,6 +56,48 @@ def test_fit_gives_back_the_hardware_that_produced_the_times(preset):
     assert h.name == "local" and "measured" in h.description
 
 
+@pytest.mark.parametrize(
+    ("bytes_each", "want"),
+    [(2.0, ("bfloat16", 0)), (4.0, ("float32", 0)), (1 + 4 / 64, ("int8", 64)), (0.5 + 4 / 32, ("int4", 32))],
+)
+def test_host_format_is_the_one_whose_bytes_the_shape_has(bytes_each, want):
+    assert profiling.host_format(ExpertShape("x", 512, 256, bytes_each)) == want
+
+
+@pytest.mark.parametrize("bytes_each", [0.5, 3.0, 1 + 4 / 48, 0.5 + 4 / 512, -1.0, float("nan")])
+def test_host_format_refuses_sizes_no_format_has(bytes_each):
+    """No scales; between formats; a group that is not a multiple of 32; a group wider than the 256-wide down
+    projection (it would be quantised in groups of 256, with other bytes); nonsense."""
+    with pytest.raises(ValueError, match="no host format has"):
+        profiling.host_format(ExpertShape("x", 512, 256, bytes_each))
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "int4"])
+def test_the_cpu_side_is_measured_in_the_shapes_host_format(fmt, monkeypatch):
+    """The kernel the profile times is handed experts in the format whose bytes the shape counts, so the fitted
+    bandwidth divides the bytes it read: int8 / int4 weights with their scales (the pool of a bf16 measurement
+    would make every format as slow as bf16)."""
+    from torch_hybrid_moe.ops import library
+    from torch_hybrid_moe.planning import bytes_per_weight
+
+    shape = ExpertShape("x", 512, 256, bytes_per_weight(fmt, 2, 64))
+    seen = []
+    real = library.cpu_experts_into
+
+    def spy(hidden, ids, weights, gate_up, down, gate_up_scale, down_scale, out):
+        seen.append((gate_up, down, gate_up_scale, down_scale))
+        real(hidden, ids, weights, gate_up, down, gate_up_scale, down_scale, out)
+
+    monkeypatch.setattr(library, "cpu_experts_into", spy)
+    profiling.measure_cpu(shape, (1, 4), repeats=1, pool_bytes=4 * shape.nbytes)
+    gate_up, down, gate_up_scale, down_scale = seen[0]
+    each = sum(t[0].nbytes for t in (gate_up, down, gate_up_scale, down_scale) if t is not None)
+    assert each == shape.nbytes and gate_up.shape[0] == 4
+    want = {"bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[fmt]
+    assert gate_up.dtype == down.dtype == want and (gate_up_scale is None) == (fmt == "bfloat16")
+    assert profiling.profile_key(shape, (1, 4))["weights"] == profiling.weights_label(shape)
+
+
 def test_a_measured_slot_share_prices_the_graphs_grouped_call():
     """With the grouped share timed at 1 and SHARE_EXPERTS experts (`measure_share`), `t_gpu_share` gives those two
     times back, and what each further expert of one token adds; the profile's JSON keeps them. Without them the share

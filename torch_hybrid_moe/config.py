@@ -81,11 +81,17 @@ class HybridMoEConfig:
         from: "model" (as loaded), "bfloat16", or "int8" / "int4" with one scale per `cpu_weight_group_size`
         columns, multiplying inputs rounded to int8 per 32 columns (as llama.cpp's q8_0 / q4_0 do; on the CPU
         and in slots alike). Quantised formats are approximate: fewer bytes per weight make bandwidth-bound
-        CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md.
+        CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md. Slots hold the experts
+        dequantised to the model's dtype and multiply in it, where the CPU keeps fp32: in a bf16 model an
+        expert's output differs a little by where it ran, so outputs differ by budget (perplexity cost of
+        mixtral-tiny in bf16 at budget 0 and 1: int8 1.00035 and 1.00016, int4 1.00395 and 1.00392).
     dense_weight_dtype: "model" (the default) keeps the dense layers' linears (attention projections, shared
         experts, dense MLPs, the LM head) as loaded; "int8" / "int4" quantise them with one scale per
         `cpu_weight_group_size` columns and run them on the CPU kernel's micro-kernels: an approximate mode for
         CPU-only machines, where those bytes bound every decode token (benchmarks/RESULTS.md); refused on CUDA.
+    dense_weight_group_size: those dense layers' group; 0 (the default) takes `cpu_weight_group_size`. Loading a
+        prepared or GGUF store sets the experts' group to the store's own and keeps this one as asked
+        (`with_store_format`), so the dense layers are quantised as the config said.
     staging_slots: accelerator buffers a prefill step streams experts through when the cost model says a copy and
         the accelerator's compute beat the CPU for them (its heaviest experts; the CPU computes the rest at the same
         time, and the cache's slots are left alone; runtime/staging_ring.py). The cost model is `hardware`'s, or with
@@ -128,6 +134,7 @@ class HybridMoEConfig:
     cpu_weight_dtype: str = "model"
     cpu_weight_group_size: int = 64
     dense_weight_dtype: str = "model"
+    dense_weight_group_size: int = 0
     staging_slots: int = 2
     cuda_graph: bool = True
     fills_per_step: int = 1
@@ -145,14 +152,11 @@ class HybridMoEConfig:
             raise InputError(
                 f"dense_weight_dtype must be one of {DENSE_WEIGHT_DTYPES}, got {self.dense_weight_dtype!r}"
             )
-        if (
-            isinstance(self.cpu_weight_group_size, bool)
-            or not isinstance(self.cpu_weight_group_size, int)
-            or (self.cpu_weight_group_size <= 0 or self.cpu_weight_group_size % 32)
-        ):
-            raise InputError(
-                f"cpu_weight_group_size must be a positive multiple of 32, got {self.cpu_weight_group_size!r}"
-            )
+        for name, least in (("cpu_weight_group_size", 1), ("dense_weight_group_size", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least or value % 32:
+                zero = " (or 0)" if not least else ""
+                raise InputError(f"{name} must be a positive multiple of 32{zero}, got {value!r}")
         for name in ("staging_slots", "fills_per_step", "prefetch_size", "cpu_threads"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -294,6 +298,18 @@ class HybridMoEConfig:
                 f"deferred_experts must lie in [1, top_k - 1] = [1, {top_k - 1}] for a model that routes each "
                 f"token to top_k = {top_k} experts, got {self.deferred_experts}"
             )
+
+    @property
+    def dense_group_size(self) -> int:
+        """The group the dense layers are quantised in (with dense_weight_dtype int8 / int4)."""
+        return self.dense_weight_group_size or self.cpu_weight_group_size
+
+    def with_store_format(self, fmt: str, group: int) -> HybridMoEConfig:
+        """This config for experts stored as `fmt` in groups of `group` (a prepared or GGUF store): the dense
+        layers keep the group this config gives them."""
+        return self.replace(
+            cpu_weight_dtype=fmt, cpu_weight_group_size=group, dense_weight_group_size=self.dense_group_size
+        )
 
     def replace(self, **overrides: Any) -> HybridMoEConfig:
         """A copy with fields overridden; unknown names are an error, not silently ignored."""

@@ -93,10 +93,20 @@ class ExpertShape:
     inter: int
     bytes_per_weight: float = 2.0
     dense: float = 0.0  # the GPU's work between two MoE blocks (attention, shared experts), in routed experts
+    dense_bytes_per_weight: float | None = None  # that work's weights' bytes each (None: the experts'), so quantised
+    # experts beside dense layers in the model's dtype read each at its own size
+    slot_bytes_per_weight: float | None = None  # what an accelerator slot holds each (the model's dtype, into which
+    # quantised experts are dequantised on arrival); None: as the host copy
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one expert's host copy: what the CPU reads and the link carries."""
         return int(3 * self.hidden * self.inter * self.bytes_per_weight)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one expert in a slot: what the accelerator reads."""
+        return int(3 * self.hidden * self.inter * (self.slot_bytes_per_weight or self.bytes_per_weight))
 
     @property
     def flops_per_token(self) -> int:
@@ -139,14 +149,18 @@ class CostModel:
     """Seconds for one expert of `expert` size: t_cpu(tokens), t_gpu(tokens), t_transfer(); and of the rest of a
     decoder block, t_dense(tokens). `dense_us`: that block's time at one token, measured on a real step (attention,
     norms, router: dozens of small kernels, which `expert.dense` routed experts' worth of work underprices); more
-    tokens add what the estimate adds. None keeps the estimate."""
+    tokens add what the estimate adds. None keeps the estimate. `dense_on_cpu`: no accelerator, so that work runs
+    on the CPU at its rates (a CPU-only plan)."""
 
     hardware: Hardware
     expert: ExpertShape
     dense_us: float | None = None
+    dense_on_cpu: bool = False
 
-    def _terms(self, bandwidth_gb_s: float, tflops: float, overhead_us: float, experts: float = 1.0) -> Terms:
-        read = experts * self.expert.nbytes / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    def _terms(
+        self, bandwidth_gb_s: float, tflops: float, overhead_us: float, experts: float = 1.0, nbytes: float = 0.0
+    ) -> Terms:
+        read = experts * (nbytes or self.expert.nbytes) / (bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
         return Terms(overhead_us * 1e-6, read, experts, self.expert.flops_per_token, tflops * 1e12 * COMPUTE_EFFICIENCY)
 
     @property
@@ -157,7 +171,7 @@ class CostModel:
     @property
     def gpu(self) -> Terms:
         h = self.hardware
-        return self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us)
+        return self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, nbytes=self.expert.slot_nbytes)
 
     def t_cpu(self, tokens: int) -> float:
         return self.cpu.time(tokens)
@@ -176,10 +190,14 @@ class CostModel:
         return gpu.group_time(tokens)
 
     def t_dense(self, tokens: int) -> float:
-        """GPU time of the rest of one decoder block (attention, shared experts) for `tokens` tokens; the KV
-        cache's reads, which grow with the context, are left out."""
-        h = self.hardware
-        terms = self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, self.expert.dense)
+        """GPU time (the CPU's with `dense_on_cpu`) of the rest of one decoder block (attention, shared experts) for
+        `tokens` tokens; the KV cache's reads, which grow with the context, are left out."""
+        h, e = self.hardware, self.expert
+        each = 3 * e.hidden * e.inter * (e.dense_bytes_per_weight or e.bytes_per_weight)  # an expert's worth of bytes
+        if self.dense_on_cpu:
+            terms = self._terms(h.cpu_bandwidth_gb_s, h.cpu_tflops, h.cpu_overhead_us, e.dense, each)
+        else:
+            terms = self._terms(h.gpu_bandwidth_gb_s, h.gpu_tflops, h.gpu_overhead_us, e.dense, each)
 
         def estimate(n: int) -> float:
             return terms.time(n) if self.expert.dense > 0 else 0.0

@@ -258,7 +258,7 @@ class GGUFCheckpoint:
         kinds = {nearest_format(t.qtype) for name, t in self.tensors.items() if "_exps." in name}
         for fmt in ("model", "int8", "int4"):  # widest first
             if fmt in kinds:
-                return config if fmt == "model" else config.replace(cpu_weight_dtype=fmt, cpu_weight_group_size=GROUP)
+                return config if fmt == "model" else config.with_store_format(fmt, GROUP)
         return config
 
     def expert_layout(self, name: str, experts: torch.nn.Module) -> dict[str, tuple[GGUFTensor, ...]]:

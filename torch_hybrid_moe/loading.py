@@ -136,7 +136,9 @@ def from_pretrained(
         config,
         read_experts=lambda module: source.read_experts(module, layout[experts[module]], fmt, group),
         read_linear=lambda linear: (
-            checkpoint.read_quantized(quantised[linear], linear.weight.dtype, config.dense_weight_dtype, group)
+            checkpoint.read_quantized(
+                quantised[linear], linear.weight.dtype, config.dense_weight_dtype, config.dense_group_size
+            )
             if checkpoint and linear in quantised
             else None
         ),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PretrainedConfig
@@ -22,7 +22,8 @@ from .cost_model import HARDWARE, CostModel, ExpertShape
 from .errors import InputError
 from .loading import local_directory
 from .model_patches import ARCHITECTURES
-from .ops.quantize import check_group_size
+from .ops.quantize import BITS, check_group_size
+from .ops.quantize import bytes_per_weight as quantized_bytes
 from .simulator import STACKS
 from .simulator.replay import simulate_runnable
 from .simulator.synthetic import synthetic_trace
@@ -36,7 +37,9 @@ SKEW, LOCALITY = 0.6, 0.4
 
 
 def bytes_per_weight(fmt: str, model_bytes: int, group: int) -> float:
-    return {"model": model_bytes, "bfloat16": 2, "int8": 1 + 4 / group, "int4": 0.5 + 4 / group}[fmt]
+    if fmt in BITS:
+        return quantized_bytes(BITS[fmt], group)
+    return model_bytes if fmt == "model" else 2
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class ModelSummary:
     inter: int
     expert_weights: int  # routed experts' weights, all layers
     dense_weights: int  # everything else (embeddings, attention, shared experts, dense MLPs, LM head)
+    lookup_weights: int  # of those, the input embedding's where it is not the LM head's: a token reads one row
     model_bytes: int  # bytes per weight of the checkpoint's dtype
     kv_bytes_per_token: int  # all layers' K and V of one token, in the model's dtype
 
@@ -76,6 +80,7 @@ def summarise(config: PretrainedConfig) -> ModelSummary:
         raise InputError(f"this {model_type} config has no MoE layers (nothing to offload): plan a config with experts")
     expert_weights = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts)
     total = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
+    lookup, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     dtype = getattr(text, "dtype", None) or torch.bfloat16
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     heads = text.num_attention_heads
@@ -94,6 +99,7 @@ def summarise(config: PretrainedConfig) -> ModelSummary:
         inter=getattr(text, spec.intermediate_attr),
         expert_weights=expert_weights,
         dense_weights=total - expert_weights,
+        lookup_weights=0 if lookup is head else lookup.numel(),
         model_bytes=torch.empty(0, dtype=dtype).element_size(),
         kv_bytes_per_token=text.num_hidden_layers * kv * torch.empty(0, dtype=dtype).element_size(),
     )
@@ -154,9 +160,20 @@ def plan(
             except ValueError as err:
                 refused = str(err)
         if host <= host_bytes and not refused:
-            work = summary.dense_weights / max(1, summary.layers) / summary.expert_weights_each
-            shape = ExpertShape("model", summary.hidden, summary.inter, per_weight, dense=work)
-            speeds = _speeds(summary, costs_for(shape), budget, prompt)
+            read = summary.dense_weights - summary.lookup_weights  # what a token's dense work reads
+            work = read / max(1, summary.layers) / summary.expert_weights_each
+            shape = ExpertShape(
+                "model",
+                summary.hidden,
+                summary.inter,
+                per_weight,
+                dense=work,
+                dense_bytes_per_weight=summary.model_bytes,  # dense layers and slots hold the model's dtype
+                slot_bytes_per_weight=summary.model_bytes,
+            )
+            # without a GPU the dense layers run on the CPU too, between the experts
+            costs = replace(costs_for(shape), dense_on_cpu=gpu_bytes <= 0)
+            speeds = _speeds(summary, costs, budget, prompt)
         plans.append(FormatPlan(fmt, host, host <= host_bytes, refused, budget, speeds))
     return dense, kv, plans
 

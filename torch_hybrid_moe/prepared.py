@@ -49,7 +49,7 @@ def config_for(config: HybridMoEConfig, prepared: tuple[str, int], directory: Pa
     a different format or group asked for is an error (converting would undo what preparing saved)."""
     fmt, group = prepared
     if config.cpu_weight_dtype == "model":
-        return config.replace(cpu_weight_dtype=fmt, cpu_weight_group_size=group)
+        return config.with_store_format(fmt, group)
     if (config.cpu_weight_dtype, config.cpu_weight_group_size) != (fmt, group):
         raise InputError(
             f"{directory} holds experts prepared as {fmt} (group {group}), but cpu_weight_dtype="

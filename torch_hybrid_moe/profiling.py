@@ -2,19 +2,21 @@
 `hybrid_moe::cpu_experts`), on the GPU and over the pinned host-to-device link, fitted to the cost model's
 form so that schedulers and the simulator keep their one interface (`CostModel.t_cpu`, `t_gpu`, `t_transfer`).
 
-`profile_hardware(expert)` measures each side at a few token counts (median of repeats, bf16 weights as the
-models serve them), fits `overhead + max(read time, tokens x compute time)` to each curve and returns a
-`HardwareProfile` whose `hardware` is a `Hardware(name="local", ...)` preset and whose `cost_model()` is the
-`CostModel` built from it. Without CUDA the GPU side and the link come from a named preset, and the profile
-says so. Measurements are cached on disk as JSON (`$XDG_CACHE_HOME/torch_hybrid_moe/` or
-`~/.cache/torch_hybrid_moe/`), keyed by CPU model, thread count, torch version, kernel ISA, expert shape,
-token counts and GPU name, so the second call measures nothing; `refresh=True` measures again.
+`profile_hardware(expert)` measures each side at a few token counts (median of repeats; the CPU in the host format
+whose bytes per weight the shape has, bf16, fp32, int8 or int4 (`host_format`), so a fitted bandwidth divides the
+bytes its kernel reads; the GPU in its slots' dtype, `slot_format`), fits `overhead + max(read time, tokens x
+compute time)` to each curve and returns a `HardwareProfile` whose `hardware` is a `Hardware(name="local", ...)`
+preset and whose `cost_model()` is the `CostModel` built from it. Without CUDA the GPU side and the link come from a
+named preset, and the profile says so. Measurements are cached on disk as JSON (`$XDG_CACHE_HOME/torch_hybrid_moe/`
+or `~/.cache/torch_hybrid_moe/`), keyed by CPU model, thread count, torch version, kernel ISA, expert shape and
+format, token counts and GPU name, so the second call measures nothing; `refresh=True` measures again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -39,6 +41,7 @@ from .cost_model import (
 )
 from .errors import InputError
 from .ops.measured import cache_dir, cpu_model
+from .ops.quantize import BITS, bytes_per_weight, check_group_size, kernel_operands, to_cpu_format
 
 FORMAT = 2  # bump when what a cached measurement means changes (2: GPU experts timed inside a CUDA graph)
 DEFAULT_TOKENS = (1, 4, 16, 64)
@@ -214,7 +217,7 @@ class HardwareProfile:
             )
             rate = e.nbytes / max(m.transfer_s - latency, 1e-12)  # bytes per second
             fields |= dict(
-                gpu_bandwidth_gb_s=e.nbytes / gpu.read_s / 1e9 / BANDWIDTH_EFFICIENCY,
+                gpu_bandwidth_gb_s=e.slot_nbytes / gpu.read_s / 1e9 / BANDWIDTH_EFFICIENCY,
                 gpu_tflops=e.flops_per_token / gpu.token_s / 1e12 / COMPUTE_EFFICIENCY,
                 gpu_overhead_us=gpu.overhead_s * 1e6,
                 pcie_gb_s=rate / 1e9 / PCIE_EFFICIENCY,
@@ -261,22 +264,68 @@ def profile_key(expert: ExpertShape, tokens: Sequence[int]) -> dict:
         "torch": torch.__version__,
         "kernel": kernel_build.ISA_NAMES.get(isa, "torch loop"),
         "expert": asdict(expert),
+        "weights": weights_label(expert),  # what the CPU side computed from
         "tokens": sorted(int(n) for n in tokens),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
     }
 
 
-def _expert_pool(expert: ExpertShape, pool_bytes: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 gate_up [E, 2I, H] and down [E, H, I] of enough experts to fill `pool_bytes` (at least 2)."""
-    count = max(2, -(-pool_bytes // expert.nbytes))
+def host_format(expert: ExpertShape) -> tuple[str, int]:
+    """(format, group size) of the host copy whose bytes per weight `expert` has: "bfloat16" (2 bytes, fp16 alike),
+    "float32", or "int8" / "int4" with one fp32 scale per group. ValueError where no format has that size."""
+    b = expert.bytes_per_weight
+    if b in (2, 4):
+        return ("bfloat16" if b == 2 else "float32"), 0
+    for fmt, bits in BITS.items():
+        rest = b - bits / 8
+        group = round(4 / rest) if rest > 0 else 0
+        if group and abs(bytes_per_weight(bits, group) - b) < 1e-9:
+            try:  # the group each projection is quantised in must be the one these bytes count
+                if all(check_group_size(columns, group) == group for columns in (expert.hidden, expert.inter)):
+                    return fmt, group
+            except ValueError:
+                pass
+    raise ValueError(
+        f"no host format has {b} bytes per weight for {expert.hidden} x {expert.inter} experts (bf16: 2, fp32: 4, "
+        "int8 / int4: 1 / 0.5 + 4 / group)"
+    )
+
+
+def weights_label(expert: ExpertShape) -> str:
+    """The host format the CPU side of a profile of `expert` is measured in, as its key and report name it."""
+    fmt, group = host_format(expert)
+    return f"{fmt} (groups of {group})" if group else fmt
+
+
+def slot_format(expert: ExpertShape) -> str:
+    """The dtype an accelerator slot holds `expert` in: fp32 for 4-byte slots, else bf16 (quantised host copies are
+    dequantised to the model's dtype, bf16 or fp16, on arrival)."""
+    return "float32" if (expert.slot_bytes_per_weight or expert.bytes_per_weight) == 4 else "bfloat16"
+
+
+Operands = tuple[torch.Tensor, torch.Tensor | None]  # weights and, where quantised, their scales
+
+
+def _expert_pool(expert: ExpertShape, pool_bytes: int, device: str = "cpu") -> tuple[Operands, Operands]:
+    """gate_up [E, 2I, H] and down [E, H, I] of enough experts to fill `pool_bytes` (at least 2), as kernel operands:
+    on the CPU in the shape's host format (`host_format`), on the GPU as its slots hold them (`slot_format`)."""
+    fmt, group = host_format(expert) if device == "cpu" else (slot_format(expert), 0)
     g = torch.Generator().manual_seed(0)
     h, i = expert.hidden, expert.inter
-    one_gu = (torch.randn(1, 2 * i, h, generator=g) * h**-0.5).to(torch.bfloat16)
-    one_dn = (torch.randn(1, h, i, generator=g) * i**-0.5).to(torch.bfloat16)
-    return (
-        one_gu.to(device).expand(count, -1, -1).contiguous(),  # every page written: no first-touch faults
-        one_dn.to(device).expand(count, -1, -1).contiguous(),
-    )
+
+    def one(w: torch.Tensor) -> Operands:
+        return kernel_operands(to_cpu_format(w, fmt, group)) if fmt in BITS else (w.to(getattr(torch, fmt)), None)
+
+    gate_up = one(torch.randn(1, 2 * i, h, generator=g) * h**-0.5)
+    down = one(torch.randn(1, h, i, generator=g) * i**-0.5)
+    count = max(2, -(-pool_bytes // sum(t.nbytes for t in (*gate_up, *down) if t is not None)))
+
+    def pool(operands: Operands) -> Operands:  # every page written: no first-touch faults
+        data, scale = (None if t is None else t.to(device).expand(count, *t.shape[1:]).contiguous() for t in operands)
+        assert data is not None
+        return data, scale
+
+    return pool(gate_up), pool(down)
 
 
 def measure_cpu(
@@ -293,7 +342,7 @@ def measure_cpu(
     alike. After one warm-up round, `repeats` rounds, or at least 3 once `budget_s` has passed."""
     from .ops.library import cpu_experts_into
 
-    gate_up, down = _expert_pool(expert, pool_bytes)
+    (gate_up, gate_up_scale), (down, down_scale) = _expert_pool(expert, pool_bytes)
     count = gate_up.shape[0]
     g = torch.Generator().manual_seed(0)
     cases = {
@@ -311,7 +360,7 @@ def measure_cpu(
     for round_ in range(repeats + 1):
         for n, (hidden, weights, acc) in cases.items():
             t = time.perf_counter()
-            cpu_experts_into(hidden, ids[n][call % count], weights, gate_up, down, None, None, acc)
+            cpu_experts_into(hidden, ids[n][call % count], weights, gate_up, down, gate_up_scale, down_scale, acc)
             if round_:  # round 0 warms up
                 times[n].append(time.perf_counter() - t)
             call += 1
@@ -366,8 +415,8 @@ def measure_gpu(
         return statistics.median(times)
 
     def experts(n: int) -> float:  # the pool is freed on return, before the copies are timed
-        gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
-        hidden = torch.randn(n, expert.hidden, device="cuda", dtype=torch.bfloat16)
+        (gate_up, _), (down, _) = _expert_pool(expert, pool_bytes, "cuda")
+        hidden = torch.randn(n, expert.hidden, device="cuda", dtype=gate_up.dtype)
         tokens = torch.arange(n, device="cuda")
         weights = torch.ones(n, device="cuda")
         acc = torch.zeros(n, expert.hidden, device="cuda")
@@ -404,9 +453,10 @@ def measure_share(expert: ExpertShape, repeats: int, pool_bytes: int) -> dict[in
 
     # at least SHARE_EXPERTS distinct experts, however large (a small pool holds 2 of Mixtral's), and no more than
     # the grouped GEMM takes as slots (a pool of tiny experts would hold thousands)
-    pool_bytes = min(max(pool_bytes, SHARE_EXPERTS * expert.nbytes), GROUPED_MM_MAX_GROUPS * expert.nbytes)
-    gate_up, down = _expert_pool(expert, pool_bytes, "cuda")
-    hidden = torch.randn(1, expert.hidden, device="cuda", dtype=torch.bfloat16)
+    each = 3 * expert.hidden * expert.inter * getattr(torch, slot_format(expert)).itemsize  # as the slots hold them
+    pool_bytes = min(max(pool_bytes, SHARE_EXPERTS * each), GROUPED_MM_MAX_GROUPS * each)
+    (gate_up, _), (down, _) = _expert_pool(expert, pool_bytes, "cuda")
+    hidden = torch.randn(1, expert.hidden, device="cuda", dtype=gate_up.dtype)
     out = torch.zeros(1, expert.hidden, device="cuda")
     share: dict[int, float] = {}
     for k in (1, SHARE_EXPERTS):
@@ -565,8 +615,20 @@ def load_profile(path: Path, preset: str = DEFAULT_PRESET) -> HardwareProfile:
     try:
         m = Measurements.from_json(json.loads(Path(path).read_text()))
         expert = ExpertShape(**m.key["expert"])
+        sizes = (expert.hidden, expert.inter)
+        shares = (expert.dense, expert.dense_bytes_per_weight or 1, expert.slot_bytes_per_weight or 1)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes) or not all(
+            isinstance(v, (int, float)) and 0 <= v < math.inf for v in shares
+        ):
+            raise ValueError(f"expert shape {m.key['expert']} is not positive sizes and finite shares")
+        label = weights_label(expert)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise InputError(f"{path} is not a readable cost profile ({err}); `hybrid-moe profile` writes one") from None
+    if m.key.get("weights", "bfloat16") != label:  # profiles before the key measured bf16
+        raise InputError(
+            f"{path} was measured with {m.key.get('weights', 'bfloat16')} weights but its expert shape has "
+            f"{expert.bytes_per_weight} bytes per weight ({label}): measure it again with `hybrid-moe profile`"
+        )
     if m.key.get("format") != FORMAT:
         raise InputError(
             f"{path} is a cost profile of format {m.key.get('format')}, not {FORMAT}: measure it again with "

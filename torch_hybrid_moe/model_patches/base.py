@@ -24,7 +24,7 @@ from ..ops import cpu_kernel
 from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
 from ..ops.quantize import QuantizedWeight, check_group_size, empty_cpu_format, to_cpu_format
 from ..policies import LayerInfo
-from ..policies.prefetching import Router
+from ..policies.prefetching import Router, group_limit
 from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context, streaming_costs
 from ..runtime.decode_graphs import DecodeGraphs
@@ -110,7 +110,7 @@ def patch_with_spec(
         for w in (first.gate_up_proj, first.down_proj)
     )
     # the prefill staging ring's plan (on CUDA this machine's profile, measured once): now, before any change
-    streaming = streaming_costs(config, device.type, hidden, two_inter // 2, host_bytes)
+    streaming = streaming_costs(config, device.type, hidden, two_inter // 2, host_bytes, expert_bytes)
     ring = 0 if streaming is None else config.staging_slots * expert_bytes  # one ring, shared by every layer
     _check_fits(device, slots * expert_bytes * len(moe_layers) + ring)
     policies = {  # each layer's, built once, before anything changes (one that cannot run fails here)
@@ -118,7 +118,7 @@ def patch_with_spec(
             config,
             policy_context(
                 config,
-                LayerInfo(idx, num_experts, slots, host_bytes),
+                LayerInfo(idx, num_experts, slots, host_bytes, expert_bytes),  # slots: the model's dtype
                 hidden,
                 two_inter // 2,
                 _router(block, spec, cfg),
@@ -166,7 +166,7 @@ def patch_with_spec(
         quantized = QuantizedLinear(
             linear,
             config.dense_weight_dtype,
-            config.cpu_weight_group_size,
+            config.dense_group_size,
             read_linear(linear) if read_linear else None,
         )
         quantized.register_state_dict_post_hook(_refuse_quantized_save)
@@ -218,7 +218,7 @@ def dense_linears(
         )
     for _, name, linear in found:
         try:
-            check_group_size(linear.in_features, config.cpu_weight_group_size)
+            check_group_size(linear.in_features, config.dense_group_size)
         except ValueError as err:
             raise ValueError(
                 f"dense_weight_dtype={config.dense_weight_dtype!r}: linear {name!r} "
@@ -253,8 +253,7 @@ def _router(block: torch.nn.Module, spec: ArchSpec, cfg: object) -> Router:
         cfg.num_experts_per_tok,
         spec.score_fn,
         getattr(block.gate, "e_score_correction_bias", None),
-        getattr(cfg, "n_group", None) or 1,
-        getattr(cfg, "topk_group", None) or 1,
+        **group_limit(spec.model_type, {k: getattr(cfg, k, None) for k in ("topk_method", "n_group", "topk_group")}),
     )
 
 

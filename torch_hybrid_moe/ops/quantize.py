@@ -48,6 +48,11 @@ class QuantizedWeight:
         return self.data[0].nbytes + self.scale[0].nbytes
 
 
+def bytes_per_weight(bits: int, group_size: int) -> float:
+    """Host bytes per weight of a `bits`-bit format with one fp32 scale per `group_size` columns."""
+    return bits / 8 + 4 / group_size
+
+
 def check_group_size(columns: int, group_size: int) -> int:
     """The group used for a K-column weight: min(group_size, K); it must be a multiple of 32 dividing K."""
     group = min(group_size, columns)

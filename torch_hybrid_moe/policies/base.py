@@ -21,7 +21,9 @@ class LayerInfo:
     layer_idx: int
     num_experts: int
     num_slots: int
-    expert_bytes: int
+    expert_bytes: int  # one expert's host copy: what a copy into a slot moves
+    slot_bytes: int = 0  # one expert in a slot, dequantised to the model's dtype: what the accelerator reads; 0: as
+    # the host copy
 
     @property
     def full(self) -> bool:

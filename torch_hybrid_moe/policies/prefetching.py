@@ -10,8 +10,9 @@ gate) both pass it. "residual" also needs a calibrated residual, which only the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,8 +35,10 @@ class Router:
     """One MoE layer's gate, replayed off the model: `weight` [E, H]; scores softmax or sigmoid of the logits.
 
     Sigmoid routers are DeepSeek-V3's: the choice adds `bias` (e_score_correction_bias) and keeps only the
-    `topk_group` of `n_group` expert groups with the highest sum of their two best scores; without that group
-    limit, a third of the embedded deepseek-tiny's choices differ from its real routing.
+    `topk_group` of `n_group` expert groups with the highest sum of their two best scores (`group_score` "top2");
+    without that group limit, a third of the embedded deepseek-tiny's choices differ from its real routing.
+    DeepSeek-V2's group_limited_greedy ranks a group by its best score ("max"). `group_limit` reads these from a
+    model's config.
     """
 
     weight: torch.Tensor
@@ -44,6 +47,7 @@ class Router:
     bias: torch.Tensor | None = None
     n_group: int = 1
     topk_group: int = 1
+    group_score: str = "top2"
 
     def __post_init__(self) -> None:
         if self.score_fn not in ("softmax", "sigmoid"):
@@ -55,6 +59,8 @@ class Router:
             )
         if self.weight.shape[0] % self.n_group:
             raise ValueError(f"{self.weight.shape[0]} experts do not split into {self.n_group} groups")
+        if self.group_score not in ("top2", "max"):
+            raise ValueError(f"router group_score must be 'top2' or 'max', not {self.group_score!r}")
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k expert ids [rows, k], their scores [rows, k]) as the model's gate chooses them."""
@@ -65,12 +71,25 @@ class Router:
         choice = scores if self.bias is None else scores + self.bias.to(scores.device, torch.float32)
         if self.n_group > 1:
             groups = choice.view(choice.shape[0], self.n_group, -1)
-            best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            rank = groups.topk(2, dim=-1).values.sum(-1) if self.group_score == "top2" else groups.amax(-1)
+            best = rank.topk(self.topk_group, dim=-1).indices
             keep = torch.zeros(best.shape[0], self.n_group, dtype=torch.bool, device=best.device)
             keep.scatter_(1, best, True)
             choice = choice.masked_fill(~keep.repeat_interleave(groups.shape[2], dim=1), float("-inf"))
         ids = choice.topk(self.top_k, dim=-1).indices
         return ids, scores.gather(1, ids)
+
+
+def group_limit(model_type: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """`Router`'s group arguments for a model's (text) config, as its gate applies them: DeepSeek-V2 limits groups
+    only with topk_method "group_limited_greedy" (a group's best score), DeepSeek-V3 always (its two best)."""
+    if model_type == "deepseek_v2" and config.get("topk_method") != "group_limited_greedy":
+        return {}
+    return {
+        "n_group": config.get("n_group") or 1,
+        "topk_group": config.get("topk_group") or 1,
+        "group_score": "max" if model_type == "deepseek_v2" else "top2",
+    }
 
 
 class MissingRouter(ValueError):

@@ -19,27 +19,35 @@ def _local_model(shape: ExpertShape) -> CostModel:
 
 
 def live_costs(
-    config: HybridMoEConfig, hidden: int, inter: int, expert_bytes: int, hardware: str | None = None
+    config: HybridMoEConfig,
+    hidden: int,
+    inter: int,
+    expert_bytes: int,
+    hardware: str | None = None,
+    slot_bytes: int = 0,
 ) -> CostModel | None:
-    """The configured cost model (or `hardware`'s) for experts of this size (or of `config.expert_shape`); None
-    without one."""
+    """The configured cost model (or `hardware`'s) for experts of this size (or of `config.expert_shape`), `slot_bytes`
+    each in a slot (0: as on the host); None without one."""
     hardware = config.hardware if hardware is None else hardware
     if not hardware:
         return None
-    own = ExpertShape("model", hidden, inter, expert_bytes / (3 * hidden * inter))
+    weights = 3 * hidden * inter
+    own = ExpertShape(
+        "model", hidden, inter, expert_bytes / weights, slot_bytes_per_weight=slot_bytes / weights or None
+    )
     shape = EXPERT_SHAPES.get(config.expert_shape, own)
     return _local_model(shape) if hardware == "local" else CostModel(HARDWARE[hardware], shape)
 
 
 def streaming_costs(
-    config: HybridMoEConfig, device_type: str, hidden: int, inter: int, expert_bytes: int
+    config: HybridMoEConfig, device_type: str, hidden: int, inter: int, expert_bytes: int, slot_bytes: int = 0
 ) -> CostModel | None:
     """The cost model a prefill step's staging ring plans with, on CUDA: the configured one, else this machine's
     measured profile; None (no streaming) with no buffers, or where the accelerator is the CPU itself (a copy
     into CPU buffers gains nothing there)."""
     if not config.staging_slots or device_type != "cuda":
         return None
-    return live_costs(config, hidden, inter, expert_bytes, config.hardware or "local")
+    return live_costs(config, hidden, inter, expert_bytes, config.hardware or "local", slot_bytes)
 
 
 def policy_context(
@@ -51,7 +59,7 @@ def policy_context(
     sized = {"size": config.prefetch_size} if config.prefetch_size else {}
     return {
         "info": info,
-        "costs": live_costs(config, hidden, inter, info.expert_bytes),
+        "costs": live_costs(config, hidden, inter, info.expert_bytes, slot_bytes=info.slot_bytes),
         "timeline": IdleLink(),
         "router": router,
         **sized,

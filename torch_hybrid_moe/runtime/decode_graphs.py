@@ -5,7 +5,10 @@ patched model on CUDA that call returns a `DecodeGraphs`: on the first decode st
 hybrid_moe-compiled forward up on a side stream and captures it, with every MoE layer on its replay-safe path
 (`graph_path.py`), into one graph; each later step copies its inputs into the graph's static buffers and
 replays it: one launch per token. The static KV cache (fixed addresses, a device-side length counter) makes
-the step capturable; signatures it cannot capture run the compiled forward uncaptured.
+the step capturable; signatures it cannot capture run the compiled forward uncaptured. A graph reads the model's
+parameters and buffers at the addresses it was captured with: each `generate()` call checks them first, and drops
+its graphs where one was rebound or moved (`p.data = t`, `model.to(dtype)`); rebinding during a call is not seen
+until the next one.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, cast
 
 import torch
@@ -34,6 +38,11 @@ def _detached(output: object) -> object:
         return output
     cloned = {f: pytree.tree_map(torch.clone, output[f]) for f in fields if output.get(f) is not None}
     return type(output)(**{**output, **cloned})
+
+
+def _weights(model: torch.nn.Module) -> tuple:
+    """Where each parameter and buffer lives: what a captured graph reads them from."""
+    return tuple((t.data_ptr(), t.dtype, t.shape, t.device) for t in chain(model.parameters(), model.buffers()))
 
 
 def _cache_argument(kwargs: dict[str, object]) -> str:
@@ -58,12 +67,18 @@ class DecodeGraphs:
         self.max_graphs = max_graphs
         self.compiled: Callable | None = None
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.weights = _weights(model)  # where the parameters were when `graphs` were captured
         self.captures = 0
         self.replays = 0
 
     def get_compiled_call(self, compile_config: object) -> DecodeGraphs:
-        """Stands in for the model's own method: compile as transformers would, then capture around it."""
+        """Stands in for the model's own method, which generate() calls once per call: compile as transformers
+        would, then capture around it; graphs captured over parameters that have since moved are dropped."""
         self.compiled = type(self.model).get_compiled_call(self.model, compile_config)  # type: ignore[attr-defined]  # a transformers model's method
+        weights = _weights(self.model)
+        if weights != self.weights:
+            self.graphs.clear()
+            self.weights = weights
         return self
 
     def __call__(self, **kwargs: object) -> object:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import overload
 
 import torch
@@ -38,6 +39,12 @@ class ExpertStore(SlotMap):
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         for slot in range(min(num_slots, self.num_experts)):
             self.load(slot, slot)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one expert in a slot (the slots' dtype): what the accelerator reads of it."""
+        per_expert = sum(math.prod(w.shape[1:]) for w in (self.slot_gate_up, self.slot_down))
+        return per_expert * self.slot_gate_up.element_size()
 
     @property
     def rounds_inputs(self) -> bool:

@@ -82,12 +82,14 @@ class HybridMoELayer:
         self.routing = routing
         self.store = store
         self.config = config
-        info = LayerInfo(layer_idx, store.num_experts, store.num_slots, store.expert_bytes)
+        info = LayerInfo(layer_idx, store.num_experts, store.num_slots, store.expert_bytes, store.slot_bytes)
         self.info = info
         _, two_inter, hidden = store.host_gate_up.shape
         if policies is None:
             capture = store.device.type == "cuda" and config.cuda_graph
-            streaming = streaming_costs(config, store.device.type, hidden, two_inter // 2, store.expert_bytes)
+            streaming = streaming_costs(
+                config, store.device.type, hidden, two_inter // 2, store.expert_bytes, store.slot_bytes
+            )
             context = policy_context(config, info, hidden, two_inter // 2, router)
             policies = build_policies(config, context, capture, streaming)
         self.scheduler, self.cache_policy, self.prefetcher = (

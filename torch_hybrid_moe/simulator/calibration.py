@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import InputError
-from ..policies.prefetching import Router
+from ..policies.prefetching import Router, group_limit
 from ..traces import Trace
 
 # Where each architecture's checkpoint keeps layer L's router (Mixtral's original name, everyone else's).
@@ -62,8 +62,7 @@ def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:
             config["num_experts_per_tok"],
             "sigmoid" if sigmoid else "softmax",
             tensors.get(prefix + ".e_score_correction_bias"),
-            config.get("n_group") or 1,
-            config.get("topk_group") or 1,
+            **group_limit(config["model_type"], config),
         )
     return routers
 

@@ -438,12 +438,19 @@ class _Replay:
         self.now = end
 
     def _dense(self, step_no: int, idx: int, tokens: int) -> None:
-        """The block's dense work on the GPU (attention, shared experts): the routing, so the experts, wait for it."""
+        """The block's dense work on the GPU, or the CPU without one (attention, shared experts): the routing, so
+        the experts, wait for it."""
         dense = self.costs.t_dense(tokens)
+        on_cpu = self.costs.dense_on_cpu
+        start = max(self.now, self.cpu_free) if on_cpu else self.now  # one CPU timeline: after its deferred experts
         if self.events is not None and dense:
-            self.events.append(Event(step_no, idx, "gpu", "dense", -1, self.now, self.now + dense))
-        self.gpu_busy += dense
-        self.now += dense
+            self.events.append(Event(step_no, idx, "cpu" if on_cpu else "gpu", "dense", -1, start, start + dense))
+        if on_cpu:
+            self.cpu_busy += dense
+            self.cpu_free = start + dense
+        else:
+            self.gpu_busy += dense
+        self.now = start + dense
 
     def _place_on_device(self, step_no: int, idx: int) -> None:
         """The scheduler's tensor form inside the graph: device time before the layer's shares start."""
