@@ -287,6 +287,15 @@ def test_measured_route_is_one_of_the_routes():
     assert cpu_kernel.gemm_route(torch.zeros(15, 64), operands[0], None) == cpu_kernel.MICRO_KERNELS  # decode
 
 
+def test_route_of_experts_whose_group_does_not_divide_the_timed_width(kernel):
+    """int8 experts 576 wide in groups of 96 (valid for the model): the route is timed on 480 of those columns, a
+    whole number of groups, where 512 could not be quantised and the first prompt of 16 tokens failed."""
+    operands, weights64 = experts("int8", 4, 192, 576, group=96)
+    route = cpu_kernel.gemm_route(torch.zeros(16, 192), operands[0], operands[2])
+    assert route == cpu_kernel.MICRO_KERNELS or route.tokens >= cpu_kernel.ROUTE_TOKENS[0]
+    check_against_float64("int8", operands, weights64, 16, route=route)
+
+
 @pytest.mark.parametrize(
     "margins, kernel, tokens",
     [

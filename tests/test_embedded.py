@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.embedded import embedded_models
-from torch_hybrid_moe.embedded.evaluation import perplexity, windows
+from torch_hybrid_moe.embedded.evaluation import decode_perplexity, perplexity, windows
 from torch_hybrid_moe.tiny_models import tiny_model
 from torch_hybrid_moe.traces import Trace, record_trace
 
@@ -80,6 +80,17 @@ def test_perplexity_harness_against_hand_computation():
     by_hand = math.exp(-sum(logp[ids[i], ids[i + 1]].item() for i in range(len(ids) - 1)) / (len(ids) - 1))
     assert perplexity(BigramTable(table), ids, seq=3, batch=1) == pytest.approx(by_hand, rel=1e-6)
     assert windows(ids, 3).tolist() == [ids[0:4].tolist(), ids[3:7].tolist()]
+
+
+def test_decode_perplexity_equals_the_full_forwards_with_a_smaller_last_batch():
+    """Three windows in batches of two: the last batch holds one window (its KV cache was sized for two, and the
+    step failed), and token-by-token decoding scores each token as one forward over the window does."""
+    model = tiny_model("mixtral").float()
+    ids = torch.randint(3, 96, (3 * 8 + 1,), generator=torch.Generator().manual_seed(0))
+    want = perplexity(model, ids, seq=8, batch=2)
+    assert decode_perplexity(model, ids, seq=8, batch=2) == pytest.approx(want, rel=1e-4)
+    with pytest.raises(ValueError, match="5 tokens make no window of 8 predictions: give at least 9"):
+        perplexity(model, ids[:5], seq=8)
 
 
 def test_trace_of_routing_alone(tmp_path):

@@ -99,6 +99,33 @@ def test_bad_cache_options(options, error, match):
     assert_untouched(model, before)
 
 
+@pytest.mark.parametrize("alpha", [0.0, 1.5, -1.0, float("nan")])
+def test_mrs_refuses_an_alpha_outside_0_1(alpha):
+    """0 scores nothing, above 1 or below 0 inverts the ranking, NaN ranks nothing: refused, nothing changed."""
+    model = tiny_model("mixtral")
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="mrs needs 0 < alpha <= 1"):
+        thm.patch_model(model, cache_policy="mrs", cache_options={"alpha": alpha})
+    assert_untouched(model, before)
+
+
+def test_policy_sizes_below_one_are_refused():
+    """MoE-Infinity's collection keeps `capacity` past requests (0 kept them all, -1 dropped the oldest); the
+    oracle prefetcher's size (-1 dropped the lightest expert)."""
+    from torch_hybrid_moe.policies import CACHE_POLICIES, PREFETCHERS, LayerInfo
+    from torch_hybrid_moe.policies.requests import RequestActivations
+
+    info = LayerInfo(0, 4, 2, 1)
+    request = RequestActivations([0], 4)
+    for capacity in (0, -1):
+        with pytest.raises(ValueError, match="needs capacity >= 1"):
+            CACHE_POLICIES.create("eam", info=info, request=request, capacity=capacity)
+        with pytest.raises(ValueError, match="needs capacity >= 1"):
+            PREFETCHERS.create("eam", info=info, request=request, capacity=capacity)
+    with pytest.raises(ValueError, match="prefetch size must be at least 1"):
+        PREFETCHERS.create("oracle", info=info, future=[[1, 1, 0, 0]], size=-1)
+
+
 def test_cache_options_need_a_named_cache_policy():
     model = tiny_model("mixtral")
     before = snapshot(model)

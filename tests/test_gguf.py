@@ -110,6 +110,11 @@ def write_gguf(model: torch.nn.Module, path: Path, experts: Q = Q.Q8_0, dense: Q
             writer.add_head_count(cfg.num_attention_heads)
             writer.add_expert_used_count(cfg.num_experts_per_tok)
             writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+            if cfg.model_type in ("deepseek_v2", "deepseek_v3"):  # as convert_hf_to_gguf.py's DeepSeek models
+                sigmoid = cfg.model_type == "deepseek_v3"
+                writer.add_expert_gating_func(gguf.ExpertGatingFuncType(2 if sigmoid else 1))
+                if cfg.norm_topk_prob:
+                    writer.add_expert_weights_norm(True)
         for key, raw, qtype in tensors[i::parts]:
             writer.add_tensor(key, raw, raw_dtype=qtype)
         writer.write_header_to_file()
@@ -261,6 +266,34 @@ def test_bad_files_fail_in_one_line_naming_what_to_do(tmp_path):
 
     assert "qwen3moe.block_count = 3, config.json num_hidden_layers = 2" in _bad(tmp_path / "h", fewer_layers)
     assert "is 0 bytes, not a GGUF file" in _bad(tmp_path / "i", lambda p: p.write_bytes(b""))
+
+    def tied_config(path: Path) -> None:  # the file's own LM head would be dropped for the embedding
+        config = _model("qwen3_moe").config
+        config.tie_word_embeddings = True
+        config.save_pretrained(path.parent)
+
+    assert "holds an LM head of its own (output.weight), but config.json ties it" in _bad(tmp_path / "j", tied_config)
+
+
+@pytest.mark.parametrize(
+    ("config_of", "change", "match"),
+    [
+        ("deepseek_v2", {}, "deepseek2.expert_gating_func = 2, config.json model_type's gating"),  # V3 file as V2
+        ("deepseek_v3", {"norm_topk_prob": False}, "deepseek2.expert_weights_norm = True, config.json norm_topk_prob"),
+    ],
+)
+def test_a_deepseek_file_under_another_variants_config_is_refused(config_of, change, match, tmp_path):
+    """DeepSeek-V2 and V3 share llama.cpp's architecture and, at these sizes, every tensor's shape: only the file's
+    gating function (sigmoid) and top-k renormalisation tell a V3 file from a V2 config (softmax routing, the
+    bias dropped) or from a config that does not renormalise."""
+    path = tmp_path / "model.gguf"
+    write_gguf(_model("deepseek_v3"), path)
+    config = _model(config_of).config
+    for key, value in change.items():
+        setattr(config, key, value)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(InputError, match=match):
+        thm.from_pretrained(path, device="cpu")
     with pytest.raises(InputError, match="does not exist"):
         thm.from_pretrained(tmp_path / "none.gguf")
     with pytest.raises(InputError, match="loads without preparing"):

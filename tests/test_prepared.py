@@ -65,6 +65,8 @@ def test_prepared_store_refuses_another_format(source, tmp_path):
     out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype="int4", **GROUP))
     with pytest.raises(InputError, match="prepared as int4 .* load it with cpu_weight_dtype='int4'"):
         thm.from_pretrained(out, device="cpu", cpu_weight_dtype="int8", **GROUP)
+    bf16 = thm.prepare(source, tmp_path / "bf16", thm.HybridMoEConfig(cpu_weight_dtype="bfloat16", **GROUP))
+    thm.from_pretrained(bf16, device="cpu", cpu_weight_dtype="bfloat16")  # another group: bf16 has none to differ
     with pytest.raises(InputError, match="already a prepared store"):
         thm.prepare(out, tmp_path / "again", thm.HybridMoEConfig(cpu_weight_dtype="int8", **GROUP))
     (out / "hybrid_moe_store.json").write_text('{"version": 99}')

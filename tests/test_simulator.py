@@ -457,6 +457,43 @@ def test_belady_reaches_the_offline_optimum(seed):
         assert drive(CACHE_POLICIES.create(name, info=info), steps, 2, 6)[0] <= hits
 
 
+@pytest.mark.parametrize("name", ["lfu", "mrs"])
+def test_ranked_caches_keep_the_most_valuable_and_admit_as_their_graph_form(name):
+    """After each step with several misses a ranked cache holds the most valuable of its residents and the step's
+    missed experts (a second newcomer used to evict a hot resident instead of the next coldest), and its admissions
+    are the replay-safe form's (`device_caching.admissions`), so live runs admit alike with the graph on or off."""
+    from torch_hybrid_moe.policies.device_caching import admissions
+
+    rng = random.Random(3)
+    num_experts, num_slots = 8, 3
+    for _ in range(20):
+        policy = CACHE_POLICIES.create(name, info=LayerInfo(0, num_experts, num_slots, 1))
+        slots = rng.sample(range(num_experts), num_slots)
+        for _ in range(6):
+            active = set(rng.sample(range(num_experts), 3))
+            counts = [rng.randint(1, 4) if e in active else 0 for e in range(num_experts)]
+            scores = [rng.random() if e in active else 0.0 for e in range(num_experts)]
+            admitted = policy.admit(counts, [e in slots for e in range(num_experts)], scores)
+            values = [policy.value(e) for e in range(num_experts)]
+            expert_slot = [slots.index(e) if e in slots else -1 for e in range(num_experts)]
+            graph, _ = admissions(
+                torch.tensor(values, dtype=torch.float64),
+                torch.tensor(True),
+                torch.tensor([c > 0 for c in counts]),
+                torch.tensor(expert_slot),
+                torch.tensor(slots),
+                num_slots,
+            )
+            assert sorted(values[e] for e in admitted) == sorted(values[e] for e in graph.tolist() if e >= 0)
+            pool = set(slots) | active
+            kept: set[int] = set()
+            for e in admitted:
+                kept.add(e)
+                slots[policy.victim(slots, kept)] = e
+            assert len(set(slots)) == num_slots
+            assert sorted(values[e] for e in slots) == sorted(values[e] for e in pool)[-num_slots:]
+
+
 def test_mrs_follows_the_recency_weighted_score_by_hand():
     """alpha 0.5, one slot holding expert 0. Scores: step 1 gives e1 0.8 (S1 = 0.4 > S0 = 0.1: e1 replaces e0);
     step 2 gives e0 0.9 (S0 = 0.5 > S1 = 0.2: e0 comes back)."""

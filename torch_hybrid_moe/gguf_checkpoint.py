@@ -70,6 +70,13 @@ _SETTINGS: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
     ("expert_weights_scale", "routed_scaling_factor", lambda c: getattr(c, "routed_scaling_factor", None)),
     ("expert_group_count", "n_group", lambda c: getattr(c, "n_group", None)),
     ("expert_group_used_count", "topk_group", lambda c: getattr(c, "topk_group", None)),
+    # llama.cpp's gating function (1 softmax, 2 sigmoid): DeepSeek-V2 and V3 share the GGUF architecture
+    (
+        "expert_gating_func",
+        "model_type's gating (1 softmax, 2 sigmoid)",
+        lambda c: {"deepseek_v2": 1, "deepseek_v3": 2}.get(c.model_type),
+    ),
+    ("expert_weights_norm", "norm_topk_prob", lambda c: getattr(c, "norm_topk_prob", None)),
 )
 _LAYER = re.compile(r"layers\.(?P<bid>\d+)\.")
 
@@ -232,6 +239,11 @@ class GGUFCheckpoint:
                     f"{self.path} says {self.architecture}.{key} = {ours}, config.json {name} = {theirs}; put the "
                     "config of the model the file was converted from beside it"
                 )
+        if getattr(config, "tie_word_embeddings", False) and "output.weight" in self.tensors:
+            raise InputError(
+                f"{self.path} holds an LM head of its own (output.weight), but config.json ties it to the embedding "
+                "(tie_word_embeddings); put the config of the model the file was converted from beside it"
+            )
         layers = config.num_hidden_layers
         extra = sorted({n for n in self.tensors if (m := _BLOCK.match(n)) and int(m["bid"]) >= layers})
         if extra:

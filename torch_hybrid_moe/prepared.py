@@ -46,11 +46,12 @@ def read_marker(directory: Path) -> tuple[str, int] | None:
 
 def config_for(config: HybridMoEConfig, prepared: tuple[str, int], directory: Path) -> HybridMoEConfig:
     """The config to load a prepared store with: its format where the config asks for the default ("model");
-    a different format or group asked for is an error (converting would undo what preparing saved)."""
+    a different format or group asked for is an error (converting would undo what preparing saved); bf16 has no
+    groups to differ."""
     fmt, group = prepared
     if config.cpu_weight_dtype == "model":
         return config.with_store_format(fmt, group)
-    if (config.cpu_weight_dtype, config.cpu_weight_group_size) != (fmt, group):
+    if config.cpu_weight_dtype != fmt or (fmt != "bfloat16" and config.cpu_weight_group_size != group):
         raise InputError(
             f"{directory} holds experts prepared as {fmt} (group {group}), but cpu_weight_dtype="
             f"{config.cpu_weight_dtype!r}, cpu_weight_group_size={config.cpu_weight_group_size} was asked for; "

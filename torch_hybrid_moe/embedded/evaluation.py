@@ -14,8 +14,11 @@ SEQ = 256
 
 
 def windows(ids: torch.Tensor, seq: int = SEQ) -> torch.Tensor:
-    """Consecutive [n, seq + 1] windows sharing one boundary token, so every token is predicted once."""
+    """Consecutive [n, seq + 1] windows sharing one boundary token, so every token up to the last whole window is
+    predicted once (those after it are not)."""
     n = (ids.numel() - 1) // seq
+    if n < 1:
+        raise ValueError(f"{ids.numel()} tokens make no window of {seq} predictions: give at least {seq + 1}")
     return torch.stack([ids[i * seq : i * seq + seq + 1] for i in range(n)])
 
 
@@ -31,9 +34,10 @@ def decode_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ,
     mode (daop_precalc) applies to every prediction: same windows, same tokens, same average."""
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=seq)
+    caches: dict[int, StaticCache] = {}  # one per batch size: the last chunk may hold fewer windows
 
     def logits(inputs: torch.Tensor) -> torch.Tensor:
+        cache = caches.setdefault(inputs.shape[0], StaticCache(config=model.config, max_cache_len=seq))
         cache.reset()
         return torch.cat(
             [

@@ -155,7 +155,8 @@ def _measure_route(
     # `counts` is part of the stored key: a route measured at other counts is measured again. Up to 512 tokens: a lead
     # at 256 alone was extrapolated to every larger expert, and a stored route sent int4 experts from 207 tokens on to
     # fp32 panels, which ran at 52 GMAC/s at 256 against the micro-kernels' 61 (AVX2; benchmarks/RESULTS.md, 11-28).
-    inter = min(inter, ROUTE_INTER)
+    if inter > ROUTE_INTER:  # a whole number of the model's groups (96 does not divide 512)
+        inter = max(group, ROUTE_INTER - ROUTE_INTER % group) if group else ROUTE_INTER
     g = torch.Generator().manual_seed(0)
     (gu, gus, dn, dns), pairs = _cold_experts(hidden_size, inter, stored, group, g)
     turn = itertools.count()

@@ -44,6 +44,8 @@ class _Predictor:
                 f"{name} matches the request in flight against past ones: pass "
                 "request=RequestActivations(...) (the simulator does; the live runtime does not yet)"
             )
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"{name} needs capacity >= 1 (past requests kept), got {capacity!r}")
         self.row = request.row[info.layer_idx]
         self.request, self.capacity = request, capacity
 

@@ -56,10 +56,7 @@ class RankedCache:
     def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
         if not self.observe(counts, scores):
             return []
-        coldest = min((self.value(e) for e in range(self.info.num_experts) if resident[e]), default=float("-inf"))
-        free = self.info.num_slots - sum(resident)
-        missing = sorted((e for e, c in enumerate(counts) if c and not resident[e]), key=lambda e: -self.value(e))
-        return [e for i, e in enumerate(missing) if i < free or self.value(e) > coldest][: self.info.num_slots]
+        return self.paired([e for e, c in enumerate(counts) if c], resident, self.info.num_slots)
 
     def victim(self, slot_experts: Sequence[int], keep: set[int]) -> int:
         candidates = [s for s, e in enumerate(slot_experts) if e not in keep]
@@ -71,14 +68,21 @@ class RankedCache:
         self, candidates: Sequence[int], resident: Sequence[bool], limit: int, threshold: float = 1.0
     ) -> list[int]:
         """Swaps pair by pair: the i-th most valuable missing candidate displaces the i-th least valuable resident
-        expert (a free slot first) while it is worth more than `threshold` times as much; at most `limit`."""
-        newcomers = sorted((e for e in candidates if not resident[e]), key=lambda e: (-self.value(e), e))
+        expert (a free slot first) while it is worth more than `threshold` times as much; at most `limit`. Checking
+        each against the coldest resident alone would let a second newcomer evict a hot expert (the replay-safe
+        form, `device_caching.admissions`, pairs them so too). A candidate valued -inf (never needed) is not copied.
+        """
+        newcomers = sorted(
+            (e for e in candidates if not resident[e] and self.value(e) > float("-inf")),
+            key=lambda e: (-self.value(e), e),
+        )
         held = sorted(self.value(e) for e in range(self.info.num_experts) if resident[e])
-        out = [float("-inf")] * (self.info.num_slots - len(held)) + held  # what each would displace, cheapest first
+        # what each newcomer would displace, cheapest first: None for a free slot
+        out: list[float | None] = [None] * (self.info.num_slots - len(held)) + held
         return [
             e
             for e, displaced in zip(newcomers[:limit], out)
-            if displaced == float("-inf") or self.value(e) > threshold * displaced
+            if displaced is None or self.value(e) > threshold * displaced
         ]
 
 
@@ -106,6 +110,8 @@ class MinusRecentScore(RankedCache):
 
     def __init__(self, info: LayerInfo, costs: object = None, alpha: float = 0.5) -> None:
         super().__init__(info)
+        if not 0 < alpha <= 1:  # also refuses NaN
+            raise ValueError(f"mrs needs 0 < alpha <= 1 (the newest step's weight), got {alpha!r}")
         self.alpha = alpha
         self.score = [0.0] * info.num_experts
 
@@ -186,8 +192,8 @@ class Belady(RankedCache):
         return float("-inf")
 
     def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
-        # pair by pair: the i-th soonest-needed newcomer displaces the i-th latest-needed resident only when it is
-        # needed sooner (RankedCache.admit checks each against the coldest resident alone, which is not Belady)
+        # pair by pair, as RankedCache.admit: the i-th soonest-needed newcomer displaces the i-th latest-needed
+        # resident only when it is needed sooner; `u_size` caps the copies
         self.observe(counts, scores)
         limit = self.info.num_slots if self.u_size is None else self.u_size
         return self.paired([e for e, c in enumerate(counts) if c], resident, limit)

@@ -253,6 +253,8 @@ class OraclePrefetch:
     def __init__(self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None, size: int | None = None) -> None:
         if future is None:
             raise ValueError("prefetcher 'oracle' needs the future routing (future=...): simulator only")
+        if size is not None and size < 1:
+            raise ValueError(f"prefetch size must be at least 1, got {size}")
         self.info, self.future = info, future
         self.size = info.num_experts if size is None else size
         self.step = 0
