@@ -789,3 +789,36 @@ def test_graph_step_caps_fills_and_starts_the_gpu_share_after_its_fetches():
             assert max(admits.values()) > 1 and early
         else:
             assert max(admits.values()) == 1 and not early
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "realistic"])
+def test_synthetic_rows_give_their_chosen_experts_the_highest_scores(kind):
+    """As a router's top-k: each row's k chosen experts hold its k highest scores (the score-aware MRS cache reads
+    them; scores by popularity alone ranked unchosen experts above chosen ones in most rows)."""
+    from torch_hybrid_moe.simulator.synthetic import realistic_trace, synthetic_trace
+
+    trace = synthetic_trace(1.2, 0.5, 16, 3, 2, 2, 8, 8) if kind == "synthetic" else realistic_trace(num_layers=2)
+    k = trace.meta["top_k"]
+    for layer in trace.layers.values():
+        scores = layer.scores.float()
+        assert torch.equal(layer.score_ids[:, :k], layer.topk_ids)
+        assert (scores[:, :k].amin(1) >= scores[:, k:].amax(1)).all()
+
+
+def test_simulate_and_tune_refuse_what_they_cannot_replay():
+    """Batches below 1 (all-zero results, or a bare range() error), cache ratios outside [0, 1] (run as 0 or 1
+    slots but reported as given), and tuning on one decode step (a ZeroDivisionError)."""
+    from torch_hybrid_moe.simulator.synthetic import synthetic_trace
+    from torch_hybrid_moe.simulator.tuning import tune
+
+    trace = synthetic_trace(1.0, 0.4, 8, 2, 2, 2, 8, 8)
+    costs = CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])
+    for batch in (0, -1):
+        with pytest.raises(ValueError, match="batch must be a positive int"):
+            simulate(trace, STACKS["lru-cache"], costs, batch=batch)
+    for ratio in (-0.1, 2.0, float("nan")):
+        with pytest.raises(ValueError, match="cache_ratio must lie in"):
+            simulate(trace, STACKS["lru-cache"], costs, cache_ratio=ratio)
+    short = synthetic_trace(1.0, 0.4, 8, 2, 2, 2, 8, 2)
+    with pytest.raises(ValueError, match="at least two decode steps, this one has 1"):
+        tune(short, costs, 1, 0.5, Calibration.from_trace(short))

@@ -574,6 +574,9 @@ def _simulation_plots(
     sweep = plots.sweep_cache_ratio(
         trace, stacks, costs, ratios, args.batch, calibration, progress=True, done=results, graph=graph
     )
+    # the bound is searched at --cache-ratio only: elsewhere the line is that pick's, not the bound there
+    pick = f"bound's pick at ratio {args.cache_ratio:g}"
+    sweep = {pick if name == "bound" else name: runs for name, runs in sweep.items()}
     paths.append(plots.plot_hit_rate(sweep, args.plot_dir / "hit-rate-vs-cache-ratio.png", title=where))
     paths.append(plots.plot_decode_speed(sweep, args.plot_dir / "decode-vs-cache-ratio.png", title=where))
     return paths

@@ -274,6 +274,10 @@ def simulate(
     itself); `events`, when given, receives every busy interval of the CPU, GPU and link; `graph`: decode steps as
     the live CUDA graph runs them, for a stack that can run in one (`Stack.capturable`; others, and None, replay
     the uncaptured step)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    if not 0 <= cache_ratio <= 1:  # also refuses NaN
+        raise ValueError(f"cache_ratio must lie in [0, 1], got {cache_ratio!r}")
     graph = graph if stack.capturable else None
     num_experts = trace.meta["num_experts"]
     steps = list(batched_steps(trace, batch))

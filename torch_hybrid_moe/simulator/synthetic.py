@@ -33,8 +33,9 @@ def synthetic_trace(
     Each row of a layer reuses the previous row's experts of its sequence with probability `locality`; otherwise
     it draws `top_k` distinct experts with Zipf(`skew`) popularity over a per-layer random ranking of the experts.
     Router scores are the popularity renormalised over each row's listed experts (its k chosen, then up to k more
-    Zipf draws: 2k, or every expert where there are fewer). No gate inputs are kept, so gate-based prefetchers cannot
-    run on it.
+    Zipf draws: 2k, or every expert where there are fewer), handed out in descending order so that the chosen
+    experts hold the row's highest scores, as a router's top-k do. No gate inputs are kept, so gate-based
+    prefetchers cannot run on it.
     """
     if skew < 0 or not 0 <= locality <= 1:
         raise ValueError(f"skew must be >= 0 and locality in [0, 1]; got skew {skew}, locality {locality}")
@@ -56,7 +57,7 @@ def synthetic_trace(
         reuse[::rows_per_seq] = False  # a sequence's first row has nothing to reuse
         for row in reuse.nonzero().flatten().tolist():
             listed[row] = listed[row - 1]
-        scores = p[listed]
+        scores = p[listed].sort(dim=1, descending=True).values  # the chosen k hold the highest, as a router's
         layers[layer] = LayerTrace(
             listed[:, :top_k].to(torch.int16),
             listed.to(torch.int16),
@@ -160,7 +161,8 @@ def realistic_trace(
             priority = torch.full((sequences, num_experts), float("inf")).masked_fill(keep, -1.0)
             priority.scatter_(1, drawn, torch.arange(2 * top_k, dtype=torch.float32).expand(sequences, -1))
             listed[:, t] = priority.argsort(dim=1, stable=True)[:, : 2 * top_k]
-            scores[:, t] = weight.gather(1, listed[:, t])
+            # the row's weights in descending order: the chosen experts hold the highest, as a router's top-k do
+            scores[:, t] = weight.gather(1, listed[:, t]).sort(dim=1, descending=True).values
         layers[layer] = LayerTrace(
             listed[:, :, :top_k].reshape(-1, top_k).to(torch.int16),
             listed.reshape(-1, 2 * top_k).to(torch.int16),

@@ -67,8 +67,11 @@ def with_prefetch(stack: Stack, size: int) -> Stack:
 
 
 def decode_halves(trace: Trace) -> tuple[Trace, Trace]:
-    """The trace with its first, then its second half of decode steps (each keeping the prefill)."""
+    """The trace with its first, then its second half of decode steps (each keeping the prefill); ValueError with
+    fewer than two decode steps, which leave a half without any."""
     last = int(trace.step.max())
+    if last < 2:
+        raise ValueError(f"tuning needs a trace of at least two decode steps, this one has {last}")
     mid = 1 + last // 2
     prefill = trace.step == 0
     return trace.select(prefill | (trace.step < mid)), trace.select(prefill | (trace.step >= mid))
