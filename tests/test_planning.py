@@ -1,6 +1,8 @@
 """`hybrid-moe plan`: the shapes it reads from a config against the real model's tensors (parameters counted, a KV
 cache filled), its memory arithmetic by hand, and every door with bad input."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -88,6 +90,23 @@ def test_a_cpu_only_plan_reads_the_dense_layers_on_the_cpu_at_the_models_bytes()
     by_hand = 4_000_000 * 2 / (h.cpu_bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     assert all(many[fmt] - few[fmt] == pytest.approx(by_hand, rel=1e-6) for fmt in few)
     assert seconds(dense_weights=5_000_000, lookup_weights=4_020_000) == pytest.approx(few, rel=1e-9)
+
+
+def test_a_cpu_only_plan_reads_the_dense_layers_at_the_model_dtypes_rate_whatever_the_experts_rate():
+    """A measured profile fits each format's experts (int4's carries its arithmetic): the dense layers, in the
+    model's dtype, take the rate measured for that dtype, so more dense weights add the same time to every
+    format's token (at int4's fitted rate, int4 plans came out slower than bf16 ones)."""
+    fast = HARDWARE["rtx4090"]
+    slow = replace(fast, cpu_bandwidth_gb_s=fast.cpu_bandwidth_gb_s / 4)
+    costs_for = lambda shape: CostModel(fast if shape.bytes_per_weight == 2 else slow, shape)  # noqa: E731
+
+    def seconds(**weights: int) -> dict[str, float]:
+        _, _, plans = planning.plan(_summary(**weights), 0, 10**12, 10, costs_for, prompt=32)
+        return {p.fmt: 1 / p.speeds["ktransformers"][0] for p in plans}
+
+    few, many = seconds(dense_weights=1_000_000), seconds(dense_weights=5_000_000)
+    by_hand = 4_000_000 * 2 / (fast.cpu_bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    assert all(many[fmt] - few[fmt] == pytest.approx(by_hand, rel=1e-6) for fmt in few)
 
 
 def test_with_every_expert_in_a_slot_the_host_format_does_not_change_decode():

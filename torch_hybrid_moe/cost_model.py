@@ -150,12 +150,14 @@ class CostModel:
     decoder block, t_dense(tokens). `dense_us`: that block's time at one token, measured on a real step (attention,
     norms, router: dozens of small kernels, which `expert.dense` routed experts' worth of work underprices); more
     tokens add what the estimate adds. None keeps the estimate. `dense_on_cpu`: no accelerator, so that work runs
-    on the CPU at its rates (a CPU-only plan)."""
+    on the CPU at its rates (a CPU-only plan); `dense_hardware`: whose rates those are (None: `hardware`'s; a
+    profile fitted to int4 experts carries their arithmetic, which the model's dtype dense layers do not)."""
 
     hardware: Hardware
     expert: ExpertShape
     dense_us: float | None = None
     dense_on_cpu: bool = False
+    dense_hardware: Hardware | None = None
 
     def _terms(
         self, bandwidth_gb_s: float, tflops: float, overhead_us: float, experts: float = 1.0, nbytes: float = 0.0
@@ -192,7 +194,7 @@ class CostModel:
     def t_dense(self, tokens: int) -> float:
         """GPU time (the CPU's with `dense_on_cpu`) of the rest of one decoder block (attention, shared experts) for
         `tokens` tokens; the KV cache's reads, which grow with the context, are left out."""
-        h, e = self.hardware, self.expert
+        h, e = self.dense_hardware or self.hardware, self.expert
         each = 3 * e.hidden * e.inter * (e.dense_bytes_per_weight or e.bytes_per_weight)  # an expert's worth of bytes
         if self.dense_on_cpu:
             terms = self._terms(h.cpu_bandwidth_gb_s, h.cpu_tflops, h.cpu_overhead_us, e.dense, each)

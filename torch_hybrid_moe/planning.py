@@ -171,8 +171,9 @@ def plan(
                 dense_bytes_per_weight=summary.model_bytes,  # dense layers and slots hold the model's dtype
                 slot_bytes_per_weight=summary.model_bytes,
             )
-            # without a GPU the dense layers run on the CPU too, between the experts
-            costs = replace(costs_for(shape), dense_on_cpu=gpu_bytes <= 0)
+            # without a GPU the dense layers run on the CPU too, between the experts, at the model dtype's rates
+            dense_rates = costs_for(replace(shape, bytes_per_weight=summary.model_bytes)).hardware
+            costs = replace(costs_for(shape), dense_on_cpu=gpu_bytes <= 0, dense_hardware=dense_rates)
             speeds = _speeds(summary, costs, budget, prompt)
         plans.append(FormatPlan(fmt, host, host <= host_bytes, refused, budget, speeds))
     return dense, kv, plans
@@ -201,7 +202,13 @@ def hardware_costs(hardware: str) -> Callable[[ExpertShape], CostModel]:
     if hardware == "local":
         from .profiling import profile_hardware
 
-        return lambda shape: profile_hardware(shape, progress=True).cost_model()
+        def measured(shape: ExpertShape) -> CostModel:
+            # one expert is what a profile times: the dense share is left out of its key, so one measurement serves
+            # every model with these experts
+            expert = replace(shape, dense=0.0, dense_bytes_per_weight=None)
+            return CostModel(profile_hardware(expert, progress=True).hardware, shape)
+
+        return measured
     if hardware not in HARDWARE:
         raise InputError(f"unknown hardware {hardware!r}; use 'local' or one of {', '.join(sorted(HARDWARE))}")
     return lambda shape: CostModel(HARDWARE[hardware], shape)

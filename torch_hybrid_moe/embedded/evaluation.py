@@ -37,7 +37,9 @@ def decode_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ,
     caches: dict[int, StaticCache] = {}  # one per batch size: the last chunk may hold fewer windows
 
     def logits(inputs: torch.Tensor) -> torch.Tensor:
-        cache = caches.setdefault(inputs.shape[0], StaticCache(config=model.config, max_cache_len=seq))
+        if inputs.shape[0] not in caches:
+            caches[inputs.shape[0]] = StaticCache(config=model.config, max_cache_len=seq)
+        cache = caches[inputs.shape[0]]
         cache.reset()
         return torch.cat(
             [
