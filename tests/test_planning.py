@@ -75,6 +75,12 @@ def test_budget_and_host_memory_by_hand():
     assert set(next(p for p in tight if p.fits_host).speeds) == {"ktransformers"}  # no slots: all-CPU stacks only
 
 
+def cpu_only_seconds(costs_for, **weights: int) -> dict[str, float]:
+    """Seconds a decode token of the all-CPU stack, per host format, of a plan without a GPU."""
+    _, _, plans = planning.plan(_summary(**weights), 0, 10**12, 10, costs_for, prompt=32)
+    return {p.fmt: 1 / p.speeds["ktransformers"][0] for p in plans}
+
+
 def test_a_cpu_only_plan_reads_the_dense_layers_on_the_cpu_at_the_models_bytes():
     """Without a GPU a token's dense work runs on the CPU between its experts: 4 M more dense weights add their bf16
     bytes at the CPU's rate to every token, whatever the experts' format (the GPU's rate, or the experts' int4
@@ -82,14 +88,11 @@ def test_a_cpu_only_plan_reads_the_dense_layers_on_the_cpu_at_the_models_bytes()
     h = HARDWARE["rtx4090"]
     costs_for = lambda shape: CostModel(h, shape)  # noqa: E731
 
-    def seconds(**weights: int) -> dict[str, float]:
-        _, _, plans = planning.plan(_summary(**weights), 0, 10**12, 10, costs_for, prompt=32)
-        return {p.fmt: 1 / p.speeds["ktransformers"][0] for p in plans}
-
-    few, many = seconds(dense_weights=1_000_000), seconds(dense_weights=5_000_000)
+    few, many = (cpu_only_seconds(costs_for, dense_weights=n) for n in (1_000_000, 5_000_000))
     by_hand = 4_000_000 * 2 / (h.cpu_bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     assert all(many[fmt] - few[fmt] == pytest.approx(by_hand, rel=1e-6) for fmt in few)
-    assert seconds(dense_weights=5_000_000, lookup_weights=4_020_000) == pytest.approx(few, rel=1e-9)
+    embedding = cpu_only_seconds(costs_for, dense_weights=5_000_000, lookup_weights=4_020_000)
+    assert embedding == pytest.approx(few, rel=1e-9)
 
 
 def test_a_cpu_only_plan_reads_the_dense_layers_at_the_model_dtypes_rate_whatever_the_experts_rate():
@@ -100,11 +103,7 @@ def test_a_cpu_only_plan_reads_the_dense_layers_at_the_model_dtypes_rate_whateve
     slow = replace(fast, cpu_bandwidth_gb_s=fast.cpu_bandwidth_gb_s / 4)
     costs_for = lambda shape: CostModel(fast if shape.bytes_per_weight == 2 else slow, shape)  # noqa: E731
 
-    def seconds(**weights: int) -> dict[str, float]:
-        _, _, plans = planning.plan(_summary(**weights), 0, 10**12, 10, costs_for, prompt=32)
-        return {p.fmt: 1 / p.speeds["ktransformers"][0] for p in plans}
-
-    few, many = seconds(dense_weights=1_000_000), seconds(dense_weights=5_000_000)
+    few, many = (cpu_only_seconds(costs_for, dense_weights=n) for n in (1_000_000, 5_000_000))
     by_hand = 4_000_000 * 2 / (fast.cpu_bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
     assert all(many[fmt] - few[fmt] == pytest.approx(by_hand, rel=1e-6) for fmt in few)
 
