@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--json", type=Path, help="write every setting's record here")
     args = parser.parse_args()
+    if min(args.batches) < 1 or not all(0 <= r <= 1 for r in args.ratios):
+        parser.error("--batches must be >= 1 and --ratios in [0, 1] (a cache's share of the experts)")
     print(f"experts sized as {args.expert_shape}; {time.strftime('%Y-%m-%d')}")
     print(
         "| trace | hardware | ratio | batch | ours tok/s | best paper | x best paper | bound tok/s | x bound "

@@ -171,3 +171,14 @@ def test_patching_switches_sdpa_only():
     eager = tiny_model("qwen2_moe")
     eager.set_attn_implementation("eager")
     assert thm.patch_model(eager, device="cpu").config._attn_implementation == "eager"  # the user's choice stays
+
+
+def test_decode_steps_with_a_position_bias_keep_sdpa():
+    """A decode step with a position bias (or soft-capping, or sinks, which the op does not take) gives SDPA's
+    result, bias included, not the op's unbiased one."""
+    query, key, value = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    module = _Module()
+    module.num_key_value_groups = 2
+    bias = torch.randn(1, 4, 1, 5)
+    out, _ = cpu_attention_forward(module, query, key, value, None, position_bias=bias)
+    torch.testing.assert_close(out.double(), reference(query, key, value, bias.double(), 8**-0.5), rtol=1e-5, atol=1e-5)

@@ -671,6 +671,30 @@ def test_realistic_traces_have_the_statistics_real_models_show():
         realistic_trace(num_experts=8, top_k=3)
 
 
+@pytest.mark.parametrize(
+    "kind, kwargs, message",
+    [
+        ("synthetic", {"skew": 400.0}, "underflows"),
+        ("synthetic", {"skew": float("nan")}, "finite number >= 0"),
+        ("synthetic", {"skew": -1.0}, "finite number >= 0"),
+        ("synthetic", {"locality": float("nan")}, "locality"),
+        ("realistic", {"skew": 400.0}, "underflows"),
+        ("realistic", {"burst_tokens": float("nan")}, "burst_tokens >= 1"),
+        ("realistic", {"burst_boost": float("inf")}, "finite burst_boost"),
+    ],
+)
+def test_trace_generators_refuse_parameters_that_draw_nonsense(kind, kwargs, message):
+    """A skew whose rarest expert underflows, NaN or infinite parameters: one line each, not a torch error deep in
+    the draw or a trace drawn from NaN probabilities."""
+    from torch_hybrid_moe.simulator.synthetic import realistic_trace, synthetic_trace
+
+    with pytest.raises(ValueError, match=message):
+        if kind == "synthetic":
+            synthetic_trace(**{"skew": 1.0, "locality": 0.4, "num_experts": 64, "top_k": 6, **kwargs})
+        else:
+            realistic_trace(**{"num_experts": 64, "top_k": 6, **kwargs})
+
+
 def test_judged_rank_places_the_pick_among_the_candidates_on_the_judged_trace():
     """The tuner's report: the pick's rank among the tried candidates on the judged trace, against a sort of their
     speeds there."""

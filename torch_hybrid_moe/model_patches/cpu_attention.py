@@ -7,8 +7,9 @@ batched GEMMs through oneDNN with the softmax between them: 0.19 and 0.36 ms a l
 head's cache once for the query heads that share it (grouped-query attention) and skips the positions the mask hides.
 For a prompt SDPA's flash kernel reached a fifth of the CPU's bf16 rate; the prefill op multiplies with the expert
 kernel's bf16 lanes. Other prompts (fp32 / fp16, head sizes not multiples of 32, no AVX512-BF16), other dtypes,
-position biases and soft-capping keep SDPA. Masks are SDPA's (boolean, or additive), made by the same mask function
-as for SDPA, and a prompt without one is causal where SDPA would take it as causal.
+position biases, soft-capping and attention sinks (decode steps too) keep SDPA. Masks are SDPA's (boolean, or
+additive), made by the same mask function as for SDPA, and a prompt without one is causal where SDPA would take it
+as causal.
 """
 
 from __future__ import annotations
@@ -40,15 +41,15 @@ def cpu_attention_forward(
     ([B, Q, Hq, Dv], None). Without dropout or gradients (the ops have no backward): one fp32 / bf16 / fp16 query on
     the CPU, the decode attention op; a bf16 prompt the prefill op where it runs; otherwise SDPA."""
     grads = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    # the ops take a mask and a scale only: position biases, soft-capping and attention sinks keep SDPA's handling
+    plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap", "s_aux"))
     decode = query.shape[2] == 1 and query.device.type == "cpu" and query.dtype in DTYPES
     prompt = (
         query.shape[2] > 1
         and prefill_attention.fits(query, key, value, attention_mask)
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
         and prefill_attention.available()
     )
-    if not (decode or prompt) or (module.training and dropout) or grads:
+    if not (plain and (decode or prompt)) or (module.training and dropout) or grads:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )

@@ -12,8 +12,15 @@ from ..traces import FORMAT_VERSION, LayerTrace, Trace
 
 
 def zipf_probabilities(num_experts: int, skew: float) -> torch.Tensor:
-    """p(rank r) proportional to r^-skew, r = 1..num_experts (skew 0: uniform)."""
+    """p(rank r) proportional to r^-skew, r = 1..num_experts (skew 0: uniform). Every expert must keep a
+    probability above zero: the traces draw up to every expert of a row without replacement."""
+    if not 0 <= skew < math.inf:
+        raise ValueError(f"skew must be a finite number >= 0; got {skew}")
     weights = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -skew
+    if weights[-1] == 0:
+        raise ValueError(
+            f"skew {skew} leaves the rarest of {num_experts} experts no probability (it underflows); use a smaller skew"
+        )
     return weights / weights.sum()
 
 
@@ -37,8 +44,8 @@ def synthetic_trace(
     experts hold the row's highest scores, as a router's top-k do. No gate inputs are kept, so gate-based
     prefetchers cannot run on it.
     """
-    if skew < 0 or not 0 <= locality <= 1:
-        raise ValueError(f"skew must be >= 0 and locality in [0, 1]; got skew {skew}, locality {locality}")
+    if not 0 <= locality <= 1:
+        raise ValueError(f"locality must be in [0, 1]; got {locality}")
     if not 0 < top_k <= num_experts:
         raise ValueError(f"need 0 < top_k <= num_experts; got top_k {top_k}, {num_experts} experts")
     if prompt_tokens < 1 or new_tokens < 2 or sequences < 1 or num_layers < 1:
@@ -126,9 +133,9 @@ def realistic_trace(
     experts with probability `stickiness` and draws the rest, without replacement, from the burst-boosted
     popularity. Scores are the drawn weights renormalised over each row's 2k listed experts, as `synthetic_trace`.
     """
-    if not (0 < top_k and 3 * top_k <= num_experts) or not 0 <= stickiness <= 1 or burst_boost < 1 or skew < 0:
-        raise ValueError("need 0 < top_k <= num_experts / 3, stickiness in [0, 1], burst_boost >= 1 and skew >= 0")
-    if burst_tokens < 1 or not 0 <= burst_experts <= num_experts or min(sequences, prompt_tokens, num_layers) < 1:
+    if not (0 < top_k and 3 * top_k <= num_experts) or not 0 <= stickiness <= 1 or not 1 <= burst_boost < math.inf:
+        raise ValueError("need 0 < top_k <= num_experts / 3, stickiness in [0, 1] and a finite burst_boost >= 1")
+    if not burst_tokens >= 1 or not 0 <= burst_experts <= num_experts or min(sequences, prompt_tokens, num_layers) < 1:
         raise ValueError(
             "need burst_tokens >= 1, 0 <= burst_experts <= num_experts, and at least one sequence, prompt token "
             "and layer"
