@@ -142,6 +142,8 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["generate", "--model", "tiny:llama"], "unknown tiny model 'llama'"),
         (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
         (["generate", "--cpu-weight-group-size", "48"], "cpu_weight_group_size must be a positive multiple of 32"),
+        (["generate", "--model", "tiny:mixtral", "--cpu-weight-dtype", "int8"], "experts.down_proj"),
+        (["eval-ppl", "--model", "tiny:mixtral"], "needs a model with a tokenizer"),
         (["simulate", "--trace", str(TRACE), "--batch", "999"], "--batch 999: "),
         (["simulate", "--trace", str(TRACE), "--ours", "2,1,0.5,99"], "--ours: prefetch 99 experts a layer"),
         (["prepare", "--model", "deepseek-tiny", "--cpu-weight-dtype", "int8", "--out", "{json}/s"], "is a file"),
@@ -480,3 +482,8 @@ def test_a_cached_gpu_profile_without_placement_times_is_measured_again(tmp_path
     with pytest.warns(UserWarning, match="before the schedulers' placement was timed"):
         again = profiling.profile_hardware(expert)
     assert not again.cached and again.measured.placement_s == {"all_cpu": 2e-5}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device exists")
+def test_generate_on_cuda_without_one_is_one_line(capsys):
+    one_line_error(capsys, ["generate", "--device", "cuda"], "no CUDA device is available")

@@ -182,3 +182,27 @@ def test_a_local_directory_wins_over_an_embedded_model_of_its_name(tmp_path, mon
     assert resolve_model("mixtral-tiny") == "mixtral-tiny"
     assert thm.from_pretrained("mixtral-tiny", device="cpu").config.model_type == "qwen3_moe"
     assert resolve_model("deepseek-tiny") == str(embedded_models()["deepseek-tiny"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--out", "PACKAGE"], "--replace-shipped"),
+        (["--replace-shipped", "--out", "elsewhere"], "drop --out"),
+        (["--steps", "0"], "--steps"),
+    ],
+)
+def test_training_refuses_to_overwrite_the_shipped_models_unasked(argv, message, monkeypatch, capsys):
+    """Retraining lands beside the user, not over the shipped models and held-out text (which the shipped traces
+    and README figures rest on); a bad count is refused before the corpus is read."""
+    from torch_hybrid_moe.embedded import MODELS_DIR, corpus, train
+
+    heldout = corpus.SHIPPED_HELDOUT.read_bytes()
+    read = []
+    monkeypatch.setattr(train, "split_corpus", lambda *a: read.append(a) or ([], []))
+    argv = [str(MODELS_DIR / "x") if a == "PACKAGE" else a for a in argv]
+    monkeypatch.setattr("sys.argv", ["train", *argv])
+    with pytest.raises(SystemExit):
+        train.main()
+    assert message in capsys.readouterr().err
+    assert read == [] and corpus.SHIPPED_HELDOUT.read_bytes() == heldout

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.config import OURS_WINDOW
+from torch_hybrid_moe.errors import InputError
 from torch_hybrid_moe.model_patches import is_patched, patch_mixtral
 from torch_hybrid_moe.tiny_models import tiny_model
 
@@ -298,7 +299,7 @@ def test_cuda_device_without_cuda():
         pytest.skip("CUDA present")
     model = tiny_model("mixtral")
     before = snapshot(model)
-    with pytest.raises(RuntimeError, match="no CUDA device"):
+    with pytest.raises(InputError, match="no CUDA device"):
         thm.patch_model(model, device="cuda")
     assert_untouched(model, before)
 

@@ -100,6 +100,32 @@ def test_what_generate_does_beyond_an_argmax_is_generates(reference_models, case
     assert not torch.equal(thm.greedy_generate(model, x, 10), want)
 
 
+@pytest.mark.parametrize(("field", "value"), [("max_time", 60.0), ("stop_strings", ["def"])])
+def test_stopping_criteria_beyond_the_end_tokens_take_generate(reference_models, field, value) -> None:
+    """generate() stops on a time limit or a stop string; the plain loop knows neither, so it hands them over."""
+    config = copy.deepcopy(reference_models["qwen3_moe"].generation_config)
+    assert not generation._beyond_argmax(config, prompts(), (), None)
+    setattr(config, field, value)
+    assert generation._beyond_argmax(config, prompts(), (), None)
+
+
+def test_the_static_cache_stops_at_the_models_positions_and_long_calls_are_not_kept(
+    reference_models, monkeypatch
+) -> None:
+    """A static cache is allocated whole: it is not doubled past the model's maximum position, and a long call's
+    size is not kept for the short calls after it. The tokens stay generate()'s."""
+    ref = copy.deepcopy(reference_models["qwen3_moe"])
+    ref.config.max_position_embeddings = 100
+    model = patched_copy(ref, expert_budget=0.0)
+    x = prompts(batch=1, length=9)
+    assert torch.equal(thm.greedy_generate(model, x, 5), ref.generate(x, max_new_tokens=5, do_sample=False))
+    assert generation._CACHE_LENGTHS[model] == 100  # not the 256 of the first power-of-two size
+    monkeypatch.setattr(generation, "_KEPT_CACHE", 64)
+    model = patched_copy(reference_models["qwen3_moe"], expert_budget=0.0)
+    thm.greedy_generate(model, x, 5)
+    assert model not in generation._CACHE_LENGTHS
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("vocab", [1, 5, 17, 8191, 16385, 151936])
 def test_greedy_tokens_is_torch_argmax(kernel, dtype, vocab) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.test_simulator import COSTS, TRACES, FakeTimeline, brute_force_min, random_case
+from torch_hybrid_moe.config import check_cache_values
 from torch_hybrid_moe.policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 from torch_hybrid_moe.policies.requests import RequestActivations
 from torch_hybrid_moe.policies.schedulers import layer_time
@@ -106,6 +107,19 @@ def test_window_decay_keeps_part_of_the_past():
     assert [window.value(0), window.value(1)] == [2.0, 1.0]  # e0: 0 + 0.5 * 4
     with pytest.raises(ValueError, match="decay"):
         CACHE_POLICIES.create("dali_window", info=LayerInfo(0, 2, 1, 1), decay=1.0)
+
+
+@pytest.mark.parametrize(
+    "options", [{"w_size": float("inf")}, {"w_size": float("nan")}, {"u_size": 1.5}, {"w_size": True}]
+)
+def test_window_counts_must_be_whole(options):
+    """An infinite window never closes (the cache would admit nothing, silently); a fractional u_size failed at the
+    first window's close, mid-decode. Both are refused at construction, as the check of stack files and patching
+    builds them."""
+    with pytest.raises(ValueError, match="whole w_size"):
+        CACHE_POLICIES.create("dali_window", info=LayerInfo(0, 2, 1, 1), **options)
+    with pytest.raises(ValueError, match="whole w_size"):
+        check_cache_values("dali_window", options)
 
 
 def test_tuner_keeps_the_fastest_candidate_and_never_prefetches_without_gate_inputs():

@@ -133,7 +133,7 @@ def generate(args: argparse.Namespace) -> int:
     config, dtype = _config(args), _DTYPES[args.dtype]
     _kernel_ready()
     if args.model.startswith("tiny:"):
-        model, tokenizer = load_model(args.model, torch.float32 if dtype == "auto" else dtype)
+        model, tokenizer = load_model(args.model, dtype)
         thm.patch_model(model, config)
     else:  # the experts stream from the checkpoint into the store: no second resident copy
         tokenizer = load_tokenizer(args.model)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .cost_model import EXPERT_SHAPES, HARDWARE
-from .errors import InputError
+from .errors import InputError, is_count
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
@@ -154,12 +154,12 @@ class HybridMoEConfig:
             )
         for name, least in (("cpu_weight_group_size", 1), ("dense_weight_group_size", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least or value % 32:
+            if not is_count(value, least) or value % 32:
                 zero = " (or 0)" if not least else ""
                 raise InputError(f"{name} must be a positive multiple of 32{zero}, got {value!r}")
         for name in ("staging_slots", "fills_per_step", "prefetch_size", "cpu_threads"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_count(value):
                 raise InputError(f"{name} must be a non-negative int, got {value!r}")
         if self.prefetch_size and self.prefetcher == "none":
             raise InputError(
@@ -349,7 +349,7 @@ class HybridMoEConfig:
         """The accelerator device; the CPU stands in for it when no CUDA device exists."""
         if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
             if not torch.cuda.is_available():
-                raise RuntimeError("HybridMoEConfig(device='cuda') but no CUDA device is available")
+                raise InputError("HybridMoEConfig(device='cuda') but no CUDA device is available; use device='auto'")
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

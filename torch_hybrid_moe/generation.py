@@ -24,18 +24,21 @@ from transformers import GenerationConfig, PreTrainedModel, StaticCache
 from transformers.generation.streamers import BaseStreamer
 
 from .compile_passes.backend import CPU_DECODE_OPTIONS
-from .errors import InputError
+from .errors import InputError, is_count
 from .model_patches.base import is_patched
 from .runtime.decode_replay import DecodeReplay
 
 # The longest static cache each model has decoded into: later calls reuse its size, so the compiled step is not
 # compiled again for every prompt length (as `generate()` keeps its own). Sizes go up in powers of two from
 # _MIN_CACHE: a growing conversation recompiles a few times, not once per turn (Dynamo's limit is 8 a code object).
+# A static cache is allocated whole at the first step, so the doubling stops at the model's maximum position, and a
+# size above _KEPT_CACHE (one call's long max_new_tokens) is not kept for the calls after it.
 _CACHE_LENGTHS: weakref.WeakKeyDictionary[PreTrainedModel, int] = weakref.WeakKeyDictionary()
 _MIN_CACHE = 256
+_KEPT_CACHE = 8192
 _POSITION_BLOCK = 256  # decode steps whose positions are made at a time
 # What generate(do_sample=False) does beyond a plain argmax when a generation config sets it (field, its no-op value):
-# a logits processor (penalties, forced or suppressed tokens, a minimum length) or beam search.
+# a logits processor (penalties, forced or suppressed tokens, a minimum length), beam search, or a stopping criterion.
 _PLAIN = (
     ("num_beams", 1),
     ("repetition_penalty", 1.0),
@@ -54,6 +57,8 @@ _PLAIN = (
     ("renormalize_logits", False),
     ("guidance_scale", None),
     ("watermarking_config", None),
+    ("max_time", None),  # and stopping criteria beyond the end tokens and the length
+    ("stop_strings", None),
 )
 
 
@@ -80,11 +85,14 @@ def greedy_generate(
             input_ids, generation_config=config, do_sample=False, max_new_tokens=max_new_tokens, streamer=streamer
         )
     batch, length = input_ids.shape
+    text_config = model.config.get_text_config(decoder=True)
+    need = length + max_new_tokens
     size = max(_MIN_CACHE, _CACHE_LENGTHS.get(model, 0))
-    while size < length + max_new_tokens:
+    while size < need:
         size *= 2
+    size = max(need, min(size, getattr(text_config, "max_position_embeddings", None) or size))
     forward = _ForwardNames(type(model))
-    cache = {forward.cache: StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=size)}
+    cache = {forward.cache: StaticCache(config=text_config, max_cache_len=size)}
     step = DecodeReplay(model, functools.partial(_compiled_step(), model))
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype) if eos else None
     pad_ids = torch.tensor(pad if pad is not None else 0, dtype=input_ids.dtype)
@@ -109,7 +117,8 @@ def greedy_generate(
                 break
     if streamer is not None:
         streamer.end()
-    _CACHE_LENGTHS[model] = size  # only once a call of that size has run
+    if size <= _KEPT_CACHE:
+        _CACHE_LENGTHS[model] = size  # only once a call of that size has run
     return torch.cat(out, dim=1)
 
 
@@ -189,7 +198,7 @@ def _check(
     device = next(model.parameters()).device
     if input_ids.device != device:
         raise InputError(f"input_ids are on {input_ids.device} but the model is on {device}: move them first")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_count(max_new_tokens, 1):
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     config, vocab = model.generation_config, model.config.vocab_size
 

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .errors import InputError
+from .errors import InputError, is_count
 
 FORMAT_VERSION = 1
 _META_KEY = "hybrid_moe_trace"
@@ -237,7 +237,7 @@ def _jsonl_row(path: Path, number: int, line: str) -> dict:
         raise InputError(f"{path}: line {number} is not a JSON object")
     for name in ("sequence", "step", "token"):
         v = row.get(name, 0)  # "token" is optional
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+        if not is_count(v) or v >= 2**31:
             raise InputError(f"{path}: line {number}: {name!r} must be an int in [0, 2**31), got {v!r}")
     for name in ("ids", "weights"):
         if not isinstance(row.get(name), dict) or not row[name]:
@@ -340,7 +340,7 @@ _INT16_IDS = 2**15  # expert ids are stored as int16
 def _check_meta(path: Path, meta: dict) -> None:
     def bounded_int(name: str, low: int, high: int) -> None:
         v = meta.get(name)
-        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        if not is_count(v, low) or v > high:
             raise InputError(f"{path}: metadata {name!r} must be an int in [{low}, {high}], got {v!r}")
 
     bounded_int("num_experts", 1, _INT16_IDS)
@@ -351,7 +351,7 @@ def _check_meta(path: Path, meta: dict) -> None:
     if (
         not isinstance(layers, list)
         or not layers
-        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+        or not all(is_count(i) for i in layers)
         or len(set(layers)) != len(layers)
     ):
         raise InputError(

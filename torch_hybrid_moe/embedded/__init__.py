@@ -53,15 +53,18 @@ def resolve_model(name_or_path: str) -> str:
     )
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
-    """(model, tokenizer) for an embedded name, a local directory or hub id, or `tiny:ARCH` (random, no tokenizer)."""
+def load_model(
+    name: str, dtype: torch.dtype | str = torch.float32
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase | None]:
+    """(model, tokenizer) for an embedded name, a local directory or hub id, or `tiny:ARCH` (random, no tokenizer;
+    dtype "auto", the checkpoint's own, is float32 for them)."""
     from ..tiny_models import TINY_ARCHITECTURES, tiny_model
 
     if name.startswith("tiny:"):
         arch = name.removeprefix("tiny:")
         if arch not in TINY_ARCHITECTURES:
             raise InputError(f"unknown tiny model {arch!r}; choose from {', '.join(TINY_ARCHITECTURES)}")
-        return tiny_model(arch, dtype=dtype), None
+        return tiny_model(arch, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32), None
     from transformers import AutoModelForCausalLM
 
     tokenizer = load_tokenizer(name)

@@ -1,12 +1,15 @@
 """Train the embedded MoE language models on the Python standard library (seeded, CPU, minutes).
 
-    python -m torch_hybrid_moe.embedded.train [--only deepseek-tiny] [--steps 1200] [--out DIR]
+    python -m torch_hybrid_moe.embedded.train [--only deepseek-tiny] [--steps 1000] [--out DIR | --replace-shipped]
 
 Each model is a transformers class (DeepseekV3ForCausalLM, MixtralForCausalLM) with a byte-level BPE
 tokenizer trained on the same corpus. Experts are kept balanced the way each architecture does it:
 DeepSeek-V3's auxiliary-loss-free bias update (the score-correction bias moves against each expert's
 load after every step), Mixtral's load-balancing auxiliary loss. The report (held-out perplexity
-against a unigram baseline, per-layer load entropy, temporal reuse) is written beside the weights.
+against a unigram baseline, per-layer load entropy, temporal reuse) is written beside the weights, and the
+held-out text beside them (`heldout.txt`). The shipped models and held-out text are replaced only with
+--replace-shipped: another Python's standard library splits into another held-out text, which would no longer
+match the shipped traces.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from . import MODELS_DIR
 from .corpus import SEPARATOR, SHIPPED_HELDOUT, split_corpus
 from .evaluation import perplexity, record_routing, routing_report, unigram_perplexity
 
 VOCAB = 2048
 SEQ = 256
-MODELS_DIR = Path(__file__).parent / "models"
 
 
 @dataclass(frozen=True)
@@ -165,26 +168,37 @@ def train(recipe: Recipe, train_ids: torch.Tensor, steps: int, batch: int, seed:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(RECIPES), action="append")
-    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-train-chars", type=int, default=12_000_000)
-    parser.add_argument("--out", type=Path, default=MODELS_DIR)
+    parser.add_argument("--out", type=Path, help="where the models and held-out text go (default: ./embedded-models)")
+    parser.add_argument(
+        "--replace-shipped", action="store_true", help="write into the package's own models/ and data/ (maintainers)"
+    )
     args = parser.parse_args()
+    if min(args.steps, args.batch, args.max_train_chars) < 1:
+        parser.error("--steps, --batch and --max-train-chars must be >= 1")
+    if args.replace_shipped and args.out is not None:
+        parser.error("--replace-shipped writes the package's own models/; drop --out, or drop --replace-shipped")
+    out_dir = MODELS_DIR if args.replace_shipped else args.out or Path("embedded-models")
+    if not args.replace_shipped and out_dir.resolve().is_relative_to(MODELS_DIR.parents[1].resolve()):
+        parser.error(f"--out {out_dir} is inside the package; pass --replace-shipped to replace the shipped models")
+    heldout_path = SHIPPED_HELDOUT if args.replace_shipped else out_dir / "heldout.txt"
     torch.set_num_threads(max(1, torch.get_num_threads()))
     train_texts, heldout_texts = split_corpus(args.max_train_chars)
-    SHIPPED_HELDOUT.parent.mkdir(parents=True, exist_ok=True)
-    SHIPPED_HELDOUT.write_text(SEPARATOR.join(heldout_texts)[:400_000], encoding="utf-8")
+    heldout_path.parent.mkdir(parents=True, exist_ok=True)
+    heldout_path.write_text(SEPARATOR.join(heldout_texts)[:400_000], encoding="utf-8")
     tokenizer = train_tokenizer(train_texts, VOCAB)
     train_ids = encode(tokenizer, train_texts)
-    heldout_ids = encode(tokenizer, [SHIPPED_HELDOUT.read_text(encoding="utf-8")])
+    heldout_ids = encode(tokenizer, [heldout_path.read_text(encoding="utf-8")])
     print(
         f"corpus: {len(train_texts)} training files, {train_ids.numel()} tokens; held out {heldout_ids.numel()} tokens"
     )
     for name in args.only or sorted(RECIPES):
         start = time.time()
         model = train(RECIPES[name], train_ids, args.steps, args.batch, args.seed)
-        out = args.out / name
+        out = out_dir / name
         model.generation_config.update(bos_token_id=0, eos_token_id=0, pad_token_id=0)
         model.config.output_router_logits = False  # the aux loss is for training: shipped configs are for inference
         model.save_pretrained(out)

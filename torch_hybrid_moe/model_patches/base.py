@@ -212,7 +212,7 @@ def dense_linears(
         routed = device.type == "cpu" and cpu_kernel.best_isa() >= 0
         return [entry for entry in found if routed and entry[2].weight.dtype in KERNEL_DTYPES]
     if device.type != "cpu":
-        raise ValueError(
+        raise InputError(
             f"dense_weight_dtype={config.dense_weight_dtype!r} quantises the CPU's dense layers; on "
             f"{device} they run on the accelerator as loaded (use dense_weight_dtype='model')"
         )
@@ -220,7 +220,7 @@ def dense_linears(
         try:
             check_group_size(linear.in_features, config.dense_group_size)
         except ValueError as err:
-            raise ValueError(
+            raise InputError(
                 f"dense_weight_dtype={config.dense_weight_dtype!r}: linear {name!r} "
                 f"({linear.in_features} inputs): {err}"
             ) from None
@@ -339,7 +339,7 @@ def _check_cpu_format(config: HybridMoEConfig, experts: torch.nn.Module) -> None
             try:
                 check_group_size(getattr(experts, name).shape[-1], config.cpu_weight_group_size)
             except ValueError as err:
-                raise ValueError(f"cpu_weight_dtype={config.cpu_weight_dtype!r}: experts.{name}: {err}") from None
+                raise InputError(f"cpu_weight_dtype={config.cpu_weight_dtype!r}: experts.{name}: {err}") from None
 
 
 def _check_fits(device: torch.device, slot_bytes: int) -> None:
@@ -347,7 +347,7 @@ def _check_fits(device: torch.device, slot_bytes: int) -> None:
         return
     free, _ = torch.cuda.mem_get_info(device)
     if slot_bytes > free:
-        raise ValueError(
+        raise InputError(
             f"expert slots (and the prefill staging ring) need {slot_bytes / 2**30:.2f} GiB but only "
             f"{free / 2**30:.2f} GiB of {device} is free; lower expert_budget (or staging_slots)"
         )

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import is_count
 from .base import LayerInfo
 from .caching import CACHE_POLICIES, RankedCache
 from .prefetching import PREFETCHERS
@@ -44,7 +45,7 @@ class _Predictor:
                 f"{name} matches the request in flight against past ones: pass "
                 "request=RequestActivations(...) (the simulator does; the live runtime does not yet)"
             )
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if not is_count(capacity, 1):
             raise ValueError(f"{name} needs capacity >= 1 (past requests kept), got {capacity!r}")
         self.row = request.row[info.layer_idx]
         self.request, self.capacity = request, capacity

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..errors import is_count
 from .base import LayerInfo
 from .registry import Registry
 
@@ -136,9 +137,10 @@ class WorkloadWindow(RankedCache):
     def __init__(self, info: LayerInfo, w_size: int = 4, u_size: int | None = None, decay: float = 0.0) -> None:
         super().__init__(info)
         u_size = max(1, info.num_experts // 8) if u_size is None else u_size
-        if w_size < 1 or u_size < 1 or not 0 <= decay < 1:
+        if not (is_count(w_size, 1) and is_count(u_size, 1)) or not 0 <= decay < 1:  # also refuses NaN
             raise ValueError(
-                f"dali_window needs w_size >= 1, u_size >= 1 and 0 <= decay < 1; got {w_size}, {u_size}, {decay}"
+                f"dali_window needs whole w_size >= 1, u_size >= 1 and 0 <= decay < 1; got {w_size!r}, {u_size!r}, "
+                f"{decay!r}"
             )
         self.w_size, self.u_size, self.decay = w_size, u_size, decay
         self.window = [0] * info.num_experts  # tokens so far in the open window
@@ -176,7 +178,7 @@ class Belady(RankedCache):
         super().__init__(info)
         if future is None:
             raise ValueError("cache policy 'belady' needs the future routing (future=...): simulator only")
-        if u_size is not None and u_size < 0:
+        if u_size is not None and not is_count(u_size):
             raise ValueError(f"belady needs u_size >= 0 (or None: no cap); got {u_size}")
         self.future, self.u_size = future, u_size
         self.step = 0

@@ -33,6 +33,7 @@ import torch
 
 from ..config import HybridMoEConfig
 from ..cost_model import CostModel
+from ..errors import is_count
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement, Prefetcher
 from ..policies.prefetching import MissingRouter
 from ..policies.requests import RequestActivations
@@ -274,7 +275,7 @@ def simulate(
     itself); `events`, when given, receives every busy interval of the CPU, GPU and link; `graph`: decode steps as
     the live CUDA graph runs them, for a stack that can run in one (`Stack.capturable`; others, and None, replay
     the uncaptured step)."""
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    if not is_count(batch, 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     if not 0 <= cache_ratio <= 1:  # also refuses NaN
         raise ValueError(f"cache_ratio must lie in [0, 1], got {cache_ratio!r}")
