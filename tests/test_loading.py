@@ -194,6 +194,26 @@ def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"cpu_weight_dtype": "int8", "cpu_weight_group_size": 96}, "cannot quantise"),
+        ({"mode": "expert_deferral", "deferred_experts": 99}, "deferred_experts"),
+        ({"mode": "daop_precalc", "precalc_from_layer": 99}, "approximates nothing"),
+    ],
+)
+def test_a_config_the_model_cannot_take_fails_before_any_weight_is_read(config, message, tmp_path, monkeypatch):
+    """What only the model's shapes decide (a group that does not divide the experts' columns, deferring as many
+    experts as the router picks, a pre-calculation start past the last layer) is refused before the dense weights
+    are read, not after minutes of loading."""
+    from torch_hybrid_moe.loading import Checkpoint
+
+    tiny_model("deepseek_v2").save_pretrained(tmp_path)
+    monkeypatch.setattr(Checkpoint, "load_dense", lambda *a, **k: pytest.fail("the dense weights were read"))
+    with pytest.raises(InputError, match=message):
+        thm.from_pretrained(tmp_path, device="cpu", **config)
+
+
 @pytest.mark.slow
 def test_hub_id_loads_from_the_local_cache_offline(tmp_path, monkeypatch):
     """A hub id whose snapshot is in the local cache loads with HF_HUB_OFFLINE=1 (no network)."""

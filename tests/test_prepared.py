@@ -59,6 +59,8 @@ def test_a_prepared_store_quantises_the_dense_layers_in_the_group_asked_for(sour
     assert torch.equal(_logits(model), _logits(want))
     with pytest.raises(InputError, match="dense_weight_group_size must be a positive multiple of 32 \\(or 0\\)"):
         thm.HybridMoEConfig(dense_weight_group_size=48)
+    with pytest.raises(InputError, match="set dense_weight_dtype='int8' or 'int4' too"):
+        thm.HybridMoEConfig(dense_weight_group_size=64)  # groups nothing: the dense layers stay as loaded
 
 
 def test_prepared_store_refuses_another_format(source, tmp_path):

@@ -773,10 +773,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _Parser(prog="hybrid-moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    model_help = (
-        f"embedded model ({', '.join(embedded_models())}), local transformers directory, hub id, "
-        f"or tiny:ARCH for random weights ({', '.join(TINY_ARCHITECTURES)})"
-    )
+    model_help = f"embedded model ({', '.join(embedded_models())}), local transformers directory or hub id"
     g = sub.add_parser("generate", help="patch, compile and generate; print speed and expert placement")
     e = sub.add_parser("eval-ppl", help="held-out perplexity, unpatched vs patched in a mode")
     t = sub.add_parser("trace", help="record per-token expert routing on held-out prompts to a trace file")
@@ -791,7 +788,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     pp = sub.add_parser("prepare", help="write a checkpoint with its experts in a host format, to load unconverted")
     for p in (e, t, pl):
         p.add_argument("--model", default=DEFAULT_MODEL, help=model_help)
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"{model_help}, or a llama.cpp .gguf file")
+    g.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"{model_help}, a llama.cpp .gguf file, or tiny:ARCH for random weights ({', '.join(TINY_ARCHITECTURES)})",
+    )
     pp.add_argument("--model", type=_non_empty, required=True, help="local checkpoint directory or hub id")
     pp.add_argument("--cpu-weight-dtype", required=True, choices=[f for f in CPU_WEIGHT_DTYPES if f != "model"])
     pp.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)

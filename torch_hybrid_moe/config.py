@@ -157,6 +157,11 @@ class HybridMoEConfig:
             if not is_count(value, least) or value % 32:
                 zero = " (or 0)" if not least else ""
                 raise InputError(f"{name} must be a positive multiple of 32{zero}, got {value!r}")
+        if self.dense_weight_group_size and self.dense_weight_dtype == "model":
+            raise InputError(
+                f"dense_weight_group_size={self.dense_weight_group_size} groups quantised dense layers; set "
+                "dense_weight_dtype='int8' or 'int4' too, or leave the group at 0"
+            )
         for name in ("staging_slots", "fills_per_step", "prefetch_size", "cpu_threads"):
             value = getattr(self, name)
             if not is_count(value):
@@ -307,9 +312,8 @@ class HybridMoEConfig:
     def with_store_format(self, fmt: str, group: int) -> HybridMoEConfig:
         """This config for experts stored as `fmt` in groups of `group` (a prepared or GGUF store): the dense
         layers keep the group this config gives them."""
-        return self.replace(
-            cpu_weight_dtype=fmt, cpu_weight_group_size=group, dense_weight_group_size=self.dense_group_size
-        )
+        dense_group = self.dense_group_size if self.dense_weight_dtype != "model" else 0
+        return self.replace(cpu_weight_dtype=fmt, cpu_weight_group_size=group, dense_weight_group_size=dense_group)
 
     def replace(self, **overrides: Any) -> HybridMoEConfig:
         """A copy with fields overridden; unknown names are an error, not silently ignored."""

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from .config import HybridMoEConfig
 from .errors import InputError
 from .model_patches import ARCHITECTURES
-from .model_patches.base import dense_linears, patch_with_spec
+from .model_patches.base import check_structure, dense_linears, patch_with_spec
 from .ops.host_memory import advise_huge_pages, fill_in_parallel
 from .ops.quantize import QUANTIZE_ROWS, QuantizedWeight, empty_cpu_format, set_expert
 from .prepared import check_request, config_for, expert_keys, read_marker, write_store
@@ -109,6 +109,7 @@ def from_pretrained(
     with no_init_weights():  # parameters stay torch.empty: allocated, never touched, so not resident
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.tie_weights()  # tied weights (tie_word_embeddings) become one tensor, loaded under either name
+    check_structure(model, ARCHITECTURES[model_config.model_type], config)  # before any weight is read
     for tensor in (*model.parameters(), *model.buffers()):  # untouched yet: ask for huge pages before loading
         advise_huge_pages(tensor)
     experts = {

@@ -86,18 +86,9 @@ def patch_with_spec(
     `read_linear(linear)` likewise gives a linear's weight already quantised to `dense_weight_dtype` (None: quantise
     the module's own)."""
     config = (config or HybridMoEConfig()).replace(**overrides)
-    if is_patched(model):
-        raise RuntimeError("this model is already patched by torch_hybrid_moe; patch a fresh model instead")
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type != spec.model_type:
-        raise ValueError(f"patch for {spec.model_type!r} models called on a {model_type!r} model")
+    moe_layers, device, config, dense = check_structure(model, spec, config)
     cfg = model.config.get_text_config()
-    moe_layers = _find_moe_layers(model, spec, cfg)
-    device = config.resolve_device()
-    config = config.for_device(device)
     first = moe_layers[0][1].experts
-    _check_cpu_format(config, first)
-    dense = dense_linears(model, config, device)
     expert_bytes = first.gate_up_proj[0].nbytes + first.down_proj[0].nbytes
     num_experts = first.gate_up_proj.shape[0]
     slots = config.slots_per_layer(num_experts, expert_bytes, len(moe_layers))
@@ -128,8 +119,6 @@ def patch_with_spec(
         )
         for idx, block in moe_layers
     }
-    config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
-    check_precalc_start(config, [idx for idx, _ in moe_layers])
     routing = RoutingRule(spec.score_fn, bool(spec.renormalises(cfg)))
     # Patched models a caller dropped linger in reference cycles (transformers keeps the compiled call on the
     # model): collect them now, so their layer handles, and with them their compiled graphs, are reused
@@ -177,6 +166,30 @@ def patch_with_spec(
     _compile_decode_with_backend(model, capture, device.type == "cpu")
     setattr(model, _PATCHED_ATTR, config)
     return model
+
+
+def check_structure(
+    model: torch.nn.Module, spec: ArchSpec, config: HybridMoEConfig
+) -> tuple[
+    list[tuple[int, torch.nn.Module]], torch.device, HybridMoEConfig, list[tuple[torch.nn.Module, str, torch.nn.Linear]]
+]:
+    """Every check of `config` against the model that needs its structure and shapes, not its weights' values:
+    `from_pretrained` runs it before reading any weight, `patch_with_spec` before any change. Gives the MoE layers,
+    the device, the config made concrete for it, and the dense linears patching replaces."""
+    if is_patched(model):
+        raise RuntimeError("this model is already patched by torch_hybrid_moe; patch a fresh model instead")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type != spec.model_type:
+        raise ValueError(f"patch for {spec.model_type!r} models called on a {model_type!r} model")
+    cfg = model.config.get_text_config()
+    moe_layers = _find_moe_layers(model, spec, cfg)
+    device = config.resolve_device()
+    config = config.for_device(device)
+    _check_cpu_format(config, moe_layers[0][1].experts)
+    dense = dense_linears(model, config, device)
+    config.check_top_k(cfg.num_experts_per_tok)  # Expert Deferral keeps at least one immediate expert
+    check_precalc_start(config, [idx for idx, _ in moe_layers])
+    return moe_layers, device, config, dense
 
 
 def _experts_from_store(module: torch.nn.Module, state: dict, prefix: str, metadata: object) -> None:
