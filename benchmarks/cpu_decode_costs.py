@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import torch_hybrid_moe  # noqa: F401  (registers torch.ops.hybrid_moe)
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.config import HybridMoEConfig
 from torch_hybrid_moe.model_patches.cpu_attention import cpu_attention_forward
 from torch_hybrid_moe.ops import cpu_kernel, host_memory, kernel_build
@@ -70,9 +71,9 @@ def _linear_times(n: int, k: int, repeats: int) -> tuple[dict[str, float], int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=41)
-    parser.add_argument("--flush-mb", type=int, default=256, help="memory read between two cold calls")
+    parser.add_argument("--threads", type=bounded(int, 1), default=2)
+    parser.add_argument("--repeats", type=bounded(int, 1), default=41)
+    parser.add_argument("--flush-mb", type=bounded(int, 1), default=256, help="memory read between two cold calls")
     args = parser.parse_args()
     if args.flush_mb < 1 or args.repeats < 1 or args.threads < 1:
         parser.error("--threads, --repeats and --flush-mb must be positive")

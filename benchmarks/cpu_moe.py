@@ -37,6 +37,8 @@ from torch_hybrid_moe.ops.quantize import QuantizedWeight, kernel_operands, to_c
 sys.path.insert(0, str(Path(__file__).parent))
 import kt_kernel_baseline
 
+from torch_hybrid_moe.cli import bounded
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -311,7 +313,7 @@ def bench_shape(shape: Shape, repeats: int, bandwidth: float, mm_bf16: float, mm
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), action="append")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=bounded(int, 1), default=7)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     bandwidth = read_bandwidth_gb_s(args.repeats)

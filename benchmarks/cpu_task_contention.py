@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.ops import cpu_kernel
 
 EXPERTS, HIDDEN, INTER, TOP_K = 8, 2048, 1408, 6
@@ -51,7 +52,7 @@ def task_ms(threads: int, runs: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=80)
+    p.add_argument("--runs", type=bounded(int, 1), default=80)
     args = p.parse_args()
     if cpu_kernel.extension() is None:
         raise SystemExit("needs the C++ CPU kernel")

@@ -2,8 +2,9 @@
 
 For each model (the embedded trained ones by default, or tiny:ARCH): per-token greedy decode time of
 the unpatched model (eager, and compiled with Inductor over a static cache), and of the patched model
-compiled with the hybrid_moe backend at expert budgets 0, 0.25 and 1.0, with its cache hit rate. Median of
-several timed generate() calls after a warm-up that compiles. On a CPU-only machine this measures the dispatch
+compiled with the hybrid_moe backend at expert budgets 0, 0.25 and 1.0, with its decode steps' cache hit rate. A
+decode step's time is the median over repeats of a generate() call of 1 + N tokens less one of 1 token (prefill and
+setup cancel), after a warm-up that compiles. On a CPU-only machine this measures the dispatch
 overhead (host sync, CPU share), not an accelerator speedup.
 
     python benchmarks/decode_overhead.py [--model deepseek-tiny] [--tokens 32] [--repeats 5] [--json]
@@ -22,26 +23,47 @@ import torch
 from transformers import CompileConfig
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.embedded import embedded_models, load_model
 
 
+def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int, **gen: object) -> float:
+    """Seconds of one generate() call of exactly `new` greedy tokens."""
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, **gen)
+    return time.perf_counter() - start
+
+
 def per_token_ms(model: torch.nn.Module, ids: torch.Tensor, tokens: int, repeats: int, **gen: object) -> float:
-    run = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **gen)
+    """Median ms of one decode step: a call of 1 + `tokens` new tokens minus a call of 1, paired in each repeat, so
+    the prompt's prefill and the call's own setup cancel. Both lengths are warmed up first (a static cache compiles
+    for each)."""
     with torch.no_grad():
-        model.generate(ids, **run)  # warm-up: compiles where compiling
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.generate(ids, **run)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) / tokens * 1e3
+        _generate(model, ids, tokens + 1, **gen), _generate(model, ids, 1, **gen)
+        gaps = [_generate(model, ids, tokens + 1, **gen) - _generate(model, ids, 1, **gen) for _ in range(repeats)]
+    return statistics.median(gaps) / tokens * 1e3
+
+
+def decode_hit_rate(model: torch.nn.Module, ids: torch.Tensor, tokens: int) -> float:
+    """The slot hit rate of the decode steps alone: the counters of a 1 + `tokens` call less those of a 1-token
+    call (its prompt's prefill step)."""
+
+    def counted(new: int) -> tuple[int, int]:
+        thm.reset_stats(model)
+        with torch.no_grad():
+            _generate(model, ids, new)
+        layers = thm.stats(model).values()
+        return sum(s.hits for s in layers), sum(s.hits + s.misses for s in layers)
+
+    (hits, seen), (prompt_hits, prompt_seen) = counted(tokens + 1), counted(1)
+    return (hits - prompt_hits) / max(1, seen - prompt_seen)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="embedded name, local directory or tiny:ARCH")
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=bounded(int, 1), default=32)
+    parser.add_argument("--repeats", type=bounded(int, 1), default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -67,8 +89,7 @@ def main() -> None:
             model = thm.patch_model(copy.deepcopy(ref), expert_budget=budget)
             impl = f"hybrid_moe budget {budget}"
             rows[impl] = per_token_ms(model, ids, args.tokens, args.repeats)
-            layer_stats = thm.stats(model).values()
-            hit_rates[impl] = sum(s.hits for s in layer_stats) / max(1, sum(s.hits + s.misses for s in layer_stats))
+            hit_rates[impl] = decode_hit_rate(model, ids, args.tokens)
         torch._dynamo.reset()
         base = rows["transformers eager"]
         for impl, ms in rows.items():

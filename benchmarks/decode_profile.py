@@ -34,6 +34,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from end_to_end import SHAPES, _Stamps, checkpoint
 
+from torch_hybrid_moe.cli import bounded
+
 
 def profiled(
     model: torch.nn.Module, ids: torch.Tensor, new: int, shapes: bool = False
@@ -173,14 +175,14 @@ def alternated(ways: dict[str, Callable[[object], torch.Tensor]], rounds: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=bounded(int, 1), default=4)
     parser.add_argument(
         "--weights",
         choices=("model", "int8", "int4"),
         default="model",
         help="int8 / int4: experts and dense layers, as end_to_end.py's ours-int8-dense rows",
     )
-    parser.add_argument("--tokens", type=int, default=32, help="decode steps profiled")
+    parser.add_argument("--tokens", type=bounded(int, 1), default=32, help="decode steps profiled")
     parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill instead, per input shape")
     parser.add_argument(
         "--replay", action="store_true", help="time decode steps called directly against through Dynamo instead"
@@ -194,11 +196,14 @@ def main() -> None:
         help="time decode tokens of thm.greedy_generate with the step's wrapper in Python against in C++ instead",
     )
     parser.add_argument(
-        "--rounds", type=int, default=4, help="--replay, --loop, --wrapper: generations of --tokens steps (each)"
+        "--rounds",
+        type=bounded(int, 1),
+        default=4,
+        help="--replay, --loop, --wrapper: generations of --tokens steps (each)",
     )
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--rows", type=int, default=25, help="ops listed")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=bounded(int, 1), default=128)
+    parser.add_argument("--rows", type=bounded(int, 1), default=25, help="ops listed")
+    parser.add_argument("--threads", type=bounded(int, 1), default=2)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "torch_hybrid_moe" / "checkpoints")
     args = parser.parse_args()
     if args.tokens < 1 or args.prompt < 1 or args.rounds < 1:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.ops import placement_walks, slot_swaps
 from torch_hybrid_moe.policies import SCHEDULERS, IdleLink, LayerInfo, device_caching, device_scheduling
@@ -118,7 +119,7 @@ def ops_per_step(name: str, costs: CostModel, tokens: int, cuda: bool) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--batches", type=bounded(int, 1), nargs="+", default=[1, 8, 32])
     p.add_argument("--hardware", default="rtx5090", choices=sorted(HARDWARE))
     args = p.parse_args()
     costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES["deepseek-v2-lite"])

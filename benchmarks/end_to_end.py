@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from torch_hybrid_moe.cli import bounded
 
 ROWS = (
     "ours",
@@ -39,6 +43,7 @@ ROWS = (
     "llama-bf16",
     "llama-q8_0",
     "llama-q4_0",
+    "llama-q4_0-pure",
 )
 SHAPES = {  # (transformers config class, its arguments per layer shape); vocabularies are the real models'
     "qwen3-30b-a3b": (
@@ -82,7 +87,7 @@ def checkpoint(shape: str, layers: int, cache: Path) -> Path:
     from torch_hybrid_moe.embedded import embedded_models
 
     path = cache / f"{shape}-{layers}l"
-    if (path / "config.json").exists():
+    if path.exists():
         return path
     cls, kwargs = SHAPES[shape]
     config = getattr(transformers, cls)(**kwargs, num_hidden_layers=layers, max_position_embeddings=4096)
@@ -92,8 +97,11 @@ def checkpoint(shape: str, layers: int, cache: Path) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.02)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(embedded_models()["deepseek-tiny"]).save_pretrained(path)
+    partial = path.with_name(path.name + ".partial")  # renamed when whole: an interrupted save is never reused
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(embedded_models()["deepseek-tiny"]).save_pretrained(partial)
+    partial.rename(path)
     return path
 
 
@@ -102,30 +110,35 @@ BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}  # int8 / int
 
 def decode_bytes(path: Path, row: str = "ours") -> float:
     """Bytes one decode token of `row` reads: every weight but the embedding table (a row of it), routed experts
-    counted top-k of E, in the row's weight type (int8 / int4 rows: experts, and dense layers where quantised)."""
-    from safetensors import safe_open
-
+    counted top-k of E. Ours: in the row's weight type (int8 / int4 rows: experts, and the dense linears where
+    quantised; routers and norms stay bf16). llama.cpp rows: each tensor's own bytes in the row's GGUF file, since
+    llama-quantize keeps some in other types (q4_0 files: the LM head as Q6_K, the routers in F32)."""
     config = json.loads((path / "config.json").read_text())
     experts = config.get("num_experts") or config.get("num_local_experts")
     share = config["num_experts_per_tok"] / experts
+    if row.startswith("llama-"):
+        import gguf
+
+        reader = gguf.GGUFReader(path / f"model-{row.removeprefix('llama-')}.gguf")
+        read = [t for t in reader.tensors if t.name != "token_embd.weight"]
+        return sum(int(t.n_bytes) * (share if "_exps" in t.name else 1) for t in read)
+    from safetensors import safe_open
+
     kind = next((k for k in ("int8", "int4") if k in row), "bf16")
-    kind = {"q8_0": "int8", "q4_0": "int4"}.get(row.removeprefix("llama-"), kind)
-    dense_kind = kind if row.startswith("llama-") or row.endswith("-dense") else "bf16"
+    dense_kind = kind if row.endswith("-dense") else "bf16"
     total = 0.0
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            if "embed_tokens" in name:
-                continue
-            shape = f.get_slice(name).get_shape()
-            weights = 1
-            for d in shape:
-                weights *= d
-            per_weight = (
-                BYTES_PER_WEIGHT[kind]
-                if ".experts." in name
-                else (BYTES_PER_WEIGHT[dense_kind] if len(shape) == 2 else 2.0)
-            )  # norms stay in bf16
-            total += weights * per_weight * (share if ".experts." in name else 1)
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                if "embed_tokens" in name:
+                    continue
+                shape = f.get_slice(name).get_shape()
+                weights = math.prod(shape)
+                if ".experts." in name:
+                    total += weights * BYTES_PER_WEIGHT[kind] * share
+                else:  # routers (mlp.gate / block_sparse_moe.gate) are no nn.Linear: never quantised
+                    linear = len(shape) == 2 and not name.endswith(".gate.weight")
+                    total += weights * (BYTES_PER_WEIGHT[dense_kind] if linear else 2.0)
     return total
 
 
@@ -214,45 +227,40 @@ class _Stamps:
 
 
 def run_llama_row(row: str, path: Path, prompt: int, tokens: int, threads: int, llama: Path) -> dict:
-    """One llama-bench measurement of the GGUF of `path` in the row's weight type."""
+    """One llama-bench measurement of the GGUF of `path` in the row's weight type: the prompt from an empty
+    context, then the new tokens after `prompt` tokens of context (--n-depth), as ours and transformers decode."""
     gguf = gguf_file(path, row.removeprefix("llama-"), llama)
-    out = subprocess.run(
-        [
-            str(llama / "build" / "bin" / "llama-bench"),
-            "-m",
-            str(gguf),
-            "-t",
-            str(threads),
-            "-p",
-            str(prompt),
-            "-n",
-            str(tokens),
-            "-r",
-            "1",
-            "-o",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    tests = json.loads(out.stdout)
-    rate = {("prefill" if t["n_prompt"] else "decode"): t["avg_ts"] for t in tests}
-    return dict(prefill_tok_s=rate["prefill"], decode_tok_s=rate["decode"], tokens=None)
+
+    def bench(p: int, n: int, depth: int) -> float:
+        argv = ["-m", str(gguf), "-t", str(threads), "-p", str(p), "-n", str(n), "-d", str(depth), "-r", "1"]
+        out = subprocess.run(
+            [str(llama / "build" / "bin" / "llama-bench"), *argv, "-o", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        (test,) = json.loads(out.stdout)
+        return test["avg_ts"]
+
+    return dict(prefill_tok_s=bench(prompt, 0, 0), decode_tok_s=bench(0, tokens, prompt), tokens=None)
 
 
 def gguf_file(path: Path, kind: str, llama: Path) -> Path:
-    """The checkpoint converted to GGUF (bf16, q8_0 by the converter; q4_0 by llama-quantize from bf16)."""
+    """The checkpoint converted to GGUF (bf16, q8_0 by the converter; q4_0 by llama-quantize from bf16, which keeps
+    the LM head in Q6_K; q4_0-pure: every quantisable tensor in q4_0, as ours-int4-dense)."""
     target = path / f"model-{kind}.gguf"
+    partial = target.with_suffix(".partial")  # renamed when whole: an interrupted conversion is never reused
     if target.exists():
         return target
-    if kind == "q4_0":
+    if kind.startswith("q4_0"):
+        pure = ["--pure"] if kind.endswith("-pure") else []
+        source = str(gguf_file(path, "bf16", llama))
         subprocess.run(
-            [str(llama / "build" / "bin" / "llama-quantize"), str(gguf_file(path, "bf16", llama)), str(target), "q4_0"],
+            [str(llama / "build" / "bin" / "llama-quantize"), *pure, source, str(partial), "q4_0"],
             check=True,
             capture_output=True,
         )
-        return target
+        return partial.rename(target)
     # The embedded tokenizer's pre-tokenizer is unknown to the converter: treat it as GPT-2's (byte-level BPE).
     code = (
         "import sys, runpy; sys.path.insert(0, sys.argv[1] + '/gguf-py'); sys.path.insert(0, sys.argv[1]);"
@@ -264,11 +272,11 @@ def gguf_file(path: Path, kind: str, llama: Path) -> Path:
         "runpy.run_path(sys.argv[0] + '/convert_hf_to_gguf.py', run_name='__main__')"
     )
     subprocess.run(
-        [sys.executable, "-c", code, str(llama), str(path), "--outtype", kind, "--outfile", str(target)],
+        [sys.executable, "-c", code, str(llama), str(path), "--outtype", kind, "--outfile", str(partial)],
         check=True,
         capture_output=True,
     )
-    return target
+    return partial.rename(target)
 
 
 def own_kib(field: str) -> int:
@@ -309,12 +317,12 @@ def llama_ready(llama: Path | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=bounded(int, 1), default=4)
     parser.add_argument("--rows", default="ours,ours-int8,ours-int4,eager,inductor,llama-bf16,llama-q8_0,llama-q4_0")
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=bounded(int, 1), default=128)
+    parser.add_argument("--tokens", type=bounded(int, 2), default=32)
+    parser.add_argument("--repeats", type=bounded(int, 1), default=3)
+    parser.add_argument("--threads", type=bounded(int, 1), default=2)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "torch_hybrid_moe" / "checkpoints")
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with a CMake build/ directory")
     parser.add_argument("--json", type=Path, help="also write every record here")

@@ -72,6 +72,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV2Config, StaticCache
 
 import torch_hybrid_moe as thm
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.config import STACK_FILE_FIELDS
 from torch_hybrid_moe.errors import InputError
 
@@ -419,8 +420,10 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=27)
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.25, 0.5], help="expert budgets of the hybrid rows")
+    p.add_argument("--layers", type=bounded(int, 2), default=27)
+    p.add_argument(
+        "--budgets", type=bounded(float, 0, 1), nargs="+", default=[0.25, 0.5], help="expert budgets of the hybrid rows"
+    )
     p.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS, help="none: only --stack-file's rows")
     p.add_argument(
         "--graph",
@@ -429,9 +432,15 @@ def main() -> None:
         choices=["off", "on"],
         help="decode step uncaptured, as one CUDA graph, or both (rows other than accelerate)",
     )
-    p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--prompt", type=int, nargs="+", default=[512], help="prefill lengths timed (the first >= 16)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tokens", type=bounded(int, 1), default=32)
+    p.add_argument(
+        "--prompt",
+        type=bounded(int, 16),
+        nargs="+",
+        default=[512],
+        help="prefill lengths timed (each >= 16: the decode run's prompt is the first 16 tokens)",
+    )
+    p.add_argument("--repeats", type=bounded(int, 1), default=3)
     p.add_argument("--json", action="store_true", help="also print each row's record as a JSON line when it ends")
     p.add_argument(
         "--trace",
@@ -442,7 +451,7 @@ def main() -> None:
     )
     p.add_argument(
         "--cpu-threads",
-        type=int,
+        type=bounded(int, 0),
         default=0,
         help="HybridMoEConfig.cpu_threads of the rows with the "
         "graph on (the only ones that use it; 0: the library's default, torch's thread count)",
@@ -463,8 +472,6 @@ def main() -> None:
     args.graph = [g == "on" for g in args.graph]
     if not args.rows and args.stack_file is None:
         raise SystemExit("--rows names none and no --stack-file gives one: nothing to measure")
-    if min(args.prompt) < 16:
-        raise SystemExit("--prompt lengths must be at least 16 (the decode run's prompt is the first 16 tokens)")
     if os.environ.get("GPU_DECODE_PARSE_ONLY"):  # gpu_checks.sh's arguments, checked by the test suite
         print("gpu_decode.py: arguments taken", file=sys.stderr)
         return

@@ -24,6 +24,7 @@ import argparse
 
 import torch
 
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES
 from torch_hybrid_moe.ops.kernel_build import extension
 from torch_hybrid_moe.ops.row_copy import copy_rows_, device_view
@@ -32,9 +33,11 @@ from torch_hybrid_moe.profiling import replay_seconds
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--share", type=int, default=6, help="experts of the CPU share and of the fills beside it")
+    p.add_argument("--experts", type=bounded(int, 1), default=16)
+    p.add_argument("--repeats", type=bounded(int, 1), default=20)
+    p.add_argument(
+        "--share", type=bounded(int, 1), default=6, help="experts of the CPU share and of the fills beside it"
+    )
     args = p.parse_args()
     if not 1 <= args.share <= args.experts // 2:
         raise SystemExit(f"--share must be 1 to --experts / 2 ({args.experts // 2}): the two sides take other experts")

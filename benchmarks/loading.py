@@ -27,6 +27,8 @@ from pathlib import Path
 
 from end_to_end import SHAPES, checkpoint, gguf_file, own_kib
 
+from torch_hybrid_moe.cli import bounded
+
 ROWS = ("transformers", "ours", "ours-int8", "ours-int4", "prepared-int8", "prepared-int4", "gguf-q8_0", "gguf-q4_0")
 BOUND = 1.15  # peak RSS over (final host store + dense weights) + the RSS before loading
 
@@ -105,10 +107,10 @@ def measure(row: str, path: Path, threads: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=bounded(int, 1), default=4)
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=bounded(int, 1), default=3)
+    p.add_argument("--threads", type=bounded(int, 1), default=2)
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "torch_hybrid_moe" / "checkpoints")
     p.add_argument("--llama-cpp", type=Path, help="a llama.cpp tree built with CMake: converts the GGUF rows' files")
     p.add_argument("--json", action="store_true")

@@ -17,6 +17,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.policies.schedulers import SCHEDULERS, DaliGreedy, Optimal, makespan
 from torch_hybrid_moe.simulator import STACKS, SimResult, Stack, simulate
@@ -58,9 +59,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hardware", default="dali", choices=sorted(HARDWARE))
     parser.add_argument("--expert-shape", default="deepseek-v2-lite", choices=sorted(EXPERT_SHAPES))
-    parser.add_argument("--models", nargs="+", default=["deepseek-tiny", "mixtral-tiny"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
-    parser.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5])
+    shipped = sorted(p.name.removesuffix("-heldout-at0.safetensors") for p in TRACES.glob("*-heldout-at0.safetensors"))
+    parser.add_argument("--models", nargs="+", default=["deepseek-tiny", "mixtral-tiny"], choices=shipped)
+    parser.add_argument("--batches", nargs="+", type=bounded(int, 1), default=[1, 16])
+    parser.add_argument("--ratios", nargs="+", type=bounded(float, 0, 1), default=[0.25, 0.5])
     parser.add_argument("--json", type=Path, help="write every record here")
     args = parser.parse_args()
     costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])

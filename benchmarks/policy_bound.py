@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.simulator import STACKS
 from torch_hybrid_moe.simulator.bound import bound
@@ -45,12 +46,10 @@ def main() -> None:
     parser.add_argument("--hardware", nargs="+", default=["dali", "rtx4090", "rtx5090"], choices=sorted(HARDWARE))
     parser.add_argument("--expert-shape", default="deepseek-v2-lite", choices=sorted(EXPERT_SHAPES))
     parser.add_argument("--traces", nargs="+", default=list(SOURCES), choices=list(SOURCES))
-    parser.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--ratios", nargs="+", type=bounded(float, 0, 1), default=[0.25, 0.5])
+    parser.add_argument("--batches", nargs="+", type=bounded(int, 1), default=[1, 16])
     parser.add_argument("--json", type=Path, help="write every setting's record here")
     args = parser.parse_args()
-    if min(args.batches) < 1 or not all(0 <= r <= 1 for r in args.ratios):
-        parser.error("--batches must be >= 1 and --ratios in [0, 1] (a cache's share of the experts)")
     print(f"experts sized as {args.expert_shape}; {time.strftime('%Y-%m-%d')}")
     print(
         "| trace | hardware | ratio | batch | ours tok/s | best paper | x best paper | bound tok/s | x bound "

@@ -713,7 +713,7 @@ def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
     return "\n".join(rows)
 
 
-def _bounded(kind: type, low: float, high: float = math.inf) -> Callable[[str], float]:
+def bounded(kind: type, low: float, high: float = math.inf) -> Callable[[str], float]:
     """An argparse type: a `kind` number in [low, high], else a one-line usage error."""
 
     def parse(text: str) -> float:
@@ -795,12 +795,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     pp.add_argument("--model", type=_non_empty, required=True, help="local checkpoint directory or hub id")
     pp.add_argument("--cpu-weight-dtype", required=True, choices=[f for f in CPU_WEIGHT_DTYPES if f != "model"])
-    pp.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
+    pp.add_argument("--cpu-weight-group-size", type=bounded(int, 32), default=64)
     pp.add_argument("--out", type=Path, required=True, help="a new (or empty) directory")
     for p in (g, e):
         p.add_argument(
             "--expert-budget",
-            type=_bounded(float, 0.0, 1.0),
+            type=bounded(float, 0.0, 1.0),
             default=None,
             help="fraction of each MoE layer's experts held in accelerator slots (default: 0.25 with CUDA, 0 without)",
         )
@@ -825,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             choices=CPU_WEIGHT_DTYPES,
             help="format of the experts' host copy; int8 / int4 are approximate",
         )
-        p.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
+        p.add_argument("--cpu-weight-group-size", type=bounded(int, 32), default=64)
         p.add_argument(
             "--dense-weight-dtype",
             default="model",
@@ -834,11 +834,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     g.add_argument("--prompt", type=_non_empty, default="def fibonacci(n):")
     g.add_argument(
-        "--max-new-tokens", type=_bounded(int, 2), default=32, help="at least 2 (one prefill token, one decode token)"
+        "--max-new-tokens", type=bounded(int, 2), default=32, help="at least 2 (one prefill token, one decode token)"
     )
     g.add_argument(
         "--prompt-tokens",
-        type=_bounded(int, 1),
+        type=bounded(int, 1),
         help="repeat the prompt's tokens to this length, for a prefill figure (default: the prompt as is)",
     )
     e.add_argument(
@@ -861,13 +861,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"with --mode daop_precalc: first decoder block approximated (default {PRECALC_FROM_LAYER}, or the "
         "model's last MoE block where it has fewer)",
     )
-    e.add_argument("--max-tokens", type=_bounded(int, 1), default=16384)
+    e.add_argument("--max-tokens", type=bounded(int, 1), default=16384)
     s.add_argument("--trace", type=Path, required=True)
     pl.add_argument("--gpu-memory", type=_size, default=0, help="GPU memory to plan for, e.g. 24GiB (default: none)")
     pl.add_argument("--host-memory", type=_size, default=64 * 2**30, help="host memory to plan for (default 64GiB)")
-    pl.add_argument("--context", type=_bounded(int, 1), default=4096, help="tokens of KV cache to keep room for")
-    pl.add_argument("--prompt", type=_bounded(int, 1), default=512, help="prompt length of the prefill estimate")
-    pl.add_argument("--cpu-weight-group-size", type=_bounded(int, 32), default=64)
+    pl.add_argument("--context", type=bounded(int, 1), default=4096, help="tokens of KV cache to keep room for")
+    pl.add_argument("--prompt", type=bounded(int, 1), default=512, help="prompt length of the prefill estimate")
+    pl.add_argument("--cpu-weight-group-size", type=bounded(int, 32), default=64)
     pl.add_argument(
         "--hardware",
         default="rtx4090",
@@ -903,7 +903,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     s.add_argument(
         "--dense-us",
-        type=_bounded(float, 0.0),
+        type=bounded(float, 0.0),
         metavar="US",
         help="a decoder block's fixed non-MoE time at decode, measured on a real step (e.g. gpu_decode.py's whole-GPU "
         "row: its time per token over its layers); default: the estimate from the expert shape",
@@ -921,12 +921,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         s.add_argument(
             flag,
-            type=_bounded(float, 0.0),
+            type=bounded(float, 0.0),
             metavar="US",
             help=f"with --graph: microseconds of {what}, as benchmarks/graph_costs.py times them on the GPU machine",
         )
-    s.add_argument("--batch", type=_bounded(int, 1), default=1)
-    s.add_argument("--cache-ratio", type=_bounded(float, 0.0, 1.0), default=0.25)
+    s.add_argument("--batch", type=bounded(int, 1), default=1)
+    s.add_argument("--cache-ratio", type=bounded(float, 0.0, 1.0), default=0.25)
     s.add_argument("--calibration", type=Path, help="trace the policies learn from beforehand (default: the trace)")
     s.add_argument(
         "--routers",
@@ -971,7 +971,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help='one object per token row: {"sequence": 0, "step": 0, "ids": {"1": [3, 7]}, '
         '"weights": {"1": [0.6, 0.4]}} (layer index -> top-k)',
     )
-    c.add_argument("--num-experts", type=_bounded(int, 1, 2**15), required=True)
+    c.add_argument("--num-experts", type=bounded(int, 1, 2**15), required=True)
     c.add_argument("--model-name", default="external", help="recorded in the trace's metadata")
     c.add_argument("--out", type=_writable, required=True)
     pr.add_argument(
@@ -980,15 +980,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="measure again even if a cached profile exists; forget the kernels' measured routes too",
     )
     t.add_argument("--out", type=_writable, required=True)
-    t.add_argument("--prompts", type=_bounded(int, 1), default=16)
-    t.add_argument("--prompt-tokens", type=_bounded(int, 1), default=64)
+    t.add_argument("--prompts", type=bounded(int, 1), default=16)
+    t.add_argument("--prompt-tokens", type=bounded(int, 1), default=64)
     t.add_argument(
-        "--offset", type=_bounded(int, 0), default=0, help="token offset of each prompt in its held-out slice"
+        "--offset", type=bounded(int, 0), default=0, help="token offset of each prompt in its held-out slice"
     )
-    t.add_argument("--max-new-tokens", type=_bounded(int, 1), default=64)
+    t.add_argument("--max-new-tokens", type=bounded(int, 1), default=64)
     t.add_argument(
         "--hidden-every",
-        type=_bounded(int, 0),
+        type=bounded(int, 0),
         default=1,
         help="record the gate input of every N-th token row (for gate-based prefetchers; 0: none)",
     )
