@@ -227,16 +227,19 @@ def median_ms(
     impls: list[Impl], bars: list[Bar], shape: Shape, tokens: int, repeats: int, gen: torch.Generator
 ) -> tuple[list[float], list[float], float]:
     """Median ms per implementation and per F.linear bar, every repetition running all of them on the same fresh
-    routing (interleaved, so machine noise hits them alike), and the mean number of distinct experts it activated."""
+    routing (interleaved, so machine noise hits them alike, in a rotating order), and the mean number of distinct
+    experts it activated."""
     runs = [impl.run for impl in impls] + [lambda h, i, w, bar=bar: bar.run(i) for bar in bars]
     times: list[list[float]] = [[] for _ in runs]
     active = []
-    for _ in range(repeats):
+    for rep in range(repeats):
         inputs = routing(shape, tokens, gen)
         active.append(len(inputs[1].unique()))
-        for i, run in enumerate(runs):
+        # the order rotates each repetition: the bf16 rows share their weights, and a row right after another
+        # on the same weights would find them in the last-level cache where it holds a decode step's working set
+        for i in [(rep + k) % len(runs) for k in range(len(runs))]:
             start = time.perf_counter()
-            run(*inputs)
+            runs[i](*inputs)
             times[i].append(time.perf_counter() - start)
     ms = [statistics.median(t) * 1e3 for t in times]
     return ms[: len(impls)], ms[len(impls) :], statistics.mean(active)

@@ -285,22 +285,22 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
     prompts = [prompt_ids(config, n).cuda() for n in args.prompt]
     short = prompts[0][:, :16]
     # Offloaded models are not auto-compiled by transformers: the others (patched, or all on the GPU) get the static
-    # cache that compiles them.
-    cache = (
-        StaticCache(config=model.config, max_cache_len=max(args.prompt) + args.tokens + 2)
-        if row["row"] != "accelerate"
-        else None
-    )
+    # caches that compile them. Decode runs in a cache of its own length (SDPA reads every slot of a static cache,
+    # masked or not), the prefills (one token each: no decode step) in one as long as the longest prompt.
+    static = row["row"] != "accelerate"
+    cache = StaticCache(config=model.config, max_cache_len=max(args.prompt) + 2) if static else None
+    decode_cache = StaticCache(config=model.config, max_cache_len=16 + args.tokens + 2) if static else None
     with torch.no_grad():
-        for ids in (short, *prompts):  # compile (every prefill shape) and capture
-            generate_s(model, ids, args.tokens, cache)
+        generate_s(model, short, args.tokens, decode_cache)  # compile and capture the decode step
+        for ids in prompts:  # every prefill shape
+            generate_s(model, ids, 1, cache)
         prefill, decode, hits, misses, on_cpu = {n: [] for n in args.prompt}, [], [], [], []
         for _ in range(args.repeats):
             counts = []
             for tokens in (1, args.tokens + 1):
                 if patched:
                     thm.reset_stats(model)
-                seconds = generate_s(model, short, tokens, cache)
+                seconds = generate_s(model, short, tokens, decode_cache)
                 counts.append((seconds, *(expert_counts(model) if patched else (0, 0, 0))))
             (one, *one_counts), (many, *many_counts) = counts
             decode.append((many - one) / args.tokens)
@@ -309,12 +309,12 @@ def measure(row: dict, args: argparse.Namespace, config: DeepseekV2Config, bandw
             for n, ids in zip(args.prompt, prompts):
                 prefill[n].append(n / generate_s(model, ids, 1, cache))
         if args.profile:
-            profile(model, short, prompts, args.tokens, cache, args.profile / label(row))
+            profile(model, short, prompts, args.tokens, (decode_cache, cache), args.profile / label(row))
     expert_bytes = 2 * 3 * config.hidden_size * config.moe_intermediate_size
     # (on-demand fetching computes no expert on the CPU: its bound is PCIe, which this floor does not model)
     cpu_bytes_per_token = statistics.median(on_cpu) / args.tokens * expert_bytes
     all_experts = (config.num_hidden_layers - config.first_k_dense_replace) * config.n_routed_experts * expert_bytes
-    del model, cache
+    del model, cache, decode_cache
     release()
     return {
         **row,
@@ -350,7 +350,7 @@ def profile(
     short: torch.Tensor,
     prompts: list[torch.Tensor],
     tokens: int,
-    cache: StaticCache | None,
+    caches: tuple[StaticCache | None, StaticCache | None],
     path: Path,
 ) -> None:
     """Chrome traces of one decode run and of a prefill of each prompt, with the top ops printed: device time for
@@ -360,9 +360,10 @@ def profile(
     from torch.profiler import profile as torch_profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    runs = [("decode", short, tokens, "self_device_time_total")]
-    runs += [(f"prefill-{p.shape[1]}", p, 1, "self_cpu_time_total") for p in prompts]
-    for what, ids, n, key in runs:
+    decode_cache, prefill_cache = caches
+    runs = [("decode", short, tokens, "self_device_time_total", decode_cache)]
+    runs += [(f"prefill-{p.shape[1]}", p, 1, "self_cpu_time_total", prefill_cache) for p in prompts]
+    for what, ids, n, key, cache in runs:
         thm.reset_stats(model)
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             generate_s(model, ids, n, cache)
