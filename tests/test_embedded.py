@@ -199,7 +199,12 @@ def test_training_refuses_to_overwrite_the_shipped_models_unasked(argv, message,
 
     heldout = corpus.SHIPPED_HELDOUT.read_bytes()
     read = []
-    monkeypatch.setattr(train, "split_corpus", lambda *a: read.append(a) or ([], []))
+
+    def split_corpus(*args):  # stops the run there: a regression must not write over the shipped text
+        read.append(args)
+        raise AssertionError("the corpus was read")
+
+    monkeypatch.setattr(train, "split_corpus", split_corpus)
     argv = [str(MODELS_DIR / "x") if a == "PACKAGE" else a for a in argv]
     monkeypatch.setattr("sys.argv", ["train", *argv])
     with pytest.raises(SystemExit):

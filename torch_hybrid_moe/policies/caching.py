@@ -179,7 +179,7 @@ class Belady(RankedCache):
         if future is None:
             raise ValueError("cache policy 'belady' needs the future routing (future=...): simulator only")
         if u_size is not None and not is_count(u_size):
-            raise ValueError(f"belady needs u_size >= 0 (or None: no cap); got {u_size}")
+            raise ValueError(f"belady needs a whole u_size >= 0 (or None: no cap); got {u_size!r}")
         self.future, self.u_size = future, u_size
         self.step = 0
 
