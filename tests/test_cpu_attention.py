@@ -132,7 +132,9 @@ def test_broadcast_masks(impl):
         (((1, 3, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), None, "do not divide|dividing"),
         (((1, 2, 2, 8), (1, 2, 5, 8), (1, 2, 5, 8)), None, "expected query"),
         (((1, 2, 1, 8), (1, 2, 5), (1, 2, 5, 8)), None, "expected query"),
-        (((1, 2, 1, 8), (1, 2, 0, 8), (1, 2, 0, 8)), None, "S >= 1"),
+        (((1, 2, 1, 8), (1, 2, 0, 8), (1, 2, 0, 8)), None, "S, D, Dv >= 1"),
+        (((1, 2, 1, 8), (1, 2, 5, 8), (1, 2, 5, 0)), None, "S, D, Dv >= 1"),  # once a division by zero: SIGFPE
+        (((1, 2, 1, 0), (1, 2, 5, 0), (1, 2, 5, 8)), None, "S, D, Dv >= 1"),
         (((1, 4, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), (1, 2, 1, 5), "broadcastable"),  # per key / value head
         (((1, 2, 1, 8), (1, 2, 5, 8), (1, 2, 5, 8)), (1, 1, 1, 4), "broadcastable"),
     ],

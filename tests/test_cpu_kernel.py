@@ -296,6 +296,25 @@ def test_route_of_experts_whose_group_does_not_divide_the_timed_width(kernel):
     check_against_float64("int8", operands, weights64, 16, route=route)
 
 
+@pytest.mark.parametrize("inter, kernels", [(512, ["fp32", "bf16", "amx"]), (520, ["fp32", "bf16"])])
+def test_amx_is_timed_only_for_widths_it_runs(inter, kernels, tmp_path, monkeypatch):
+    """bf16 experts wider than the timed stand-in (512 columns) are timed on 512: AMX is a candidate only where the
+    model's own width is a multiple of 32. It was asked of the stand-in, so a 520-wide model could be routed to AMX
+    and every prompt refused. An AMX CPU is simulated and the timings scripted (the last candidate wins)."""
+    timed: list[int] = []
+
+    def timings(runs, repeats):
+        timed.append(len(runs) - 1)  # GEMM candidates beside the micro-kernels
+        return [float(len(runs) - i) for i in range(len(runs))]
+
+    monkeypatch.setattr(cpu_kernel, "amx_fits", lambda h, i: h % 32 == 0 and i % 32 == 0)
+    monkeypatch.setattr(cpu_kernel, "interleaved_medians", timings)
+    monkeypatch.setattr(cpu_kernel, "_cold_experts", lambda h, i, s, group, g: ([None] * 4, 1))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a routes file of its own
+    route = cpu_kernel._measure_route.__wrapped__(64, inter, torch.bfloat16, 0, torch.bfloat16, 1, (16, 32))
+    assert timed == [len(kernels)] * 2 and route.kernel == kernels[-1]
+
+
 @pytest.mark.parametrize(
     "margins, kernel, tokens",
     [
@@ -406,6 +425,12 @@ def test_kernel_rejects_bad_operands():
         cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64))
     with pytest.raises(ValueError, match="ISA level"):
         cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64), gus, dns, isa=3)
+    # Empty hidden or intermediate sizes: clear errors where a division by zero once killed the process (SIGFPE).
+    with pytest.raises(RuntimeError, match="hidden size >= 1"):
+        empty = torch.zeros(2, 0)
+        cpu_kernel.moe_experts(empty, ids, weights, torch.zeros(4, 8, 0), torch.zeros(4, 0, 4), empty)
+    with pytest.raises(RuntimeError, match="I >= 1"):
+        cpu_kernel.moe_experts(hidden, ids, weights, torch.zeros(4, 0, 64), torch.zeros(4, 64, 0), torch.zeros(2, 64))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -155,6 +155,7 @@ def _measure_route(
     # `counts` is part of the stored key: a route measured at other counts is measured again. Up to 512 tokens: a lead
     # at 256 alone was extrapolated to every larger expert, and a stored route sent int4 experts from 207 tokens on to
     # fp32 panels, which ran at 52 GMAC/s at 256 against the micro-kernels' 61 (AVX2; benchmarks/RESULTS.md, 11-28).
+    amx = amx_fits(hidden_size, inter)  # the model's own width decides: the stand-in below may fit where it does not
     if inter > ROUTE_INTER:  # a whole number of the model's groups (96 does not divide 512)
         inter = max(group, ROUTE_INTER - ROUTE_INTER % group) if group else ROUTE_INTER
     g = torch.Generator().manual_seed(0)
@@ -163,7 +164,7 @@ def _measure_route(
     gemms = [GemmRoute(1, "fp32")]
     if activations == torch.bfloat16 and (stored == torch.bfloat16 or group):  # bf16 holds them, or they are rounded
         gemms.append(GemmRoute(1, "bf16"))
-        if amx_fits(hidden_size, inter):
+        if amx:
             gemms.append(GemmRoute(1, "amx"))
     micro: list[float] = []  # per token count: the micro-kernels' seconds, and each GEMM's
     gemm: list[list[float]] = []

@@ -8,9 +8,9 @@ loads): one pass over each key / value head's cached rows for all the query head
 positions the mask hides (a static cache's unfilled tail). Where the kernel module cannot be built the same math runs
 in torch (`decode_attention_math`).
 
-Contract: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (S >= 1, Hkv dividing Hq) in one dtype, fp32,
-bf16 or fp16; mask None, boolean (True: may see) or additive, broadcastable as [B, Hq, 1, S]; scores and softmax in
-fp32, the output [B, 1, Hq, Dv] in the query's dtype. A query that may see no position gets 0, as SDPA gives (the
+Contract: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (S, D, Dv >= 1, Hkv dividing Hq) in one dtype,
+fp32, bf16 or fp16; mask None, boolean (True: may see) or additive, broadcastable as [B, Hq, 1, S]; scores and softmax
+in fp32, the output [B, 1, Hq, Dv] in the query's dtype. A query that may see no position gets 0, as SDPA gives (the
 attention this op stands in for; softmax over nothing but -inf would give NaN).
 """
 
@@ -44,8 +44,11 @@ def _check(
     b, hq, _, d = query.shape
     hkv, s = key.shape[1], key.shape[2]
     check(
-        key.shape[0] == b and tuple(value.shape[:3]) == (b, hkv, s) and key.shape[3] == d and s >= 1,
-        lambda: "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with S >= 1",
+        key.shape[0] == b
+        and tuple(value.shape[:3]) == (b, hkv, s)
+        and key.shape[3] == d
+        and min(s, d, value.shape[3]) >= 1,
+        lambda: "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with S, D, Dv >= 1",
     )
     check(hq % hkv == 0, lambda: f"decode_attention: {hkv} key / value heads do not divide {hq} query heads")
     check(

@@ -648,8 +648,9 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   TORCH_CHECK(gemm_kernel >= 0 && gemm_kernel <= 2, "unknown GEMM kernel ", gemm_kernel);
   const Gemm gemm = static_cast<Gemm>(gemm_kernel);
   const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
+  TORCH_CHECK(H > 0, "hidden has no columns: experts need a hidden size >= 1");
   const Layer gu = make_layer("gate_up", gate_up, gate_up_scale, H);
-  TORCH_CHECK(gu.N % 2 == 0, "gate_up must have 2 * I rows");
+  TORCH_CHECK(gu.N % 2 == 0 && gu.N > 0, "gate_up must have 2 * I rows, I >= 1");
   const int64_t I = gu.N / 2;
   const Layer dn = make_layer("down", down, down_scale, I);
   TORCH_CHECK(dn.N == H && down.size(0) == gate_up.size(0), "down must be [E, H, I] for the same experts as gate_up");
@@ -989,8 +990,9 @@ at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, c
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(3);
   const int64_t Hkv = key.size(1), S = key.size(2), Dv = value.size(3);
   TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == S &&
-                  key.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && S > 0,
-              "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with S >= 1 and Hkv dividing Hq");
+                  key.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && S > 0 && D > 0 && Dv > 0,
+              "decode_attention: key / value must be [B, Hkv, S, D] / [B, Hkv, S, Dv] with S, D, Dv >= 1 and Hkv "
+              "dividing Hq");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
               "decode_attention: query, key and value must share one dtype");
   const at::ScalarType dtype = query.scalar_type();
