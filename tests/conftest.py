@@ -6,6 +6,7 @@ import torch
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.ops import cpu_kernel, kernel_build
+from torch_hybrid_moe.ops.quantize import quantize_activations
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
 
 torch.set_num_threads(2)
@@ -39,6 +40,23 @@ def reference_models() -> dict[str, torch.nn.Module]:
 
 def patched_copy(model: torch.nn.Module, **config) -> torch.nn.Module:
     return thm.patch_model(copy.deepcopy(model), **config)
+
+
+def float64_experts(hidden, ids, weights, gate_up, down, rounded=False, bf16_h=False):
+    """The per-pair float64 loop every expert implementation is checked against; `rounded`: both projections' inputs
+    rounded per 32 columns (int8 / int4 layers); `bf16_h`: the down projection's input rounded to bf16 (a bf16 model's
+    bf16 experts)."""
+
+    def inputs(x):
+        return quantize_activations(x.float()).double() if rounded else x.double()
+
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t, k in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
+        e = int(ids[t, k])
+        gate, up = (gate_up[e] @ inputs(hidden[t])).chunk(2)
+        h = torch.nn.functional.silu(gate) * up
+        out[t] += float(weights[t, k]) * (down[e] @ inputs(h.bfloat16() if bf16_h else h))
+    return out
 
 
 class DeepcopySafeCounter:

@@ -17,6 +17,8 @@ from torch_hybrid_moe.ops.quantize import (
     quantize_activations,
 )
 
+from .conftest import float64_experts as reference
+
 pytestmark = pytest.mark.usefixtures("kernel")
 
 FORMATS = ["float32", "bfloat16", "float16", "int8", "int4"]
@@ -33,22 +35,6 @@ def experts(fmt, num_experts, hidden, inter, seed=0, group=32):
         return (q[0].data, q[1].data, q[0].scale, q[1].scale), ref
     gate_up, down = gate_up.to(getattr(torch, fmt)), down.to(getattr(torch, fmt))
     return (gate_up, down, None, None), [gate_up.double(), down.double()]
-
-
-def reference(hidden, ids, weights, gate_up, down, rounded=False, bf16_h=False):
-    """float64; `rounded`: both projections' inputs rounded per 32 columns (int8 / int4 layers); `bf16_h`: the down
-    projection's input rounded to bf16 (a bf16 model's bf16 experts)."""
-
-    def inputs(x):
-        return quantize_activations(x.float()).double() if rounded else x.double()
-
-    out = torch.zeros(hidden.shape, dtype=torch.float64)
-    for t, k in zip(*torch.nonzero(ids >= 0, as_tuple=True)):
-        e = int(ids[t, k])
-        gate, up = (gate_up[e] @ inputs(hidden[t])).chunk(2)
-        h = torch.nn.functional.silu(gate) * up
-        out[t] += float(weights[t, k]) * (down[e] @ inputs(h.bfloat16() if bf16_h else h))
-    return out
 
 
 def run(operands, hidden, ids, weights, isa=None, route=None):
@@ -395,6 +381,23 @@ def test_quantisation_error_is_half_a_step_and_int4_packs_pairs():
     codes = torch.round(w / q4.scale.repeat_interleave(32, dim=-1)).clamp(-8, 7) + 8
     assert torch.equal(q4.data & 15, codes[..., 0::2].to(torch.uint8))  # column 2j: low nibble of byte j
     assert torch.equal(q4.data >> 4, codes[..., 1::2].to(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
+def test_torch_fallback_matches_float64(fmt):
+    """`accumulate_experts_` (the torch fallback, the accelerator's uncaptured share and other tests' reference)
+    against the per-pair float64 loop; int8 / int4 round each projection's input as the kernel does."""
+    operands, weights64 = experts(fmt, 8, 64, 96)
+    hidden = torch.randn(7, 64)
+    ids, weights = routing(7, 8, 3)
+    ids[2, 1] = -1  # a pair computed elsewhere
+    gate_up, down, gus, dns = operands
+    if gus is not None:
+        gate_up = QuantizedWeight.from_kernel_operands(gate_up, gus)
+        down = QuantizedWeight.from_kernel_operands(down, dns)
+    got = accumulate_experts_(torch.zeros(7, 64, dtype=torch.float64), hidden, ids, weights, gate_up, down)
+    want = reference(hidden, ids, weights, *weights64, rounded=fmt != "float32")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_torch_fallback_agrees_with_kernel_on_quantised_weights():

@@ -109,7 +109,7 @@ def test_backend_routes_bf16_linears_and_keeps_the_output(limit, dynamic, monkey
     import torch_hybrid_moe  # noqa: F401  (registers the backend and ops)
 
     monkeypatch.setattr(dense_linear, "kernel_token_limit", lambda weight: limit)
-    model = copy.deepcopy(tiny_model("qwen3_moe")).to(torch.bfloat16)
+    model = tiny_model("qwen3_moe").to(torch.bfloat16)
     seen, targets = [], []
     original = dense_pass.route_dense_linears
 
@@ -123,12 +123,14 @@ def test_backend_routes_bf16_linears_and_keeps_the_output(limit, dynamic, monkey
     with torch.no_grad():
         want = model(x).logits.double()
         got = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=dynamic)(x).logits.double()
+        exact = tiny_model("qwen3_moe")(x).logits.double()
     # every nn.Linear, and the MoE routers' F.linear on their gate weight
     linears = sum(isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Router") for m in model.modules())
     assert seen and set(seen) == {linears if limit else 0}  # per graph compiled
     op = "hybrid_moe.linear.default" if dynamic else "hybrid_moe.matvecs.default"
     assert sum(t == op for t in targets) == (linears if limit else 0) * len(seen)
-    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+    ours, theirs = (got - exact).abs().max().item(), (want - exact).abs().max().item()
+    assert ours <= 2 * theirs, (ours, theirs)  # bf16 rounding, as transformers' own (a routed linear 3% off fails)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -307,7 +309,7 @@ def test_patched_bf16_model_routes_its_linears_and_saves_unchanged(tmp_path):
     assert len(routed) == sum(type(m) is torch.nn.Linear for m in ref.modules()) and routed
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert model.state_dict().keys() == ref.state_dict().keys()
-    for layer in routed[:4]:  # decode rows (micro-kernels where measured faster) and prefill rows (GEMM)
+    for layer in routed:  # decode rows (micro-kernels where measured faster) and prefill rows (GEMM)
         for rows in (1, 80):
             x = torch.randn(rows, layer.in_features).to(torch.bfloat16)
             with torch.no_grad():
@@ -316,8 +318,10 @@ def test_patched_bf16_model_routes_its_linears_and_saves_unchanged(tmp_path):
                 x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double()
             )
             torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-2)  # bf16 products, rounded once or per GEMM
+    x = torch.randint(3, 500, (1, 80))
     with torch.no_grad():
-        assert model(torch.randint(3, 500, (1, 80))).logits.isfinite().all()
+        got, want = model(x).logits.double(), ref(x).logits.double()
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 2**-6  # bf16 roundings in other orders (0.5% here)
     model.save_pretrained(tmp_path)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).state_dict()
     assert all(torch.equal(saved[k], v) for k, v in ref.state_dict().items())

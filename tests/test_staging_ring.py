@@ -12,13 +12,14 @@ import torch
 
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
-from torch_hybrid_moe.ops.expert_math import accumulate_experts_, expert_into_
+from torch_hybrid_moe.ops.expert_math import expert_into_
 from torch_hybrid_moe.ops.quantize import dequantize, quantize
 from torch_hybrid_moe.policies.streaming import plan_streaming, streaming_makespan
 from torch_hybrid_moe.runtime import staging_ring
 from torch_hybrid_moe.runtime.expert_store import ExpertStore
 from torch_hybrid_moe.runtime.staging_ring import StagingRing
 
+from .conftest import float64_experts
 from .test_exactness import assert_logits_close, inputs
 
 COSTS = [CostModel(HARDWARE[h], EXPERT_SHAPES[s]) for h in ("dali", "rtx4090", "rtx5090") for s in EXPERT_SHAPES]
@@ -91,15 +92,7 @@ def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
     moved = ring.run(store, got, hidden, ids, weights, streamed)
     assert moved == len(streamed) * store.expert_bytes
     only = torch.where(torch.isin(ids, torch.tensor(streamed)), ids, -1)
-    want = accumulate_experts_(
-        torch.zeros(40, 64, dtype=torch.float64),
-        hidden.double(),
-        only,
-        weights.double(),
-        gate_up.double(),
-        down.double(),
-        rounded=bits is not None,
-    )
+    want = float64_experts(hidden, only, weights, gate_up.double(), down.double(), rounded=bits is not None)
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-5)
     group = min(depth // 2, -(-len(streamed) // 2)) if depth >= 4 else 1  # at least two groups
     assert grouped == ([min(group, len(streamed) - g) for g in range(0, len(streamed), group)] if group > 1 else [])
