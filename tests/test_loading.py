@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,14 +229,22 @@ def test_hub_id_loads_from_the_local_cache_offline(tmp_path, monkeypatch):
     assert torch.equal(_logits(thm.from_pretrained("owner/tiny", device="cpu")), _reference(snapshot))
 
 
+@pytest.fixture(scope="module")
+def footprint_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ~200 MB checkpoint (fp32 experts) and a small one, saved once for every format measured."""
+    path = tmp_path_factory.mktemp("footprint")
+    _qwen3(256, 64, 256, 4).save_pretrained(path / "big")
+    _qwen3(64, 8, 64, 2).save_pretrained(path / "small")
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["model", "int4"])
-def test_peak_host_memory_stays_near_the_final_footprint(fmt, tmp_path):
+def test_peak_host_memory_stays_near_the_final_footprint(fmt, footprint_checkpoints):
     """In a fresh process: peak RSS while loading <= 1.15 x (host store + dense weights) + the RSS before it,
     where transformers' load + patch holds the checkpoint's mapping and its fused copies at once. Reading the
     shards with positioned reads, not a mapping, leaves nothing of the file resident."""
-    _qwen3(256, 64, 256, 4).save_pretrained(tmp_path / "big")  # ~200 MB of fp32 experts
-    _qwen3(64, 8, 64, 2).save_pretrained(tmp_path / "small")
+    tmp_path = footprint_checkpoints
     script = textwrap.dedent(f"""
         import torch, torch_hybrid_moe as thm
         # everything a load imports or builds once (modules, the C++ kernel) is in place before measuring
