@@ -130,7 +130,7 @@ def test_backend_routes_bf16_linears_and_keeps_the_output(limit, dynamic, monkey
     op = "hybrid_moe.linear.default" if dynamic else "hybrid_moe.matvecs.default"
     assert sum(t == op for t in targets) == (linears if limit else 0) * len(seen)
     ours, theirs = (got - exact).abs().max().item(), (want - exact).abs().max().item()
-    assert ours <= 2 * theirs, (ours, theirs)  # bf16 rounding, as transformers' own (a routed linear 3% off fails)
+    assert ours <= 2 * theirs, (ours, theirs)  # bf16 rounding, as transformers' own (0.005 against 0.003 here)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
