@@ -29,9 +29,9 @@ def test_eval_ppl_exact_mode_costs_nothing(capsys):
 
 @pytest.mark.slow
 def test_generate_defaults_fit_the_checkpoint_and_the_machine(tmp_path, capsys):
-    """A bf16 checkpoint stays bf16 (dtype auto); the prompt is stretched with --prompt-tokens and its length
-    printed beside the prefill figure; start-up phases are announced with their times; without CUDA a budget
-    buys nothing, so a given one comes with a note saying why."""
+    """A bf16 checkpoint stays bf16 (dtype auto) and continues the prompt as transformers does; the prompt is
+    stretched with --prompt-tokens and its length printed beside the prefill figure; start-up phases are announced
+    with their times; without CUDA a budget buys nothing, so a given one comes with a note saying why."""
     from torch_hybrid_moe.embedded import load_model
 
     model, tokenizer = load_model("deepseek-tiny", torch.float32)
@@ -43,6 +43,14 @@ def test_generate_defaults_fit_the_checkpoint_and_the_machine(tmp_path, capsys):
     assert "dtype torch.bfloat16" in captured.out and "(40-token prompt;" in captured.out
     assert f"loading {tmp_path}: " in captured.err and "warm-up generate (compiles the decode step): " in captured.err
     assert "without CUDA the CPU stands in for the accelerator" in captured.err
+    # the tokens: the unpatched checkpoint's own greedy continuation of the same stretched prompt
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ids = _prompt_ids(tokenizer, "def fibonacci(n):", ref.config.vocab_size)
+    ids = ids.repeat(1, -(-40 // ids.shape[1]))[:, :40]
+    want = ref.generate(ids, max_new_tokens=3, do_sample=False)[0, 40:]
+    assert f"output: {tokenizer.decode(want, skip_special_tokens=True)}\n" in captured.out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only default")

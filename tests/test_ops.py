@@ -78,13 +78,30 @@ def test_cpu_experts_skips_pairs_marked_minus_one():
     torch.testing.assert_close(out.double(), reference_moe(hidden, ids, weights, gate_up, down), rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_experts_accumulates_in_bf16_weights():
+def bf16_torch_moe(hidden, ids, weights, gate_up, down):
+    """The experts as a bf16 model computes them: torch's bf16 linears, SiLU and product, each rounded to bf16."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = torch.nn.functional.linear(hidden[t], gate_up[e]).chunk(2)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[e])
+            out[t] += float(weights[t, k]) * y.double()
+    return out
+
+
+@pytest.mark.parametrize("tokens", [5, 64])  # the micro-kernels, and a batch that may take the measured GEMM route
+def test_cpu_experts_accumulates_in_bf16_weights(tokens):
+    """bf16 experts within the error of the model's own bf16 arithmetic (both against float64 on the same bf16
+    weights and activations): ours keeps fp32 sums and rounds only h, as the model does, so it is no worse. A 1%
+    fault is caught: the model's own error is about 0.35% of the output's scale here."""
     gate_up, down = make_experts(dtype=torch.bfloat16)
-    hidden, ids, weights = routing("random", 5, 2)
-    out = torch.zeros(5, H)
+    hidden, ids, weights = routing("random", tokens, 2)
+    out = torch.zeros(tokens, H)
     torch.ops.hybrid_moe.cpu_experts(hidden.bfloat16(), ids, weights, gate_up, down, None, None, out)
     ref = reference_moe(hidden.bfloat16(), ids, weights, gate_up, down)
-    torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    model = bf16_torch_moe(hidden.bfloat16(), ids, weights, gate_up, down)
+    assert (out.double() - ref).abs().max() <= (model - ref).abs().max()
 
 
 def test_cpu_experts_rejects_bad_ids():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from torch_hybrid_moe.model_patches.cpu_attention import cpu_attention_forward
-from torch_hybrid_moe.ops import prefill_attention
+from torch_hybrid_moe.ops import cpu_kernel, prefill_attention
 
 needs_kernel = pytest.mark.skipif(not prefill_attention.runs_here(), reason="needs AVX512-BF16 and the kernel module")
 
@@ -170,11 +170,22 @@ def test_the_attention_function_keeps_sdpa_for_other_prompts(monkeypatch):
 
 
 @needs_kernel
-def test_the_op_is_chosen_where_it_beat_sdpa_here():
-    """Where the kernel runs, prompts take it only if it beat SDPA in this machine's timing (a bool, kept with the
-    routes; where it lost: test_the_attention_function_keeps_sdpa_for_other_prompts)."""
-    beat = prefill_attention._beats_sdpa(torch.get_num_threads())
-    assert isinstance(beat, bool) and prefill_attention.available() == beat
+@pytest.mark.parametrize("times, beats", [([1.0, 2.0], True), ([2.0, 1.0], False), ([1.0, 1.0], False)])
+def test_the_op_is_chosen_where_it_beat_sdpa(times, beats, monkeypatch):
+    """The warm-up times the kernel against SDPA on the same causal prompt (both timed calls give the same attention)
+    and chooses the kernel only where it took less time (timings scripted; where it lost, prompts keep SDPA:
+    test_the_attention_function_keeps_sdpa_for_other_prompts)."""
+    outputs = []
+
+    def timings(runs, repeats):
+        outputs.extend(run() for run in runs)
+        return times
+
+    monkeypatch.setattr(cpu_kernel, "interleaved_medians", timings)
+    assert prefill_attention._beats_sdpa.__wrapped__(1, (1, 4, 2, 64, 64), 1) is beats
+    ours, sdpa = outputs
+    assert ours.shape == (1, 64, 4, 64)  # [batch, tokens, heads, head size], as attention functions return it
+    torch.testing.assert_close(ours.float(), sdpa.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_fake_kernel_gives_the_op_s_shape():
