@@ -84,6 +84,69 @@ def test_cpu_task_runs_each_gemm_kernel_on_its_worker(kernel):
 
 
 @needs_kernel
+def test_task_rounds_no_deadlock_with_a_busy_python_thread():
+    """The CPU stand-in of test_cuda_graph's thousand replays: layers' tasks submitted and waited for in turn, as a
+    graph's host functions do, from a thread that is not Python's main one while another Python thread holds the GIL
+    as much as it can. Every round runs every task once, none blocks, and the last round's outputs are the kernel's.
+    (Here each submit is a Python call that waits for the GIL: 300 rounds, the GIL handed over every 0.1 ms.)"""
+    import sys
+    import threading
+
+    gate_up, down = _experts()
+    layers = []
+    for _ in range(3):
+        hidden, (ids, weights) = torch.randn(4, 32), _routing(4, 2, 6, drop=0.2)
+        out = torch.zeros(4, 32)
+        layers.append(
+            (
+                hidden,
+                ids,
+                weights,
+                out,
+                cpu_kernel.extension().CpuTask(hidden, ids, weights, gate_up, None, down, None, out, 1),
+            )
+        )
+    stop, done = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    def rounds() -> None:
+        for _ in range(300):
+            for *_, task in layers:
+                task.submit()
+                task.wait()
+        done.set()
+
+    busy, worker = threading.Thread(target=spin, daemon=True), threading.Thread(target=rounds, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    try:
+        busy.start()
+        worker.start()
+        worker.join(timeout=120)
+    finally:
+        stop.set()
+        busy.join()
+        sys.setswitchinterval(interval)
+    assert done.is_set(), "300 rounds did not finish in 120 s: deadlock"
+    assert cpu_kernel.extension().take_task_error() == ""
+    for hidden, ids, weights, out, task in layers:
+        assert task.submits == task.syncs == task.runs == 300
+        want = accumulate_experts_(
+            torch.zeros(4, 32, dtype=torch.float64),
+            hidden.double(),
+            ids,
+            weights.double(),
+            gate_up.double(),
+            down.double(),
+        )
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
 def test_cpu_task_error_reaches_python_and_wait_without_submit_returns():
     gate_up, down = _experts()
     ids = torch.full((2, 2), 9)  # expert 9 of 6: the kernel refuses it on the worker thread
