@@ -68,11 +68,40 @@ def test_budget_and_host_memory_by_hand():
     # int4 reads fewer bytes than bf16 on every stack, so it decodes faster on each
     assert all(by_fmt["int4"].speeds[k][0] > by_fmt["bfloat16"].speeds[k][0] for k in by_fmt["int4"].speeds)
 
-    _, _, tight = planning.plan(s, 0, by_fmt["int4"].host_bytes + dense, 10, costs_for, prompt=32)
-    fits = {p.fmt: p.fits_host for p in tight}  # no GPU: the dense weights live in host memory too
+    _, _, tight = planning.plan(s, 0, by_fmt["int4"].host_bytes + dense + kv, 10, costs_for, prompt=32)
+    fits = {p.fmt: p.fits_host for p in tight}  # no GPU: the dense weights and the KV cache live in host memory too
     assert fits == {"bfloat16": False, "int8": False, "int4": True}
+    assert [p.host_bytes for p in tight] == [by_fmt[p.fmt].host_bytes + dense + kv for p in tight]
     assert all(p.expert_budget == 0 for p in tight)
     assert set(next(p for p in tight if p.fits_host).speeds) == {"ktransformers"}  # no slots: all-CPU stacks only
+
+
+def test_budget_is_whole_slots_and_a_gpu_too_small_gets_no_speeds():
+    """The budget is what the runtime gives: floor(budget x experts) slots a layer (a fraction of one slot is none),
+    and a GPU that cannot hold the dense weights, KV cache, reserve and staging ring runs nothing: every format says
+    why and none gets speeds."""
+    s = _summary()
+    costs_for = lambda shape: CostModel(HARDWARE["rtx4090"], shape)  # noqa: E731
+    ring, slot = 2 * s.expert_weights_each * 2, s.expert_weights * 2 // 8  # one slot in every layer
+    fixed = 200_000 + 1024 * 10 + 1000 + ring
+    for room, slots in ((slot - 1, 0), (slot, 1), (3 * slot + slot // 2, 3)):
+        _, _, plans = planning.plan(s, fixed + room, 10**9, 10, costs_for, reserve_bytes=1000, prompt=32)
+        assert all(p.expert_budget == slots / 8 and not p.refused and p.speeds for p in plans)
+    _, _, plans = planning.plan(s, fixed - 1, 10**9, 10, costs_for, reserve_bytes=1000, prompt=32)
+    assert all(p.refused.startswith("the GPU's") and not p.speeds for p in plans)
+
+
+def test_dense_only_layers_are_priced():
+    """A token reads every layer's dense weights, dense-only layers too: a model with one dense-only layer besides
+    the same MoE layers and dense weights per layer costs its extra layer's bytes (they were spread over all layers
+    and then counted for the MoE layers only)."""
+    h = HARDWARE["rtx4090"]
+    costs_for = lambda shape: CostModel(h, shape)  # noqa: E731
+    per_layer = 1_000_000
+    moe_only = cpu_only_seconds(costs_for, dense_weights=4 * per_layer + 20_000)
+    one_more = cpu_only_seconds(costs_for, layers=5, dense_weights=5 * per_layer + 20_000)
+    by_hand = per_layer * 2 / (h.cpu_bandwidth_gb_s * 1e9 * BANDWIDTH_EFFICIENCY)
+    assert all(one_more[fmt] - moe_only[fmt] == pytest.approx(by_hand, rel=1e-6) for fmt in moe_only)
 
 
 def cpu_only_seconds(costs_for, **weights: int) -> dict[str, float]:
@@ -127,7 +156,7 @@ def test_plan_command_prints_the_answer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "deepseek_v2" in out and "expert_budget=" in out and out.count("(fits)") == 1  # bf16
     # the tiny model's 16-wide experts cannot be quantised in groups of 32, as patching would say
-    assert out.count("not possible for this model: cannot quantise 16 columns") == 2
+    assert out.count("not possible: cannot quantise 16 columns") == 2
     assert "ktransformers" in out and "lru-cache" in out
 
 
@@ -151,6 +180,10 @@ def test_plan_refuses_bad_models(tmp_path, capsys, monkeypatch):
     text = (tmp_path / "config.json").read_text().replace('"mixtral"', '"llama"')
     (tmp_path / "config.json").write_text(text.replace('"MixtralForCausalLM"', '"LlamaForCausalLM"'))
     one_line_error(capsys, ["plan", "--model", str(tmp_path)], "model type 'llama' is not supported")
+    (tmp_path / "config.json").write_text('{"model_type": "nonsense"}')
+    one_line_error(capsys, ["plan", "--model", str(tmp_path)], "config.json is not a usable transformers config")
+    (tmp_path / "config.json").write_text("{not json")
+    one_line_error(capsys, ["plan", "--model", str(tmp_path)], "config.json is not a usable transformers config")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     one_line_error(
         capsys, ["plan", "--model", "nobody/no-such-model"], "cannot fetch 'nobody/no-such-model' from the hub"

@@ -668,21 +668,22 @@ def plan(args: argparse.Namespace) -> int:
     )
     if args.gpu_memory > 0:
         budget = plans[0].expert_budget
+        slots = round(budget * summary.num_experts)
         print(
             f"GPU {args.gpu_memory / gib:.1f} GiB: dense weights {dense / gib:.1f} GiB + KV cache of {args.context} "
-            f"tokens {kv / gib:.2f} GiB + 1 GiB reserve + a 2-expert staging ring; the rest holds {budget:.0%} of "
-            f"each layer's experts (expert_budget={budget:.2f})"
+            f"tokens {kv / gib:.2f} GiB + 1 GiB reserve + a 2-expert staging ring; the rest holds {slots} of each "
+            f"layer's {summary.num_experts} experts (expert_budget={budget:.4g})"
         )
-        if dense + kv > args.gpu_memory:
-            print("  the dense weights and KV cache alone do not fit: the model cannot run on this GPU")
-        elif budget == 0:
+        if not any(p.speeds for p in plans) and all(p.refused for p in plans):
+            print("  the model cannot run on this GPU (below)")
+        elif slots == 0:
             print("  no room for expert slots: every routed expert runs on the CPU")
     else:
         print("no GPU memory given (--gpu-memory): everything runs on the CPU")
     for p in plans:
         verdict = "fits" if p.fits_host else f"does not fit in {args.host_memory / gib:.1f} GiB"
         if p.refused:
-            verdict = f"not possible for this model: {p.refused}"
+            verdict = f"not possible: {p.refused}"
         print(f"\ncpu_weight_dtype={p.fmt}: host memory {p.host_bytes / gib:.1f} GiB ({verdict})")
         if p.speeds:
             print(f"  {'stack':<28} {'decode tok/s':>12} {f'prefill tok/s ({args.prompt})':>22}")

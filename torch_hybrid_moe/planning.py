@@ -112,7 +112,11 @@ def load_config(name: str) -> PretrainedConfig:
     path = local_directory(name, patterns=["config.json"])
     if not (path / "config.json").is_file():
         raise InputError(f"{path} has no config.json; pass a checkpoint directory")
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:  # not JSON, or an architecture transformers does not know
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InputError(f"{path}/config.json is not a usable transformers config ({why})") from None
 
 
 GIB = 2**30
@@ -121,10 +125,10 @@ GIB = 2**30
 @dataclass(frozen=True)
 class FormatPlan:
     fmt: str
-    host_bytes: int  # the experts' host copy (and, without a GPU, the dense weights)
+    host_bytes: int  # the experts' host copy (and, without a GPU, the dense weights and the KV cache)
     fits_host: bool
-    refused: str  # why patching would refuse this format for this model ("" where it is fine)
-    expert_budget: float  # fraction of each layer's experts the GPU's slots hold; 0 without a GPU
+    refused: str  # why this format cannot run this model here ("" where it can)
+    expert_budget: float  # fraction of each layer's experts the GPU's slots hold (whole slots); 0 without a GPU
     speeds: dict[str, tuple[float, float]]  # stack -> (decode, prefill tok/s); empty where it does not fit
 
 
@@ -140,28 +144,35 @@ def plan(
     staging_slots: int = 2,
 ) -> tuple[int, int, list[FormatPlan]]:
     """(dense weights' bytes, the KV cache's bytes, a plan per host format). `costs_for(shape)` gives the cost
-    model for experts of `shape`; formats that do not fit in host memory get no speeds. The GPU also holds the
-    prefill staging ring: `staging_slots` experts."""
+    model for experts of `shape`; formats that do not fit in host memory get no speeds, and none does where the GPU
+    cannot hold the dense weights, the KV cache, the reserve and the prefill staging ring (`staging_slots`
+    experts). The budget is whole slots per layer, as the runtime rounds it (`HybridMoEConfig.slots_per_layer`)."""
     dense = summary.dense_weights * summary.model_bytes
     kv = summary.kv_bytes_per_token * context
     each = summary.expert_weights_each * summary.model_bytes  # slots and the ring hold the model's dtype
     free = gpu_bytes - dense - kv - reserve_bytes - staging_slots * each
-    budget = max(0.0, min(1.0, free / (summary.expert_weights * summary.model_bytes))) if gpu_bytes > 0 else 0.0
+    no_gpu_room = (
+        "" if gpu_bytes <= 0 or free >= 0 else gpu_refusal(gpu_bytes, dense, kv, reserve_bytes, staging_slots * each)
+    )
+    fraction = max(0.0, min(1.0, free / (summary.expert_weights * summary.model_bytes))) if gpu_bytes > 0 else 0.0
+    budget = math.floor(fraction * summary.num_experts + 1e-9) / summary.num_experts
     plans = []
     for fmt in FORMATS:
         per_weight = bytes_per_weight(fmt, summary.model_bytes, group)
-        host = int(summary.expert_weights * per_weight) + (0 if gpu_bytes > 0 else dense)
+        # without a GPU the dense weights and the KV cache live in host memory beside the experts
+        host = int(summary.expert_weights * per_weight) + (0 if gpu_bytes > 0 else dense + kv)
         speeds: dict[str, tuple[float, float]] = {}
-        refused = ""
-        if fmt in ("int8", "int4"):
+        refused = no_gpu_room
+        if fmt in ("int8", "int4") and not refused:
             try:  # the projections' column counts: hidden (gate / up) and the expert width (down)
                 for columns in (summary.hidden, summary.inter):
                     check_group_size(columns, group)
             except ValueError as err:
                 refused = str(err)
         if host <= host_bytes and not refused:
-            read = summary.dense_weights - summary.lookup_weights  # what a token's dense work reads
-            work = read / max(1, summary.layers) / summary.expert_weights_each
+            # what a token's dense work reads, spread over the MoE layers the simulator steps (dense-only layers too)
+            read = summary.dense_weights - summary.lookup_weights
+            work = read / summary.moe_layers / summary.expert_weights_each
             shape = ExpertShape(
                 "model",
                 summary.hidden,
@@ -177,6 +188,14 @@ def plan(
             speeds = _speeds(summary, costs, budget, prompt)
         plans.append(FormatPlan(fmt, host, host <= host_bytes, refused, budget, speeds))
     return dense, kv, plans
+
+
+def gpu_refusal(gpu_bytes: int, dense: int, kv: int, reserve: int, ring: int) -> str:
+    """Why the model cannot run with a GPU of `gpu_bytes`: what it must hold besides any expert slot."""
+    return (
+        f"the GPU's {gpu_bytes / GIB:.1f} GiB cannot hold the dense weights ({dense / GIB:.1f} GiB), the KV cache "
+        f"({kv / GIB:.2f} GiB), the {reserve / GIB:.1f} GiB reserve and the staging ring ({ring / GIB:.2f} GiB)"
+    )
 
 
 def _speeds(summary: ModelSummary, costs: CostModel, budget: float, prompt: int) -> dict[str, tuple[float, float]]:
