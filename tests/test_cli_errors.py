@@ -418,6 +418,15 @@ def test_simulate_with_a_profile_from_another_machine(tmp_path, monkeypatch, cap
         tampered["key"]["expert"][field] = value
         old.write_text(json.dumps(tampered))
         one_line_error(capsys, [*argv, "--profile", str(old)], match)
+    for edit, match in [
+        (lambda d: d["key"].pop("cpu"), "KeyError('cpu')"),  # what the fitted machine's description names
+        (lambda d: d["cpu_s"].update({"0": 1e-3}), "count '0' is not positive"),
+        (lambda d: d["cpu_s"].update({"-4": 1e-3}), "count '-4' is not positive"),
+    ]:
+        tampered = json.loads(path.read_text())
+        edit(tampered)
+        old.write_text(json.dumps(tampered))
+        one_line_error(capsys, [*argv, "--profile", str(old)], match)
     tampered = json.loads(path.read_text())
     tampered["key"]["weights"] = "int4 (groups of 64)"  # times of int4 experts, read as bf16 ones
     old.write_text(json.dumps(tampered))

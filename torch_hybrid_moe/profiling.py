@@ -135,7 +135,7 @@ class Measurements:
     @classmethod
     def from_json(cls, data: dict) -> Measurements:
         """Parse a cached measurement; ValueError unless every time is a positive, finite, plausible duration."""
-        ints = lambda d: None if d is None else {int(k): _duration(v) for k, v in d.items()}  # noqa: E731
+        ints = lambda d: None if d is None else {_count(k): _duration(v) for k, v in d.items()}  # noqa: E731
         m = cls(
             data["key"],
             cast(dict[int, float], ints(data["cpu_s"])),  # None is rejected just below
@@ -163,6 +163,14 @@ class Measurements:
 
 
 _LONGEST_S = 10.0  # no single expert call or copy of a real expert takes this long
+
+
+def _count(key: object) -> int:
+    """A token or expert count of a cached measurement, or ValueError."""
+    n = int(str(key))
+    if n <= 0:
+        raise ValueError(f"count {key!r} is not positive")
+    return n
 
 
 def _duration(value: object) -> float:
@@ -622,8 +630,10 @@ def load_profile(path: Path, preset: str = DEFAULT_PRESET) -> HardwareProfile:
         ):
             raise ValueError(f"expert shape {m.key['expert']} is not positive sizes and finite shares")
         label = weights_label(expert)
+        profile = HardwareProfile(expert, m, preset, cached=True, path=Path(path))
+        profile.hardware  # noqa: B018  (fitted now: a file that cannot be fitted fails here, in one line)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise InputError(f"{path} is not a readable cost profile ({err}); `hybrid-moe profile` writes one") from None
+        raise InputError(f"{path} is not a readable cost profile ({err!r}); `hybrid-moe profile` writes one") from None
     if m.key.get("weights", "bfloat16") != label:  # profiles before the key measured bf16
         raise InputError(
             f"{path} was measured with {m.key.get('weights', 'bfloat16')} weights but its expert shape has "
@@ -634,7 +644,7 @@ def load_profile(path: Path, preset: str = DEFAULT_PRESET) -> HardwareProfile:
             f"{path} is a cost profile of format {m.key.get('format')}, not {FORMAT}: measure it again with "
             "`hybrid-moe profile --refresh` on its machine"
         )
-    return HardwareProfile(expert, m, preset, cached=True, path=Path(path))
+    return profile
 
 
 FIT_TOLERANCE = 0.25  # a fitted curve further than this from a measured point means the times were disturbed
