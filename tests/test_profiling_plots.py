@@ -64,6 +64,19 @@ def test_host_format_is_the_one_whose_bytes_the_shape_has(bytes_each, want):
     assert profiling.host_format(ExpertShape("x", 512, 256, bytes_each)) == want
 
 
+@pytest.mark.parametrize(("fmt", "bits"), [("int8", 8), ("int4", 4)])
+def test_an_expert_narrower_than_its_group_is_profiled(fmt, bits):
+    """An expert whose width is under the group (deepseek-tiny: 32 columns, group 64) has its down projection
+    quantised in groups of its width, as loading does: its bytes per weight mix the two groups, and the profile
+    finds the format and group that give them (it refused every such model, and `--hardware local` crashed)."""
+    from torch_hybrid_moe.ops.quantize import expert_bytes_per_weight
+
+    shape = ExpertShape("x", 128, 32, expert_bytes_per_weight(bits, 64, 128, 32))
+    assert profiling.host_format(shape) == (fmt, 64)
+    (gate_up, gate_up_scale), (down, down_scale) = profiling._expert_pool(shape, 0)
+    assert sum(t[0].nbytes for t in (gate_up, gate_up_scale, down, down_scale)) == shape.nbytes
+
+
 @pytest.mark.parametrize("bytes_each", [0.5, 3.0, 1 + 4 / 48, 0.5 + 4 / 512, -1.0, float("nan")])
 def test_host_format_refuses_sizes_no_format_has(bytes_each):
     """No scales; between formats; a group that is not a multiple of 32; a group wider than the 256-wide down
@@ -80,7 +93,7 @@ def test_the_cpu_side_is_measured_in_the_shapes_host_format(fmt, monkeypatch):
     from torch_hybrid_moe.ops import library
     from torch_hybrid_moe.planning import bytes_per_weight
 
-    shape = ExpertShape("x", 512, 256, bytes_per_weight(fmt, 2, 64))
+    shape = ExpertShape("x", 512, 256, bytes_per_weight(fmt, 2, 64, 512, 256))
     seen = []
     real = library.cpu_experts_into
 

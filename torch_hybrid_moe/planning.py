@@ -22,7 +22,7 @@ from .cost_model import HARDWARE, CostModel, ExpertShape
 from .errors import InputError
 from .loading import local_directory
 from .model_patches import ARCHITECTURES
-from .ops.quantize import BITS, check_group_size
+from .ops.quantize import BITS, check_group_size, expert_bytes_per_weight
 from .ops.quantize import bytes_per_weight as quantized_bytes
 from .simulator import STACKS
 from .simulator.replay import simulate_runnable
@@ -36,9 +36,14 @@ SIMULATED_LAYERS = 4  # layers are alike to the simulator: tok/s is scaled from 
 SKEW, LOCALITY = 0.6, 0.4
 
 
-def bytes_per_weight(fmt: str, model_bytes: int, group: int) -> float:
+def bytes_per_weight(fmt: str, model_bytes: int, group: int, hidden: int, inter: int) -> float:
+    """An expert's host bytes per weight in `fmt` (quantised: each projection in the group it gets, where it can be
+    quantised in `group` at all; else the nominal group's bytes, for a format the plan refuses)."""
     if fmt in BITS:
-        return quantized_bytes(BITS[fmt], group)
+        try:
+            return expert_bytes_per_weight(BITS[fmt], group, hidden, inter)
+        except ValueError:
+            return quantized_bytes(BITS[fmt], group)
     return model_bytes if fmt == "model" else 2
 
 
@@ -158,7 +163,7 @@ def plan(
     budget = math.floor(fraction * summary.num_experts + 1e-9) / summary.num_experts
     plans = []
     for fmt in FORMATS:
-        per_weight = bytes_per_weight(fmt, summary.model_bytes, group)
+        per_weight = bytes_per_weight(fmt, summary.model_bytes, group, summary.hidden, summary.inter)
         # without a GPU the dense weights and the KV cache live in host memory beside the experts
         host = int(summary.expert_weights * per_weight) + (0 if gpu_bytes > 0 else dense + kv)
         speeds: dict[str, tuple[float, float]] = {}

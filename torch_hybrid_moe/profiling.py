@@ -41,7 +41,7 @@ from .cost_model import (
 )
 from .errors import InputError
 from .ops.measured import cache_dir, cpu_model
-from .ops.quantize import BITS, bytes_per_weight, check_group_size, kernel_operands, to_cpu_format
+from .ops.quantize import BITS, expert_bytes_per_weight, kernel_operands, to_cpu_format
 
 FORMAT = 2  # bump when what a cached measurement means changes (2: GPU experts timed inside a CUDA graph)
 DEFAULT_TOKENS = (1, 4, 16, 64)
@@ -284,15 +284,14 @@ def host_format(expert: ExpertShape) -> tuple[str, int]:
     b = expert.bytes_per_weight
     if b in (2, 4):
         return ("bfloat16" if b == 2 else "float32"), 0
+    widest = max(expert.hidden, expert.inter)
     for fmt, bits in BITS.items():
-        rest = b - bits / 8
-        group = round(4 / rest) if rest > 0 else 0
-        if group and abs(bytes_per_weight(bits, group) - b) < 1e-9:
-            try:  # the group each projection is quantised in must be the one these bytes count
-                if all(check_group_size(columns, group) == group for columns in (expert.hidden, expert.inter)):
+        for group in range(32, widest + 32, 32):  # the smallest group whose expert has these bytes
+            try:
+                if abs(expert_bytes_per_weight(bits, group, expert.hidden, expert.inter) - b) < 1e-9:
                     return fmt, group
-            except ValueError:
-                pass
+            except ValueError:  # a group some projection cannot be quantised in
+                continue
     raise ValueError(
         f"no host format has {b} bytes per weight for {expert.hidden} x {expert.inter} experts (bf16: 2, fp32: 4, "
         "int8 / int4: 1 / 0.5 + 4 / group)"

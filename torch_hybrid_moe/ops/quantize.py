@@ -53,6 +53,15 @@ def bytes_per_weight(bits: int, group_size: int) -> float:
     return bits / 8 + 4 / group_size
 
 
+def expert_bytes_per_weight(bits: int, group_size: int, hidden: int, inter: int) -> float:
+    """Host bytes per weight of one SiLU-gated expert (gate and up: `hidden` columns; down: `inter`) quantised in
+    groups of `group_size`, each projection in the group `check_group_size` gives it: a projection narrower than the
+    group has one scale per row, so an expert's bytes are not `bytes_per_weight(bits, group_size)` there."""
+    gate_up = bytes_per_weight(bits, check_group_size(hidden, group_size))
+    down = bytes_per_weight(bits, check_group_size(inter, group_size))
+    return (2 * gate_up + down) / 3
+
+
 def check_group_size(columns: int, group_size: int) -> int:
     """The group used for a K-column weight: min(group_size, K); it must be a multiple of 32 dividing K."""
     group = min(group_size, columns)
