@@ -166,6 +166,20 @@ def test_grouped_slot_share_is_timed_inside_a_graph():
     assert sorted(share) == [1, profiling.SHARE_EXPERTS] and 0 < share[1] < share[profiling.SHARE_EXPERTS] < 0.01
 
 
+def test_gpu_expert_times_and_their_fixed_cost_fit_a_plausible_bandwidth():
+    """The profile times a GPU expert's fixed cost on tiny experts inside a graph (printed): below a real expert's
+    1-token time, and the fit then reads a DeepSeek-V2-Lite expert at a bandwidth a GPU has (a free fit of the H200's
+    times gave 1,016,257 GB/s)."""
+    from torch_hybrid_moe import profiling
+    from torch_hybrid_moe.cost_model import EXPERT_SHAPES
+
+    expert = EXPERT_SHAPES["deepseek-v2-lite"]
+    m = profiling.measure(expert, (1, 4, 16, 64), repeats=3, pool_bytes=2 * 2**30, progress=False)
+    print(f"GPU overhead {m.gpu_overhead_s * 1e6:.1f} us, 1 token {m.gpu_s[1] * 1e6:.1f} us")
+    assert 0 < m.gpu_overhead_s < m.gpu_s[1] and 0 < m.cpu_overhead_s < m.cpu_s[1]
+    assert 100 < profiling.HardwareProfile(expert, m).hardware.gpu_bandwidth_gb_s < 20_000
+
+
 def test_compiled_placement_and_slot_programs_choose_as_the_cpu_forms():
     """Ours' placement program, the slot pairing and the tables' update, compiled and run on the GPU, against their
     torch forms on the CPU (the interpreter cannot show the compiled code's rounding or memory order), on random

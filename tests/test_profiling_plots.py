@@ -26,9 +26,11 @@ def synthetic(expert, preset, tokens=TOKENS, gpu=False):
     """Measurements that a machine exactly like `preset` would give (GPU side and link only if `gpu`)."""
     c = CostModel(HARDWARE[preset], expert)
     m = profiling.Measurements(profiling.profile_key(expert, tokens), {n: c.t_cpu(n) for n in tokens})
+    m.cpu_overhead_s = HARDWARE[preset].cpu_overhead_us * 1e-6
     if gpu:
         small = CostModel(HARDWARE[preset], ExpertShape("copy", 1, 1, profiling.SMALL_COPY / 3))
         m.gpu_s, m.transfer_s, m.small_transfer_s = {n: c.t_gpu(n) for n in tokens}, c.t_transfer(), small.t_transfer()
+        m.gpu_overhead_s = HARDWARE[preset].gpu_overhead_us * 1e-6
     return m
 
 
@@ -138,6 +140,19 @@ def test_a_measured_slot_share_prices_the_graphs_grouped_call():
         profiling.Measurements.from_json(json.loads(json.dumps(cpu_only)))
 
 
+def test_a_timed_overhead_separates_the_read_from_the_fixed_cost():
+    """Read-bound points all give overhead + read, so the curve alone cannot split them: given the overhead timed
+    apart, the fit gives back the read time, hence the bandwidth, also where only the 1-token point is read-bound
+    (a free fit put a measured 1-token call almost all into the overhead: 917 GB/s on a 20 GB/s CPU)."""
+    truth = profiling.CurveFit(40e-6, 800e-6, 100e-6)  # read-bound up to 8 tokens
+    tokens = (1, 16, 64)
+    fit = profiling.fit_curve(tokens, [truth(n) for n in tokens], overhead_s=40e-6)
+    assert (fit.overhead_s, fit.read_s, fit.token_s) == pytest.approx((40e-6, 800e-6, 100e-6), rel=1e-6)
+    # an overhead timed above the fastest call (noise) leaves the read a tenth of it, not nothing
+    noisy = profiling.fit_curve(tokens, [truth(n) for n in tokens], overhead_s=2e-3)
+    assert noisy.overhead_s == pytest.approx(0.9 * truth(1)) and noisy.read_s == pytest.approx(0.1 * truth(1), rel=1e-3)
+
+
 def test_fit_of_noisy_times_stays_close():
     c = CostModel(HARDWARE["rtx4090"], SMALL)
     noise = dict(zip(TOKENS, (1.08, 0.93, 1.05, 0.96, 1.02, 0.98)))
@@ -160,6 +175,9 @@ def test_real_profile_fits_its_measurements_and_is_cached(tmp_path, monkeypatch)
         )
         assert not p.cached and p.path.parent == tmp_path and p.measured.key["threads"] == 1
         assert all(t > 0 for t in p.measured.cpu_s.values()) and p.measured.gpu_s is None
+        # the call's fixed cost, timed on a tiny expert, is below a real expert's 1-token call and fixes the fit's
+        assert 0 < p.measured.cpu_overhead_s < p.measured.cpu_s[1]
+        assert p.cpu_fit.overhead_s == pytest.approx(p.measured.cpu_overhead_s)
         errors = p.fit_errors()["cpu"]
         assert set(errors) == {1, 4, 16, 64}
         assert all(abs(e) < 0.5 for e in errors.values()), errors

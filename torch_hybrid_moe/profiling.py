@@ -48,6 +48,7 @@ DEFAULT_TOKENS = (1, 4, 16, 64)
 DEFAULT_PRESET = "rtx4090"  # GPU and link figures where this machine has no CUDA device
 POOL_BYTES = 256 * 2**20  # experts cycled through per measurement, so that their weights come from DRAM, not cache
 GRAPH_EXPERTS = 64  # at most this many experts of the pool in one timed CUDA graph, computed in turn
+TINY_POOL_BYTES = 2**20  # the tiny experts of a call's fixed cost (`_expert_pool(tiny=True)`): all in the caches
 SHARE_EXPERTS = 8  # the grouped slot share is timed over 1 and this many experts: its fixed part and one expert's
 SMALL_COPY = 64 * 2**10  # bytes of the second, latency-bound copy that separates the link's latency from its rate
 # one layer step the schedulers' tensor forms are timed on: DeepSeek-V2-Lite's 64 experts, 16 in slots, the 6 of one
@@ -67,13 +68,18 @@ class CurveFit:
         return self.overhead_s + max(self.read_s, tokens * self.token_s) if tokens > 0 else 0.0
 
 
-def fit_curve(tokens: Sequence[int], seconds: Sequence[float]) -> CurveFit:
+def fit_curve(tokens: Sequence[int], seconds: Sequence[float], overhead_s: float | None = None) -> CurveFit:
     """Least relative squared error fit of `CurveFit` to measured (tokens, seconds), all terms >= 0.
 
     Each split of the token counts into a read-bound low part and a compute-bound high part is a linear
     least-squares problem (non-negative, rows scaled by 1 / measured); the split whose fitted curve is
     closest to the measurements wins. Where no point is read-bound the read time is put at the smallest
     count's compute time (the least bandwidth the data allows), and likewise the other way round.
+
+    `overhead_s`, a call's fixed cost timed apart (on an expert that stays in the caches), is taken as given: the
+    curve alone cannot tell it from the read time (read-bound points all give overhead + read), and a free fit put
+    nearly all of a measured 1-token call into the overhead, fitting 917 GB/s on a 20 GB/s machine (capped at 90%
+    of the fastest call, so a noisy timing cannot leave the read no time).
     """
     import numpy as np
     from scipy.optimize import minimize, nnls
@@ -81,11 +87,17 @@ def fit_curve(tokens: Sequence[int], seconds: Sequence[float]) -> CurveFit:
     pairs = sorted(zip(tokens, seconds))
     if not pairs or any(n <= 0 or s <= 0 for n, s in pairs):
         raise ValueError(f"need positive token counts and times, got {pairs}")
+    fixed = None if overhead_s is None else min(max(overhead_s, 0.0), 0.9 * min(s for _, s in pairs))
     best: tuple[float, CurveFit] | None = None
     for split in range(len(pairs) + 1):
         rows = [[1.0, 1.0, 0.0] if i < split else [1.0, 0.0, float(n)] for i, (n, _) in enumerate(pairs)]
-        a = [[v / s for v in row] for row, (_, s) in zip(rows, pairs)]
-        (overhead, read, token), _ = nnls(np.array(a), np.ones(len(pairs)))
+        if fixed is None:
+            a = [[v / s for v in row] for row, (_, s) in zip(rows, pairs)]
+            (overhead, read, token), _ = nnls(np.array(a), np.ones(len(pairs)))
+        else:  # the overhead known: the rest of each time is read or compute
+            a = [[v / s for v in row[1:]] for row, (_, s) in zip(rows, pairs)]
+            (read, token), _ = nnls(np.array(a), np.array([1 - fixed / s for _, s in pairs]))
+            overhead = fixed
         if split == 0:
             read = token * pairs[0][0]
         elif split == len(pairs):
@@ -102,13 +114,17 @@ def fit_curve(tokens: Sequence[int], seconds: Sequence[float]) -> CurveFit:
     start = best[1]
     floor = 1e-9 * min(s for _, s in pairs)
 
+    def curve(x: np.ndarray) -> CurveFit:
+        terms = [float(v) for v in np.exp(x)]
+        return CurveFit(*terms) if fixed is None else CurveFit(fixed, *terms)
+
     def objective(x: np.ndarray) -> float:
-        f = CurveFit(*(float(v) for v in np.exp(x)))
+        f = curve(x)
         return sum((f(n) / s - 1) ** 2 for n, s in pairs)
 
-    x0 = np.log([max(start.overhead_s, floor), start.read_s, start.token_s])
+    x0 = np.log([max(start.overhead_s, floor), start.read_s, start.token_s][0 if fixed is None else 1 :])
     polished = minimize(objective, x0, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-14, "maxiter": 2000})
-    return CurveFit(*(float(v) for v in np.exp(polished.x))) if polished.fun < best[0] else start
+    return curve(polished.x) if polished.fun < best[0] else start
 
 
 @dataclass
@@ -128,6 +144,10 @@ class Measurements:
     # device seconds of the decode graph's slot share (`slot_experts_`, one grouped call) over 1 and SHARE_EXPERTS
     # experts, one token each (`measure_share`); None: no CUDA device, or a profile cached before it was measured
     gpu_share_s: dict[int, float] | None = None
+    # seconds of one call on an expert that stays in the caches (`measure_overhead`), CPU and GPU: the fixed cost the
+    # fit takes as given; None: a profile cached before it was measured (its fit guesses the split)
+    cpu_overhead_s: float | None = None
+    gpu_overhead_s: float | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -146,6 +166,8 @@ class Measurements:
             data.get("load"),
             None if data.get("placement_s") is None else {str(k): _duration(v) for k, v in data["placement_s"].items()},
             ints(data.get("gpu_share_s")),
+            None if data.get("cpu_overhead_s") is None else _duration(data["cpu_overhead_s"]),
+            None if data.get("gpu_overhead_s") is None else _duration(data["gpu_overhead_s"]),
         )
         if not m.cpu_s or (m.gpu_s is not None and set(m.gpu_s) != set(m.cpu_s)):
             raise ValueError("no CPU times, or GPU times at other token counts")
@@ -155,6 +177,8 @@ class Measurements:
             raise ValueError("placement times without GPU times")
         if m.gpu_share_s is not None and m.gpu_s is None:
             raise ValueError("slot share times without GPU times")
+        if m.gpu_overhead_s is not None and m.gpu_s is None:
+            raise ValueError("a GPU call's overhead without GPU times")
         if m.gpu_share_s is not None and sorted(m.gpu_share_s) != [1, SHARE_EXPERTS]:
             raise ValueError(f"slot share times must be at 1 and {SHARE_EXPERTS} experts")
         if m.transfer_s is not None:
@@ -196,12 +220,13 @@ class HardwareProfile:
 
     @cached_property
     def cpu_fit(self) -> CurveFit:
-        return fit_curve(list(self.measured.cpu_s), list(self.measured.cpu_s.values()))
+        m = self.measured
+        return fit_curve(list(m.cpu_s), list(m.cpu_s.values()), m.cpu_overhead_s)
 
     @cached_property
     def gpu_fit(self) -> CurveFit | None:
         g = self.measured.gpu_s
-        return fit_curve(list(g), list(g.values())) if g else None
+        return fit_curve(list(g), list(g.values()), self.measured.gpu_overhead_s) if g else None
 
     @cached_property
     def hardware(self) -> Hardware:
@@ -313,12 +338,16 @@ def slot_format(expert: ExpertShape) -> str:
 Operands = tuple[torch.Tensor, torch.Tensor | None]  # weights and, where quantised, their scales
 
 
-def _expert_pool(expert: ExpertShape, pool_bytes: int, device: str = "cpu") -> tuple[Operands, Operands]:
+def _expert_pool(
+    expert: ExpertShape, pool_bytes: int, device: str = "cpu", tiny: bool = False
+) -> tuple[Operands, Operands]:
     """gate_up [E, 2I, H] and down [E, H, I] of enough experts to fill `pool_bytes` (at least 2), as kernel operands:
-    on the CPU in the shape's host format (`host_format`), on the GPU as its slots hold them (`slot_format`)."""
+    on the CPU in the shape's host format (`host_format`), on the GPU as its slots hold them (`slot_format`).
+    `tiny`: experts of the same format but the least width it takes (one group, at least 32), for a call's fixed
+    cost."""
     fmt, group = host_format(expert) if device == "cpu" else (slot_format(expert), 0)
     g = torch.Generator().manual_seed(0)
-    h, i = expert.hidden, expert.inter
+    h, i = (max(32, group),) * 2 if tiny else (expert.hidden, expert.inter)
 
     def one(w: torch.Tensor) -> Operands:
         return kernel_operands(to_cpu_format(w, fmt, group)) if fmt in BITS else (w.to(getattr(torch, fmt)), None)
@@ -380,6 +409,28 @@ def measure_cpu(
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
+OVERHEAD_CALLS = 50  # timed calls of the tiny expert: each takes microseconds
+
+
+def measure_cpu_overhead(expert: ExpertShape) -> float:
+    """Median seconds of one CPU expert call as `measure_cpu` makes it, on one token of experts of the same format
+    small enough to stay in the caches (`_expert_pool(tiny=True)`): the call's fixed cost, which the fit takes as
+    given (`fit_curve`)."""
+    from .ops.library import cpu_experts_into
+
+    (gate_up, gate_up_scale), (down, down_scale) = _expert_pool(expert, TINY_POOL_BYTES, tiny=True)
+    width, count = gate_up.shape[2], gate_up.shape[0]
+    hidden, weights, acc = torch.randn(1, width).to(torch.bfloat16), torch.ones(1, 1), torch.zeros(1, width)
+    ids = [torch.full((1, 1), e, dtype=torch.long) for e in range(count)]
+    times = []
+    for call in range(OVERHEAD_CALLS + 1):
+        t = time.perf_counter()
+        cpu_experts_into(hidden, ids[call % count], weights, gate_up, down, gate_up_scale, down_scale, acc)
+        if call:  # the first warms up
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
     """`run` as one CUDA graph, captured after a warm-up run on a side stream (library handles and workspaces are
     created outside the capture, as torch asks)."""
@@ -396,9 +447,10 @@ def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
 
 def measure_gpu(
     expert: ExpertShape, tokens: Sequence[int], repeats: int, pool_bytes: int, bar: tqdm | None = None
-) -> tuple[dict[int, float], float, float]:
-    """On CUDA device 0: median seconds of one expert for n tokens with the runtime's GPU expert math, and of
-    copying one expert's bytes and SMALL_COPY bytes from pinned host memory (CUDA events).
+) -> tuple[dict[int, float], float, float, float]:
+    """On CUDA device 0: median seconds of one expert for n tokens with the runtime's GPU expert math, of one token
+    of a tiny expert of the same format (the fixed cost, as `measure_cpu_overhead`), and of copying one expert's
+    bytes and SMALL_COPY bytes from pinned host memory (CUDA events).
 
     The experts run inside a CUDA graph, so the time is the GPU's, not Python's launches: one captured graph
     computes up to GRAPH_EXPERTS experts of the pool in turn (the per-expert math of the staging ring and the
@@ -421,12 +473,13 @@ def measure_gpu(
             times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
 
-    def experts(n: int) -> float:  # the pool is freed on return, before the copies are timed
-        (gate_up, _), (down, _) = _expert_pool(expert, pool_bytes, "cuda")
-        hidden = torch.randn(n, expert.hidden, device="cuda", dtype=gate_up.dtype)
+    def experts(n: int, tiny: bool = False) -> float:  # the pool is freed on return, before the copies are timed
+        (gate_up, _), (down, _) = _expert_pool(expert, TINY_POOL_BYTES if tiny else pool_bytes, "cuda", tiny)
+        width = gate_up.shape[2]
+        hidden = torch.randn(n, width, device="cuda", dtype=gate_up.dtype)
         tokens = torch.arange(n, device="cuda")
         weights = torch.ones(n, device="cuda")
-        acc = torch.zeros(n, expert.hidden, device="cuda")
+        acc = torch.zeros(n, width, device="cuda")
         chain = range(min(GRAPH_EXPERTS, gate_up.shape[0]))  # distinct experts: each one's weights read from memory
 
         def run() -> None:
@@ -441,6 +494,7 @@ def measure_gpu(
         gpu[int(n)] = experts(n)
         if bar is not None:
             bar.update(1)
+    overhead = experts(1, tiny=True)
     copies = []
     for nbytes in (expert.nbytes, SMALL_COPY):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
@@ -448,7 +502,7 @@ def measure_gpu(
         copies.append(timed(lambda i: dev.copy_(host, non_blocking=True)))
         if bar is not None:
             bar.update(1)
-    return gpu, copies[0], copies[1]
+    return gpu, overhead, copies[0], copies[1]
 
 
 def measure_share(expert: ExpertShape, repeats: int, pool_bytes: int) -> dict[int, float]:
@@ -548,8 +602,11 @@ def measure(
         disable=not progress,
     ) as bar:
         m = Measurements(profile_key(expert, tokens), measure_cpu(expert, tokens, repeats, pool_bytes, bar))
+        m.cpu_overhead_s = measure_cpu_overhead(expert)
         if cuda:
-            m.gpu_s, m.transfer_s, m.small_transfer_s = measure_gpu(expert, tokens, repeats, pool_bytes, bar)
+            m.gpu_s, m.gpu_overhead_s, m.transfer_s, m.small_transfer_s = measure_gpu(
+                expert, tokens, repeats, pool_bytes, bar
+            )
             m.gpu_share_s = measure_share(expert, repeats, pool_bytes)
             try:
                 m.placement_s = measure_placement(HardwareProfile(expert, m).cost_model(), expert, repeats)
@@ -560,6 +617,12 @@ def measure(
                 m.placement_s = {}
     m.seconds, m.load = time.perf_counter() - began, load
     return m
+
+
+def missing(m: Measurements) -> bool:
+    """Whether a cached measurement lacks a figure `measure` takes now (it was cached by an earlier version)."""
+    gpu = m.gpu_s is not None
+    return m.cpu_overhead_s is None or (gpu and (m.placement_s is None or m.gpu_overhead_s is None))
 
 
 def profile_hardware(
@@ -584,11 +647,11 @@ def profile_hardware(
     if not refresh and (path.exists() or path.is_symlink()):
         try:
             m = Measurements.from_json(json.loads(path.read_text()))
-            if m.key == key and (m.gpu_s is None or m.placement_s is not None):
+            if m.key == key and not missing(m):
                 return HardwareProfile(expert, m, preset, cached=True, path=path)
             warnings.warn(
                 f"cached profile {path} was measured for another machine or setting, or before the schedulers' "
-                "placement was timed: measuring again",
+                "placement or a call's overhead was timed: measuring again",
                 stacklevel=2,
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
