@@ -171,7 +171,7 @@ def test_the_attention_function_keeps_sdpa_for_other_prompts(monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("times, beats", [([1.0, 2.0], True), ([2.0, 1.0], False), ([1.0, 1.0], False)])
-def test_the_op_is_chosen_where_it_beat_sdpa(times, beats, monkeypatch):
+def test_the_op_is_chosen_where_it_beat_sdpa(times, beats, tmp_path, monkeypatch):
     """The warm-up times the kernel against SDPA on the same causal prompt (both timed calls give the same attention)
     and chooses the kernel only where it took less time (timings scripted; where it lost, prompts keep SDPA:
     test_the_attention_function_keeps_sdpa_for_other_prompts)."""
@@ -182,6 +182,7 @@ def test_the_op_is_chosen_where_it_beat_sdpa(times, beats, monkeypatch):
         return times
 
     monkeypatch.setattr(cpu_kernel, "interleaved_medians", timings)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a routes file of its own: nothing measured before is read
     assert prefill_attention._beats_sdpa.__wrapped__(1, (1, 4, 2, 64, 64), 1) is beats
     ours, sdpa = outputs
     assert ours.shape == (1, 64, 4, 64)  # [batch, tokens, heads, head size], as attention functions return it
