@@ -64,6 +64,21 @@ TRACE_EDITS = {
     "rows disagree": (lambda t, m: t.__setitem__("step", t["step"][:-1].clone()), "step must be an integer tensor"),
     "scores not probabilities": (lambda t, m: t["L0.scores"].mul_(3), "router probabilities in [0, 1]"),
     "layers not a list": (lambda t, m: m.update(layers="0,1"), "'layers' must be a non-empty list"),
+    "layers out of order": (lambda t, m: m.update(layers=m["layers"][::-1]), "decoder indices in ascending order"),
+    "an expert twice in a row": (
+        lambda t, m: t["L1.topk_ids"][0].fill_(int(t["L1.topk_ids"][0, 0])),
+        "L1.topk_ids lists an expert twice in one row",
+    ),
+    "gate-input rows repeat": (
+        lambda t, m: [t[f"L{i}.hidden_rows"].__setitem__(1, 0) for i in m["layers"]],
+        "hidden_rows must be ascending without repeats",
+    ),
+    "gate-input rows differ": (
+        lambda t, m: t.update(
+            {"L2.hidden_rows": t["L2.hidden_rows"][:1].clone(), "L2.hidden": t["L2.hidden"][:1].clone()}
+        ),
+        "L2.hidden_rows differ from the first layer's",
+    ),
 }
 
 
@@ -169,7 +184,9 @@ def test_simulate_runs_every_stack_it_can_without_gate_inputs(tmp_path, capsys):
     assert all("gate inputs" in records[name]["skipped"] for name in skipped)
     assert all(records[name]["decode_tok_s"] > 0 for name in records.keys() - skipped)
     assert {"ours", "oracle", "ktransformers", "lru-cache"} <= records.keys() - skipped
-    one_line_error(capsys, ["simulate", "--trace", str(path), "--routers", str(tmp_path)], "records no gate inputs")
+    one_line_error(
+        capsys, ["simulate", "--trace", str(path), "--routers", str(tmp_path)], "does not record every row's gate input"
+    )
 
 
 def test_simulate_reads_the_routers_from_the_directory_given(tmp_path, capsys):
@@ -361,6 +378,16 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
             "weights['0'] must be a list of numbers",
         ),
         ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [NaN]}}', "holds NaN"),
+        ('{"sequence": 0, "step": 0, "ids": {"\u00b2": [1]}, "weights": {"\u00b2": [1.0]}}', "must be a list of"),
+        (
+            '{"sequence": 0, "step": 0, "ids": {"1": [1]}, "weights": {"2": [1.0]}}',
+            "weights of layers ['2'] differ from the first row's layers ['1']",
+        ),
+        (
+            '{"sequence": 0, "step": 1, "ids": {"0": [1]}, "weights": {"0": [1.0]}}\n'
+            '{"sequence": 0, "step": 0, "ids": {"0": [2]}, "weights": {"0": [1.0]}}',
+            "goes back to step 0 after step 1",
+        ),
     ],
 )
 def test_convert_trace_refuses_bad_rows(line, match, tmp_path, capsys):

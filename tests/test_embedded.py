@@ -111,6 +111,49 @@ def test_trace_of_routing_alone(tmp_path):
     assert Calibration.from_trace(back).routers == {}
 
 
+def test_a_trace_of_every_other_row_replays_no_router(tmp_path, capsys):
+    """Gate inputs of every 2nd row leave decode steps with nothing for a router to route: such a trace replays no
+    router (DeepSeek's grouped ones crashed on the empty steps, the others were scored as missing them), and
+    `--routers` on it says how to record one that does."""
+    from torch_hybrid_moe.cli import main
+
+    from .test_cli_errors import one_line_error
+
+    model = tiny_model("deepseek_v2")
+    prompts = [torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    sparse = record_trace(model, prompts, max_new_tokens=6, model_name="tiny:deepseek_v2", hidden_every=2)
+    full = record_trace(model, prompts, max_new_tokens=6, model_name="tiny:deepseek_v2", hidden_every=1)
+    assert full.gate_inputs and not sparse.gate_inputs
+    sparse.save(tmp_path / "sparse.safetensors")
+    assert main(["simulate", "--trace", str(tmp_path / "sparse.safetensors"), "--json"]) == 0
+    capsys.readouterr()
+    one_line_error(
+        capsys,
+        ["simulate", "--trace", str(tmp_path / "sparse.safetensors"), "--routers", "tiny:deepseek_v2"],
+        "--hidden-every 1",
+    )
+
+
+def test_tracing_a_model_without_routing_is_one_line():
+    """An architecture the package does not patch (a dense Llama), or one of its MoE models configured with no MoE
+    layer, is refused with what to do (it was a KeyError)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torch_hybrid_moe.errors import InputError
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    )
+    prompt = [torch.randint(3, 96, (4,))]
+    with pytest.raises(InputError, match="model type 'llama' is not supported; supported: "):
+        record_trace(llama, prompt, max_new_tokens=2, model_name="llama")
+    config = tiny_model("qwen3_moe").config
+    config.mlp_only_layers = list(range(config.num_hidden_layers))
+    dense = type(tiny_model("qwen3_moe"))(config)
+    with pytest.raises(InputError, match="has no MoE layers"):
+        record_trace(dense, prompt, max_new_tokens=2, model_name="dense")
+
+
 def test_trace_round_trip_and_matches_direct_routing(tmp_path):
     model = tiny_model("deepseek_v3")
     prompts = [torch.randint(3, 96, (7,), generator=torch.Generator().manual_seed(s)) for s in range(2)]

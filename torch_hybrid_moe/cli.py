@@ -387,8 +387,8 @@ def simulate(args: argparse.Namespace) -> int:
     source, source_path = (held, args.calibration) if held is not None else (trace, args.trace)
     if args.routers and not source.gate_inputs:
         raise InputError(
-            f"--routers: {source_path} records no gate inputs, so no router is replayed; record a trace with them "
-            "(hybrid-moe trace --hidden-every N)"
+            f"--routers: {source_path} does not record every row's gate input, so no router is replayed; record a "
+            "trace with them (hybrid-moe trace --hidden-every 1)"
         )
     try:
         calibration = Calibration.from_trace(trace, held, args.routers)
@@ -989,9 +989,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("--max-new-tokens", type=bounded(int, 1), default=64)
     t.add_argument(
         "--hidden-every",
-        type=bounded(int, 0),
+        type=bounded(int, 0, 2**31),
         default=1,
-        help="record the gate input of every N-th token row (for gate-based prefetchers; 0: none)",
+        help="record the gate input of every N-th token row (0: none); the simulator replays the model's routers "
+        "(gate-based prefetchers) only on traces of every row (1)",
     )
     args = parser.parse_args(argv)
     commands = {
