@@ -38,6 +38,19 @@ def _experts(e: int = 6, h: int = 32, i: int = 24) -> tuple[torch.Tensor, torch.
     return torch.randn(e, 2 * i, h) / h**0.5, torch.randn(e, h, i) / i**0.5
 
 
+def assert_kernel_output(out, hidden, ids, weights, gate_up, down) -> None:
+    """`out` is the routed experts' sum over `hidden`, as the float64 per-pair loop computes it."""
+    want = accumulate_experts_(
+        torch.zeros(out.shape, dtype=torch.float64),
+        hidden.double(),
+        ids,
+        weights.double(),
+        gate_up.double(),
+        down.double(),
+    )
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+
+
 @needs_kernel
 def test_cpu_task_runs_the_kernel_on_its_buffers_each_submission():
     gate_up, down = _experts()
@@ -47,15 +60,7 @@ def test_cpu_task_runs_the_kernel_on_its_buffers_each_submission():
         hidden.copy_(torch.randn(5, 32))  # the task reads the buffers as they are when it runs
         task.submit()
         task.wait()
-        want = accumulate_experts_(
-            torch.zeros(5, 32, dtype=torch.float64),
-            hidden.double(),
-            ids,
-            weights.double(),
-            gate_up.double(),
-            down.double(),
-        )
-        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        assert_kernel_output(out, hidden, ids, weights, gate_up, down)
         assert task.submits == task.syncs == task.runs == round_ + 1
 
 
@@ -135,15 +140,7 @@ def test_task_rounds_no_deadlock_with_a_busy_python_thread():
     assert cpu_kernel.extension().take_task_error() == ""
     for hidden, ids, weights, out, task in layers:
         assert task.submits == task.syncs == task.runs == 300
-        want = accumulate_experts_(
-            torch.zeros(4, 32, dtype=torch.float64),
-            hidden.double(),
-            ids,
-            weights.double(),
-            gate_up.double(),
-            down.double(),
-        )
-        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        assert_kernel_output(out, hidden, ids, weights, gate_up, down)
 
 
 @needs_kernel
