@@ -144,7 +144,7 @@ class Measurements:
     # device seconds of the decode graph's slot share (`slot_experts_`, one grouped call) over 1 and SHARE_EXPERTS
     # experts, one token each (`measure_share`); None: no CUDA device, or a profile cached before it was measured
     gpu_share_s: dict[int, float] | None = None
-    # seconds of one call on an expert that stays in the caches (`measure_overhead`), CPU and GPU: the fixed cost the
+    # seconds of one call on experts that stay in the caches (`measure_cpu_overhead`, `measure_gpu`): the fixed cost the
     # fit takes as given; None: a profile cached before it was measured (its fit guesses the split)
     cpu_overhead_s: float | None = None
     gpu_overhead_s: float | None = None

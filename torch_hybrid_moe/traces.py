@@ -54,8 +54,7 @@ class Trace:
     def gate_inputs(self) -> bool:
         """Whether every layer recorded every row's gate input, which the router-replaying prefetchers need: a trace
         of every N-th row's (`hidden_every` N > 1) left them steps with nothing to route, where they were scored
-        as misses (the DALI stack's accuracy 0.84 with every row, 0.21 with every 4th) or, on DeepSeek's grouped
-        routers, crashed the replay."""
+        as misses (benchmarks/RESULTS.md, 2026-11-30) or, on DeepSeek's grouped routers, crashed the replay."""
         rows = self.tokens.numel()
         return bool(self.layers) and all(layer.hidden_rows.numel() == rows for layer in self.layers.values())
 
