@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from .config import CPU_WEIGHT_DTYPES, OURS_WINDOW
@@ -190,7 +191,7 @@ def plan(
             # without a GPU the dense layers run on the CPU too, between the experts, at the model dtype's rates
             dense_rates = costs_for(replace(shape, bytes_per_weight=summary.model_bytes)).hardware
             costs = replace(costs_for(shape), dense_on_cpu=gpu_bytes <= 0, dense_hardware=dense_rates)
-            speeds = _speeds(summary, costs, budget, prompt)
+            speeds = _speeds(summary, costs, budget, prompt, fmt)
         plans.append(FormatPlan(fmt, host, host <= host_bytes, refused, budget, speeds))
     return dense, kv, plans
 
@@ -203,7 +204,9 @@ def gpu_refusal(gpu_bytes: int, dense: int, kv: int, reserve: int, ring: int) ->
     )
 
 
-def _speeds(summary: ModelSummary, costs: CostModel, budget: float, prompt: int) -> dict[str, tuple[float, float]]:
+def _speeds(
+    summary: ModelSummary, costs: CostModel, budget: float, prompt: int, label: str
+) -> dict[str, tuple[float, float]]:
     """Decode and prefill tok/s of each paper's stack, the LRU stack and ours (with its default settings, the stack
     a CUDA patch runs) on synthetic routing."""
     layers = min(summary.moe_layers, SIMULATED_LAYERS)
@@ -212,11 +215,14 @@ def _speeds(summary: ModelSummary, costs: CostModel, budget: float, prompt: int)
     )
     scale = layers / summary.moe_layers
     out: dict[str, tuple[float, float]] = {}
-    for stack in (*STACKS.values(), ours(**dict(OURS_WINDOW))):
-        if stack.name.startswith("oracle") or (stack.uses_slots and budget == 0):
-            continue
-        ratio = math.floor(budget * summary.num_experts) / summary.num_experts
-        ran, r = simulate_runnable(trace, stack, costs, 1, ratio)  # synthetic routing: no gate-input prefetch
+    stacks = [
+        stack
+        for stack in (*STACKS.values(), ours(**dict(OURS_WINDOW)))
+        if not (stack.name.startswith("oracle") or (stack.uses_slots and budget == 0))
+    ]
+    # long prompts take minutes (a 32,768-token prompt: about 4): the bar says how far it is
+    for stack in tqdm(stacks, desc=f"simulating {label}", unit="stack", leave=False):
+        ran, r = simulate_runnable(trace, stack, costs, 1, budget)  # synthetic routing: no gate-input prefetch
         out[ran.name] = (r.decode_tok_s * scale, r.prefill_tok_s * scale)
     return out
 
