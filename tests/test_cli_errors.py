@@ -145,6 +145,10 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["trace", "--out", "{tmp}"], "is a directory; give a file name"),
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1000", "--prompt-tokens", "1000"], "too few"),
+        (
+            ["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1", "--prompt-tokens", "1000"],
+            "--prompt-tokens 1000 + --max-new-tokens 64 exceed the model's 1024 positions",
+        ),
         (["eval-ppl", "--max-tokens", "-5"], "--max-tokens: must be >= 1, got -5"),
         (["eval-ppl", "--max-tokens", "16"], "perplexity is measured in windows of 256 tokens"),
         (["eval-ppl", "--mode", "daop_precalc", "--precalc-from-layer", "9"], "approximates nothing in this model"),

@@ -274,6 +274,12 @@ def trace(args: argparse.Namespace) -> int:
             f"the held-out text has {ids.numel()} tokens: too few for --prompts {args.prompts} x "
             f"(--offset {args.offset} + --prompt-tokens {args.prompt_tokens})"
         )
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context and args.prompt_tokens + args.max_new_tokens > context:  # routing past it is not the model's
+        raise InputError(
+            f"--prompt-tokens {args.prompt_tokens} + --max-new-tokens {args.max_new_tokens} exceed the model's "
+            f"{context} positions; pass at most {context} together"
+        )
     stride = ids.numel() // args.prompts
     prompts = [
         ids[i * stride + args.offset : i * stride + args.offset + args.prompt_tokens] for i in range(args.prompts)
