@@ -371,21 +371,23 @@ def measure_cpu(
     pool_bytes: int,
     bar: tqdm | None = None,
     budget_s: float = 3.0,
+    tiny: bool = False,
 ) -> dict[int, float]:
     """Median seconds of one CPU expert call (`cpu_experts_into`, as the dispatch runs it) computing one expert
     for n tokens, each n in `tokens`. Consecutive calls use different experts of the pool, so weights are read from
     memory; the token counts take turns (one round = one call of each), so a burst of load from elsewhere skews all
-    alike. After one warm-up round, `repeats` rounds, or at least 3 once `budget_s` has passed."""
+    alike. After one warm-up round, `repeats` rounds, or at least 3 once `budget_s` has passed. `tiny`: on experts
+    of the same format that stay in the caches (`_expert_pool`)."""
     from .ops.library import cpu_experts_into
 
-    (gate_up, gate_up_scale), (down, down_scale) = _expert_pool(expert, pool_bytes)
-    count = gate_up.shape[0]
+    (gate_up, gate_up_scale), (down, down_scale) = _expert_pool(expert, pool_bytes, tiny=tiny)
+    count, width = gate_up.shape[0], down.shape[1]  # down is [E, H, I]: its rows are the hidden size, unpacked
     g = torch.Generator().manual_seed(0)
     cases = {
         int(n): (
-            torch.randn(n, expert.hidden, generator=g).to(torch.bfloat16),
+            torch.randn(n, width, generator=g).to(torch.bfloat16),
             torch.ones(n, 1),
-            torch.zeros(n, expert.hidden),
+            torch.zeros(n, width),
         )
         for n in tokens
     }
@@ -414,21 +416,8 @@ OVERHEAD_CALLS = 50  # timed calls of the tiny expert: each takes microseconds
 
 def measure_cpu_overhead(expert: ExpertShape) -> float:
     """Median seconds of one CPU expert call as `measure_cpu` makes it, on one token of experts of the same format
-    small enough to stay in the caches (`_expert_pool(tiny=True)`): the call's fixed cost, which the fit takes as
-    given (`fit_curve`)."""
-    from .ops.library import cpu_experts_into
-
-    (gate_up, gate_up_scale), (down, down_scale) = _expert_pool(expert, TINY_POOL_BYTES, tiny=True)
-    width, count = gate_up.shape[2], gate_up.shape[0]
-    hidden, weights, acc = torch.randn(1, width).to(torch.bfloat16), torch.ones(1, 1), torch.zeros(1, width)
-    ids = [torch.full((1, 1), e, dtype=torch.long) for e in range(count)]
-    times = []
-    for call in range(OVERHEAD_CALLS + 1):
-        t = time.perf_counter()
-        cpu_experts_into(hidden, ids[call % count], weights, gate_up, down, gate_up_scale, down_scale, acc)
-        if call:  # the first warms up
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    small enough to stay in the caches: the call's fixed cost, which the fit takes as given (`fit_curve`)."""
+    return measure_cpu(expert, (1,), OVERHEAD_CALLS, TINY_POOL_BYTES, tiny=True)[1]
 
 
 def captured(run: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -475,7 +464,7 @@ def measure_gpu(
 
     def experts(n: int, tiny: bool = False) -> float:  # the pool is freed on return, before the copies are timed
         (gate_up, _), (down, _) = _expert_pool(expert, TINY_POOL_BYTES if tiny else pool_bytes, "cuda", tiny)
-        width = gate_up.shape[2]
+        width = down.shape[1]  # down is [E, H, I]: its rows are the hidden size
         hidden = torch.randn(n, width, device="cuda", dtype=gate_up.dtype)
         tokens = torch.arange(n, device="cuda")
         weights = torch.ones(n, device="cuda")
