@@ -60,10 +60,8 @@ import argparse
 import copy
 import gc
 import json
-import os
 import platform
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -419,7 +417,8 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before anything is built (the test suite parses gpu_checks.sh's lines with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=bounded(int, 2), default=27)
     p.add_argument(
@@ -469,13 +468,15 @@ def main() -> None:
         metavar="DIR",
         help="also write a decode and a prefill profiler trace per row into DIR and print each one's top ops",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.graph = [g == "on" for g in args.graph]
     if not args.rows and args.stack_file is None:
         raise SystemExit("--rows names none and no --stack-file gives one: nothing to measure")
-    if os.environ.get("GPU_DECODE_PARSE_ONLY"):  # gpu_checks.sh's arguments, checked by the test suite
-        print("gpu_decode.py: arguments taken", file=sys.stderr)
-        return
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available() and not args.trace:
         raise SystemExit("gpu_decode.py needs a CUDA GPU (without one it only records --trace)")
     config = lite_config(args.layers)

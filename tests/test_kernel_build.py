@@ -40,12 +40,17 @@ def test_a_compiler_that_links_libstdcxx_statically_still_formats_whole_messages
     compiler = tmp_path / "g++"
     compiler.write_text(f'#!/bin/sh\nexec {shutil.which("g++")} "$@" -static-libstdc++\n')
     compiler.chmod(0o755)
+    source = tmp_path / "probe.cpp"  # c10's checks and pybind11 only: torch/extension.h took ~40 s to compile
+    source.write_text(
+        "#include <c10/util/Exception.h>\n#include <pybind11/pybind11.h>\n"
+        'void refuse(int64_t n) { TORCH_CHECK(n % 32 == 0, n, " columns: not a multiple of 32"); }\n'
+        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("refuse", &refuse); }\n'
+    )
     refuse = (
         "from torch.utils import cpp_extension\n"
         "from torch_hybrid_moe.ops import kernel_build\n"
-        "source = 'void refuse(int64_t n) { TORCH_CHECK(n % 32 == 0, n, \" columns: not a multiple of 32\"); }'\n"
         "flags = dict(extra_cflags=list(kernel_build._CFLAGS), extra_ldflags=list(kernel_build._LDFLAGS))\n"
-        "probe = cpp_extension.load_inline('refusal_probe', source, functions=['refuse'], **flags)\n"
+        f"probe = cpp_extension.load('refusal_probe', [{str(source)!r}], **flags)\n"
         "try:\n"
         "    probe.refuse(48)\n"
         "except RuntimeError as err:\n"

@@ -630,7 +630,7 @@ def test_the_bound_is_at_least_every_stack_that_does_not_see_the_future():
     from torch_hybrid_moe.simulator.tuning import tune
 
     full = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
-    trace = full.select(full.sequence < full.sequence.unique()[6])  # 6 of its 16 requests: the claim holds per trace
+    trace = full.select(full.sequence < full.sequence.unique()[3])  # 3 of its 16 requests: the claim holds per trace
     calibration = Calibration.from_trace(trace, Trace.load(TRACES / "deepseek-tiny-heldout-at512.safetensors"))
     costs = CostModel(HARDWARE["rtx5090"], EXPERT_SHAPES["deepseek-v2-lite"])
     best, result = bound(trace, costs, 1, 0.25, calibration)
@@ -711,7 +711,7 @@ def test_judged_rank_places_the_pick_among_the_candidates_on_the_judged_trace():
     speeds = {name: simulate(trace, STACKS[name], costs, 4, 0.25, calibration).decode_tok_s for name in PAPERS}
     order = sorted(PAPERS, key=lambda n: -speeds[n])
     assert len(set(speeds.values())) > 3  # the stacks differ on this trace
-    for name in PAPERS:
+    for name in (order[0], order[len(order) // 2], order[-1]):  # the first, a middle and the last place
         rank, count, tok_s, of_best = judged_rank(trace, STACKS[name], tried, costs, 4, 0.25, calibration)
         assert (rank, count, tok_s) == (order.index(name) + 1, len(PAPERS), speeds[name])
         assert of_best == pytest.approx(speeds[name] / speeds[order[0]])

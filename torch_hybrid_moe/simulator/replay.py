@@ -119,31 +119,40 @@ class GraphStep:
     cpu_task_s: float = 0.0
 
 
+def _forward_steps(trace: Trace, batch: int) -> tuple[torch.Tensor, list[int]]:
+    """Each row's forward step (0, 1, ... in replay order) and each forward step's trace step, with `batch`
+    sequences run together: groups of consecutive sequence ids in order, each group's steps in order."""
+    _, rank = torch.unique(trace.sequence.long(), return_inverse=True)
+    step = trace.step.long()
+    span = int(step.max()) + 1 if len(step) else 1
+    keys, forward = torch.unique(rank // batch * span + step, return_inverse=True)
+    return forward, (keys % span).tolist()
+
+
 def step_rows(trace: Trace, batch: int) -> Iterator[tuple[int, torch.Tensor]]:
     """(step, row mask) of each forward step of `batch` sequences run together, in replay order."""
-    sequences = trace.sequence.long()
-    ids = sorted(set(sequences.tolist()))
-    for first in range(0, len(ids), batch):
-        group = torch.isin(sequences, torch.tensor(ids[first : first + batch]))
-        for step in sorted(set(trace.step[group].tolist())):
-            yield step, group & (trace.step == step)
+    forward, steps = _forward_steps(trace, batch)
+    for i, step in enumerate(steps):
+        yield step, forward == i
 
 
 def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[int, tuple[list[int], list[float]]]]]:
     """(is_prefill, token rows, per layer: expert token counts and summed router scores) of each forward step
-    of `batch` sequences run together. Scores are the trace's top-2k router scores (HybriMoE's TopP, p = 2k)."""
+    of `batch` sequences run together. Scores are the trace's top-2k router scores (HybriMoE's TopP, p = 2k).
+    Counted for all steps at once (a step's bins follow each other): the same sums, in the same order, as a count
+    per step, which cost a third of a short replay."""
     num_experts = trace.meta["num_experts"]
-    for step, rows in step_rows(trace, batch):
-        counts = {
-            layer: (
-                torch.bincount(t.topk_ids[rows].long().flatten(), minlength=num_experts).tolist(),
-                torch.bincount(
-                    t.score_ids[rows].long().flatten(), t.scores[rows].float().flatten(), num_experts
-                ).tolist(),
-            )
-            for layer, t in trace.layers.items()
-        }
-        yield step == 0, int(rows.sum()), counts
+    forward, steps = _forward_steps(trace, batch)
+    bins = len(steps) * num_experts
+    tokens = torch.bincount(forward, minlength=len(steps)).tolist()
+    per_layer = {}
+    for layer, t in trace.layers.items():
+        at = forward[:, None] * num_experts
+        counts = torch.bincount((at + t.topk_ids.long()).flatten(), minlength=bins)
+        scores = torch.bincount((at + t.score_ids.long()).flatten(), t.scores.float().flatten(), bins)
+        per_layer[layer] = (counts.view(-1, num_experts).tolist(), scores.view(-1, num_experts).tolist())
+    for i, step in enumerate(steps):
+        yield step == 0, tokens[i], {layer: (c[i], s[i]) for layer, (c, s) in per_layer.items()}
 
 
 class _Link:
