@@ -21,15 +21,18 @@ from .prefetching import PREFETCHERS
 from .requests import RequestActivations
 
 
-def closest_request(current: torch.Tensor, collection: Sequence[torch.Tensor], observed: int) -> int | None:
+def closest_request(
+    current: torch.Tensor, collection: torch.Tensor | Sequence[torch.Tensor], observed: int
+) -> int | None:
     """Index of the past EAM most cosine-similar to `current` over its first `observed` rows (ties: the newest);
-    None when nothing has been observed or the collection is empty."""
-    if not collection or observed < 1:
+    None when nothing has been observed or the collection is empty. `collection`: the EAMs, or them stacked."""
+    if len(collection) == 0 or observed < 1:
         return None
     now = current[:observed].flatten().double()
     if not now.any():
         return None
-    past = torch.stack([m[:observed].flatten().double() for m in collection])
+    stacked = collection if isinstance(collection, torch.Tensor) else torch.stack(list(collection))
+    past = stacked[:, :observed].flatten(1).double()
     similarity = (past @ now) / (past.norm(dim=1) * now.norm()).clamp_min(1e-300)
     best = similarity.max()
     return int((similarity == best).nonzero().flatten()[-1])
@@ -51,7 +54,7 @@ class _Predictor:
         self.request, self.capacity = request, capacity
 
     def likelihood(self, observed: int) -> torch.Tensor:
-        collection = self.request.finished[-self.capacity :]
+        collection = self.request.past()[-self.capacity :]
         match = closest_request(self.request.matrix, collection, observed)
         source = self.request.matrix if match is None else collection[match]
         counts = source[self.row]
@@ -67,15 +70,15 @@ class ActivationMatrixCache(RankedCache):
     def __init__(self, info: LayerInfo, request: RequestActivations | None = None, capacity: int = 1000) -> None:
         super().__init__(info)
         self.predictor = _Predictor(info, request, capacity, "cache policy 'eam'")
-        self.values = torch.zeros(info.num_experts, dtype=torch.float64)
+        self.values = [0.0] * info.num_experts
 
     def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
         own = self.predictor.request.matrix[self.predictor.row]
-        self.values = self.predictor.likelihood(self.predictor.row + 1) + 1e-9 * own
+        self.values = (self.predictor.likelihood(self.predictor.row + 1) + 1e-9 * own).tolist()
         return True
 
     def value(self, expert: int) -> float:
-        return float(self.values[expert])
+        return self.values[expert]
 
 
 @PREFETCHERS.register("eam")
@@ -92,6 +95,6 @@ class ActivationMatrixPrefetch:
         self.info, self.size = info, size
 
     def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
-        likely = self.predictor.likelihood(self.predictor.row)
+        likely = self.predictor.likelihood(self.predictor.row).tolist()  # floats: the sort reads each many times
         ranked = sorted((e for e in range(self.info.num_experts) if likely[e] > 0), key=lambda e: (-likely[e], e))
         return ranked[: self.size]

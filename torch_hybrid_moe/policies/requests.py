@@ -28,6 +28,15 @@ class RequestActivations:
         if any(h.shape != self.matrix.shape for h in self.finished):
             raise ValueError(f"past requests' matrices must be {tuple(self.matrix.shape)} (layers x experts)")
         self.steps = 0  # forward steps of the current request recorded at its first layer (0: nothing yet)
+        self._stacked = torch.zeros(0, *self.matrix.shape, dtype=torch.float64)
+
+    def past(self) -> torch.Tensor:
+        """The finished requests' matrices stacked (requests x layers x experts), oldest first: extended as requests
+        finish, since MoE-Infinity's matching reads all of them at every layer step (stacked anew, most of a replay's
+        time)."""
+        if len(self._stacked) != len(self.finished):
+            self._stacked = torch.cat([self._stacked, torch.stack(self.finished[len(self._stacked) :])])
+        return self._stacked
 
     def begin(self) -> None:
         """Close the request in flight (kept in `finished` when it routed anything) and start an empty one."""
