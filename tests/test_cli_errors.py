@@ -530,3 +530,12 @@ def test_a_cached_profile_without_a_figure_measured_now_is_measured_again(field,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where no CUDA device exists")
 def test_generate_on_cuda_without_one_is_one_line(capsys):
     one_line_error(capsys, ["generate", "--device", "cuda"], "no CUDA device is available")
+
+
+@pytest.mark.parametrize("command", ["generate", "eval-ppl"])
+def test_a_checkpoint_saved_without_its_tokenizer_is_one_line(command, tmp_path, capsys):
+    """`save_pretrained` of a model alone writes no tokenizer: transformers' ValueError went up as a traceback."""
+    from torch_hybrid_moe.tiny_models import tiny_model
+
+    tiny_model("mixtral").save_pretrained(tmp_path)
+    one_line_error(capsys, [command, "--model", str(tmp_path)], "put the model's tokenizer files")

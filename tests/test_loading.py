@@ -103,6 +103,61 @@ def test_dtype_auto_without_a_config_dtype_takes_the_stored_weights(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True])
+def test_dtype_auto_on_mixed_weights_takes_what_transformers_takes(sharded, tmp_path):
+    """A bf16 checkpoint holding one fp32 tensor (a router), no dtype in config.json: transformers' "auto" takes the
+    first floating tensor by name (bf16), or a sharded index's metadata dtype; ours took the first in the file's
+    header order, which lists wider dtypes first (fp32), and computed in another dtype than transformers."""
+    tiny_model("qwen3_moe", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if "dtype" not in k}))
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.mlp.gate.weight"] = weights["model.layers.0.mlp.gate.weight"].float()
+    if sharded:  # the fp32 router first in the first file; the index names the dtype
+        (tmp_path / "model.safetensors").unlink()
+        first = {k: v for k, v in weights.items() if k.startswith("model.layers.0.")}
+        parts = [first, {k: v for k, v in weights.items() if k not in first}]
+        for i, part in enumerate(parts, 1):
+            save_file(part, tmp_path / f"model-0000{i}-of-00002.safetensors", metadata={"format": "pt"})
+        shards = {k: f"model-0000{i}-of-00002.safetensors" for i, part in enumerate(parts, 1) for k in part}
+        index = {"metadata": {"dtype": "bfloat16"}, "weight_map": shards}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    model = thm.from_pretrained(tmp_path, device="cpu", expert_budget=0.0)
+    assert model.lm_head.weight.dtype == reference.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(_logits(model), _logits(thm.patch_model(reference, device="cpu", expert_budget=0.0)))
+
+
+@pytest.mark.slow
+def test_a_header_not_padded_to_eight_bytes_loads_as_transformers_loads_it(tmp_path):
+    """safetensors pads headers to 8 bytes, but a reader must not rely on it: mapping the embedding at an odd
+    offset failed ("storage_offset must be divisible"); the table is read in instead."""
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    data = file.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8 : 8 + size])).encode()
+    header += b" " * ((1 - 8 - len(header)) % 8)  # the data starts 1 byte past a multiple of 8
+    file.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + size :])
+    model = thm.from_pretrained(tmp_path, device="cpu", expert_budget=0.0)
+    assert torch.equal(_logits(model), _reference(tmp_path, expert_budget=0.0))
+
+
+@pytest.mark.slow
+def test_tensors_the_model_does_not_use_are_named_in_a_warning(tmp_path):
+    """A checkpoint of 3 layers under a config of 2: transformers lists the unexpected keys; ours read none of them
+    and said nothing. Now a warning names them; the model is still the one transformers loads."""
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] - 1}))
+    with pytest.warns(UserWarning, match="tensor\\(s\\) the model does not use \\(first: model.layers.2."):
+        model = thm.from_pretrained(tmp_path, device="cpu", expert_budget=0.0)
+    assert torch.equal(_logits(model), _reference(tmp_path, expert_budget=0.0))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("same", [True, False])
 def test_tied_embeddings_with_both_tensors_in_the_file_load_as_transformers_loads_them(same, tmp_path):
     """tie_word_embeddings with both tensors in the file: transformers ties them where they are equal, and
@@ -156,6 +211,13 @@ def _break(path, edit):
         ("integer_weights", "holds torch.int8 values, the model wants torch.bfloat16 weights"),
         ("quantised", "is quantised \\(bitsandbytes\\), which this loader does not read"),
         ("corrupt_header", "the file is corrupt"),
+        ("lfs_pointer", "is not a safetensors file .*a git-lfs pointer"),
+        ("empty_file", "is not a safetensors file"),
+        ("header_not_tensors", "tensor a's header entry is malformed"),
+        ("index_names_missing_shard", "names 1 file\\(s\\) not in .*fetch every shard"),
+        ("index_not_json", "is not a safetensors index"),
+        ("config_not_json", "config.json cannot be read"),
+        ("config_without_model_type", "config.json cannot be read"),
     ],
 )
 def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
@@ -190,6 +252,21 @@ def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
         )
     if case == "corrupt_header":  # a shape that disagrees with the tensor's byte range
         _rewrite_header(tmp_path / "model.safetensors", lambda h: h["model.norm.weight"].update(shape=[16]))
+    if case == "lfs_pointer":  # its first 8 bytes read as a header length of petabytes
+        (tmp_path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\n")
+    if case == "empty_file":
+        (tmp_path / "model.safetensors").write_bytes(b"")
+    if case == "header_not_tensors":
+        (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b'{"a": 1}')
+    if case in ("index_names_missing_shard", "index_not_json"):
+        shards = {"model.norm.weight": "model-00002-of-00002.safetensors"}
+        text = "{weight_map" if case == "index_not_json" else json.dumps({"weight_map": shards})
+        (tmp_path / "model.safetensors.index.json").write_text(text)
+    if case == "config_not_json":
+        (tmp_path / "config.json").write_text("{'model_type': 'deepseek_v2'")
+    if case == "config_without_model_type":
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "model_type"}))
     with pytest.raises(InputError, match=message) as err:
         thm.from_pretrained(name, device="cpu", dtype=torch.bfloat16)
     assert "\n" not in str(err.value)

@@ -86,3 +86,41 @@ def test_prepare_command_and_its_bad_input(source, tmp_path, capsys, monkeypatch
     one_line_error(capsys, ["prepare", "--model", str(source), "--cpu-weight-dtype", "model", "--out", "x"], "choice")
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "bad"), "--model", str(tmp_path / "nowhere")], "nowhere")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.partial-*"))
+
+
+def test_a_store_prepared_in_another_dtype_loads_in_that_dtype(source, tmp_path):
+    """A bf16 checkpoint prepared in fp32: the store's config.json said bf16 (copied), so "auto" loaded fp32 weights
+    into a bf16 model: neither the fp32 nor the bf16 load of the original. Its config now names the dtype it holds."""
+    out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype="int8", **GROUP), torch.float32)
+    want = thm.from_pretrained(
+        source, expert_budget=0.0, device="cpu", dtype=torch.float32, cpu_weight_dtype="int8", **GROUP
+    )
+    model = thm.from_pretrained(out, expert_budget=0.0, device="cpu")
+    assert model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(_logits(model), _logits(want))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ("config", "config.json is missing or changed since the store was prepared; prepare the original again"),
+        ("shard", "model-00001-of-00001.safetensors is missing or changed since the store was prepared"),
+        ("marker", "holds prepared experts \\(\\*.qdata\\) but no hybrid_moe_store.json"),
+    ],
+)
+def test_a_store_changed_after_preparing_is_refused(edit, message, source, tmp_path):
+    """A store's experts were fused, quantised and sized for the config.json it was prepared from: an edited
+    config.json (top-k 4 -> 2) loaded silently with other logits, a store without its marker failed with a
+    message about per-expert tensors. Both are one line now, and so is a shard of another size."""
+    out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype="int8", **GROUP))
+    if edit == "config":
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 2}))
+    if edit == "shard":
+        shard = out / "model-00001-of-00001.safetensors"
+        shard.write_bytes(shard.read_bytes() + b"\0" * 8)
+    if edit == "marker":
+        (out / "hybrid_moe_store.json").unlink()
+    with pytest.raises(InputError, match=message) as err:
+        thm.from_pretrained(out, device="cpu")
+    assert "\n" not in str(err.value)

@@ -35,7 +35,7 @@ from .model_patches import ARCHITECTURES
 from .model_patches.base import check_structure, dense_linears, patch_with_spec
 from .ops.host_memory import advise_huge_pages, fill_in_parallel
 from .ops.quantize import QUANTIZE_ROWS, QuantizedWeight, empty_cpu_format, set_expert
-from .prepared import check_request, config_for, expert_keys, read_marker, write_store
+from .prepared import MARKER, check_request, config_for, expert_keys, read_marker, write_store
 from .runtime.expert_store import HostWeight
 
 if TYPE_CHECKING:
@@ -85,7 +85,11 @@ def from_pretrained(
         config = source.host_config(config)
     else:
         directory = local_directory(str(name_or_path))
-        model_config = AutoConfig.from_pretrained(directory)
+        try:
+            model_config = AutoConfig.from_pretrained(directory)
+        except (OSError, ValueError) as err:  # malformed JSON, no model_type, a type transformers does not know
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise InputError(f"{directory}/config.json cannot be read ({first}); write it again") from None
         if model_config.model_type not in ARCHITECTURES:
             raise InputError(
                 f"{name_or_path}: model type {model_config.model_type!r} is not supported; supported: "
@@ -206,6 +210,8 @@ def _mapped_embedding(model: torch.nn.Module, checkpoint: Checkpoint) -> set[str
     key, shard = checkpoint.source[name]
     if shard.tensors[key][:2] != (embedding.weight.dtype, tuple(embedding.weight.shape)):
         return set()
+    if (shard.start + shard.tensors[key][2]) % embedding.weight.dtype.itemsize:  # a header not padded to 8 bytes
+        return set()
     # save_pretrained into the checkpoint's own directory is safe: safetensors writes a new file and renames it
     # over the old, whose mapping stays valid (tested).
     embedding.weight.data = shard.map(key)
@@ -251,8 +257,21 @@ class Checkpoint:
         )
 
         index = directory / "model.safetensors.index.json"
+        self.index_dtype: torch.dtype | None = None  # the index's metadata dtype, which transformers' "auto" takes
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                meta = json.loads(index.read_text())
+                files = sorted(set(meta["weight_map"].values()))
+                named = (meta.get("metadata") or {}).get("dtype")
+                self.index_dtype = getattr(torch, named) if named is not None else None
+            except (ValueError, KeyError, TypeError, AttributeError) as err:
+                raise InputError(
+                    f"{index} is not a safetensors index ({type(err).__name__}: {err}); write it again"
+                ) from None
+            if absent := [f for f in files if not (directory / f).is_file()]:
+                raise InputError(
+                    f"{index} names {len(absent)} file(s) not in {directory} (first: {absent[0]}); fetch every shard"
+                )
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
             if not files:
@@ -271,8 +290,8 @@ class Checkpoint:
         self.source: dict[str, tuple[str, Shard]] = {}  # model-side name -> (checkpoint key, shard)
         # per-expert tensors by layer prefix: {prefix: [(expert, role, source)]}, indexed once for all layers
         self.per_expert: dict[str, list[tuple[int, str, tuple[str, Shard]]]] = defaultdict(list)
-        for file in files:
-            shard = Shard(directory / file)
+        self.shards = [Shard(directory / file) for file in files]
+        for shard in self.shards:
             for key in shard.tensors:
                 name = key
                 for pattern, target in renamings:
@@ -280,12 +299,20 @@ class Checkpoint:
                 self.source[name] = (key, shard)
                 if match := _PER_EXPERT.fullmatch(name):
                     self.per_expert[match["prefix"]].append((int(match["expert"]), _ROLE[match["proj"]], (key, shard)))
+        if not quantised_store and any(name.endswith(".qdata") for name in self.source):
+            raise InputError(
+                f"{directory} holds prepared experts (*.qdata) but no {MARKER}; prepare the original checkpoint again"
+            )
 
     def stored_dtype(self) -> torch.dtype:
-        """The dtype of the checkpoint's first floating tensor (what transformers' dtype="auto" takes when
-        config.json names none); fp32 where it holds none."""
-        dtypes = (shard.tensors[key][0] for key, shard in self.source.values())
-        return next((dtype for dtype in dtypes if dtype.is_floating_point), torch.float32)
+        """What transformers' dtype="auto" takes when config.json names none: the index's metadata dtype, else the
+        first floating tensor by name in the first file (fp8 skipped); fp32 where there is none. A mixed checkpoint
+        (bf16 with an fp32 router) loads in the same dtype as transformers'."""
+        if self.index_dtype is not None:
+            return self.index_dtype
+        first = self.shards[0].tensors
+        dtypes = (first[key][0] for key in sorted(first))
+        return next((d for d in dtypes if d.is_floating_point and d.itemsize > 1), torch.float32)
 
     def expert_layout(self, name: str, experts: torch.nn.Module) -> ExpertSources:
         """Where layer `name`'s experts are in the checkpoint, checked against the model's shapes."""
@@ -423,6 +450,21 @@ class Checkpoint:
                 f"checkpoint {self.directory} lacks {len(missing)} of the model's weights (first: "
                 f"{missing[0]}); config.json and the weights disagree"
             )
+        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        unused = [  # neither a model tensor nor an expert's: read by nothing (transformers lists them too)
+            name
+            for name in self.source
+            if name not in state
+            and not _PER_EXPERT.fullmatch(name)
+            and not name.endswith((".qdata", ".qscale"))
+            and not any(p.search(name) for p in ignored)
+        ]
+        if unused:
+            warnings.warn(
+                f"checkpoint {self.directory} holds {len(unused)} tensor(s) the model does not use (first: "
+                f"{unused[0]}), left unread; check that config.json describes these weights",
+                stacklevel=3,
+            )
         with torch.no_grad():
             for first, *others in tqdm(stored, desc="loading dense weights", unit="tensor", leave=False):
                 key, shard = self.source[first]
@@ -454,20 +496,41 @@ class Shard:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        file_size = path.stat().st_size
         with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
+            head = f.read(8)
+            size = int.from_bytes(head, "little")
+            try:
+                if len(head) < 8 or size > file_size - 8:  # a git-lfs pointer, an HTML error page, an empty file
+                    raise ValueError(f"its first 8 bytes give a {size}-byte header in a {file_size}-byte file")
+                header = json.loads(f.read(size))
+                if not isinstance(header, dict):
+                    raise ValueError("its header is not a JSON object")
+            except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise InputError(
+                    f"{path} is not a safetensors file ({err}); a git-lfs pointer? fetch the real file "
+                    "(git lfs pull) or write it again"
+                ) from None
         header.pop("__metadata__", None)
         self.start = 8 + size
         self.tensors: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}  # key -> (dtype, shape, offset)
         for key, entry in header.items():
-            if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                raise InputError(f"{path}: tensor {key} has dtype {entry['dtype']}, which this loader does not read")
-            dtype, shape = _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"])
-            begin, stop = entry["data_offsets"]
+            try:
+                named, shape, (begin, stop) = (
+                    entry["dtype"],
+                    tuple(int(n) for n in entry["shape"]),
+                    entry["data_offsets"],
+                )
+            except (KeyError, TypeError, ValueError):
+                raise InputError(
+                    f"{path}: tensor {key}'s header entry is malformed: the file is corrupt; write it again"
+                ) from None
+            if named not in _SAFETENSORS_DTYPES:
+                raise InputError(f"{path}: tensor {key} has dtype {named}, which this loader does not read")
+            dtype = _SAFETENSORS_DTYPES[named]
             if stop - begin != torch.Size(shape).numel() * dtype.itemsize or begin < 0:
                 raise InputError(
-                    f"{path}: tensor {key}'s header gives {stop - begin} bytes at offset {begin} for {entry['dtype']} "
+                    f"{path}: tensor {key}'s header gives {stop - begin} bytes at offset {begin} for {named} "
                     f"{list(shape)}: the file is corrupt; write it again"
                 )
             self.tensors[key] = (dtype, shape, begin)

@@ -10,6 +10,7 @@ into the store, expert by expert with no conversion: start-up is bounded by read
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -30,7 +31,9 @@ _NOT_COPIED = (".safetensors", ".safetensors.index.json", ".gguf", ".bin", ".pt"
 
 
 def read_marker(directory: Path) -> tuple[str, int] | None:
-    """(cpu_weight_dtype, group size) of a prepared store's experts; None for an ordinary checkpoint."""
+    """(cpu_weight_dtype, group size) of a prepared store's experts; None for an ordinary checkpoint. A store
+    whose files changed since it was written (sizes, config.json's bytes) is refused: its experts were fused,
+    quantised and sized for what config.json said then."""
     path = directory / MARKER
     if not path.is_file():
         return None
@@ -39,9 +42,24 @@ def read_marker(directory: Path) -> tuple[str, int] | None:
         fmt, group = meta["cpu_weight_dtype"], int(meta["group_size"])
         if meta["version"] != VERSION or fmt not in ("bfloat16", "int8", "int4"):
             raise ValueError(f"version {meta['version']}, format {fmt!r}")
+        files = dict(meta.get("files", {}))  # stores written before 2026-11-30 record none
     except (ValueError, KeyError, TypeError) as err:
         raise InputError(f"{path} is not a prepared-store marker this version reads ({err}); prepare again") from None
+    if changed := next((name for name, want in files.items() if _fingerprint(directory / name) != want), None):
+        raise InputError(
+            f"{directory}: {changed} is missing or changed since the store was prepared; prepare the original again"
+        )
     return fmt, group
+
+
+def _fingerprint(path: Path) -> str | None:
+    """What the marker records of a store's file: config.json's digest, a weight file's size (reading every shard
+    at each start would cost as much as the loading); None where the file is missing."""
+    if not path.is_file():
+        return None
+    if path.suffix == ".json":
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    return str(path.stat().st_size)
 
 
 def config_for(config: HybridMoEConfig, prepared: tuple[str, int], directory: Path) -> HybridMoEConfig:
@@ -101,11 +119,17 @@ def write_store(model: torch.nn.Module, source: Path, out: Path, config: HybridM
         for file in source.iterdir():
             if file.is_file() and not file.name.endswith(_NOT_COPIED):  # config, tokenizer, generation config
                 shutil.copy2(file, partial / file.name)
+        if (config_file := partial / "config.json").is_file():  # the dtype the store holds, which "auto" reads
+            settings = json.loads(config_file.read_text())
+            settings.pop("torch_dtype", None)
+            config_file.write_text(json.dumps({**settings, "dtype": str(model.dtype).removeprefix("torch.")}, indent=2))
+        weights = [f for f in partial.iterdir() if f.name.endswith(".safetensors") or f.name == "config.json"]
         meta = {
             "version": VERSION,
             "cpu_weight_dtype": config.cpu_weight_dtype,
             "group_size": config.cpu_weight_group_size,
             "source": str(source),
+            "files": {f.name: _fingerprint(f) for f in sorted(weights)},
         }
         (partial / MARKER).write_text(json.dumps(meta, indent=1))
         if out.exists():

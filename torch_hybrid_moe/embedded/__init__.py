@@ -89,7 +89,16 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
                     f"transformers cannot read the tokenizer in {path.name} ({type(err).__name__}: {err}); put the "
                     "model's tokenizer.json and tokenizer_config.json beside it"
                 ) from None
-        return AutoTokenizer.from_pretrained(resolve_model(name))
+        try:
+            return AutoTokenizer.from_pretrained(resolve_model(name))
+        except InputError:  # resolve_model's own one line
+            raise
+        except ValueError as err:  # a checkpoint saved without its tokenizer (save_pretrained of a model alone)
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise InputError(
+                f"no tokenizer transformers can build in {name} ({first}); put the model's tokenizer files "
+                "(tokenizer.json, tokenizer_config.json) beside its weights"
+            ) from None
 
 
 @contextmanager
