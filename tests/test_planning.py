@@ -1,6 +1,7 @@
 """`hybrid-moe plan`: the shapes it reads from a config against the real model's tensors (parameters counted, a KV
 cache filled), its memory arithmetic by hand, and every door with bad input."""
 
+import inspect
 from dataclasses import replace
 
 import pytest
@@ -29,7 +30,9 @@ def test_summary_matches_the_built_model(arch):
     assert s.lookup_weights == (0 if lookup.data_ptr() == head.data_ptr() else lookup.numel())
     cache, tokens = DynamicCache(config=model.config), 7
     with torch.no_grad():
-        model(torch.randint(3, 90, (1, tokens)), cache=cache, use_cache=True)
+        # transformers 5.17 (the GPU box's) calls it `past_key_values` and ignores `cache`
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        model(torch.randint(3, 90, (1, tokens)), **{name: cache}, use_cache=True)
     held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
     assert held == s.kv_bytes_per_token * tokens
 

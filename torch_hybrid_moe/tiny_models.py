@@ -105,9 +105,11 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
     """A randomly initialised causal LM whose experts decide its tokens: the experts, shared experts and routers are
     drawn at fan-in scale (std 1 / sqrt(fan-in)). At transformers' std of 0.02 the routed experts added under 1% to the
     residual stream, and zeroing them all left most greedy tokens unchanged: a test comparing tokens could not see a
-    broken expert. DeepSeek-V3's score-correction bias is randomised too."""
+    broken expert. DeepSeek-V3's score-correction bias is randomised too. Drawn in fp32 and rounded to `dtype`, so
+    that every dtype holds the same model: drawn in bf16, torch 2.11 with transformers 5.17 gave other weights
+    altogether (the GPU box's bf16 tests then compared two unrelated models)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".experts." in name or ".shared_expert" in name or name.endswith("mlp.gate.weight"):
@@ -115,7 +117,11 @@ def random_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = t
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.uniform_(-0.1, 0.1)
-    return model
+    if dtype == torch.float32:
+        return model
+    rounded = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    rounded.load_state_dict(model.state_dict())  # copied into its own tensors: the dtypes transformers gives them
+    return rounded
 
 
 TINY_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
