@@ -57,9 +57,12 @@ def _stored(value: torch.Tensor, qtype: Q) -> tuple[np.ndarray, torch.Tensor]:
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(value.shape)
 
 
-def write_gguf(model: torch.nn.Module, path: Path, experts: Q = Q.Q8_0, dense: Q = Q.Q8_0, parts: int = 1) -> dict:
+def write_gguf(
+    model: torch.nn.Module, path: Path, experts: Q = Q.Q8_0, dense: Q = Q.Q8_0, parts: int = 1, rope_factor: float = 0
+) -> dict:
     """Write `model` as convert_hf_to_gguf.py lays it out (dense 2-D weights in `dense` where their rows are whole
-    blocks, the rest F32); the state dict of the values the file holds, in the model's layout."""
+    blocks, the rest F32); the state dict of the values the file holds, in the model's layout. `rope_factor`: a
+    yarn scaling factor in the file's metadata (0: none, as for these models)."""
     cfg = model.config
     arch = GGUF_ARCH[cfg.model_type]
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
@@ -104,6 +107,9 @@ def write_gguf(model: torch.nn.Module, path: Path, experts: Q = Q.Q8_0, dense: Q
             writer.add_head_count(cfg.num_attention_heads)
             writer.add_expert_used_count(cfg.num_experts_per_tok)
             writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+            if rope_factor:
+                writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+                writer.add_rope_scaling_factor(rope_factor)
             if cfg.model_type in ("deepseek_v2", "deepseek_v3"):  # as convert_hf_to_gguf.py's DeepSeek models
                 sigmoid = cfg.model_type == "deepseek_v3"
                 writer.add_expert_gating_func(gguf.ExpertGatingFuncType(2 if sigmoid else 1))
@@ -267,6 +273,11 @@ def test_bad_files_fail_in_one_line_naming_what_to_do(tmp_path):
         config.save_pretrained(path.parent)
 
     assert "holds an LM head of its own (output.weight), but config.json ties it" in _bad(tmp_path / "j", tied_config)
+
+    (tmp_path / "k").mkdir()  # a long-context (yarn) file beside its base model's config: positions rotate otherwise
+    write_gguf(_model("qwen3_moe"), tmp_path / "k" / "model.gguf", rope_factor=4.0)
+    with pytest.raises(InputError, match="qwen3moe.rope.scaling.factor = 4.0, config.json rope factor = 1.0"):
+        thm.from_pretrained(tmp_path / "k" / "model.gguf", device="cpu")
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,8 @@ _SETTINGS: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
     ("attention.head_count_kv", "num_key_value_heads", lambda c: getattr(c, "num_key_value_heads", None)),
     ("attention.layer_norm_rms_epsilon", "rms_norm_eps", lambda c: getattr(c, "rms_norm_eps", None)),
     ("rope.freq_base", "rope_theta", lambda c: (getattr(c, "rope_parameters", None) or {}).get("rope_theta")),
+    # a file of a long-context variant (yarn) beside its base model's config, whose positions rotate otherwise
+    ("rope.scaling.factor", "rope factor", lambda c: (getattr(c, "rope_parameters", None) or {}).get("factor", 1.0)),
     ("expert_weights_scale", "routed_scaling_factor", lambda c: getattr(c, "routed_scaling_factor", None)),
     ("expert_group_count", "n_group", lambda c: getattr(c, "n_group", None)),
     ("expert_group_used_count", "topk_group", lambda c: getattr(c, "topk_group", None)),
