@@ -100,6 +100,44 @@ def test_what_generate_does_beyond_an_argmax_is_generates(reference_models, case
     assert not torch.equal(thm.greedy_generate(model, x, 10), want)
 
 
+@pytest.mark.slow
+def test_left_padding_whose_pad_token_ends_sequences_needs_the_mask(reference_models) -> None:
+    """A pad token that is an end token too (Qwen's, the embedded models'): generate() cannot infer a mask from it,
+    so the plain loop ran over the left padding unmasked and silently gave other tokens than the masked reference.
+    With the tokenizer's attention_mask the tokens are the reference's; without it, such a batch is refused."""
+    ref = copy.deepcopy(reference_models["mixtral"])
+    pad = ref.generation_config.eos_token_id = ref.generation_config.pad_token_id = 2
+    x, mask = prompts(3), torch.ones(3, 6, dtype=torch.long)
+    x[1, :2], mask[1, :2] = pad, 0
+    x[2, :4], mask[2, :4] = pad, 0
+    want = ref.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(
+        want, ref.generate(x, attention_mask=torch.ones_like(mask), max_new_tokens=8, do_sample=False)
+    )
+    model = patched_copy(ref, expert_budget=0.0)
+    assert torch.equal(thm.greedy_generate(model, x, 8, attention_mask=mask), want)
+    with pytest.raises(InputError, match="different numbers of the pad token 2, which is an end token too"):
+        thm.greedy_generate(model, x, 8)
+    same = prompts(3)
+    same[:, 0] = pad  # one leading pad token in every row (a bos that is the pad token): no padding to see
+    thm.greedy_generate(model, same, 2)
+
+
+@pytest.mark.slow
+def test_no_end_tokens_stay_none_when_generate_takes_the_call(reference_models) -> None:
+    """eos_token_id=[] means none; handed to generate() (a padded batch) it became None, and generate() took the
+    model's own end token back, stopping a row the reference (eos_token_id=[]) continues."""
+    ref = copy.deepcopy(reference_models["mixtral"])
+    x, mask = prompts(2), torch.ones(2, 6, dtype=torch.long)
+    x[1, :2], mask[1, :2] = 1, 0
+    free = ref.generate(x, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=[], pad_token_id=1)
+    ref.generation_config.eos_token_id = int(free[1, 6 + 2])  # row 1's third new token ends it under the model's
+    want = ref.generate(x, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=[], pad_token_id=1)
+    assert torch.equal(want, free)
+    model = patched_copy(ref, expert_budget=0.0)
+    assert torch.equal(thm.greedy_generate(model, x, 10, eos_token_id=[], pad_token_id=1, attention_mask=mask), want)
+
+
 @pytest.mark.parametrize(("field", "value"), [("max_time", 60.0), ("stop_strings", ["def"])])
 def test_stopping_criteria_beyond_the_end_tokens_take_generate(reference_models, field, value) -> None:
     """generate() stops on a time limit or a stop string; the plain loop knows neither, so it hands them over."""
@@ -177,6 +215,8 @@ def test_greedy_tokens_refuses_what_is_not_rows_of_logits(kernel, logits) -> Non
         (lambda m: thm.greedy_generate(m, prompts(), 4, pad_token_id=10**6), "pad_token_id must be a token id"),
         (lambda m: thm.greedy_generate(m, prompts(), 4, pad_token_id=True), "pad_token_id must be a token id"),
         (lambda m: thm.greedy_generate(m, prompts().to(torch.int8), 4), "input_ids must be an int64 / int32"),
+        (lambda m: thm.greedy_generate(m, prompts(), 4, attention_mask=torch.ones(2, 5)), "of input_ids' shape"),
+        (lambda m: thm.greedy_generate(m, prompts(), 4, attention_mask=torch.full((2, 6), 2)), "hold 0 \\(padding\\)"),
     ],
 )
 def test_bad_input_is_refused_before_anything_runs(reference_models, call, message) -> None:

@@ -69,20 +69,28 @@ def greedy_generate(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
+    attention_mask: torch.Tensor | None = None,
     streamer: BaseStreamer | None = None,
 ) -> torch.Tensor:
-    """The prompt `input_ids` ([batch, length], rows of one length, no padding) followed by up to `max_new_tokens`
-    greedy tokens, as `model.generate(input_ids, do_sample=False, max_new_tokens=...)` returns them: a row that
+    """The prompt `input_ids` ([batch, length]) followed by up to `max_new_tokens` greedy tokens, as
+    `model.generate(input_ids, attention_mask=..., do_sample=False, max_new_tokens=...)` returns them: a row that
     produced an end token (`eos_token_id`, default the model's generation config's; [] for none) continues with
-    `pad_token_id` until every row has, which ends the call. `streamer` gets the prompt, then each step's tokens,
-    as `generate()` gives them. For a model patched by torch_hybrid_moe."""
-    eos, pad = _check(model, input_ids, max_new_tokens, eos_token_id, pad_token_id)
-    if input_ids.device.type != "cpu" or _beyond_argmax(model.generation_config, input_ids, eos, pad):
-        config = copy.deepcopy(model.generation_config)  # the end tokens as resolved here: none stays none
-        config.eos_token_id, config.pad_token_id = list(eos) or None, pad
+    `pad_token_id` until every row has, which ends the call. Padded rows (the tokenizer's `attention_mask` with
+    zeros) go to `generate()`. `streamer` gets the prompt, then each step's tokens, as `generate()` gives them. For a
+    model patched by torch_hybrid_moe."""
+    eos, pad = _check(model, input_ids, max_new_tokens, eos_token_id, pad_token_id, attention_mask)
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if padded or input_ids.device.type != "cpu" or _beyond_argmax(model.generation_config, input_ids, eos, pad):
+        config = copy.deepcopy(model.generation_config)  # the end tokens as resolved here: [] stays none
+        config.eos_token_id, config.pad_token_id = list(eos), pad  # (None would let generate() take the model's)
         hf: Any = model  # generate() is GenerationMixin's, which PreTrainedModel's type does not include
         return hf.generate(
-            input_ids, generation_config=config, do_sample=False, max_new_tokens=max_new_tokens, streamer=streamer
+            input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            streamer=streamer,
         )
     batch, length = input_ids.shape
     text_config = model.config.get_text_config(decoder=True)
@@ -173,6 +181,7 @@ def _check(
     max_new_tokens: object,
     eos_token_id: int | Sequence[int] | None,
     pad_token_id: int | None,
+    attention_mask: object = None,
 ) -> tuple[tuple[int, ...], int | None]:
     """The end tokens and the pad token to use, or InputError before anything runs."""
     if not is_patched(model):
@@ -214,4 +223,18 @@ def _check(
         raise InputError(f"pad_token_id must be a token id below the vocabulary size {vocab}, got {pad!r}")
     if pad is None and eos:
         pad = eos[0]  # as generate() does
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise InputError("attention_mask must be a tensor of input_ids' shape: pass the tokenizer's")
+        if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise InputError("attention_mask must hold 0 (padding) and 1 (token) only: pass the tokenizer's")
+    elif pad is not None and pad in eos and len(input_ids) > 1:
+        # generate() cannot tell padding from tokens when the pad token ends a sequence too (Qwen's and the
+        # embedded models' do), and runs over it unmasked: rows that start with different runs of it are padded
+        leading = (input_ids == pad).int().cumprod(dim=1).sum(dim=1)
+        if bool((leading != leading[0]).any()):
+            raise InputError(
+                f"rows of input_ids start with different numbers of the pad token {pad}, which is an end token too: "
+                "padding no mask can be inferred from; pass attention_mask (the tokenizer's)"
+            )
     return eos, pad
