@@ -216,6 +216,7 @@ def _break(path, edit):
         ("header_not_tensors", "tensor a's header entry is malformed"),
         ("index_names_missing_shard", "names 1 file\\(s\\) not in .*fetch every shard"),
         ("index_not_json", "is not a safetensors index"),
+        ("index_names_nothing", "is not a safetensors index \\(ValueError: its weight_map names no file\\)"),
         ("config_not_json", "config.json cannot be read"),
         ("config_without_model_type", "config.json cannot be read"),
     ],
@@ -258,8 +259,8 @@ def test_bad_checkpoints_fail_in_one_line(case, message, tmp_path, monkeypatch):
         (tmp_path / "model.safetensors").write_bytes(b"")
     if case == "header_not_tensors":
         (tmp_path / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b'{"a": 1}')
-    if case in ("index_names_missing_shard", "index_not_json"):
-        shards = {"model.norm.weight": "model-00002-of-00002.safetensors"}
+    if case in ("index_names_missing_shard", "index_not_json", "index_names_nothing"):
+        shards = {} if case == "index_names_nothing" else {"model.norm.weight": "model-00002-of-00002.safetensors"}
         text = "{weight_map" if case == "index_not_json" else json.dumps({"weight_map": shards})
         (tmp_path / "model.safetensors.index.json").write_text(text)
     if case == "config_not_json":

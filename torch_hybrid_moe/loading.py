@@ -262,6 +262,8 @@ class Checkpoint:
             try:
                 meta = json.loads(index.read_text())
                 files = sorted(set(meta["weight_map"].values()))
+                if not files:
+                    raise ValueError("its weight_map names no file")
                 named = (meta.get("metadata") or {}).get("dtype")
                 self.index_dtype = getattr(torch, named) if named is not None else None
             except (ValueError, KeyError, TypeError, AttributeError) as err:
