@@ -145,9 +145,9 @@ def batched_steps(trace: Trace, batch: int) -> Iterator[tuple[bool, int, dict[in
     forward, steps = _forward_steps(trace, batch)
     bins = len(steps) * num_experts
     tokens = torch.bincount(forward, minlength=len(steps)).tolist()
+    at = forward[:, None] * num_experts  # each row's step's first bin
     per_layer = {}
     for layer, t in trace.layers.items():
-        at = forward[:, None] * num_experts
         counts = torch.bincount((at + t.topk_ids.long()).flatten(), minlength=bins)
         scores = torch.bincount((at + t.score_ids.long()).flatten(), t.scores.float().flatten(), bins)
         per_layer[layer] = (counts.view(-1, num_experts).tolist(), scores.view(-1, num_experts).tolist())
