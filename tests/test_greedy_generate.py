@@ -138,6 +138,18 @@ def test_no_end_tokens_stay_none_when_generate_takes_the_call(reference_models) 
     assert torch.equal(thm.greedy_generate(model, x, 10, eos_token_id=[], pad_token_id=1, attention_mask=mask), want)
 
 
+@pytest.mark.slow
+def test_more_batch_sizes_than_the_step_keeps_graphs_for_compile_afresh(reference_models, monkeypatch) -> None:
+    """Each batch size is a graph of the compiled step; past the number it keeps (Dynamo's default limit, 8, failed
+    a ninth batch size in one process) it drops them and compiles again, with the same tokens."""
+    ref = reference_models["mixtral"]
+    model = patched_copy(ref, expert_budget=0.0)
+    monkeypatch.setattr(generation, "_STEP_GRAPHS", 1)
+    for batch in (1, 3, 1):
+        x = prompts(batch=batch)
+        assert torch.equal(thm.greedy_generate(model, x, 3), ref.generate(x, max_new_tokens=3, do_sample=False))
+
+
 @pytest.mark.parametrize(("field", "value"), [("max_time", 60.0), ("stop_strings", ["def"])])
 def test_stopping_criteria_beyond_the_end_tokens_take_generate(reference_models, field, value) -> None:
     """generate() stops on a time limit or a stop string; the plain loop knows neither, so it hands them over."""

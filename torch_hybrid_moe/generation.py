@@ -36,6 +36,7 @@ from .runtime.decode_replay import DecodeReplay
 _CACHE_LENGTHS: weakref.WeakKeyDictionary[PreTrainedModel, int] = weakref.WeakKeyDictionary()
 _MIN_CACHE = 256
 _KEPT_CACHE = 8192
+_STEP_GRAPHS = 64  # graphs the compiled step keeps before it starts over (_compiled_next_tokens)
 _POSITION_BLOCK = 256  # decode steps whose positions are made at a time
 # What generate(do_sample=False) does beyond a plain argmax when a generation config sets it (field, its no-op value):
 # a logits processor (penalties, forced or suppressed tokens, a minimum length), beam search, or a stopping criterion.
@@ -83,15 +84,9 @@ def greedy_generate(
     if padded or input_ids.device.type != "cpu" or _beyond_argmax(model.generation_config, input_ids, eos, pad):
         config = copy.deepcopy(model.generation_config)  # the end tokens as resolved here: [] stays none
         config.eos_token_id, config.pad_token_id = list(eos), pad  # (None would let generate() take the model's)
+        config.do_sample, config.max_new_tokens = False, max_new_tokens  # in the config: generate() warns of both
         hf: Any = model  # generate() is GenerationMixin's, which PreTrainedModel's type does not include
-        return hf.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            streamer=streamer,
-        )
+        return hf.generate(input_ids, attention_mask=attention_mask, generation_config=config, streamer=streamer)
     batch, length = input_ids.shape
     text_config = model.config.get_text_config(decoder=True)
     need = length + max_new_tokens
@@ -101,7 +96,7 @@ def greedy_generate(
     size = max(need, min(size, getattr(text_config, "max_position_embeddings", None) or size))
     forward = _ForwardNames(type(model))
     cache = {forward.cache: StaticCache(config=text_config, max_cache_len=size)}
-    step = DecodeReplay(model, functools.partial(_compiled_step(), model))
+    step = DecodeReplay(model, functools.partial(_compiled_next_tokens, model))
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype) if eos else None
     pad_ids = torch.tensor(pad if pad is not None else 0, dtype=input_ids.dtype)
     unfinished = torch.ones(batch, 1, dtype=torch.bool)
@@ -157,10 +152,21 @@ def next_tokens(model: PreTrainedModel, **inputs: object) -> torch.Tensor:
     return torch.ops.hybrid_moe.greedy_tokens(logits[:, -1])[:, None]
 
 
+def _compiled_next_tokens(model: PreTrainedModel, **inputs: object) -> torch.Tensor:
+    """`next_tokens` through its compiled step, which keeps up to _STEP_GRAPHS graphs (one per batch size, cache
+    length and set of live layer handles) and past that drops them all and compiles afresh, where Dynamo would
+    fail at its default limit (8: a ninth batch size in one process)."""
+    with torch._dynamo.config.patch(recompile_limit=_STEP_GRAPHS):
+        try:
+            return _compiled_step()(model, **inputs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the step ran: nothing to undo
+            torch._dynamo.eval_frame.reset_code(next_tokens.__code__)
+            return _compiled_step()(model, **inputs)
+
+
 @functools.cache
 def _compiled_step() -> Callable[..., torch.Tensor]:
-    """`next_tokens` compiled once per process with the hybrid_moe backend (a CPU step: its wrapper in C++); Dynamo
-    keeps a graph per model."""
+    """`next_tokens` compiled once per process with the hybrid_moe backend (a CPU step: its wrapper in C++)."""
     return torch.compile(
         next_tokens, backend="hybrid_moe", fullgraph=True, dynamic=False, options=dict(CPU_DECODE_OPTIONS)
     )
