@@ -176,6 +176,17 @@ def test_cli_user_errors_are_one_line(argv, match, tmp_path, capsys):
     assert not (tmp_path / "t.safetensors").exists()
 
 
+def test_a_model_that_is_not_there_is_refused_before_the_kernel_build(tmp_path, capsys, monkeypatch):
+    """On a fresh machine the kernel's first build takes minutes: a mistyped model must not wait for it."""
+    from torch_hybrid_moe.ops import cpu_kernel
+
+    def build() -> None:
+        raise AssertionError("the kernel was built before the model was looked for")
+
+    monkeypatch.setattr(cpu_kernel, "extension", build)
+    one_line_error(capsys, ["generate", "--model", str(tmp_path / "no" / "such")], "not an embedded model")
+
+
 def test_simulate_runs_every_stack_it_can_without_gate_inputs(tmp_path, capsys):
     """A multi-layer trace without gate inputs (synthetic.py's, other tools'): the router-replaying stacks are
     listed as skipped with the reason, the others are reported."""

@@ -1,34 +1,62 @@
 """The kernel build's lock handling (ops/kernel_build.py): torch's loader waits forever on a lock left behind."""
 
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
 from torch_hybrid_moe.ops import kernel_build
 
 
-def test_a_stale_build_lock_is_removed_with_a_warning(tmp_path):
-    lock = tmp_path / "lock"
-    lock.touch()
-    old = time.time() - kernel_build.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
+def test_a_lock_a_killed_build_left_is_removed_at_once(tmp_path):
+    """A process killed while building (Ctrl-C on the first run) leaves torch's lock file, on which torch's loader
+    waits forever; the flock it held went with it, so the next load removes the lock straight away."""
+    child = subprocess.Popen([sys.executable, "-c", _HOLD_AND_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "building"
+    child.kill()
+    child.wait()
     (tmp_path / "other").touch()
-    with pytest.warns(RuntimeWarning, match="interrupted build"):
-        assert kernel_build.clear_stale_lock(tmp_path)
-    assert not lock.exists() and (tmp_path / "other").exists()
+    with pytest.warns(RuntimeWarning, match="interrupted build"), kernel_build.sole_builder(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert (tmp_path / "other").exists()
 
 
-def test_a_recent_lock_or_none_is_left_alone(tmp_path):
-    assert not kernel_build.clear_stale_lock(tmp_path)  # no lock
-    lock = tmp_path / "lock"
-    lock.touch()  # another process building now
-    assert not kernel_build.clear_stale_lock(tmp_path)
-    assert not kernel_build.clear_stale_lock(tmp_path, now=time.time() + kernel_build.STALE_LOCK_S - 60)
-    assert lock.exists()
+_HOLD_AND_LOCK = """
+import sys, time
+from pathlib import Path
+from torch_hybrid_moe.ops import kernel_build
+with kernel_build.sole_builder(Path(sys.argv[1])):
+    (Path(sys.argv[1]) / "lock").touch()  # what torch's loader makes while it builds
+    print("building", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_build_in_progress_is_waited_for_and_its_lock_left_alone(tmp_path, capfd):
+    """While another process builds (holds the flock), a second waits, saying so, and leaves torch's lock to the
+    builder."""
+    holder = os.open(tmp_path / "builder.flock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    (tmp_path / "lock").touch()
+    entered = threading.Event()
+
+    def load() -> None:
+        with kernel_build.sole_builder(tmp_path):
+            entered.set()
+
+    waiter = threading.Thread(target=load)
+    waiter.start()
+    assert not entered.wait(0.5)
+    assert (tmp_path / "lock").exists()
+    (tmp_path / "lock").unlink()  # the builder finishes: its lock goes, then its flock
+    os.close(holder)
+    assert entered.wait(30)
+    waiter.join()
+    assert "waiting for another process building" in capfd.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel")

@@ -131,12 +131,13 @@ def _load_with_tokenizer(
 
 def generate(args: argparse.Namespace) -> int:
     config, dtype = _config(args), _DTYPES[args.dtype]
-    _kernel_ready()
     if args.model.startswith("tiny:"):
         model, tokenizer = load_model(args.model, dtype)
+        _kernel_ready()
         thm.patch_model(model, config)
     else:  # the experts stream from the checkpoint into the store: no second resident copy
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.model)  # a model that is not there is refused before the kernel's build
+        _kernel_ready()
         converting = f", converting experts to {config.cpu_weight_dtype}" if config.cpu_weight_dtype != "model" else ""
         model = _timed(
             f"loading {args.model}{converting}", lambda: thm.from_pretrained(args.model, config, dtype=dtype)

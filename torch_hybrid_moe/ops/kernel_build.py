@@ -7,17 +7,20 @@ all run on the CPU behind the `hybrid_moe::cpu_moe` op (`csrc/cpu_layers.cpp`), 
 The kernel is compiled on first use with torch's own extension builder (g++ and ninja; no CUDA toolkit),
 once per machine and torch version, and cached under torch's extensions directory. Where it cannot be
 built (no compiler) the CPU experts fall back to the per-expert torch loop with one warning. A build lock left by a
-process killed while building is removed once it is clearly stale: torch's loader would wait on it forever.
+process killed while building (Ctrl-C during the first run) is removed at once: torch's loader would wait on it
+forever, saying nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import sys
-import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -31,7 +34,6 @@ _COMPILED = tuple(
 _HEADERS = ("moe_cpu.h", "amx_gemm.h", "rows_kernel.h", "attention_kernel.h")
 _SOURCES = (*_COMPILED, *(_CSRC / name for name in _HEADERS))
 ISA_NAMES = {0: "generic", 1: "avx2", 2: "avx512"}
-STALE_LOCK_S = 30 * 60  # a build takes minutes: a lock this old is one a killed process left behind
 _CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=fast")
 # libstdc++ named as a shared library: a compiler set up to link it statically (the H200 box's /opt/gcc g++ does)
 # puts a second copy of it in the kernel beside the one torch loaded, and every message the kernel formats then
@@ -59,45 +61,57 @@ def extension() -> ModuleType | None:
         build_dir: Path | None = Path(cpp_extension._get_build_directory(name, verbose=False))
     except (AttributeError, TypeError, OSError):
         build_dir = None
-    if build_dir is not None:
-        clear_stale_lock(build_dir)
-        if not (build_dir / f"{name}.so").exists():
+    with contextlib.nullcontext() if build_dir is None else sole_builder(build_dir):
+        if build_dir is not None and not (build_dir / f"{name}.so").exists():
             print(f"torch_hybrid_moe: compiling the CPU kernel into {build_dir} (once; a few minutes)", file=sys.stderr)
-    try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(p) for p in _COMPILED],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
-            verbose=False,
-        )
-    except Exception as err:
-        warnings.warn(
-            f"torch_hybrid_moe: CPU expert kernel unavailable ({err}); using the per-expert torch loop",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+        try:
+            return cpp_extension.load(
+                name=name,
+                sources=[str(p) for p in _COMPILED],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                verbose=False,
+            )
+        except Exception as err:
+            warnings.warn(
+                f"torch_hybrid_moe: CPU expert kernel unavailable ({err}); using the per-expert torch loop",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
 
 
-def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
-    """Remove the build lock in `build_dir` if it is older than STALE_LOCK_S (with a warning), and say whether it did.
-    torch's loader waits, silently and without end, for a lock to go; one that a killed build left goes only by hand.
-    A younger lock is another process building: torch waits for it."""
-    lock = build_dir / "lock"
+@contextlib.contextmanager
+def sole_builder(build_dir: Path) -> Iterator[None]:
+    """Held while torch's loader checks or builds the kernel in `build_dir`: an flock, which the OS drops when its
+    process dies. Every process loading the kernel holds it, so a torch `lock` file found under it was left by a
+    build that was killed; it goes (with a warning) instead of hanging the loader. Another process building now
+    is waited for, saying so."""
     try:
-        age = (time.time() if now is None else now) - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < STALE_LOCK_S:
-        return False
-    lock.unlink(missing_ok=True)
-    warnings.warn(
-        f"torch_hybrid_moe: removed {lock}, a build lock {age / 60:.0f} min old left by an interrupted build",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    return True
+        build_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(build_dir / "builder.flock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:  # a directory it cannot write to: torch's loader says so itself
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(
+                f"torch_hybrid_moe: waiting for another process building the CPU kernel in {build_dir}", file=sys.stderr
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        lock = build_dir / "lock"
+        if lock.exists():
+            lock.unlink(missing_ok=True)
+            warnings.warn(
+                f"torch_hybrid_moe: removed {lock}, a build lock left by an interrupted build",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
 
 
 @functools.cache
