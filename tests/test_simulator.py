@@ -145,6 +145,20 @@ def test_measured_dense_time_replaces_the_blocks_fixed_cost():
     assert r.decode_tok_s == pytest.approx(3 / (3 * (measured.t_dense(1) + COSTS.t_cpu(1))))
 
 
+def test_a_live_stack_plans_with_the_idle_link_a_live_layer_offers_it():
+    """The live runtime gives its schedulers an idle link (runtime/costs.py): ours, replayed, saw the replay's link,
+    ran an expert whose copy was still in flight on the CPU instead of waiting for it, and was priced faster than it
+    runs. Replayed as live, it waits as the default does; a paper's scheduler still plans with the link."""
+    from torch_hybrid_moe.simulator.tuning import ours_over
+
+    trace = tiny_trace([[2], [2]])  # step 1's expert is on the link when the step starts (the test below)
+    assert COSTS.t_cpu(1) < COSTS.t_transfer() - COSTS.t_dense(1)  # so that the CPU is the faster choice
+    live = simulate(trace, ours_over("lru"), COSTS, cache_ratio=0.5)
+    assert live.moe_time_s == simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5).moe_time_s
+    seeing = simulate(trace, replace(ours_over("lru"), live=False), COSTS, cache_ratio=0.5)
+    assert seeing.moe_time_s < live.moe_time_s
+
+
 def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     """Slots start holding experts 0 and 1 (cache ratio 0.5). Step 0 uses 2 (CPU), LRU then copies 2 in;
     step 1 uses 2 on the GPU, which must wait for that copy."""
@@ -155,7 +169,10 @@ def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     t1 = max(t0 + COSTS.t_dense(1), ready) + COSTS.t_gpu(1)
     assert r.moe_time_s == pytest.approx(t1)
     assert (r.hits, r.misses) == (1, 1)
+    assert r.landed_hit_rate == 0.0  # step 1's hit was a slot whose copy was still on the link
     assert r.pcie_gb == pytest.approx(COSTS.expert.nbytes / 1e9)
+    preloaded = simulate(tiny_trace([[0], [2], [2]]), STACKS["lru-cache"], COSTS, cache_ratio=0.5)
+    assert (preloaded.hits, preloaded.misses, preloaded.landed_hit_rate) == (2, 1, pytest.approx(1 / 3))
 
 
 def two_layer_trace(decode_steps: int) -> Trace:
@@ -640,6 +657,42 @@ def test_the_bound_is_at_least_every_stack_that_does_not_see_the_future():
     assert any(s.prefetcher == "residual" for s in guessing) and any(s.cache_policy == "mrs" for s in guessing)
     for stack in guessing:
         assert result.decode_tok_s >= simulate(trace, stack, costs, 1, 0.25, calibration).decode_tok_s, stack
+
+
+def test_the_bound_settles_where_copies_cost_more_than_reuse_saves():
+    """A slow link and skewed, local routing (a random search's find): LFU's slots, a few copies and then none,
+    beat every future-aware cache that keeps copying by 3%; the bound includes caches that settle."""
+    from torch_hybrid_moe.simulator.bound import bound
+    from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.synthetic import synthetic_trace
+    from torch_hybrid_moe.simulator.tuning import ours_over
+
+    shape = dict(num_experts=8, top_k=2, num_layers=2, sequences=4, prompt_tokens=8, new_tokens=24)
+    trace = synthetic_trace(1.5, 0.8, seed=528, **shape)
+    calibration = Calibration.from_trace(trace, synthetic_trace(1.5, 0.8, seed=529, **shape))
+    costs = CostModel(HARDWARE["ktransformers"], EXPERT_SHAPES["mixtral-8x7b"])
+    _, result = bound(trace, costs, 2, 0.25, calibration)
+    for stack in (ours_over("lfu"), STACKS["fiddler"]):
+        assert result.decode_tok_s >= simulate(trace, stack, costs, 2, 0.25, calibration).decode_tok_s, stack
+
+
+def test_the_bound_under_the_graph_is_at_least_the_captured_stacks():
+    """Priced as the captured graph runs a decode step (one grouped GPU call), the live stacks gained on the bound,
+    which was replayed uncaptured (no tensor form): every expert in a slot, ours and the default decoded 1.11x
+    "the bound". Its candidates now also run in the graph's step."""
+    from torch_hybrid_moe.simulator.bound import bound
+    from torch_hybrid_moe.simulator.replay import GraphStep
+    from torch_hybrid_moe.simulator.tuning import ours
+
+    full = Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")
+    trace = full.select(full.sequence < full.sequence.unique()[2])
+    calibration = Calibration.from_trace(trace, Trace.load(TRACES / "mixtral-tiny-heldout-at512.safetensors"))
+    costs, graph = CostModel(HARDWARE["rtx5090"], EXPERT_SHAPES["deepseek-v2-lite"]), GraphStep()
+    limit, result = bound(trace, costs, 1, 1.0, calibration, graph)
+    assert result.decode_tok_s == simulate(trace, limit, costs, 1, 1.0, calibration, graph=graph).decode_tok_s
+    for stack in (ours(8, 1, 0.8), STACKS["lru-cache"]):
+        captured = simulate(trace, stack, costs, 1, 1.0, calibration, graph=graph)
+        assert captured.captured and result.decode_tok_s >= captured.decode_tok_s, stack
 
 
 def test_realistic_traces_have_the_statistics_real_models_show():

@@ -2,14 +2,17 @@
 
 Ours is judged against it, so it is built without reference to ours: its candidates are future-aware caches
 (Belady's, capped at 0, 1, 2, 4 or any number of copies a step; DALI's window ranked by the workload to come, for
-windows of 1-16 steps and bursts of 1, 2, 4 or any number of copies), each under the least step time found
-(`oracle` placement: exhaustive over every assignment up to 10 active experts, local search from the best of the
-cheap rules and the exact makespan optimum beyond; the link's backlog and in-flight copies included; and
+windows of 1-16 steps and bursts of 1, 2, 4 or any number of copies) and two that settle where copies cost more than
+reuse saves (the trace's most used experts pinned, its popularity known ahead; LFU's slots), each under the least
+step time found (`oracle` placement: exhaustive over every assignment up to 10 active experts, local search from the
+best of the cheap rules and the exact makespan optimum beyond; the link's backlog and in-flight copies included; and
 Belady's uncapped slots under the exact optimum of DALI's makespan, the `oracle-cache` stack), with and without
 foresight prefetch of the next layer's real experts (all of them, or the heaviest few). Placement is chosen per
 step, so a later step's state is not optimised: no policy here is proven optimal, and "bound" means the best of
 this family; `simulate` says so where a stack beats it. Every cache runs without prefetch first; the
-`PREFETCH_FINALISTS` fastest, and Belady admitting nothing, run again with it.
+`PREFETCH_FINALISTS` fastest, and Belady admitting nothing, run again with it. Where decode steps are priced as the
+captured graph runs them (`graph`), each candidate also runs so (though none could live): the bound is the better of
+the two, so that the graph's cheaper GPU share never puts a captured stack above it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from tqdm.auto import tqdm
 from ..cost_model import CostModel
 from ..traces import Trace
 from .calibration import Calibration
-from .replay import SimResult, simulate
+from .replay import GraphStep, SimResult, simulate
 from .stacks import STACKS, Stack
 
 BELADY_FILLS = (0, 1, 2, 4, None)  # copies a step may start (None: any)
@@ -57,7 +60,11 @@ def bound_caches(num_experts: int) -> list[Stack]:
         for u in WINDOW_FILLS
     ]
     exact = replace(STACKS["oracle-cache"], name="bound")  # Belady's slots under the exact makespan optimum
-    return [*belady, exact, *windows]
+    settled = [  # few copies, then the slots stay: where copies cost more than any reuse saves
+        Stack("bound", "oracle", "static", True, "the trace's most used experts pinned, least step time found"),
+        Stack("bound", "oracle", "lfu", True, "LFU's slots, least step time found"),
+    ]
+    return [*belady, exact, *windows, *settled]
 
 
 def with_foresight_prefetch(stack: Stack, size: int | None) -> Stack:
@@ -73,19 +80,32 @@ def with_foresight_prefetch(stack: Stack, size: int | None) -> Stack:
 
 
 def bound(
-    trace: Trace, costs: CostModel, batch: int, cache_ratio: float, calibration: Calibration | None = None
+    trace: Trace,
+    costs: CostModel,
+    batch: int,
+    cache_ratio: float,
+    calibration: Calibration | None = None,
+    graph: GraphStep | None = None,
 ) -> tuple[Stack, SimResult]:
-    """The fastest candidate on `trace` itself (foresight may look at the routing it is judged on) and its result."""
-    runs: list[tuple[Stack, SimResult]] = []
+    """The fastest candidate on `trace` itself (foresight may look at the routing it is judged on) and its result;
+    with `graph`, each candidate uncaptured and in the graph's step."""
+    foresight = Calibration.learn(trace, {})  # the pinned candidate's popularity: the judged trace's own
+    runs: list[tuple[Stack, Stack, SimResult]] = []  # (candidate, how it ran, result)
 
     def run(stacks: list[Stack], stage: str) -> None:
-        for s in tqdm(stacks, desc=f"foresight bound, {stage}", unit="stack", leave=False):
-            runs.append((s, simulate(trace, s, costs, batch, cache_ratio, calibration)))
+        ways = [(s, s) for s in stacks]
+        if graph is not None:
+            ways += [(s, replace(s, in_graph=True, description=f"{s.description}, in the graph")) for s in stacks]
+        for s, way in tqdm(ways, desc=f"foresight bound, {stage}", unit="stack", leave=False):
+            learnt = foresight if s.cache_policy == "static" else calibration
+            runs.append((s, way, simulate(trace, way, costs, batch, cache_ratio, learnt, graph=graph)))
 
     caches = bound_caches(trace.meta["num_experts"])
     run(caches, "caches")
-    finalists = [s for s, _ in sorted(runs, key=lambda r: -r[1].decode_tok_s)[:PREFETCH_FINALISTS]]
+    finalists = list(dict.fromkeys(s for s, _, _ in sorted(runs, key=lambda r: -r[2].decode_tok_s)))
+    finalists = finalists[:PREFETCH_FINALISTS]
     if caches[0] not in finalists:  # Belady admitting nothing: slots filled by prefetch alone
         finalists.append(caches[0])
     run([with_foresight_prefetch(s, size) for s in finalists for size in PREFETCH_SIZES], "prefetch")
-    return max(runs, key=lambda r: r[1].decode_tok_s)
+    _, way, result = max(runs, key=lambda r: r[2].decode_tok_s)
+    return way, result

@@ -34,7 +34,7 @@ import torch
 from ..config import HybridMoEConfig
 from ..cost_model import CostModel
 from ..errors import is_count
-from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement, Prefetcher
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, IdleLink, LayerInfo, Placement, Prefetcher
 from ..policies.prefetching import MissingRouter
 from ..policies.requests import RequestActivations
 from ..policies.schedulers import place_step
@@ -57,8 +57,10 @@ class SimResult:
     pcie_gb: float
     cpu_busy: float
     gpu_busy: float
-    hits: int = 0
+    hits: int = 0  # active experts in a slot at the layer's start, as the live layer counts them
     misses: int = 0
+    # hits whose copy had landed by then; the rest waited for it, or ran on the CPU (a scheduler that sees the link)
+    landed_hit_rate: float = 0.0
     prefetch_accuracy: float | None = None  # DALI's metric (`top_workload_overlap`); None without a prefetcher
     planning_us: float = 0.0  # wall time of the policies' decisions per layer step (this machine, Python)
     captured: bool = False  # decode steps replayed as the live CUDA graph runs them (`GraphStep`)
@@ -184,7 +186,7 @@ class _Layer(SlotMap):
         super().__init__(info.num_slots, info.num_experts)
         self.info = info
         self.link = link
-        context = context | {"info": info, "timeline": self}
+        context = context | {"info": info, "timeline": IdleLink() if stack.live else self}
         self.scheduler = SCHEDULERS.create(stack.scheduler, **context)
         self.cache = CACHE_POLICIES.create(stack.cache_policy, **context)
         self.ready = [0.0] * info.num_experts  # when an expert's slot copy is complete
@@ -374,7 +376,7 @@ class _Replay:
         self.cpu_free = 0.0  # when the CPU finishes what it was given (deferred experts run past their layer's end)
         self.pending = 0.0  # when the previous layer's deferred experts are done (0: it deferred none)
         self.cpu_busy = self.gpu_busy = 0.0
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.landed = 0
         self.planning = 0.0  # seconds the policies took to decide
         self.predicted = self.out_of = 0  # the prefetch accuracy's counts (`top_workload_overlap`)
         self.phase_time = {True: 0.0, False: 0.0}  # by is_prefill
@@ -428,7 +430,7 @@ class _Replay:
             self.now = max(self.now, *layer.ready)  # the graph's layer step waits for the layer's copies first
             if not layer.info.full:
                 self._place_on_device(step_no, idx)
-        self.link.now = self.now
+        self.link.now = start = self.now
         self.link.where = (step_no, idx)
         resident = layer.resident()
         plan = self._schedule(layer, counts, resident)
@@ -446,6 +448,7 @@ class _Replay:
         self.pending = self.cpu_free if deferred_time else 0.0
         active = [e for e, c in enumerate(counts) if c]
         layer_hits = sum(resident[e] for e in active)
+        self.landed += sum(resident[e] and layer.ready[e] <= start for e in active)
         self.hits += layer_hits
         self.misses += len(active) - layer_hits
         self._admit(layer, counts, scores, end)
@@ -576,6 +579,7 @@ class _Replay:
             gpu_busy=self.gpu_busy / now if now else 0.0,
             hits=self.hits,
             misses=self.misses,
+            landed_hit_rate=self.landed / max(self.hits + self.misses, 1),
             prefetch_accuracy=self.predicted / self.out_of if self.out_of else None,
             planning_us=self.planning * 1e6 / max(steps * len(self.layers), 1),
             captured=self.graph is not None,

@@ -20,12 +20,18 @@ class Stack:
     # KTransformers' Expert Deferral (approximate): in decode, each token's `deferred` lowest-weight experts
     # finish on the CPU while the next block runs, and only that block's output waits for them
     deferred: int = 0
+    # the bound's hypothetical (simulator/bound.py): replayed as the captured step although it has no tensor form
+    in_graph: bool = False
+    # a stack the live runtime runs (ours, the default, --stack rows): its policies see what a live layer offers
+    # them, an idle link with every copy landed (runtime/costs.py), not the replay's link; a paper's stack plans
+    # with the link as its paper does
+    live: bool = False
 
     @property
     def capturable(self) -> bool:
         """Whether the live decode step can run this stack inside its CUDA graph: its scheduler, cache policy and
-        prefetcher all have tensor forms."""
-        return (
+        prefetcher all have tensor forms (or it is the bound's, replayed there as a hypothetical)."""
+        return self.in_graph or (
             self.scheduler in SCHEDULERS.graph_names()
             and self.cache_policy in CACHE_POLICIES.graph_names()
             and self.prefetcher in PREFETCHERS.graph_names()
@@ -80,6 +86,7 @@ STACKS: dict[str, Stack] = {
             "lru",
             True,
             "cached experts on the GPU, LRU slots (the live default without a captured GPU graph)",
+            live=True,
         ),
         Stack(
             "oracle-cache",

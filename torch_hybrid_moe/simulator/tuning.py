@@ -47,13 +47,14 @@ def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
         True,
         f"queue-aware placement, window cache (w {w_size}, u {u_size}, decay {decay:g})",
         options=(("w_size", w_size), ("u_size", u_size), ("decay", decay)),
+        live=True,
     )
     return with_prefetch(stack, prefetch) if prefetch else stack
 
 
 def ours_over(cache: str) -> Stack:
     """Our placement over another cache policy (`CACHES`), without prefetch."""
-    return Stack("ours", "queue_aware", cache, True, f"queue-aware placement, {cache} cache")
+    return Stack("ours", "queue_aware", cache, True, f"queue-aware placement, {cache} cache", live=True)
 
 
 def with_prefetch(stack: Stack, size: int) -> Stack:
@@ -147,6 +148,7 @@ def oracle_of(stack: Stack) -> Stack:
         name="oracle",
         scheduler="oracle",
         cache_policy="oracle_window",
+        live=False,
         prefetcher="oracle" if stack.prefetcher != "none" else "none",
         description="perfect knowledge: "
         + stack.description.replace("queue-aware", "best-found")
@@ -161,7 +163,11 @@ def foresight(stack: Stack) -> list[Stack]:
     will use (a cache filled from the future workload, or prefetches, can move more experts than they save
     when copies are slow); and Belady's slots with the exact per-step optimum."""
     placed = replace(
-        stack, name="oracle", scheduler="oracle", description="best-found placement over the same cache and prefetch"
+        stack,
+        name="oracle",
+        scheduler="oracle",
+        live=False,  # foresight sees the link
+        description="best-found placement over the same cache and prefetch",
     )
     options = tuple((k, v) for k, v in stack.options if k != "size")
     prefetched = replace(
