@@ -95,6 +95,29 @@ def test_budget_is_whole_slots_and_a_gpu_too_small_gets_no_speeds():
     assert all(p.refused.startswith("the GPU's") and not p.speeds for p in plans)
 
 
+def test_the_stacks_learn_from_other_routing_than_they_are_priced_on(monkeypatch):
+    """`plan` priced Fiddler's pinned experts and MoE-Infinity's past requests learnt from the very sequence replayed
+    (Fiddler 1.4x faster than calibrated on another): they now learn from a second sequence of the same routing
+    statistics and experts' popularity."""
+    from torch_hybrid_moe.simulator.calibration import Calibration
+
+    seen = []
+
+    def replay(trace, stack, costs, batch, ratio, calibration=None):
+        seen.append((trace, calibration))
+        return run(trace, stack, costs, batch, ratio, calibration)
+
+    run = planning.simulate_runnable
+    monkeypatch.setattr(planning, "simulate_runnable", replay)
+    s = _summary()
+    planning.plan(s, 10**12, 10**12, 10, lambda shape: CostModel(HARDWARE["rtx4090"], shape), prompt=16)
+    assert seen
+    for trace, calibration in seen:
+        assert calibration is not None and len(set(trace.sequence.tolist())) == len(calibration.requests) == 1
+        own = Calibration.learn(trace, {})
+        assert not torch.equal(calibration.requests[0], own.requests[0]) and calibration.popularity != own.popularity
+
+
 def test_dense_only_layers_are_priced():
     """A token reads every layer's dense weights, dense-only layers too: a model with one dense-only layer besides
     the same MoE layers and dense weights per layer costs its extra layer's bytes (they were spread over all layers

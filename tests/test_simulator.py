@@ -159,6 +159,23 @@ def test_a_live_stack_plans_with_the_idle_link_a_live_layer_offers_it():
     assert seeing.moe_time_s < live.moe_time_s
 
 
+def test_hybrimoes_cache_changes_only_on_its_transfers():
+    """HybriMoE's MRS is a replacement policy: its slots change when its scheduler fetches or its prefetcher copies
+    an expert in, never by the cache's own background copies (which filled the link and left it at the all-CPU
+    stack's speed). The scores still choose what leaves: the lowest-scored resident expert."""
+    full = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
+    trace = full.select(full.sequence < full.sequence.unique()[2])
+    calibration = Calibration.from_trace(trace, Trace.load(TRACES / "deepseek-tiny-heldout-at512.safetensors"))
+    events: list = []
+    simulate(trace, STACKS["hybrimoe"], COSTS, 1, 0.25, calibration, events=events)
+    kinds = {e.kind for e in events if e.lane == "pcie"}
+    assert kinds and kinds <= {"fetch", "prefetch"}, kinds
+    info = LayerInfo(0, 4, 2, COSTS.expert.nbytes)
+    cache = CACHE_POLICIES.create("mrs_on_transfer", info=info)
+    assert cache.admit([1, 1, 0, 0], [False, False, True, True], [0.9, 0.8, 0.1, 0.0]) == []
+    assert cache.victim([2, 0], keep=set()) == 0  # slot 0: expert 2 (score 0.05) leaves before expert 0 (0.45)
+
+
 def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     """Slots start holding experts 0 and 1 (cache ratio 0.5). Step 0 uses 2 (CPU), LRU then copies 2 in;
     step 1 uses 2 on the GPU, which must wait for that copy."""

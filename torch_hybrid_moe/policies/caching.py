@@ -124,6 +124,18 @@ class MinusRecentScore(RankedCache):
         return self.score[expert]
 
 
+@CACHE_POLICIES.register("mrs_on_transfer")
+class MRSOnTransfer(MinusRecentScore):
+    """MRS as HybriMoE's paper uses it, a replacement policy: the scores advance every step and choose what a
+    transfer (its scheduler's fetches, its prefetches) evicts, and nothing is copied in on the cache's own account.
+    (`mrs`, in ours' tuning space, also admits a missed expert that outranks a resident one: on HybriMoE's stack those
+    background copies filled the link and held up its own fetches, leaving it an all-CPU stack's speed.)"""
+
+    def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
+        self.observe(counts, scores)
+        return []
+
+
 @CACHE_POLICIES.register("dali_window")
 class WorkloadWindow(RankedCache):
     """DALI's workload-aware replacement (Algorithm 2): tokens per expert are summed over a tumbling window of

@@ -52,7 +52,7 @@ STACKS: dict[str, Stack] = {
         Stack(
             "hybrimoe",
             "hybrimoe",
-            "mrs",
+            "mrs_on_transfer",
             True,
             "HybriMoE: simulation scheduler, MRS cache, impact-driven prefetch",
             "impact",
