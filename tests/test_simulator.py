@@ -176,6 +176,17 @@ def test_hybrimoes_cache_changes_only_on_its_transfers():
     assert cache.victim([2, 0], keep=set()) == 0  # slot 0: expert 2 (score 0.05) leaves before expert 0 (0.45)
 
 
+def test_prefetch_accuracy_scores_a_routers_forecast_not_the_copies_it_led_to():
+    """HybriMoE's impact prefetch skips experts already in a slot and copies that gain nothing; scored on its copies,
+    it read as half as accurate as the same router's plain forecast. Scored on the forecast, the two agree."""
+    full = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
+    trace = full.select(full.sequence < full.sequence.unique()[2])
+    calibration = Calibration.from_trace(trace, Trace.load(TRACES / "deepseek-tiny-heldout-at512.safetensors"))
+    impact = simulate(trace, STACKS["hybrimoe"], COSTS, 1, 0.25, calibration)
+    gate = simulate(trace, replace(STACKS["hybrimoe"], prefetcher="gate"), COSTS, 1, 0.25, calibration)
+    assert impact.prefetch_accuracy == gate.prefetch_accuracy > 0.5
+
+
 def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     """Slots start holding experts 0 and 1 (cache ratio 0.5). Step 0 uses 2 (CPU), LRU then copies 2 in;
     step 1 uses 2 on the GPU, which must wait for that copy."""

@@ -161,8 +161,12 @@ class GatePrefetch:
             ((int(c), s, e) for e, (c, s) in enumerate(zip(counts, sums)) if c), key=lambda x: (-x[0], -x[1], x[2])
         )
 
-    def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
+    def forecast(self, hidden: torch.Tensor) -> list[int]:
+        """The `size` experts predicted heaviest, resident or not: what a prefetch accuracy scores."""
         return [e for _, _, e in self.predict(hidden)[: self.size]]
+
+    def select(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor, resident: Sequence[bool]) -> list[int]:
+        return self.forecast(hidden)
 
 
 @PREFETCHERS.register("residual")
