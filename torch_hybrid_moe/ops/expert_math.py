@@ -28,7 +28,8 @@ def accumulate_experts_(
     An id of -1 marks a pair computed elsewhere. Each active expert's weights are read once (a
     QuantizedWeight is dequantised one expert at a time, in fp32 as the C++ kernel computes). With a
     QuantizedWeight, or `rounded` (slots holding dequantised int8 / int4 experts), each projection's input is
-    rounded as the kernel rounds it, so an expert's output does not depend on where it runs.
+    rounded as the kernel rounds it, so in an fp32 model an expert's output does not depend on where it runs (in a
+    bf16 / fp16 one, slots hold and compute in the model's dtype, which the kernel's fp32 does not round to).
     """
     num_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)
