@@ -188,7 +188,7 @@ def test_request_activations_keep_one_matrix_per_request():
 
 def test_calibration_counts_what_the_trace_routed():
     trace = Trace.load(TRACES / "deepseek-tiny-heldout-at512.safetensors")
-    calibration = Calibration.from_trace(trace)
+    calibration = Calibration.from_trace(Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors"), trace)
     for i, (idx, layer) in enumerate(trace.layers.items()):
         assert calibration.popularity[idx] == torch.bincount(layer.topk_ids.long().flatten(), minlength=32).tolist()
         assert sum(r[i] for r in calibration.requests).tolist() == calibration.popularity[idx]

@@ -187,6 +187,17 @@ def test_prefetch_accuracy_scores_a_routers_forecast_not_the_copies_it_led_to():
     assert impact.prefetch_accuracy == gate.prefetch_accuracy > 0.5
 
 
+def test_moe_infinity_never_holds_a_request_before_it_is_served():
+    """Calibrated on the trace replayed (the CLI's default), MoE-Infinity's collection held every request of it
+    before serving any (1.3x faster than with held-out calibration); it now starts empty and gathers them as they
+    finish. A separate calibration trace gives it that trace's requests."""
+    full = Trace.load(TRACES / "mixtral-tiny-heldout-at0.safetensors")
+    trace = full.select(full.sequence < full.sequence.unique()[3])
+    assert Calibration.from_trace(trace).requests == []
+    held = Trace.load(TRACES / "mixtral-tiny-heldout-at512.safetensors")
+    assert len(Calibration.from_trace(trace, held).requests) == len(held.sequence.unique())
+
+
 def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     """Slots start holding experts 0 and 1 (cache ratio 0.5). Step 0 uses 2 (CPU), LRU then copies 2 in;
     step 1 uses 2 on the GPU, which must wait for that copy."""

@@ -497,7 +497,11 @@ def simulate(args: argparse.Namespace) -> int:
     print(
         f"experts sized as {costs.expert.name}; batch {args.batch}; cache ratio {args.cache_ratio} ({slots} of "
         f"{num_experts} experts a layer in slots)"
-        f"{f'; calibrated on {args.calibration}' if args.calibration else ''}"
+        + (
+            f"; calibrated on {args.calibration}"
+            if args.calibration
+            else "; calibrated on the trace itself (Fiddler's popularity, DALI's residuals: pass --calibration)"
+        )
     )
     tuned_on = (
         "given by --ours"

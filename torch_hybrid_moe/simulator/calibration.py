@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -81,7 +81,7 @@ class Calibration:
     @classmethod
     def from_trace(cls, trace: Trace, calibration: Trace | None = None, model: str | Path | None = None) -> Calibration:
         """Routers of the traced model (`model`, default the trace's model name; none for synthetic traces),
-        everything else learnt from `calibration` (default: the trace itself)."""
+        everything else learnt from `calibration` (default: the trace itself, less the requests it replays)."""
         source = calibration or trace
         if source.meta["num_experts"] != trace.meta["num_experts"] or source.meta["layers"] != trace.meta["layers"]:
             raise InputError(
@@ -99,7 +99,10 @@ class Calibration:
                     f"inputs], the trace's model has {trace.meta['num_experts']} experts and hidden size "
                     f"{trace.meta['hidden_size']}: pass the traced model's routers"
                 )
-        return cls.learn(source, routers)
+        learnt = cls.learn(source, routers)
+        # learnt from the trace replayed, MoE-Infinity's collection would hold each request before it is served (and
+        # the ones after it): it starts empty and gathers them as they finish, as a server's would
+        return learnt if calibration is not None else replace(learnt, requests=[])
 
     @classmethod
     def learn(cls, source: Trace, routers: dict[int, Router]) -> Calibration:
