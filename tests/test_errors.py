@@ -56,6 +56,16 @@ def test_budget_out_of_range(budget):
     assert_untouched(model, before)
 
 
+def test_a_deepseek_group_count_that_does_not_divide_the_experts_names_n_group():
+    from torch_hybrid_moe.tiny_models import random_model, tiny_config
+
+    config = tiny_config("deepseek_v2")
+    config.topk_method, config.n_group, config.topk_group = "group_limited_greedy", 3, 1
+    assert config.n_routed_experts % 3
+    with pytest.raises(ValueError, match="n_group = 3 groups: n_group must divide"):
+        thm.patch_model(random_model(config), expert_budget=0.5)
+
+
 def test_byte_budget_sets_slot_count():
     model = tiny_model("mixtral")
     experts = model.model.layers[0].mlp.experts

@@ -58,7 +58,10 @@ class Router:
                 f"{tuple(self.weight.shape)}, top_k {self.top_k}"
             )
         if self.weight.shape[0] % self.n_group:
-            raise ValueError(f"{self.weight.shape[0]} experts do not split into {self.n_group} groups")
+            raise ValueError(
+                f"{self.weight.shape[0]} experts do not split into the config's n_group = {self.n_group} groups: "
+                "n_group must divide the number of routed experts"
+            )
         if self.group_score not in ("top2", "max"):
             raise ValueError(f"router group_score must be 'top2' or 'max', not {self.group_score!r}")
 
