@@ -108,6 +108,19 @@ def test_backend_options_configure_stock_models(reference_models):
     assert all(s.cpu_experts == 0 for s in thm.stats(stock).values())
 
 
+def test_backend_refuses_dense_weight_dtype_it_cannot_apply(reference_models):
+    """Quantised dense layers are made when patching; passed to the backend, the option was accepted and the model ran
+    exact under a lossy label. It is refused, and the model left as it was."""
+    import copy
+
+    stock = copy.deepcopy(reference_models["mixtral"])
+    compiled = torch.compile(stock, backend="hybrid_moe", options={"dense_weight_dtype": "int8"})
+    with pytest.raises(Exception, match=r"patch_model\(model, dense_weight_dtype=...\), then compile it"):
+        with torch.no_grad():
+            compiled(torch.randint(3, 96, (1, 3)))
+    assert thm.stats(stock) == {}  # no expert store was made
+
+
 def _perturbed(model, seed):
     """A copy of `model` with other weights: a second model of the same architecture."""
     import copy

@@ -43,6 +43,30 @@ def test_cuda_default_stack_is_ours():
     )
 
 
+def test_uncaptured_ours_sees_the_copies_its_store_queued():
+    """Uncaptured, ours plans with the link's state: every layer's store reports its copies to one clock per device,
+    each landed copy reads as ready, and the outputs stay exact."""
+    from torch_hybrid_moe.runtime.link_clock import link_for
+
+    ref = tiny_model("mixtral").cuda()
+    config = thm.HybridMoEConfig(scheduler="queue_aware", hardware="rtx4090", cuda_graph=False)
+    model = thm.patch_model(tiny_model("mixtral"), config, expert_budget=0.25, device="cuda")
+    layers = list(model_layers(model).values())
+    clock = link_for(torch.device("cuda"))
+    assert all(
+        layer.store.timeline is layer.scheduler.timeline and layer.store.timeline.clock is clock for layer in layers
+    )
+    x = torch.randint(3, 96, (1, 11), device="cuda")
+    before = clock.free_at
+    assert torch.equal(
+        model.generate(x, max_new_tokens=8, do_sample=False), ref.generate(x, max_new_tokens=8, do_sample=False)
+    )
+    assert clock.free_at > before  # the admissions' copies were booked
+    torch.cuda.synchronize()
+    assert all(layer.store.timeline.ready_in(e) == 0.0 for layer in layers for e in range(layer.info.num_experts))
+    assert clock.last()
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v2"])
 def test_cuda_prefill_streams_through_ring(arch):
     """The staging ring on a real copy stream: prefill streams experts while the CPU computes the rest at the same

@@ -17,7 +17,7 @@ from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer
 from torch_hybrid_moe.simulator import STACKS, simulate
 from torch_hybrid_moe.simulator.calibration import Calibration
 from torch_hybrid_moe.simulator.stacks import Stack
-from torch_hybrid_moe.simulator.tuning import LIVE_CACHES
+from torch_hybrid_moe.simulator.tuning import COST_AWARE, LIVE_CACHES
 from torch_hybrid_moe.traces import LayerTrace, Trace
 
 TRACES = Path(torch_hybrid_moe.embedded.__file__).parent / "traces"
@@ -145,18 +145,50 @@ def test_measured_dense_time_replaces_the_blocks_fixed_cost():
     assert r.decode_tok_s == pytest.approx(3 / (3 * (measured.t_dense(1) + COSTS.t_cpu(1))))
 
 
-def test_a_live_stack_plans_with_the_idle_link_a_live_layer_offers_it():
-    """The live runtime gives its schedulers an idle link (runtime/costs.py): ours, replayed, saw the replay's link,
-    ran an expert whose copy was still in flight on the CPU instead of waiting for it, and was priced faster than it
-    runs. Replayed as live, it waits as the default does; a paper's scheduler still plans with the link."""
+def test_ours_plans_with_the_link_a_live_cuda_layer_sees():
+    """A live CUDA layer's policies see its copies in flight (runtime/link_clock.py); the replay offers ours the same.
+    Step 1's expert is still on the link when the step starts: ours runs it on the CPU, sooner than waiting for the
+    copy as LRU's cached-expert scheduler does."""
     from torch_hybrid_moe.simulator.tuning import ours_over
 
-    trace = tiny_trace([[2], [2]])  # step 1's expert is on the link when the step starts (the test below)
+    trace = tiny_trace([[2], [2]])
     assert COSTS.t_cpu(1) < COSTS.t_transfer() - COSTS.t_dense(1)  # so that the CPU is the faster choice
-    live = simulate(trace, ours_over("lru"), COSTS, cache_ratio=0.5)
-    assert live.moe_time_s == simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5).moe_time_s
-    seeing = simulate(trace, replace(ours_over("lru"), live=False), COSTS, cache_ratio=0.5)
-    assert seeing.moe_time_s < live.moe_time_s
+    ours = simulate(trace, ours_over("lru"), COSTS, cache_ratio=0.5)
+    waits = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5)
+    t0 = COSTS.t_dense(1) + COSTS.t_cpu(1)
+    assert ours.moe_time_s == pytest.approx(t0 + COSTS.t_dense(1) + COSTS.t_cpu(1))
+    assert ours.moe_time_s < waits.moe_time_s
+
+
+def test_a_live_layers_view_of_the_link_is_the_replays():
+    """The live runtime times its copies as the replay's link does: two layers share one link, each copy starts when
+    the one before it ends, and both answer every query alike. A copy whose event says it landed is ready."""
+    from torch_hybrid_moe.runtime.link_clock import CopyTimeline, LinkClock
+    from torch_hybrid_moe.simulator.replay import _Layer, _Link
+
+    rng = random.Random(0)
+    info = LayerInfo(0, 8, 4, COSTS.expert.nbytes)
+    link = _Link(COSTS)
+    replayed = [_Layer(info, STACKS["lru-cache"], link, {}) for _ in range(2)]
+    now = [0.0]
+    clock = LinkClock(now=lambda: now[0])
+    live = [CopyTimeline(clock, COSTS.t_transfer(), info.num_experts) for _ in range(2)]
+    for _ in range(200):
+        now[0] = link.now = now[0] + rng.expovariate(1 / COSTS.t_transfer())
+        if rng.random() < 0.6:
+            layer, expert = rng.randrange(2), rng.randrange(info.num_experts)
+            replayed[layer].ready[expert] = link.copy(link.now, "fill", expert)
+            live[layer].copied(expert, lambda: False)
+        for sim, run in zip(replayed, live):
+            assert run.link_free_in() == pytest.approx(sim.link_free_in(), abs=1e-12)
+            for e in range(info.num_experts):
+                assert run.ready_in(e) == pytest.approx(sim.ready_in(e), abs=1e-12)
+    assert any(run.ready_in(e) > 0 for run in live for e in range(info.num_experts))
+    live[0].copied(3, lambda: True)
+    assert live[0].ready_in(3) == live[0].link_free_in() == 0.0
+    replayed[0].ready[3] = link.copy(link.now, "fill", 3)
+    link.captured = True  # a captured step's tensor forms plan on an idle link
+    assert replayed[0].link_free_in() == 0.0 < replayed[0].ready_in(3)  # which waits for its layer's copies itself
 
 
 def test_hybrimoes_cache_changes_only_on_its_transfers():
@@ -264,6 +296,7 @@ def test_expert_deferral_overlaps_the_next_block_in_closed_form(dense):
         ("dali_greedy", "lru", ()),
         ("fiddler", "lfu", ()),
         ("queue_aware", "dali_window", OURS_WINDOW),  # ours, the default stack on CUDA
+        ("queue_aware", "cost_aware", (("horizon", 64),)),
     ],
 )
 def test_live_runtime_and_simulator_agree_on_hits(scheduler, cache_policy, options):
@@ -462,8 +495,9 @@ def test_live_tuning_tries_what_the_graph_runs_as_the_graph_runs_it():
         prefetch_sizes=(),
         graph=GraphStep(),
     )
-    assert LIVE_CACHES == ("mrs", "lfu", "lru")  # DAOP's allocation has no tensor form
-    assert [s.cache_policy for s, _ in tried] == ["dali_window", *LIVE_CACHES] and picked in [s for s, _ in tried]
+    assert LIVE_CACHES == ("mrs", "lfu", "lru", "cost_aware")  # DAOP's allocation has no tensor form
+    want = ["dali_window", "mrs", "lfu", "lru"] + ["cost_aware"] * len(COST_AWARE)  # the cost-aware one's grid
+    assert [s.cache_policy for s, _ in tried] == want and picked in [s for s, _ in tried]
     assert all(s.capturable and s.prefetcher == "none" for s, _ in tried)
     assert all(r.captured for _, runs in tried for r in runs)
 
@@ -550,6 +584,58 @@ def test_ranked_caches_keep_the_most_valuable_and_admit_as_their_graph_form(name
                 slots[policy.victim(slots, kept)] = e
             assert len(set(slots)) == num_slots
             assert sorted(values[e] for e in slots) == sorted(values[e] for e in pool)[-num_slots:]
+
+
+def test_cost_aware_cache_admits_when_the_saving_over_its_horizon_pays_for_the_copy():
+    """Ours' cost-aware cache, by hand: its value is a moving average of the seconds a slot saves a step, and a newcomer
+    displaces a resident expert only when the difference over `horizon` steps exceeds one copy. Its admissions are
+    the graph form's (`device_caching.admissions` with its margin), on random steps."""
+    from torch_hybrid_moe.policies.device_caching import admissions
+
+    info = LayerInfo(0, 4, 1, COSTS.expert.nbytes)
+    save = COSTS.t_cpu(1) - COSTS.t_gpu(1)  # one token's saving
+    copies_pay_after = COSTS.t_transfer() / save  # steps of one token's saving a copy costs
+    # one slot; step 1 routes e0 (value 0.5 save) past the resident e1 (0): worth a copy over 2.5x, not 1.5x, the
+    # steps a copy takes to pay off
+    for horizon, admitted in ((copies_pay_after * 1.5, []), (copies_pay_after * 2.5, [0])):
+        cache = CACHE_POLICIES.create("cost_aware", info=info, costs=COSTS, decay=0.5, horizon=horizon)
+        assert cache.admit([1, 0, 0, 0], [False, True, False, False], [0.0] * 4) == admitted
+        assert cache.saving == pytest.approx([0.5 * save, 0, 0, 0])
+    # (horizon 2.5x) e0 now resident; e2 routed twice: after one step it gains 0.25 save a step (x 2.5: 0.625 of a
+    # copy), after two 0.625 save (1.56 copies): it comes in on the second
+    assert cache.admit([0, 0, 1, 0], [True, False, False, False], [0.0] * 4) == []
+    assert cache.admit([0, 0, 1, 0], [True, False, False, False], [0.0] * 4) == [2]
+    with pytest.raises(ValueError, match="hardware="):
+        CACHE_POLICIES.create("cost_aware", info=info)
+    with pytest.raises(ValueError, match="horizon"):
+        CACHE_POLICIES.create("cost_aware", info=info, costs=COSTS, horizon=float("nan"))
+
+    rng = random.Random(5)
+    num_experts, num_slots = 8, 3
+    for _ in range(20):
+        policy = CACHE_POLICIES.create(
+            "cost_aware", info=LayerInfo(0, num_experts, num_slots, 1), costs=COSTS, horizon=rng.choice([4, 32, 256])
+        )
+        slots = rng.sample(range(num_experts), num_slots)
+        for _ in range(8):
+            active = set(rng.sample(range(num_experts), 3))
+            counts = [rng.randint(1, 64) if e in active else 0 for e in range(num_experts)]
+            admitted = policy.admit(counts, [e in slots for e in range(num_experts)], [0.0] * num_experts)
+            expert_slot = [slots.index(e) if e in slots else -1 for e in range(num_experts)]
+            graph, _ = admissions(
+                torch.tensor(policy.saving, dtype=torch.float64),
+                torch.tensor(True),
+                torch.tensor([c > 0 for c in counts]),
+                torch.tensor(expert_slot),
+                torch.tensor(slots),
+                num_slots,
+                policy.margin,
+            )
+            assert admitted == [e for e in graph.tolist() if e >= 0]
+            kept: set[int] = set()
+            for e in admitted:
+                kept.add(e)
+                slots[policy.victim(slots, kept)] = e
 
 
 def test_mrs_follows_the_recency_weighted_score_by_hand():

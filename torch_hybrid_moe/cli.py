@@ -341,7 +341,7 @@ def _stack_spec(text: str) -> Stack:
         if name not in registry.names():
             raise argparse.ArgumentTypeError(f"unknown {registry.kind} {name!r}; known: {', '.join(registry.names())}")
     prefetcher = parts[2] if len(parts) == 3 else "none"
-    return Stack("+".join(parts), parts[0], parts[1], True, f"given by --stack {text}", prefetcher, live=True)
+    return Stack("+".join(parts), parts[0], parts[1], True, f"given by --stack {text}", prefetcher)
 
 
 def _stack_fields(stack: Stack) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .cost_model import EXPERT_SHAPES, HARDWARE
+from .cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
 from .errors import InputError, is_count
 from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 
@@ -49,7 +49,8 @@ def check_cache_values(cache_policy: str, cache_options: Mapping[str, object] | 
     0 steps, a decay of 1) or a context it needs and the live runtime lacks (a simulator-only policy's future
     routing) is a ValueError now, not when a model is patched."""
     options = dict(cache_options)
-    CACHE_POLICIES.create(cache_policy, info=LayerInfo(0, 8, 2, 1), **options)
+    stand_in = CostModel(HARDWARE["dali"], ExpertShape("stand-in", 8, 8))  # what a cost-aware one weighs by
+    CACHE_POLICIES.create(cache_policy, info=LayerInfo(0, 8, 2, 1), costs=stand_in, **options)
 
 
 @dataclass(frozen=True)

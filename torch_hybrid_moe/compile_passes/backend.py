@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch.fx as fx
 
 from ..config import HybridMoEConfig
+from ..errors import InputError
 from ..runtime.decode_replay import recordable
 from .cpu_dispatch import direct_cpu_dispatch
 from .daop_precalc import insert_daop_precalc
@@ -47,6 +48,11 @@ def hybrid_moe_backend(
 
     options = dict(options or {})
     config = HybridMoEConfig(**{k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS})
+    if config.dense_weight_dtype != "model":  # a lossy option must not pass silently unapplied
+        raise InputError(
+            f"dense_weight_dtype={config.dense_weight_dtype!r} quantises dense layers when a model is patched, which "
+            "the backend cannot do to a compiled graph: patch_model(model, dense_weight_dtype=...), then compile it"
+        )
     sites = rewrite_experts_regions(gm, example_inputs, config)
     insert_prefetch(gm)
     insert_expert_deferral(gm)  # only layers whose config has mode="expert_deferral"; others stay exact

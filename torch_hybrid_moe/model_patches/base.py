@@ -32,6 +32,7 @@ from ..runtime.decode_replay import DecodeReplay
 from ..runtime.expert_store import HostWeight, expert_nbytes
 from ..runtime.layer import RoutingRule
 from ..runtime.layer_policies import build_policies
+from ..runtime.link_clock import link_for
 from .cpu_attention import use_cpu_attention
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
@@ -113,6 +114,7 @@ def patch_with_spec(
                 hidden,
                 two_inter // 2,
                 _router(block, spec, cfg),
+                link_for(device),
             ),
             capture,
             streaming,

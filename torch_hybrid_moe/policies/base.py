@@ -56,8 +56,9 @@ class Timeline(Protocol):
 
 
 class IdleLink:
-    """The `Timeline` live layers offer: eager steps do not time their copies (each step waits for the slot
-    fills it uses), so schedulers that plan around the link's queue see it free and every slot filled."""
+    """The `Timeline` of a link with nothing in flight: the CPU standing in for the accelerator copies synchronously,
+    and a captured step waits for its layer's copies (a live uncaptured CUDA layer times its own:
+    `runtime/link_clock.py`)."""
 
     def link_free_in(self) -> float:
         return 0.0

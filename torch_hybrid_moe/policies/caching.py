@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+from ..cost_model import CostModel
 from ..errors import is_count
 from .base import LayerInfo
 from .registry import Registry
@@ -66,10 +68,11 @@ class RankedCache:
         )
 
     def paired(
-        self, candidates: Sequence[int], resident: Sequence[bool], limit: int, threshold: float = 1.0
+        self, candidates: Sequence[int], resident: Sequence[bool], limit: int, threshold: float = 1.0, margin: float = 0
     ) -> list[int]:
         """Swaps pair by pair: the i-th most valuable missing candidate displaces the i-th least valuable resident
-        expert (a free slot first) while it is worth more than `threshold` times as much; at most `limit`. Checking
+        expert (a free slot first) while it is worth more than `threshold` times as much plus `margin`; at most
+        `limit`. Checking
         each against the coldest resident alone would let a second newcomer evict a hot expert (the replay-safe
         form, `device_caching.admissions`, pairs them so too). A candidate valued -inf (never needed) is not copied.
         """
@@ -83,7 +86,7 @@ class RankedCache:
         return [
             e
             for e, displaced in zip(newcomers[:limit], out)
-            if displaced is None or self.value(e) > threshold * displaced
+            if displaced is None or self.value(e) > threshold * displaced + margin
         ]
 
 
@@ -175,6 +178,44 @@ class WorkloadWindow(RankedCache):
         if not self.observe(counts, scores):
             return []
         return self.paired([e for e in range(self.info.num_experts) if self.scores[e] > 0], resident, self.u_size)
+
+
+@CACHE_POLICIES.register("cost_aware")
+class CostAware(RankedCache):
+    """Ours: an expert's value is the time its slot saves a step, learnt as a moving average (`decay`, the weight of
+    the past) of what each step would have saved running it from a slot instead of on the CPU (t_cpu - t_gpu at its
+    token count; 0 when it was not routed to): frequency, recency and batch size weighed on one scale, the cost
+    model's. A missed expert displaces the least valuable resident one when the gain, over `horizon` steps of
+    residency, exceeds the copy's time on the link: with a fast link and experts that recur it admits eagerly, with
+    a slow one it holds still. Needs the cost model (live: `HybridMoEConfig.hardware`)."""
+
+    def __init__(
+        self, info: LayerInfo, costs: CostModel | None = None, decay: float = 0.9, horizon: float = 32.0
+    ) -> None:
+        super().__init__(info)
+        if costs is None:
+            raise ValueError(
+                "cache policy 'cost_aware' weighs copies by cost: pass costs=CostModel(...) (live: "
+                "HybridMoEConfig(hardware=<a cost_model.HARDWARE preset or 'local'>))"
+            )
+        if not 0 <= decay < 1 or not (horizon > 0 and math.isfinite(horizon)):  # also refuses NaN
+            raise ValueError(f"cost_aware needs 0 <= decay < 1 and a finite horizon > 0; got {decay!r}, {horizon!r}")
+        self.costs, self.decay, self.horizon = costs, decay, horizon
+        self.margin = costs.t_transfer() / horizon  # seconds a step the newcomer must save over the one it displaces
+        self.saving = [0.0] * info.num_experts
+
+    def observe(self, counts: Sequence[int], scores: Sequence[float]) -> bool:
+        d, c = self.decay, self.costs
+        self.saving = [d * v + (1 - d) * (c.t_cpu(n) - c.t_gpu(n) if n else 0.0) for v, n in zip(self.saving, counts)]
+        return True
+
+    def value(self, expert: int) -> float:
+        return self.saving[expert]
+
+    def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
+        self.observe(counts, scores)
+        active = [e for e, c in enumerate(counts) if c]
+        return self.paired(active, resident, self.info.num_slots, margin=self.margin)
 
 
 @CACHE_POLICIES.register("belady")

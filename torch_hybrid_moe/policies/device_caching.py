@@ -14,8 +14,10 @@ import dataclasses
 
 import torch
 
+from ..cost_model import CostModel
 from ..ops.slot_swaps import swap_in
 from .caching import CACHE_POLICIES
+from .device_scheduling import step_time
 from .prefetching import PREFETCHERS, GatePrefetch
 
 
@@ -23,6 +25,7 @@ class DeviceRanking:
     """Per-expert values of one layer, kept in device tensors and updated without host synchronisation."""
 
     max_fills: int | None = None  # a cap on admissions per update, where the policy sets one
+    margin: float = 0.0  # how much more than the slot it takes a newcomer must be worth
 
     def __init__(self, num_experts: int, device: torch.device) -> None:
         self.values = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -93,12 +96,33 @@ class WindowRanking(DeviceRanking):
         return closes
 
 
+class SavingRanking(DeviceRanking):
+    """Ours' cost-aware value: a moving average of the seconds a slot would have saved each step (t_cpu - t_gpu at
+    the expert's token count), in float64 and the same order of operations as the Python policy's."""
+
+    def __init__(self, num_experts: int, device: torch.device, costs: CostModel, decay: float, margin: float) -> None:
+        super().__init__(num_experts, device)
+        self.values = self.values.double()
+        self.costs, self.decay, self.margin = costs, decay, margin
+
+    def _observe(self, counts: torch.Tensor, scores: torch.Tensor) -> None:
+        c, d = self.costs, self.decay
+        saving = step_time(c.cpu, counts) - step_time(c.gpu, counts)
+        self.values.copy_(d * self.values + (1 - d) * saving)  # two roundings, as in Python (add_'s alpha may fuse)
+
+
 CACHE_POLICIES.add_tensor_form("lru", lambda policy, num_experts, device: LRURanking(num_experts, device))
 CACHE_POLICIES.add_tensor_form("lfu", lambda policy, num_experts, device: LFURanking(num_experts, device))
 CACHE_POLICIES.add_tensor_form("mrs", lambda policy, num_experts, device: MRSRanking(num_experts, device, policy.alpha))
 CACHE_POLICIES.add_tensor_form(
     "dali_window",
     lambda policy, num_experts, device: WindowRanking(num_experts, device, policy.w_size, policy.u_size, policy.decay),
+)
+
+
+CACHE_POLICIES.add_tensor_form(
+    "cost_aware",
+    lambda policy, num_experts, device: SavingRanking(num_experts, device, policy.costs, policy.decay, policy.margin),
 )
 
 
@@ -118,9 +142,11 @@ def admissions(
     expert_slot: torch.Tensor,
     slot_expert: torch.Tensor,
     fills: int,
+    margin: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `fills` (missed expert, slot) pairs: the i-th most valuable eligible non-resident expert takes the i-th
-    least valuable slot (a free slot first) when it is worth more; -1 expert where no admission happens.
+    least valuable slot (a free slot first) when it is worth more, by over `margin`; -1 expert where no admission
+    happens.
 
     expert_slot [E] (-1: not resident) and slot_expert [S] (-1: free) are the current tables.
     """
@@ -128,7 +154,7 @@ def admissions(
     candidates = torch.where(eligible & (expert_slot < 0) & may_change, values, neg)
     held = torch.where(slot_expert >= 0, values[slot_expert.clamp(min=0)], neg)
     cand_value, cand, victim_value, victim = _pairs(candidates, held, fills)
-    admit = (cand_value > neg) & (cand_value > victim_value)
+    admit = (cand_value > neg) & (cand_value > victim_value + margin)
     return torch.where(admit, cand, -1), victim
 
 

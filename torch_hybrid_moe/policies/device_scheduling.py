@@ -47,7 +47,7 @@ class CostAwareForm(DeviceScheduler):
 
     def place(self, counts: torch.Tensor, resident: torch.Tensor, num_slots: int, max_active: int) -> torch.Tensor:
         c = self.costs
-        terms = StepTerms(_time(c.cpu, counts), _time(c.gpu, counts), _room(counts, resident, num_slots))
+        terms = StepTerms(step_time(c.cpu, counts), step_time(c.gpu, counts), _room(counts, resident, num_slots))
         return self.place_timed(counts, resident, max_active, terms)
 
     def place_timed(
@@ -69,7 +69,7 @@ def _heaviest(eligible: torch.Tensor, counts: torch.Tensor, room: torch.Tensor) 
     return eligible & (rank < room)
 
 
-def _time(terms: Terms, counts: torch.Tensor) -> torch.Tensor:
+def step_time(terms: Terms, counts: torch.Tensor) -> torch.Tensor:
     """`Terms.time` per expert, in float64 like the Python number."""
     n = counts.double()
     compute = terms.experts * n * terms.flops / terms.rate

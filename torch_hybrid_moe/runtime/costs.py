@@ -7,8 +7,9 @@ import functools
 
 from ..config import HybridMoEConfig
 from ..cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
-from ..policies import IdleLink, LayerInfo
+from ..policies import IdleLink, LayerInfo, Timeline
 from ..policies.prefetching import Router
+from .link_clock import CopyTimeline, LinkClock
 
 
 @functools.cache
@@ -51,16 +52,21 @@ def streaming_costs(
 
 
 def policy_context(
-    config: HybridMoEConfig, info: LayerInfo, hidden: int, inter: int, router: Router | None = None
+    config: HybridMoEConfig,
+    info: LayerInfo,
+    hidden: int,
+    inter: int,
+    router: Router | None = None,
+    link: LinkClock | None = None,
 ) -> dict[str, object]:
     """Everything a live layer offers its policies (`Registry.create` passes each the keys it names): its
     own router is what gate-based prefetchers apply to the previous layer's hidden states; `size` (only
-    prefetchers take it) is offered only when set, so that each prefetcher otherwise keeps its own default."""
+    prefetchers take it) is offered only when set, so that each prefetcher otherwise keeps its own default. The
+    timeline is the layer's view of `link`, the model's asynchronous copies (CUDA), timed by the cost model;
+    without either, an idle link."""
     sized = {"size": config.prefetch_size} if config.prefetch_size else {}
-    return {
-        "info": info,
-        "costs": live_costs(config, hidden, inter, info.expert_bytes, slot_bytes=info.slot_bytes),
-        "timeline": IdleLink(),
-        "router": router,
-        **sized,
-    }
+    costs = live_costs(config, hidden, inter, info.expert_bytes, slot_bytes=info.slot_bytes)
+    timeline: Timeline = (
+        IdleLink() if link is None or costs is None else CopyTimeline(link, costs.t_transfer(), info.num_experts)
+    )
+    return {"info": info, "costs": costs, "timeline": timeline, "router": router, **sized}

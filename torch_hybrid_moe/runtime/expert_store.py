@@ -8,6 +8,7 @@ from typing import overload
 import torch
 
 from ..ops.quantize import QuantizedWeight, dequantize
+from .link_clock import CopyTimeline
 from .slot_map import SlotMap
 
 HostWeight = torch.Tensor | QuantizedWeight
@@ -37,6 +38,7 @@ class ExpertStore(SlotMap):
         self.slot_gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=slot_dtype, device=device)
         self.slot_down = torch.empty((num_slots, *down.shape[1:]), dtype=slot_dtype, device=device)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.timeline: CopyTimeline | None = None  # told of each asynchronous copy (the layer's policies plan by it)
         for slot in range(min(num_slots, self.num_experts)):
             self.load(slot, slot)
 
@@ -62,6 +64,10 @@ class ExpertStore(SlotMap):
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
                 self._fill(slot, expert)
+            if self.timeline is not None:
+                landed = torch.cuda.Event()
+                landed.record(self._copy_stream)
+                self.timeline.copied(expert, landed.query)
         return self.expert_bytes
 
     def _fill(self, slot: int, expert: int) -> None:

@@ -388,6 +388,7 @@ class GraphPath:
                 self.expert_slot,
                 self.slot_expert,
                 fills,
+                self.ranking.margin,
             )
             self._fill(expert, slot)
             self._count(admitted=(expert >= 0).sum())

@@ -25,6 +25,7 @@ from .costs import policy_context, streaming_costs
 from .expert_store import ExpertStore
 from .graph_path import GraphPath, Part
 from .layer_policies import LayerPolicies, build_policies
+from .link_clock import link_for
 from .registry import register_layer
 from .staging_ring import ring_for
 from .stats import LayerStats
@@ -90,8 +91,9 @@ class HybridMoELayer:
             streaming = streaming_costs(
                 config, store.device.type, hidden, two_inter // 2, store.expert_bytes, store.slot_bytes
             )
-            context = policy_context(config, info, hidden, two_inter // 2, router)
+            context = policy_context(config, info, hidden, two_inter // 2, router, link_for(store.device))
             policies = build_policies(config, context, capture, streaming)
+        store.timeline = policies.timeline
         self.scheduler, self.cache_policy, self.prefetcher = (
             policies.scheduler,
             policies.cache_policy,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..config import AUTO, HybridMoEConfig
 from ..cost_model import CostModel
 from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, CachePolicy, Prefetcher, Scheduler
+from .link_clock import CopyTimeline
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class LayerPolicies:
     cache_policy: CachePolicy
     prefetcher: Prefetcher
     streaming: CostModel | None = None  # what plans prefill streaming (runtime.costs.streaming_costs); None: none
+    timeline: CopyTimeline | None = None  # the link the policies see, which the store's copies advance; None: idle
 
 
 def build_policies(
@@ -32,6 +34,7 @@ def build_policies(
         CACHE_POLICIES.create(config.cache_policy, **context, **dict(config.cache_options)),
         PREFETCHERS.create(config.prefetcher, **context),
         streaming,
+        timeline if isinstance(timeline := context.get("timeline"), CopyTimeline) else None,
     )
     if capture:
         for registry, name in (

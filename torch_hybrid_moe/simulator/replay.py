@@ -34,7 +34,7 @@ import torch
 from ..config import HybridMoEConfig
 from ..cost_model import CostModel
 from ..errors import is_count
-from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, IdleLink, LayerInfo, Placement, Prefetcher
+from ..policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo, Placement, Prefetcher
 from ..policies.prefetching import GatePrefetch, MissingRouter
 from ..policies.requests import RequestActivations
 from ..policies.schedulers import place_step
@@ -166,6 +166,7 @@ class _Link:
         self.free_at = 0.0
         self.copies = 0
         self.copy_s: float | None = None  # seconds a copy takes where not the profile's transfer (GraphStep.fill_s)
+        self.captured = False  # the step under way is a captured one: its placements see the link idle, as there
         self.events = events
         self.where = (0, 0)  # (step, layer) the next copies belong to, for events
 
@@ -186,7 +187,7 @@ class _Layer(SlotMap):
         super().__init__(info.num_slots, info.num_experts)
         self.info = info
         self.link = link
-        context = context | {"info": info, "timeline": IdleLink() if stack.live else self}
+        context = context | {"info": info, "timeline": self}  # as a live CUDA layer's (runtime/link_clock.py)
         self.scheduler = SCHEDULERS.create(stack.scheduler, **context)
         self.cache = CACHE_POLICIES.create(stack.cache_policy, **context)
         self.ready = [0.0] * info.num_experts  # when an expert's slot copy is complete
@@ -194,7 +195,9 @@ class _Layer(SlotMap):
             self.assign(slot, slot)
 
     def link_free_in(self) -> float:
-        return max(0.0, self.link.free_at - self.link.now)
+        """The link's backlog, as a live uncaptured layer sees it (runtime/link_clock.py); none in a captured step,
+        whose tensor forms plan on an idle link (and which waits for the layer's own copies first)."""
+        return 0.0 if self.link.captured else max(0.0, self.link.free_at - self.link.now)
 
     def ready_in(self, expert: int) -> float:
         return max(0.0, self.ready[expert] - self.link.now)
@@ -397,6 +400,7 @@ class _Replay:
         step_start = self.now
         self.captured = self.graph is not None and not prefill
         self.link.copy_s = self.graph.fill_s if self.graph is not None and self.captured else None
+        self.link.captured = self.captured
         if prefill:
             self.request.begin()
         self.pending = 0.0

@@ -22,10 +22,6 @@ class Stack:
     deferred: int = 0
     # the bound's hypothetical (simulator/bound.py): replayed as the captured step although it has no tensor form
     in_graph: bool = False
-    # a stack the live runtime runs (ours, the default, --stack rows): its policies see what a live layer offers
-    # them, an idle link with every copy landed (runtime/costs.py), not the replay's link; a paper's stack plans
-    # with the link as its paper does
-    live: bool = False
 
     @property
     def capturable(self) -> bool:
@@ -86,7 +82,6 @@ STACKS: dict[str, Stack] = {
             "lru",
             True,
             "cached experts on the GPU, LRU slots (the live default without a captured GPU graph)",
-            live=True,
         ),
         Stack(
             "oracle-cache",

@@ -30,7 +30,9 @@ WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5,
 # caches ours' placement also runs over: admitting every missed expert that outranks a resident one, which a
 # window's bursts of u_size copies cannot express where the link is fast and reuse high; and DAOP's per-sequence
 # allocation, which wins where a batch's sequences keep to their own experts
-CACHES = ("mrs", "lfu", "lru", "daop")
+CACHES = ("mrs", "lfu", "lru", "daop", "cost_aware")
+# ours' cost-aware cache: (decay, horizon) from sparing (a short horizon: few copies pay) to eager
+COST_AWARE = tuple((d, h) for d in (0.8, 0.95) for h in (8.0, 32.0, 128.0))
 # what the live decode graph can run (tensor forms): a tuning whose pick is to run live (`--save-ours`) tries only these
 # caches, and no prefetch (DALI's residual prefetch needs residual vectors the live runtime does not have)
 LIVE_CACHES = tuple(c for c in CACHES if c in CACHE_POLICIES.graph_names())
@@ -47,14 +49,28 @@ def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
         True,
         f"queue-aware placement, window cache (w {w_size}, u {u_size}, decay {decay:g})",
         options=(("w_size", w_size), ("u_size", u_size), ("decay", decay)),
-        live=True,
     )
     return with_prefetch(stack, prefetch) if prefetch else stack
 
 
-def ours_over(cache: str) -> Stack:
-    """Our placement over another cache policy (`CACHES`), without prefetch."""
-    return Stack("ours", "queue_aware", cache, True, f"queue-aware placement, {cache} cache", live=True)
+def ours_over(cache: str, **options: object) -> Stack:
+    """Our placement over another cache policy (`CACHES`) with these options, without prefetch."""
+    settings = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in options.items())
+    return Stack(
+        "ours",
+        "queue_aware",
+        cache,
+        True,
+        f"queue-aware placement, {cache} cache" + (f" ({settings})" if settings else ""),
+        options=tuple(options.items()),
+    )
+
+
+def cache_candidates(cache: str) -> list[Stack]:
+    """Ours over `cache`: once with its defaults, or over the grid of settings where it has one."""
+    if cache == "cost_aware":
+        return [ours_over(cache, decay=d, horizon=h) for d, h in COST_AWARE]
+    return [ours_over(cache)]
 
 
 def with_prefetch(stack: Stack, size: int) -> Stack:
@@ -107,7 +123,7 @@ def tune(
     def ranked() -> list[tuple[Stack, list[SimResult]]]:
         return sorted(tried, key=lambda entry: consistency(entry[1], [r for _, r in tried]), reverse=True)
 
-    run([ours(*w) for w in windows] + [ours_over(c) for c in caches], "caches")
+    run([ours(*w) for w in windows] + [s for c in caches for s in cache_candidates(c)], "caches")
     if gate_inputs and prefetch_sizes:
         finalists = ranked()[:FINALISTS]
         run([with_prefetch(s, p) for s, _ in finalists for p in prefetch_sizes], "prefetch")
@@ -148,7 +164,6 @@ def oracle_of(stack: Stack) -> Stack:
         name="oracle",
         scheduler="oracle",
         cache_policy="oracle_window",
-        live=False,
         prefetcher="oracle" if stack.prefetcher != "none" else "none",
         description="perfect knowledge: "
         + stack.description.replace("queue-aware", "best-found")
@@ -166,7 +181,6 @@ def foresight(stack: Stack) -> list[Stack]:
         stack,
         name="oracle",
         scheduler="oracle",
-        live=False,  # foresight sees the link
         description="best-found placement over the same cache and prefetch",
     )
     options = tuple((k, v) for k, v in stack.options if k != "size")
