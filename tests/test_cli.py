@@ -28,6 +28,23 @@ def test_eval_ppl_exact_mode_costs_nothing(capsys):
 
 
 @pytest.mark.slow
+def test_eval_ppl_labels_bf16_experts_of_a_bf16_checkpoint_exact(tmp_path, capsys):
+    """With --dtype auto a bf16 checkpoint computes in bf16, so bf16 expert copies round nothing: the label says exact
+    (it said approximate, comparing the option with "auto")."""
+    from torch_hybrid_moe.embedded import load_model
+
+    model, tokenizer = load_model("deepseek-tiny", torch.float32)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    argv = ["eval-ppl", "--model", str(tmp_path), "--max-tokens", "256", "--cpu-weight-dtype", "bfloat16"]
+    assert main(argv) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("model ")][0]
+    assert " mode exact " in line
+    assert main([*argv[:-1], "int8"]) == 0
+    assert "mode approximate (int8 experts)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_generate_defaults_fit_the_checkpoint_and_the_machine(tmp_path, capsys):
     """A bf16 checkpoint stays bf16 (dtype auto) and continues the prompt as transformers does; the prompt is
     stretched with --prompt-tokens and its length printed beside the prefill figure; start-up phases are announced

@@ -43,6 +43,28 @@ def test_cuda_default_stack_is_ours():
     )
 
 
+def test_a_step_waits_for_its_own_experts_copies_only():
+    """Uncaptured, the accelerator's share waits for the fills of the slots it reads, not for a copy still crossing
+    for another expert (the simulator's uncaptured step prices it so); what it reads is the copied expert."""
+    from torch_hybrid_moe.runtime import ExpertStore
+
+    gate_up, down = torch.randn(6, 8, 4), torch.randn(6, 4, 4)
+    store = ExpertStore(gate_up, down, 2, torch.device("cuda"), torch.float32)
+    torch.cuda.synchronize()
+    store.load(5, 0)
+    with torch.cuda.stream(store._copy_stream):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of copy-stream work queued behind expert 5's fill
+    late = torch.cuda.Event()
+    late.record(store._copy_stream)
+    store.wait_for([1])  # slot 1 holds expert 1, filled when the store was made
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    assert not late.query()  # the step went ahead of the copy stream's queue
+    store.wait_for([5])
+    assert torch.equal(store.slot_gate_up[0].cpu(), gate_up[5])  # expert 5's own fill, waited for
+
+
 def test_uncaptured_ours_sees_the_copies_its_store_queued():
     """Uncaptured, ours plans with the link's state: every layer's store reports its copies to one clock per device,
     each landed copy reads as ready, and the outputs stay exact."""

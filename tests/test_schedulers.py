@@ -15,7 +15,7 @@ from torch_hybrid_moe.policies.schedulers import layer_time
 from torch_hybrid_moe.simulator import STACKS, simulate
 from torch_hybrid_moe.simulator.calibration import Calibration
 from torch_hybrid_moe.simulator.synthetic import synthetic_trace
-from torch_hybrid_moe.simulator.tuning import decode_halves, foresight, oracle, oracle_of, ours, tune
+from torch_hybrid_moe.simulator.tuning import COST_AWARE, decode_halves, foresight, oracle, oracle_of, ours, tune
 from torch_hybrid_moe.traces import Trace
 
 
@@ -148,7 +148,9 @@ def test_tuner_also_tries_ours_placement_over_the_ranked_caches():
         skew=1.2, locality=0.5, num_experts=16, top_k=2, num_layers=2, sequences=2, prompt_tokens=8, new_tokens=24
     )
     best, tried = tune(trace, COSTS, 1, 0.5, Calibration.from_trace(trace), windows=((2, 1, 0.0),))
-    assert [s.cache_policy for s, _ in tried] == ["dali_window", "mrs", "lfu", "lru", "daop"]
+    cost_aware = ["cost_aware"] * len(COST_AWARE)  # ours' cost-aware cache, over its grid of decays and horizons
+    assert [s.cache_policy for s, _ in tried] == ["dali_window", "mrs", "lfu", "lru", "daop", *cost_aware]
+    assert {dict(s.options)["horizon"] for s, _ in tried[5:]} == {h for _, h in COST_AWARE}
     assert all(s.scheduler == "queue_aware" for s, _ in tried)
     mrs = tried[1][0]
     assert [s.cache_policy for s in foresight(mrs)] == ["mrs", "mrs", "belady"]  # no window to mirror

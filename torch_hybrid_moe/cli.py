@@ -246,7 +246,8 @@ def eval_ppl(args: argparse.Namespace) -> int:
     if mode == "daop_precalc":
         counts = [c for c in precalc_stats(thm.runtime.model_layers(model)).values() if c.pairs]
         mode = f"daop_precalc (from decoder block {start}: {len(counts)} MoE layers approximated; decode steps)"
-    quantised = [f"{config.cpu_weight_dtype} experts"] if config.cpu_weight_dtype not in ("model", args.dtype) else []
+    dtype = str(model.dtype).removeprefix("torch.")  # what --dtype auto loaded: bf16 experts of a bf16 model are exact
+    quantised = [f"{config.cpu_weight_dtype} experts"] if config.cpu_weight_dtype not in ("model", dtype) else []
     if config.dense_weight_dtype != "model":
         quantised.append(f"{config.dense_weight_dtype} dense layers")
     if quantised:

@@ -38,6 +38,7 @@ class ExpertStore(SlotMap):
         self.slot_gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=slot_dtype, device=device)
         self.slot_down = torch.empty((num_slots, *down.shape[1:]), dtype=slot_dtype, device=device)
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._landed: list[torch.cuda.Event | None] = [None] * num_slots  # each slot's last fill, recorded after it
         self.timeline: CopyTimeline | None = None  # told of each asynchronous copy (the layer's policies plan by it)
         for slot in range(min(num_slots, self.num_experts)):
             self.load(slot, slot)
@@ -64,9 +65,9 @@ class ExpertStore(SlotMap):
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
                 self._fill(slot, expert)
+            landed = self._landed[slot] = torch.cuda.Event()
+            landed.record(self._copy_stream)
             if self.timeline is not None:
-                landed = torch.cuda.Event()
-                landed.record(self._copy_stream)
                 self.timeline.copied(expert, landed.query)
         return self.expert_bytes
 
@@ -92,6 +93,18 @@ class ExpertStore(SlotMap):
         """Order the compute stream after every queued slot fill."""
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+
+    def wait_for(self, experts: list[int]) -> None:
+        """Order the compute stream after the fills of these experts' slots only: a step whose experts have landed
+        does not wait for copies still crossing for others (the previous step's admissions, prefetches for later
+        steps), as the simulator's uncaptured step does not."""
+        if self._copy_stream is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for expert in experts:
+            landed = self._landed[self.expert_slot[expert]]
+            if landed is not None:
+                compute.wait_event(landed)
 
 
 def expert_nbytes(weight: HostWeight) -> int:

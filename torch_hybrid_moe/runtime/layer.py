@@ -331,7 +331,7 @@ class HybridMoELayer:
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         if not experts:
             return acc
-        store.wait_for_copies()
+        store.wait_for(experts)
         slot_ids = self._relabel(topk_ids, {e: store.expert_slot[e] for e in experts})
         if store.device.type == "cpu" and not store.rounds_inputs:  # the CPU standing in for the accelerator
             cpu_experts_into(hidden, slot_ids, topk_weights, store.slot_gate_up, store.slot_down, None, None, acc)
