@@ -6,7 +6,8 @@
 #   budgets, with the routing trace, its routers and the local cost profile for `hybrid-moe simulate`;
 # - ours as `simulate --save-ours` tuned it on the fourth lease's trace and profile (benchmarks/measured/), beside
 #   the default's fixed settings, at budgets 0.25 and 0.5 (off by default: the fifth lease's one row, at 0.25, ran
-#   slower than the default);
+#   slower than the default). Since 2026-11-30 the tuning picks ours' cost-aware cache (decay 0.8, horizon 8),
+#   simulated 1.07x / 1.03x the default's window at 0.25 / 0.5: TUNED_S=170 measures it;
 # - what the graph's fills and CPU round trips cost, and whether the CPU share and fills beside it compete for the
 #   host's memory (graph_costs.py; the first two measured 2026-11-28);
 # - a profiled prefill of the default and the ring in halves (8 and 16 buffers) at budget 0.25 (the host time split
@@ -60,7 +61,7 @@ step "${MAIN_S:-170}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --
 # the rows' cost profile, for simulate --profile (none where its fit was doubted: the rows' warnings say why)
 cp "$XDG_CACHE_HOME"/torch_hybrid_moe/profile-deepseek-v2-lite-*.json "$out"/ 2>/dev/null || echo "no cost profile cached"
 step "${TUNED_S:-0}" main.txt python benchmarks/gpu_decode.py "${common[@]}" --rows --budgets 0.25 0.5 \
-    --stack-file benchmarks/measured/2026-11-28-gpu-h200/ours-tuned.json | grep -v -e "^{" -e Warn
+    --stack-file benchmarks/measured/2026-11-28-gpu-h200/ours-tuned-cost-aware.json | grep -v -e "^{" -e Warn
 step "${GRAPH_S:-40}" main.txt python benchmarks/graph_costs.py  # fills, CPU round trips, and the two together
 step "${PREFILL_S:-60}" prefill.txt python benchmarks/gpu_decode.py --layers "$layers" --graph on --tokens 4 \
     --prompt 512 4096 --repeats 1 --rows hybrid stream-8 stream-16 --budgets 0.25 --profile /tmp/gpu-checks-profile |
