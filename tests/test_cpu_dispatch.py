@@ -183,3 +183,44 @@ def test_a_handle_gone_to_a_layer_with_slots_takes_dispatch():
     got = CPU_MOE(hidden, ids, weights, cpu_layer.handle)
     assert torch.equal(got, torch.ops.hybrid_moe.dispatch(hidden, ids, weights, slots_layer.handle))
     assert slots_layer.stats.steps == 2 and cpu_layer.stats.steps == 0
+
+
+def test_threads_registering_layers_never_share_a_freed_handle():
+    """Two threads taking freed handles of one key took the same one now and then (about 1 round in 100): one handle
+    then named both layers, and a graph compiled for one computed with the other's experts. Registration is atomic."""
+    import sys
+    import threading
+
+    from torch_hybrid_moe.runtime import registry
+
+    class Layer:  # what register_layer needs of a layer: a weak reference and `publish`
+        def publish(self, handle: int) -> None:
+            pass
+
+    key = ("threads-test", 0)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for _ in range(1500):
+            freed = [Layer() for _ in range(4)]
+            for layer in freed:
+                registry.register_layer(layer, key=key)
+            del freed, layer  # freed at once (no cycles): their handles go back to the key
+            got: dict[int, tuple[int, Layer]] = {}
+            start = threading.Barrier(4)
+
+            def register(i: int) -> None:
+                layer = Layer()
+                start.wait()
+                got[i] = registry.register_layer(layer, key=key), layer
+
+            threads = [threading.Thread(target=register, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len({h for h, _ in got.values()}) == 4
+            assert all(registry.get_layer(h) is layer for h, layer in got.values())
+            got.clear()
+    finally:
+        sys.setswitchinterval(interval)

@@ -20,7 +20,7 @@ from torch_hybrid_moe.policies import CACHE_POLICIES, SCHEDULERS, IdleLink, Laye
 from torch_hybrid_moe.policies.device_caching import admissions
 from torch_hybrid_moe.policies.prefetching import Router
 from torch_hybrid_moe.policies.schedulers import StepTimer, local_search
-from torch_hybrid_moe.runtime import model_layers
+from torch_hybrid_moe.runtime import ExpertStore, HybridMoELayer, model_layers
 from torch_hybrid_moe.runtime.graph_path import Part
 from torch_hybrid_moe.runtime.layer_policies import build_policies
 from torch_hybrid_moe.tiny_models import TINY_ARCHITECTURES, tiny_model
@@ -500,6 +500,83 @@ def test_replay_safe_path_matches_reference_model(reference_models, arch, budget
         assert all(s.hits == 0 for s in stats.values())
     if budget == 1.0:
         assert all(s.misses == 0 for s in stats.values())
+
+
+@needs_kernel
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_split_steps_halves_count_and_admit_the_whole_step(graph):
+    """A step split in two dispatches is one step of the layer, as the simulator counts it: its hits are judged on the
+    slots it found (a DAOP AHEAD half's on-demand fetch of expert 5 made the plain half count 5 a hit), and Expert
+    Deferral's deferred pairs (the BEHIND half) are counted and admitted with the step's (expert 5, deferred at every
+    step, was never counted nor admitted, and the hit rate read 100%)."""
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(8, 16, 16), torch.randn(8, 16, 8)
+    h = torch.randn(1, 16)
+
+    def layer_over(scheduler: str, cache: str) -> HybridMoELayer:
+        store = ExpertStore(gate_up, down, 2, torch.device("cpu"), torch.float32)  # experts 0 and 1 in slots
+        config = thm.HybridMoEConfig(expert_budget=0.25, scheduler=scheduler, cache_policy=cache)
+        layer = HybridMoELayer(f"split-{scheduler}-{graph}", 0, store, config)
+        layer.graph_mode = graph
+        return layer
+
+    def half(layer: HybridMoELayer, ids: list[int], part: Part) -> None:
+        if graph and part in (Part.AHEAD, Part.LEADING):
+            layer.graph_path().begin_step()
+        weights = torch.tensor([[0.5 if i >= 0 else 0.0 for i in ids]])
+        layer.end(layer.begin(h, torch.tensor([ids]), weights, part), h, part)
+
+    daop = layer_over("on_demand", "lru")
+    half(daop, [5, -1], Part.AHEAD)  # fetched on demand
+    half(daop, [-1, 1], Part.PLAIN)
+    assert (daop.stats.hits, daop.stats.misses, daop.stats.steps) == (1, 1, 1)
+    deferral = layer_over("cached_on_accelerator", "lfu")
+    for _ in range(3):
+        half(deferral, [1, -1], Part.LEADING)
+        half(deferral, [-1, 5], Part.BEHIND)
+    # step 1: 1 a hit, 5 a miss, then admitted over expert 0 (LFU: 1 use against none); steps 2-3: both hits
+    assert (deferral.stats.hits, deferral.stats.misses, deferral.stats.steps) == (5, 1, 3)
+    assert sorted(e for e in deferral.store.slot_experts if e >= 0) == [1, 5]
+
+
+@needs_kernel
+def test_another_models_replay_never_pulls_a_layers_stale_tables(reference_models):
+    """A replay marks its own model's layers' device tables newer, not every layer's: when model A took in its tables
+    after its replays and then moved experts in uncaptured steps, model B's replay made A pull its stale device tables
+    back over them, so A's slot map named slots holding other experts and its logits went wrong (1.69 relative)."""
+    ref = reference_models["mixtral"]
+    a, b = (
+        thm.patch_model(
+            copy.deepcopy(ref), expert_budget=0.5, device="cpu", cache_policy="lru", scheduler="cached_on_accelerator"
+        )
+        for _ in range(2)
+    )
+
+    def check(x: torch.Tensor) -> None:
+        with torch.no_grad():
+            want, got = ref(x).logits.double(), a(x).logits.double()
+        assert ((got - want).abs().max() / want.abs().max()) < 1e-5
+        for layer in model_layers(a).values():
+            layer.settle()  # as thm.stats and the next step do first
+            store = layer.store
+            assert all(
+                torch.equal(store.slot_gate_up[s], store.host_gate_up[e])
+                for s, e in enumerate(store.slot_experts)
+                if e >= 0
+            )
+
+    layers = list(model_layers(a).values())
+    for layer in layers:  # A's decode step on the replay-safe path, as its graph runs it, then its replay noted
+        layer.graph_path().prepare_replay()
+        layer.graph_mode = True
+    check(torch.randint(3, 96, (1, 1)))
+    for layer in layers:
+        layer.graph_mode = False
+        layer.graph_path().replayed()
+    check(torch.randint(3, 96, (2, 9)))  # uncaptured: takes the tables in, then admits experts
+    for layer in model_layers(b).values():
+        layer.graph_path().replayed()  # B's replay
+    check(torch.randint(3, 96, (2, 9)))
 
 
 @needs_kernel

@@ -184,8 +184,16 @@ def test_a_live_layers_view_of_the_link_is_the_replays():
             for e in range(info.num_experts):
                 assert run.ready_in(e) == pytest.approx(sim.ready_in(e), abs=1e-12)
     assert any(run.ready_in(e) > 0 for run in live for e in range(info.num_experts))
-    live[0].copied(3, lambda: True)
-    assert live[0].ready_in(3) == live[0].link_free_in() == 0.0
+    live[0].copied(3, lambda: True)  # landed at once, while the copies before it, on other streams, have not
+    assert live[0].ready_in(3) == 0.0 < live[0].link_free_in()
+    for run in live:  # the copies before have all landed now
+        run.landed = [lambda: True] * info.num_experts
+    clock.pending = [lambda: True] * 3
+    landed = [False]
+    live[1].copied(4, lambda: landed[0])
+    assert live[1].ready_in(4) > 0 and live[0].link_free_in() > 0
+    landed[0] = True
+    assert live[1].ready_in(4) == live[0].link_free_in() == 0.0 and clock.pending == []
     replayed[0].ready[3] = link.copy(link.now, "fill", 3)
     link.captured = True  # a captured step's tensor forms plan on an idle link
     assert replayed[0].link_free_in() == 0.0 < replayed[0].ready_in(3)  # which waits for its layer's copies itself

@@ -24,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from transformers.cache_utils import StaticCache, StaticLayer
 
-from .graph_path import check_task_errors, fill_stream, note_replay
+from .graph_path import check_task_errors, fill_stream
 from .layer import HybridMoELayer
 from .stats import model_layers
 
@@ -98,7 +98,8 @@ class DecodeGraphs:
             layer.graph_path().prepare_replay()
         entry.graph.replay()
         self.replays += 1
-        note_replay()
+        for layer in self.layers:
+            layer.graph_path().replayed()
         check_task_errors()
         return _detached(entry.output)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -66,15 +65,6 @@ class Part(enum.IntEnum):
     # a plain dispatch followed in the step by a BEHIND half (Expert Deferral's immediate pairs): it counts the step
     # but leaves the admission to that half, whose slot reads would otherwise wait for the copies
     LEADING = 3
-
-
-_replays = itertools.count(1)
-_last_replay = [0]
-
-
-def note_replay() -> None:
-    """Called after each graph replay: device-side slot tables are now newer than the Python ones."""
-    _last_replay[0] = next(_replays)
 
 
 @functools.cache
@@ -138,13 +128,16 @@ class GraphPath:
         self.counters = torch.zeros(len(self.COUNTERS), dtype=torch.float64, device=self.device)
         self._buffers: dict[tuple, _TaskBuffers] = {}
         self._pending: dict[int, _TaskBuffers | None] = {}  # by part: a started step's CPU task, until finished
-        self._ahead: tuple[torch.Tensor, torch.Tensor] | None = None  # an AHEAD half's counts and scores per expert
-        self._unadmitted: tuple[torch.Tensor, torch.Tensor] | None = None  # a LEADING dispatch's, for its BEHIND half
+        # an AHEAD half's counts, scores and the slots it found, per expert; a LEADING dispatch's, for its BEHIND half
+        self._ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._unadmitted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._host = {name: self._readable(getattr(store, f"host_{name}")) for name in ("gate_up", "down")}
         self.prefetcher: GatePrefetch | None = PREFETCHERS.tensor_form(config.prefetcher)(layer.prefetcher, self.device)
         self._ready: torch.cuda.Event | None = None  # this step's last fill-stream work for this layer
         self.pushed_version = -1
-        self.pulled_replay = _last_replay[0]
+        # the device tables changed since the store last took them in (this layer's steps on the path, or replays of
+        # its model's graphs: `replayed`); per layer, so that another model's replay never pulls stale tables here
+        self.device_newer = False
         self.push()
 
     def _readable(self, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
@@ -171,7 +164,7 @@ class GraphPath:
 
     def pull(self) -> None:
         """After replays: bring the device tables and counters back into the store and the layer's stats."""
-        if self.pulled_replay == _last_replay[0]:
+        if not self.device_newer:
             return
         store = self.layer.store
         store.slot_experts[:] = self.slot_expert.tolist()
@@ -184,7 +177,11 @@ class GraphPath:
         for name in self.COUNTERS[:-2]:
             setattr(s, name, getattr(s, name) + c[name])
         s.bytes_transferred += (c["fetched"] + c["admitted"] + c["prefetched_experts"]) * store.expert_bytes
-        self.pulled_replay = _last_replay[0]
+        self.device_newer = False
+
+    def replayed(self) -> None:
+        """Called after each replay of a graph holding this layer's step: its device tables are now the newer."""
+        self.device_newer = True
 
     def prepare_replay(self) -> None:
         """Before a replay: eager steps may have moved experts; make the device tables current."""
@@ -214,7 +211,7 @@ class GraphPath:
         in the missing experts placed on the accelerator, compute the slot share, queue the cache's fills as
         `part` says (`Part`); returns the fp32 accumulator `end` completes once the CPU share is in."""
         store = self.layer.store
-        self.pulled_replay = -1  # this step (run or captured) changes the device tables: pull before eager use
+        self.device_newer = True  # this step (run or captured) changes the device tables: pull before eager use
         self._wait_for_copies()
         ids = topk_ids.long()
         valid, expert = ids >= 0, ids.clamp(min=0)  # id -1: another dispatch's pair
@@ -264,19 +261,21 @@ class GraphPath:
         self._count(accelerator_experts=on_accelerator.sum(), cpu_experts=(active & ~on_accelerator).sum())
         if part in (Part.PLAIN, Part.LEADING):
             ahead, self._ahead = self._ahead, None
-            if ahead is not None:
-                counts, scores = counts + ahead[0], scores + ahead[1]
+            if ahead is not None:  # the step's hits are judged on the slots it found, before the AHEAD half's fetches
+                counts, scores, resident = counts + ahead[0], scores + ahead[1], ahead[2]
                 active = counts > 0
             self._count(steps=1, tokens=ids.shape[0], hits=(active & resident).sum(), misses=(active & ~resident).sum())
             if part == Part.PLAIN:
                 self._admit_later(counts, scores)
             else:
-                self._unadmitted = counts, scores
+                self._unadmitted = counts, scores, resident
         elif part == Part.AHEAD:
-            self._ahead = counts, scores
+            self._ahead = counts, scores, resident
         elif self._unadmitted is not None:  # BEHIND: its slot reads are queued, the copies may follow
-            unadmitted, self._unadmitted = self._unadmitted, None
-            self._admit_later(*unadmitted)
+            (lead_counts, lead_scores, lead_resident), self._unadmitted = self._unadmitted, None
+            later = active & (lead_counts == 0)  # experts only the deferred pairs use: the step's too
+            self._count(hits=(later & lead_resident).sum(), misses=(later & ~lead_resident).sum())
+            self._admit_later(counts + lead_counts, scores + lead_scores)
         self._pending[part] = buf
         return acc
 
@@ -330,7 +329,7 @@ class GraphPath:
     def prefetch(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor) -> None:
         """Start copying the experts the gate prefetcher predicts for this layer (module docstring); every call
         is counted, as on the uncaptured path."""
-        self.pulled_replay = -1
+        self.device_newer = True
         if self.prefetcher is not None and 0 < self.num_slots < self.num_experts:
             self._on_fill_stream(self._prefetch, hidden)
         else:

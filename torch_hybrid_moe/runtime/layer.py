@@ -43,6 +43,7 @@ class RoutingRule:
 
 
 _OWNERS = itertools.count(1)  # numbers of the layers published in the C++ table (csrc/cpu_layers.cpp)
+Half = tuple[list[int], list[float], list[bool]]  # one dispatch of a split step: counts, scores, the slots it found
 
 
 @functools.cache
@@ -105,7 +106,10 @@ class HybridMoELayer:
         self.owner: int | None = None  # its number in the C++ table of all-CPU layers, once published there
         self.graph_mode = False  # True while a CUDA graph of the decode step is warmed up and captured
         self.mode_counters: torch.Tensor | None = None  # an approximate mode's device counters (DAOP's)
-        self._ahead: tuple[list[int], list[float]] | None = None  # an AHEAD half's counts and scores, uncaptured
+        # uncaptured: an AHEAD half's counts, scores and the slots as the step found them, for the plain dispatch that
+        # counts and admits for the step; a LEADING dispatch's, for the BEHIND half that completes the step
+        self._ahead: Half | None = None
+        self._unadmitted: Half | None = None
         self._graph_path: GraphPath | None = None
         self.handle = register_layer(self, key=(name, layer_idx, config.compiled_fields()))
 
@@ -272,12 +276,19 @@ class HybridMoELayer:
         s.cpu_experts += len(cpu)
         s.streamed_experts += len(streamed)
         if part == Part.AHEAD:  # the layer's plain dispatch of this step counts and admits for it
-            self._ahead = counts, scores
+            self._ahead = counts, scores, resident
             return acc
-        if part == Part.BEHIND:
+        if part == Part.BEHIND:  # Expert Deferral's deferred pairs complete the step their LEADING dispatch began
+            if self._unadmitted is not None:
+                (lead_counts, lead_scores, resident), self._unadmitted = self._unadmitted, None
+                later = [e for e in active if not lead_counts[e]]  # experts only the deferred pairs use
+                hits = sum(resident[e] for e in later)
+                s.hits += hits
+                s.misses += len(later) - hits
+                self._admit([a + b for a, b in zip(counts, lead_counts)], [a + b for a, b in zip(scores, lead_scores)])
             return acc
         if self._ahead is not None:
-            ahead_counts, ahead_scores = self._ahead
+            ahead_counts, ahead_scores, resident = self._ahead  # the slots as the step found them, before its fetches
             counts = [a + b for a, b in zip(counts, ahead_counts)]
             scores = [a + b for a, b in zip(scores, ahead_scores)]
             active = {e for e, c in enumerate(counts) if c}
@@ -287,13 +298,20 @@ class HybridMoELayer:
         hits = sum(resident[e] for e in active)
         s.hits += hits
         s.misses += len(active) - hits
+        if part == Part.LEADING:  # its BEHIND half admits for the whole step
+            self._unadmitted = counts, scores, resident
+        else:
+            self._admit(counts, scores)
+        return acc
 
+    def _admit(self, counts: list[int], scores: list[float]) -> None:
+        """The cache policy's admissions after a step (its token counts and summed scores per expert); the first that
+        finds no slot ends them."""
         admitted: set[int] = set()
-        for expert in self.cache_policy.admit(counts, store.resident(), scores):
+        for expert in self.cache_policy.admit(counts, self.store.resident(), scores):
             admitted.add(expert)
             if not self._fill(expert, keep=admitted):
                 break
-        return acc
 
     def prefetch(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor) -> None:
         """Copy the experts the prefetcher predicts for this layer into slots, ahead of its routing."""

@@ -26,13 +26,18 @@ class LinkClock:
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
         self.now = now
         self.free_at = 0.0  # when, by the cost model, the last queued copy ends
-        self.last: Landed = _landed  # whether it has
+        self.pending: list[Landed] = []  # copies not yet seen landed (each layer's stream may finish in its own order)
 
     def queue(self, seconds: float, landed: Landed) -> float:
         """Book one copy of `seconds`, queued now; returns when it should end."""
         self.free_at = max(self.now(), self.free_at) + seconds
-        self.last = landed
+        self.pending.append(landed)
         return self.free_at
+
+    def idle(self) -> bool:
+        """Whether every copy queued so far has landed (those that have are forgotten)."""
+        self.pending = [landed for landed in self.pending if not landed()]
+        return not self.pending
 
 
 class CopyTimeline:
@@ -52,7 +57,7 @@ class CopyTimeline:
 
     def link_free_in(self) -> float:
         clock = self.clock
-        return 0.0 if clock.last() else max(0.0, clock.free_at - clock.now())
+        return 0.0 if clock.idle() else max(0.0, clock.free_at - clock.now())
 
     def ready_in(self, expert: int) -> float:
         return 0.0 if self.landed[expert]() else max(0.0, self.ends[expert] - self.clock.now())

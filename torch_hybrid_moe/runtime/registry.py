@@ -14,6 +14,7 @@ for the new one, and sweeping configurations in one process reuses compiled code
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
@@ -24,17 +25,27 @@ if TYPE_CHECKING:
 _layers: weakref.WeakValueDictionary[int, HybridMoELayer] = weakref.WeakValueDictionary()
 _counter = itertools.count()
 _free: dict[Hashable, set[int]] = {}  # key -> handles of freed layers registered with that key
+# Models patched (or stock graphs building layers) in two threads must not take one freed handle twice, nor a freed
+# layer's finalizer change a set another thread is reading: every change to the tables holds this lock. Reentrant:
+# a finalizer may run, by garbage collection, inside a locked section of the same thread.
+_lock = threading.RLock()
+
+
+def _give_back(key: Hashable, handle: int) -> None:
+    with _lock:
+        _free.setdefault(key, set()).add(handle)
 
 
 def register_layer(layer: HybridMoELayer, key: Hashable | None = None) -> int:
     """A handle naming `layer`: a freed one registered with the same `key` if there is one, else a new one."""
-    free = _free.get(key) if key is not None else None
-    handle = min(free) if free else next(_counter)
-    if free:
-        free.discard(handle)
-    _layers[handle] = layer
-    if key is not None:
-        weakref.finalize(layer, _free.setdefault(key, set()).add, handle)
+    with _lock:
+        free = _free.get(key) if key is not None else None
+        handle = min(free) if free else next(_counter)
+        if free:
+            free.discard(handle)
+        _layers[handle] = layer
+        if key is not None:
+            weakref.finalize(layer, _give_back, key, handle)
     layer.publish(handle)
     return handle
 
@@ -42,9 +53,10 @@ def register_layer(layer: HybridMoELayer, key: Hashable | None = None) -> int:
 def bind(handle: int, layer: HybridMoELayer) -> None:
     """Point an existing handle at another layer: a graph compiled from a stock model names sites, not a
     model's layers, and is bound to the calling model's own layers before each call (runtime/stock.py)."""
-    if _layers.get(handle) is layer:
-        return
-    _layers[handle] = layer
+    with _lock:
+        if _layers.get(handle) is layer:
+            return
+        _layers[handle] = layer
     layer.publish(handle)
 
 
