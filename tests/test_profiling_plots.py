@@ -315,6 +315,12 @@ def test_simulate_cli_json_reports_prefetch_accuracy(capsys):
         } <= r.keys() and r["batch"] == 8
         assert (r["prefetch_accuracy"] is None) == (r["stack"] not in prefetching)
     assert 0 < records["dali"]["prefetch_accuracy"] <= 1 and records["oracle"]["prefetch_accuracy"] == 1
+    from torch_hybrid_moe.simulator.tuning import ours
+
+    # what each row ran: ours' settings, the bound's winning candidate
+    assert records["ours"]["description"] == ours(4, 1, 0.5, 1).description and bound["description"].startswith(
+        ("Belady", "future-window", "the trace's", "LFU")
+    )
 
 
 def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, capsys):

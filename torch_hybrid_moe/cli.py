@@ -478,7 +478,10 @@ def simulate(args: argparse.Namespace) -> int:
     papers = [by_name[n] for n in PAPERS if n in by_name]
     best_paper = max(papers, key=lambda r: r.decode_tok_s)
     if args.json:
-        records = [asdict(r) | {"bound_tok_s": bound_tok_s, "x_bound": x_bound(r.decode_tok_s)} for r in results]
+        records = [  # each stack's description too: what ours was tuned to, which bound candidate won
+            asdict(r) | {"description": s.description, "bound_tok_s": bound_tok_s, "x_bound": x_bound(r.decode_tok_s)}
+            for r, s in zip(results, ran)
+        ]
         if ranked is not None:
             rank, candidates, _, of_best = ranked
             records = [
