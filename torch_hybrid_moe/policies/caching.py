@@ -72,9 +72,9 @@ class RankedCache:
     ) -> list[int]:
         """Swaps pair by pair: the i-th most valuable missing candidate displaces the i-th least valuable resident
         expert (a free slot first) while it is worth more than `threshold` times as much plus `margin`; at most
-        `limit`. Checking
-        each against the coldest resident alone would let a second newcomer evict a hot expert (the replay-safe
-        form, `device_caching.admissions`, pairs them so too). A candidate valued -inf (never needed) is not copied.
+        `limit`. Checking each against the coldest resident alone would let a second newcomer evict a hot expert
+        (the replay-safe form, `device_caching.admissions`, pairs them so too). A candidate valued -inf (never
+        needed) is not copied.
         """
         newcomers = sorted(
             (e for e in candidates if not resident[e] and self.value(e) > float("-inf")),
@@ -200,7 +200,7 @@ class CostAware(RankedCache):
             )
         if not 0 <= decay < 1 or not (horizon > 0 and math.isfinite(horizon)):  # also refuses NaN
             raise ValueError(f"cost_aware needs 0 <= decay < 1 and a finite horizon > 0; got {decay!r}, {horizon!r}")
-        self.costs, self.decay, self.horizon = costs, decay, horizon
+        self.costs, self.decay = costs, decay
         self.margin = costs.t_transfer() / horizon  # seconds a step the newcomer must save over the one it displaces
         self.saving = [0.0] * info.num_experts
 
