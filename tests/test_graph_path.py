@@ -279,6 +279,26 @@ def test_slot_experts_matches_the_loop_in_float64(tokens, k, slots, grouped, cou
     assert (got.double() - want).norm() <= tolerance * want.norm() + rounding  # every pair may be dropped: want 0
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "gathered"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_slots_no_pair_uses_may_hold_anything(tokens, grouped, monkeypatch):
+    """A slot never filled holds whatever its memory held (the store allocates them empty), and an fp16 expert
+    given a token it was not routed may overflow: neither may reach the output. The gathered form runs unused slots
+    on every token with weight 0, and 0 x NaN is NaN, so their rows must be left out, not multiplied by 0."""
+    from torch_hybrid_moe.ops import expert_math
+
+    monkeypatch.setattr(expert_math, "grouped_slots", lambda w: grouped)
+    gate_up, down = _experts(e=6)
+    hidden = torch.randn(tokens, 32)
+    ids, weights = _routing(tokens, 2, 3)
+    ids[0, 1] = -1  # one token: one used slot, padded with an unused one
+    want = accumulate_experts_(torch.zeros(tokens, 32), hidden, ids, weights, gate_up, down)
+    unused = sorted(set(range(6)) - set(ids.flatten().tolist()))
+    gate_up[unused[0]], down[unused[1]], down[unused[2:]] = float("nan"), float("inf"), -float("inf")
+    got = slot_experts_(torch.zeros(tokens, 32), hidden, ids, weights, gate_up, down)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_uncaptured_slot_share_from_quantised_masters_takes_the_grouped_form(fmt):

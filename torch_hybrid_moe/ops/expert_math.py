@@ -119,7 +119,7 @@ def slot_experts_(
     Where torch has a grouped GEMM for these weights (`grouped_slots`), the pairs are sorted by slot and each
     projection is one grouped GEMM over all slots, reading each used slot's weights in place (a slot no pair
     uses costs nothing). Elsewhere it runs min(T * K, S) slots, the used ones first (padded with unused slots
-    whose weight is zero), each on all T tokens, from a gathered copy of their weights: at decode that reads and
+    whose rows are left out), each on all T tokens, from a gathered copy of their weights: at decode that reads and
     writes the used experts' weights once more. `rounded`: as in `accumulate_experts_`. `on_slots`: how many pairs
     have a slot id >= 0, where the caller has read it (an uncaptured step, such as a prefill): the grouped form then
     computes those rows only, not every pair of the step.
@@ -162,5 +162,8 @@ def slot_experts_(
     gate, up = torch.matmul(w_gate_up, x).chunk(2, dim=1)  # [run, I, T] each
     h = _rounded((F.silu(gate) * up).transpose(1, 2), rounded).transpose(1, 2)
     y = torch.matmul(w_down, h)  # [run, H, T]
-    out += torch.einsum("rht,tr->th", y.float(), dense)
+    # rows of a slot a token does not use are left out, not multiplied by 0: a never-filled slot holds whatever its
+    # memory held, and an fp16 expert may overflow on a token it was not routed; 0 x NaN would reach the output
+    y = torch.where(dense.T.unsqueeze(1) != 0, y.float(), 0.0)
+    out += torch.einsum("rht,tr->th", y, dense)
     return out
