@@ -314,7 +314,10 @@ class HybridMoELayer:
                 break
 
     def prefetch(self, hidden: torch.Tensor, prev_topk_ids: torch.Tensor) -> None:
-        """Copy the experts the prefetcher predicts for this layer into slots, ahead of its routing."""
+        """Copy the experts the prefetcher predicts for this layer into slots, ahead of its routing. A layer without
+        slots has nothing to prefetch into and counts no call, as its compiled step holds no prefetch op."""
+        if not self.store.num_slots:
+            return
         if self.graph_mode:
             self.graph_path().prefetch(hidden, prev_topk_ids)
             return
