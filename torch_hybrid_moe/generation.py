@@ -94,7 +94,7 @@ def greedy_generate(
     while size < need:
         size *= 2
     size = max(need, min(size, getattr(text_config, "max_position_embeddings", None) or size))
-    forward = _ForwardNames(type(model))
+    forward = ForwardNames(type(model))
     cache = {forward.cache: StaticCache(config=text_config, max_cache_len=size)}
     step = DecodeReplay(model, functools.partial(_compiled_next_tokens, model))
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype) if eos else None
@@ -172,7 +172,7 @@ def _compiled_step() -> Callable[..., torch.Tensor]:
     )
 
 
-class _ForwardNames:
+class ForwardNames:
     """What a model class's forward calls its cache argument, and whether it takes cache positions."""
 
     def __init__(self, cls: type[PreTrainedModel]) -> None:

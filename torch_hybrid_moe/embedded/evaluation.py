@@ -34,7 +34,10 @@ def decode_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ,
     mode (daop_precalc) applies to every prediction: same windows, same tokens, same average."""
     from transformers import StaticCache
 
+    from ..generation import ForwardNames
+
     caches: dict[int, StaticCache] = {}  # one per batch size: the last chunk may hold fewer windows
+    names = ForwardNames(type(model))  # transformers 5.24 renamed past_key_values to cache and dropped positions
 
     def logits(inputs: torch.Tensor) -> torch.Tensor:
         if inputs.shape[0] not in caches:
@@ -45,9 +48,9 @@ def decode_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ,
             [
                 model(
                     input_ids=inputs[:, t : t + 1],
-                    past_key_values=cache,
                     use_cache=True,
-                    cache_position=torch.tensor([t], device=inputs.device),
+                    **{names.cache: cache},
+                    **({"cache_position": torch.tensor([t], device=inputs.device)} if names.cache_position else {}),
                 ).logits
                 for t in range(inputs.shape[1])
             ],
