@@ -73,6 +73,7 @@ import torch_hybrid_moe as thm
 from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.config import STACK_FILE_FIELDS
 from torch_hybrid_moe.errors import InputError
+from torch_hybrid_moe.generation import ForwardNames
 
 ROWS = (
     "hybrid",
@@ -206,8 +207,8 @@ def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: St
         max_new_tokens=tokens,
         min_new_tokens=tokens,
         do_sample=False,
-        past_key_values=cache,
         cache_implementation=None,
+        **{ForwardNames(type(model)).cache: cache},  # transformers 5.24 renamed past_key_values to cache
     )
     torch.cuda.synchronize()
     return time.perf_counter() - start

@@ -276,9 +276,8 @@ def _captured_model() -> tuple[torch.nn.Module, object, dict]:
 def _rewinder(kwargs: dict) -> Callable[[], None]:
     """Puts the cache length back to where the last decode step of a generate() started (so positions stay in
     range however often that step is replayed); its targets are computed here, outside any profiled region."""
-    pairs = [
-        (layer.cumulative_length, layer.cumulative_length.clone() - 1) for layer in kwargs["past_key_values"].layers
-    ]
+    cache = kwargs["cache" if "cache" in kwargs else "past_key_values"]  # the name from transformers 5.24, and before
+    pairs = [(layer.cumulative_length, layer.cumulative_length.clone() - 1) for layer in cache.layers]
 
     def rewind() -> None:
         for length, start in pairs:
