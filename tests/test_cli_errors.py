@@ -3,6 +3,7 @@ nothing computed; and a bad profile cache is measured again with a warning namin
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from torch_hybrid_moe import profiling
 from torch_hybrid_moe.cli import main
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.embedded import resolve_model
+from torch_hybrid_moe.simulator import STACKS, simulate
+from torch_hybrid_moe.simulator.stacks import PAPERS
 from torch_hybrid_moe.simulator.synthetic import synthetic_trace
 from torch_hybrid_moe.traces import Trace
 
@@ -188,17 +191,26 @@ def test_a_model_that_is_not_there_is_refused_before_the_kernel_build(tmp_path, 
 
 
 def test_simulate_runs_every_stack_it_can_without_gate_inputs(tmp_path, capsys):
-    """A multi-layer trace without gate inputs (synthetic.py's, other tools'): the router-replaying stacks are
-    listed as skipped with the reason, the others are reported."""
+    """A multi-layer trace without gate inputs (synthetic.py's, other tools'): the router-replaying stacks run
+    without their prefetch, named so, and count among the papers ours is compared with (they were skipped, and
+    "ours / best paper" left out the fastest paper's stack)."""
     path = tmp_path / "synthetic.safetensors"
     synthetic_trace(1.0, 0.4, num_experts=16, top_k=2, sequences=3, prompt_tokens=16, new_tokens=16).save(path)
     assert main(["simulate", "--trace", str(path), "--ours", "2,1,0.5,0", "--json"]) == 0
     records = {r["stack"]: r for r in json.loads(capsys.readouterr().out)}
-    skipped = {name for name, r in records.items() if "skipped" in r}
-    assert skipped == {"dali", "hybrimoe"}  # residual and impact prefetch replay the router
-    assert all("gate inputs" in records[name]["skipped"] for name in skipped)
-    assert all(records[name]["decode_tok_s"] > 0 for name in records.keys() - skipped)
-    assert {"ours", "oracle", "ktransformers", "lru-cache"} <= records.keys() - skipped
+    # residual and impact prefetch replay the router
+    assert {"dali (no prefetch)", "hybrimoe (no prefetch)"} <= records.keys()
+    assert not {"dali", "hybrimoe"} & records.keys()
+    assert all(r["decode_tok_s"] > 0 for r in records.values())
+    assert {"ours", "oracle", "ktransformers", "lru-cache"} <= records.keys()
+    costs = CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])
+    trace = Trace.load(path)
+    hybrimoe = replace(STACKS["hybrimoe"], prefetcher="none")
+    assert records["hybrimoe (no prefetch)"]["decode_tok_s"] == simulate(trace, hybrimoe, costs).decode_tok_s
+    assert main(["simulate", "--trace", str(path), "--ours", "2,1,0.5,0"]) == 0
+    papers = {name: records[name]["decode_tok_s"] for name in records if name.split(" ")[0] in PAPERS}
+    assert len(papers) == len(PAPERS)
+    assert f"ours / best paper ({max(papers, key=papers.__getitem__)})" in capsys.readouterr().out
     one_line_error(
         capsys, ["simulate", "--trace", str(path), "--routers", str(tmp_path)], "does not record every row's gate input"
     )
@@ -360,7 +372,8 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "--trace", str(out), "--ours", "2,1,0.5,0", "--json"]) == 0
     records = json.loads(capsys.readouterr().out)
-    assert {r["stack"] for r in records if "skipped" in r} == {"dali", "hybrimoe"}
+    without = {r["stack"] for r in records if "no prefetch" in r["stack"]}
+    assert without == {"dali (no prefetch)", "hybrimoe (no prefetch)"}
 
 
 @pytest.mark.parametrize(
@@ -435,9 +448,9 @@ def test_simulate_with_a_profile_from_another_machine(tmp_path, monkeypatch, cap
     synthetic_trace(1.0, 0.4, num_experts=8, top_k=2, sequences=1, prompt_tokens=8, new_tokens=8).save(trace)
     argv = ["simulate", "--trace", str(trace), "--ours", "2,1,0.5,0"]
     assert main([*argv, "--profile", str(path), "--json"]) == 0
-    elsewhere = {r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r}
+    elsewhere = {r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out)}
     assert main([*argv, "--hardware", "local", "--expert-shape", "mixtral-8x7b", "--json"]) == 0
-    local = {r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r}
+    local = {r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out)}
     assert elsewhere == local and elsewhere["ours"] > 0
     assert main([*argv, "--profile", str(path), "--cache-ratio", "0.3"]) == 0
     out = capsys.readouterr().out
@@ -487,7 +500,7 @@ def test_simulate_with_a_measured_dense_time(tmp_path, capsys):
     rates = []
     for extra in ([], ["--dense-us", "500"]):
         assert main([*argv, *extra]) == 0
-        rates.append({r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r})
+        rates.append({r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out)})
     costs = CostModel(HARDWARE["dali"], EXPERT_SHAPES["deepseek-v2-lite"])
     grown = len(trace.layers) * (500e-6 - costs.t_dense(1))  # per decode step (one token at batch 1)
     assert 1 / rates[1]["ktransformers"] == pytest.approx(1 / rates[0]["ktransformers"] + grown)
@@ -509,7 +522,7 @@ def test_simulate_graph_mode_prices_the_measured_placement(tmp_path, capsys):
     rates = []
     for extra in ([], ["--graph"]):
         assert main([*argv, *extra, "--json"]) == 0
-        rates.append({r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out) if "skipped" not in r})
+        rates.append({r["stack"]: r["decode_tok_s"] for r in json.loads(capsys.readouterr().out)})
     assert 1 / rates[1]["ktransformers"] == pytest.approx(1 / rates[0]["ktransformers"] + len(trace.layers) * 1e-3)
     assert main([*argv, "--graph"]) == 0
     assert "placement as measured (all_cpu 1000 us)" in capsys.readouterr().out

@@ -356,12 +356,10 @@ def simulate(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
 
     from torch_hybrid_moe.cost_model import CostModel
-    from torch_hybrid_moe.policies.prefetching import MissingRouter
     from torch_hybrid_moe.simulator import STACKS
-    from torch_hybrid_moe.simulator import simulate as replay
     from torch_hybrid_moe.simulator.bound import bound
     from torch_hybrid_moe.simulator.calibration import Calibration
-    from torch_hybrid_moe.simulator.replay import GraphStep, slots_for
+    from torch_hybrid_moe.simulator.replay import GraphStep, simulate_runnable, slots_for
     from torch_hybrid_moe.simulator.stacks import PAPERS
     from torch_hybrid_moe.simulator.tuning import LIVE_CACHES, judged_rank, oracle, ours, tune
     from torch_hybrid_moe.traces import Trace
@@ -439,22 +437,17 @@ def simulate(args: argparse.Namespace) -> int:
     ceiling = oracle(trace, mine, costs, args.batch, args.cache_ratio, calibration)
     limit, _ = bound(trace, costs, args.batch, args.cache_ratio, calibration, graph)
     events: dict[str, list] = {}
-    results, ran, skipped = [], [], {}
+    results, ran, by_name = [], [], {}
     stacks = [*STACKS.values(), *dict.fromkeys(args.stack), mine, ceiling, limit]  # a --stack given twice runs once
     for stack in tqdm(stacks, desc="simulating", unit="stack", leave=False):
-        if args.plot_dir:
-            events[stack.name] = []
-        try:
-            results.append(
-                replay(trace, stack, costs, args.batch, args.cache_ratio, calibration, events.get(stack.name), graph)
-            )
-            ran.append(stack)
-        except MissingRouter:  # raised before the stack ran anything: nothing of the others is lost
-            skipped[stack.name] = (
-                f"skipped: its prefetcher {stack.prefetcher!r} replays the model's router on "
-                "gate inputs, which this trace lacks"
-            )
-            events.pop(stack.name, None)
+        timeline: list | None = [] if args.plot_dir else None
+        # a stack whose prefetcher replays the router on gate inputs the trace lacks runs without it, renamed
+        run, result = simulate_runnable(trace, stack, costs, args.batch, args.cache_ratio, calibration, timeline, graph)
+        if timeline is not None:
+            events[run.name] = timeline
+        results.append(result)
+        ran.append(run)
+        by_name[stack.name] = result
     plots = _simulation_plots(args, trace, costs, calibration, ran, events, results, graph) if args.plot_dir else []
     if args.save_ours:  # last, once every stack ran and plotted: a refused or failed run leaves no file
         provenance = {
@@ -469,7 +462,6 @@ def simulate(args: argparse.Namespace) -> int:
         record = {"format": STACK_FILE_FORMAT, **_stack_fields(mine), "tuned_on": provenance}
         args.save_ours.write_text(json.dumps(record, indent=1) + "\n")
         _phase(f"wrote ours' settings to {args.save_ours} (HybridMoEConfig.from_stack_file, or generate --stack)")
-    by_name = {r.stack: r for r in results}
     bound_tok_s = by_name["bound"].decode_tok_s
 
     def x_bound(tok_s: float) -> float | None:  # a trace without decode steps decodes nothing to compare
@@ -490,7 +482,7 @@ def simulate(args: argparse.Namespace) -> int:
                 else r
                 for r in records
             ]
-        print(json.dumps(records + [{"stack": k, "skipped": v} for k, v in skipped.items()], indent=1))
+        print(json.dumps(records, indent=1))
         for path in plots:
             print(f"wrote {path}", file=sys.stderr)
         return 0
@@ -532,14 +524,15 @@ def simulate(args: argparse.Namespace) -> int:
             )
             + f". Replayed uncaptured, having no tensor form: {uncaptured or 'none'}; ours tuned as the graph runs"
         )
+    width = max(len(r.stack) for r in results)  # "hybrimoe (no prefetch)" and the like
     print(
-        f"{'stack':<15} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "
+        f"{'stack':<{width}} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "
         f"{'landed':>7} {'prefetch acc':>12} {'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}"
     )
     for r in results:
         acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.1%}"
         print(
-            f"{r.stack:<15} {r.decode_tok_s:>12.1f} {_ratio(x_bound(r.decode_tok_s)):>7} {r.prefill_tok_s:>13.1f} "
+            f"{r.stack:<{width}} {r.decode_tok_s:>12.1f} {_ratio(x_bound(r.decode_tok_s)):>7} {r.prefill_tok_s:>13.1f} "
             f"{r.hit_rate:>8.1%} {r.landed_hit_rate:>7.1%} {acc:>12} {r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} "
             f"{r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}"
         )
@@ -556,8 +549,6 @@ def simulate(args: argparse.Namespace) -> int:
     for r in results:  # the bound is the best of a family, not a proof: say where something beat it
         if bound_tok_s and r.decode_tok_s > bound_tok_s * (1 + 1e-9):
             print(f"note: {r.stack} decodes {x_bound(r.decode_tok_s):.3f}x the bound, which is no proven optimum")
-    for name, why in skipped.items():
-        print(f"{name:<15} {why}")
     for path in plots:
         print(f"wrote {path}")
     return 0

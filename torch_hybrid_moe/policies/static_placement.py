@@ -1,5 +1,6 @@
 """Static popularity placement (Fiddler's, llama.cpp users' hot-expert pinning): the slots hold the experts a
-calibration run routed the most tokens to, and never change."""
+calibration run routed the most tokens to, and never change; its foresight form (the bound's) pins by the routing
+it is judged on."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ class StaticPopularity(RankedCache):
 
     def admit(self, counts: Sequence[int], resident: Sequence[bool], scores: Sequence[float]) -> list[int]:
         return [e for e in self.pinned if not resident[e]]
+
+
+@CACHE_POLICIES.register("oracle_static")
+class FuturePopularity(StaticPopularity):
+    """`static` pinning by the tokens each expert gets over the whole replay (`future`, this layer's per-expert
+    token counts of every step): the bound's candidate, whose popularity is known ahead. It carries its own
+    foresight, so every replay of it (a table's row, a plot's sweep) pins the same experts."""
+
+    def __init__(self, info: LayerInfo, future: Sequence[Sequence[int]] | None = None) -> None:
+        if future is None:
+            raise ValueError("cache policy 'oracle_static' needs the future routing (future=...): simulator only")
+        super().__init__(info, [sum(step[e] for step in future) for e in range(info.num_experts)])

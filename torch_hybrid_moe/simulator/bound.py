@@ -61,7 +61,7 @@ def bound_caches(num_experts: int) -> list[Stack]:
     ]
     exact = replace(STACKS["oracle-cache"], name="bound")  # Belady's slots under the exact makespan optimum
     settled = [  # few copies, then the slots stay: where copies cost more than any reuse saves
-        Stack("bound", "oracle", "static", True, "the trace's most used experts pinned, least step time found"),
+        Stack("bound", "oracle", "oracle_static", True, "the trace's most used experts pinned, least step time found"),
         Stack("bound", "oracle", "lfu", True, "LFU's slots, least step time found"),
     ]
     return [*belady, exact, *windows, *settled]
@@ -89,7 +89,6 @@ def bound(
 ) -> tuple[Stack, SimResult]:
     """The fastest candidate on `trace` itself (foresight may look at the routing it is judged on) and its result;
     with `graph`, each candidate uncaptured and in the graph's step."""
-    foresight = Calibration.learn(trace, {})  # the pinned candidate's popularity: the judged trace's own
     runs: list[tuple[Stack, Stack, SimResult]] = []  # (candidate, how it ran, result)
 
     def run(stacks: list[Stack], stage: str) -> None:
@@ -97,8 +96,7 @@ def bound(
         if graph is not None:
             ways += [(s, replace(s, in_graph=True, description=f"{s.description}, in the graph")) for s in stacks]
         for s, way in tqdm(ways, desc=f"foresight bound, {stage}", unit="stack", leave=False):
-            learnt = foresight if s.cache_policy == "static" else calibration
-            runs.append((s, way, simulate(trace, way, costs, batch, cache_ratio, learnt, graph=graph)))
+            runs.append((s, way, simulate(trace, way, costs, batch, cache_ratio, calibration, graph=graph)))
 
     caches = bound_caches(trace.meta["num_experts"])
     run(caches, "caches")

@@ -267,14 +267,17 @@ def simulate_runnable(
     batch: int = 1,
     cache_ratio: float = 0.25,
     calibration: Calibration | None = None,
+    events: list[Event] | None = None,
+    graph: GraphStep | None = None,
 ) -> tuple[Stack, SimResult]:
     """(the stack run, its result): `stack`, or, where its prefetcher replays the model's router on gate inputs
-    the trace lacks (synthetic routing), the stack without it, named "<name> (no prefetch)"."""
+    the trace lacks (synthetic routing), the stack without it, named "<name> (no prefetch)": a paper's stack is
+    still judged, on what it can do there."""
     try:
-        return stack, simulate(trace, stack, costs, batch, cache_ratio, calibration)
-    except MissingRouter:  # raised while the layers are built, before anything ran
+        return stack, simulate(trace, stack, costs, batch, cache_ratio, calibration, events, graph)
+    except MissingRouter:  # raised while the layers are built, before anything ran or was recorded
         stack = replace(stack, name=f"{stack.name} (no prefetch)", prefetcher="none")
-        return stack, simulate(trace, stack, costs, batch, cache_ratio, calibration)
+        return stack, simulate(trace, stack, costs, batch, cache_ratio, calibration, events, graph)
 
 
 def simulate(
