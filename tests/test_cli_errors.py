@@ -563,3 +563,16 @@ def test_a_checkpoint_saved_without_its_tokenizer_is_one_line(command, tmp_path,
 
     tiny_model("mixtral").save_pretrained(tmp_path)
     one_line_error(capsys, [command, "--model", str(tmp_path)], "put the model's tokenizer files")
+
+
+def test_simulate_refuses_a_batch_the_calibration_trace_cannot_fill(tmp_path, capsys):
+    """Ours is tuned on the calibration trace at --batch: a calibration of fewer sequences would be replayed at a
+    smaller batch under this one's label (simulate() refuses that too)."""
+    judged, held = tmp_path / "judged.safetensors", tmp_path / "held.safetensors"
+    shape = dict(num_experts=8, top_k=2, prompt_tokens=8, new_tokens=8)
+    synthetic_trace(1.0, 0.4, sequences=4, **shape).save(judged)
+    synthetic_trace(1.0, 0.4, sequences=2, seed=1, **shape).save(held)
+    argv = ["simulate", "--trace", str(judged), "--calibration", str(held), "--batch", "4"]
+    one_line_error(capsys, argv, f"--batch 4: {held} holds 2 sequences; pass --batch <= 2")
+    with pytest.raises(ValueError, match="batch 3: the trace holds 2 sequences"):
+        simulate(Trace.load(held), STACKS["lru-cache"], CostModel(HARDWARE["dali"], EXPERT_SHAPES["mixtral-8x7b"]), 3)

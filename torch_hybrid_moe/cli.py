@@ -383,14 +383,14 @@ def simulate(args: argparse.Namespace) -> int:
         steps = len(set(loaded.step[loaded.step > 0].tolist()))
         if steps < 2:  # tuning replays each half of the decode steps; a rate needs tokens behind it
             raise InputError(f"{path} holds {steps} decode steps; simulate needs at least 2 (trace more new tokens)")
+        sequences = len(set(loaded.sequence.tolist()))
+        if args.batch > sequences:  # ours is tuned on the calibration trace at this batch too
+            raise InputError(f"--batch {args.batch}: {path} holds {sequences} sequences; pass --batch <= {sequences}")
     if args.ours and args.ours[3] > trace.meta["num_experts"]:
         raise InputError(
             f"--ours: prefetch {args.ours[3]} experts a layer, but {args.trace}'s layers have "
             f"{trace.meta['num_experts']}; pass at most that"
         )
-    sequences = len(set(trace.sequence.tolist()))
-    if args.batch > sequences:
-        raise InputError(f"--batch {args.batch}: {args.trace} holds {sequences} sequences; pass --batch <= {sequences}")
     source, source_path = (held, args.calibration) if held is not None else (trace, args.trace)
     if args.routers and not source.gate_inputs:
         raise InputError(

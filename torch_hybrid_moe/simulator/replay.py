@@ -297,6 +297,9 @@ def simulate(
     the uncaptured step)."""
     if not is_count(batch, 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
+    sequences = len(trace.sequence.unique())
+    if batch > sequences:  # it would replay a smaller batch under this one's label
+        raise ValueError(f"batch {batch}: the trace holds {sequences} sequences; pass a batch of at most that")
     if not 0 <= cache_ratio <= 1:  # also refuses NaN
         raise ValueError(f"cache_ratio must lie in [0, 1], got {cache_ratio!r}")
     graph = graph if stack.capturable else None
