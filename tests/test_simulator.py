@@ -848,6 +848,17 @@ def test_realistic_traces_have_the_statistics_real_models_show():
         assert torch.equal(layer.score_ids[:, :2], layer.topk_ids)
     assert len(set(trace.sequence.tolist())) == 32 and trace.step.max() == 95
     assert routing_statistics(realistic_trace(seed=1)) != stats
+
+    def loads(t: Trace) -> list[torch.Tensor]:
+        return [torch.bincount(layer.topk_ids.long().flatten(), minlength=8).double() for layer in t.layers.values()]
+
+    def correlation(a: Trace, b: Trace) -> float:  # of the layers' expert loads, the least of them
+        return min(float(torch.corrcoef(torch.stack([x, y]))[0, 1]) for x, y in zip(loads(a), loads(b)))
+
+    # another seed is other prompts to the same model (a calibration trace: its popularity carries over, 0.98-0.99
+    # here); another model_seed is another model (a calibration of seed 1 was one, its loads uncorrelated)
+    assert correlation(trace, realistic_trace(seed=1)) > 0.9
+    assert correlation(trace, realistic_trace(seed=1, model_seed=1)) < 0.5
     interleaved = torch.arange(len(trace.sequence)).view(32, -1).t().flatten()  # token by token, across sequences
     shuffled = Trace(
         trace.meta,

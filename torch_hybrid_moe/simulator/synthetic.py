@@ -34,8 +34,11 @@ def synthetic_trace(
     prompt_tokens: int = 64,
     new_tokens: int = 64,
     seed: int = 0,
+    model_seed: int | None = None,
 ) -> Trace:
-    """A `Trace` shaped like `record_trace`'s (prefill step 0, then one row per decoded token).
+    """A `Trace` shaped like `record_trace`'s (prefill step 0, then one row per decoded token). `model_seed` draws
+    the experts' popularity ranking (the "model"; None: `seed`), `seed` the routing: a calibration trace and the
+    trace it calibrates for are two seeds of one model_seed, as two prompt sets of one real model.
 
     Each row of a layer reuses the previous row's experts of its sequence with probability `locality`; otherwise
     it draws `top_k` distinct experts with Zipf(`skew`) popularity over a per-layer random ranking of the experts.
@@ -51,12 +54,12 @@ def synthetic_trace(
     if prompt_tokens < 1 or new_tokens < 2 or sequences < 1 or num_layers < 1:
         raise ValueError("need at least one sequence, layer and prompt token, and two new tokens")
     g = torch.Generator().manual_seed(seed)
+    rankings = _rankings(num_layers, num_experts, seed if model_seed is None else model_seed)
     rows_per_seq = prompt_tokens + new_tokens - 1  # the last generated token is never fed back, as in tracing
     n = sequences * rows_per_seq
     popularity = zipf_probabilities(num_experts, skew)
     layers = {}
-    for layer in range(num_layers):
-        rank = torch.randperm(num_experts, generator=g)  # expert rank[r] has the r-th highest popularity
+    for layer, rank in enumerate(rankings):  # expert rank[r] has the r-th highest popularity
         p = torch.empty(num_experts, dtype=torch.float64)
         p[rank] = popularity
         listed = torch.multinomial(p.expand(n, -1), min(2 * top_k, num_experts), replacement=False, generator=g)
@@ -72,8 +75,14 @@ def synthetic_trace(
             torch.zeros(0, dtype=torch.int32),
             torch.zeros(0, 1, dtype=torch.float16),
         )
-    model = f"synthetic-skew{skew:g}-locality{locality:g}"
+    model = f"synthetic-skew{skew:g}-locality{locality:g}-model{seed if model_seed is None else model_seed}"
     return _trace(model, num_experts, top_k, layers, sequences, prompt_tokens, new_tokens)
+
+
+def _rankings(num_layers: int, num_experts: int, model_seed: int) -> list[torch.Tensor]:
+    """Each layer's experts in descending popularity: the model's, apart from the routing drawn over it."""
+    g = torch.Generator().manual_seed(model_seed)
+    return [torch.randperm(num_experts, generator=g) for _ in range(num_layers)]
 
 
 def _trace(
@@ -121,14 +130,16 @@ def realistic_trace(
     burst_boost: float = 3.0,
     burst_tokens: float = 30.0,
     seed: int = 0,
+    model_seed: int = 0,
 ) -> Trace:
     """Routing drawn with the statistics issue 18 reports for routing recorded from real models (Mixtral-8x7B,
     DeepSeek-V2-Lite, Qwen1.5-MoE):
     by default, for 8 experts top-2, reuse P(expert at token t+1 | at t) ~ 0.4 and per-layer load entropy ~0.96
     of the maximum (`routing_statistics`).
 
-    Per layer the experts have a Zipf(`skew`) popularity over a random ranking. Each sequence keeps a burst of
-    `burst_experts` experts whose popularity is multiplied by `burst_boost`, redrawn with probability
+    Per layer the experts have a Zipf(`skew`) popularity over a random ranking drawn from `model_seed` (the
+    "model": traces of other `seed`s are other prompts to it, as a calibration trace should be). Each sequence keeps
+    a burst of `burst_experts` experts whose popularity is multiplied by `burst_boost`, redrawn with probability
     1 / `burst_tokens` at each token (bursts persist for tens of tokens). A token keeps each of the previous token's
     experts with probability `stickiness` and draws the rest, without replacement, from the burst-boosted
     popularity. Scores are the drawn weights renormalised over each row's 2k listed experts, as `synthetic_trace`.
@@ -146,9 +157,9 @@ def realistic_trace(
     rows = prompt_tokens + new_tokens - 1
     popularity = zipf_probabilities(num_experts, skew)
     layers = {}
-    for layer in range(num_layers):
+    for layer, rank in enumerate(_rankings(num_layers, num_experts, model_seed)):
         base = torch.empty(num_experts, dtype=torch.float64)
-        base[torch.randperm(num_experts, generator=g)] = popularity
+        base[rank] = popularity
         listed = torch.empty(sequences, rows, 2 * top_k, dtype=torch.long)
         scores = torch.empty(sequences, rows, 2 * top_k, dtype=torch.float64)
         burst = torch.zeros(sequences, num_experts, dtype=torch.bool)
@@ -177,7 +188,7 @@ def realistic_trace(
             torch.zeros(0, dtype=torch.int32),
             torch.zeros(0, 1, dtype=torch.float16),
         )
-    model = f"realistic-{num_experts}x{top_k}-skew{skew:g}-stick{stickiness:g}"
+    model = f"realistic-{num_experts}x{top_k}-skew{skew:g}-stick{stickiness:g}-model{model_seed}"
     return _trace(model, num_experts, top_k, layers, sequences, prompt_tokens, new_tokens)
 
 
