@@ -83,6 +83,10 @@ def test_prepare_command_and_its_bad_input(source, tmp_path, capsys, monkeypatch
     assert main([*argv, "--out", str(out)]) == 0
     assert "wrote" in capsys.readouterr().out and (out / "hybrid_moe_store.json").is_file()
     one_line_error(capsys, [*argv, "--out", str(out)], "exists and is not an empty directory")
+    # transformers loads a store with freshly initialised experts: the commands that would, refuse it
+    for command in (["eval-ppl", "--max-tokens", "256"], ["trace", "--out", str(tmp_path / "t.safetensors")]):
+        one_line_error(capsys, [*command, "--model", str(out)], "is a prepared store")
+    assert not (tmp_path / "t.safetensors").exists()
     one_line_error(capsys, ["prepare", "--model", str(source), "--cpu-weight-dtype", "model", "--out", "x"], "choice")
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "bad"), "--model", str(tmp_path / "nowhere")], "nowhere")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.partial-*"))

@@ -67,9 +67,17 @@ def load_model(
         return tiny_model(arch, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32), None
     from transformers import AutoModelForCausalLM
 
+    from ..prepared import MARKER
+
+    path = resolve_model(name)
+    if (Path(path) / MARKER).is_file():  # transformers would load it with freshly initialised experts
+        raise InputError(
+            f"{name} is a prepared store (experts fused and quantised for torch_hybrid_moe), which only generate "
+            "and thm.from_pretrained read: pass the checkpoint it was prepared from"
+        )
     tokenizer = load_tokenizer(name)
     with _loading_errors(name):
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return model, tokenizer
 
 
