@@ -92,11 +92,22 @@ def test_saving_ours_with_prefetch_is_refused_before_anything_runs(tmp_path, cap
     assert not out.exists()
 
 
-def test_saving_ours_over_an_input_trace_is_refused(tmp_path, capsys):
+def test_no_command_writes_over_an_existing_file(tmp_path, capsys):
+    """Outputs are new files: an existing one (the command's own input, another run's result) is refused before
+    any work, and keeps its bytes (convert-trace turned its JSONL input into safetensors; trace and --save-ours
+    overwrote what was there)."""
     copy = tmp_path / "trace.safetensors"
     copy.write_bytes(TRACE.read_bytes())
-    one_line_error(capsys, ["simulate", "--trace", str(copy), "--save-ours", str(copy)], "is an input trace")
-    assert copy.read_bytes() == TRACE.read_bytes()
+    jsonl = tmp_path / "routing.jsonl"
+    jsonl.write_text('{"seq": 0, "step": 0, "pos": 0, "ids": {"0": [1, 2]}, "weights": {"0": [0.6, 0.4]}}\n')
+    before = jsonl.read_bytes()
+    for argv in (
+        ["simulate", "--trace", str(copy), "--save-ours", str(copy)],
+        ["convert-trace", "--jsonl", str(jsonl), "--num-experts", "8", "--out", str(jsonl)],
+        ["trace", "--out", str(copy)],
+    ):
+        one_line_error(capsys, argv, f"{argv[-1]} exists; remove it or give another name")
+    assert copy.read_bytes() == TRACE.read_bytes() and jsonl.read_bytes() == before
 
 
 @pytest.mark.parametrize("keep, steps", [("prefill", 0), ("one decode step", 1)])
@@ -138,11 +149,14 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["simulate", "--trace", str(TRACE), "--cache-ratio", "1.5"], "--cache-ratio: must be in [0.0, 1.0], got 1.5"),
         (["simulate", "--trace", str(TRACE), "--cache-ratio", "nan"], "--cache-ratio: must be in [0.0, 1.0]"),
         (["simulate", "--trace", str(TRACE), "--plot-dir", "{json}"], "is not a writable directory"),
-        (["simulate", "--trace", str(TRACE), "--dense-us", "-1"], "--dense-us: must be >= 0.0, got -1"),
+        (["simulate", "--trace", str(TRACE), "--dense-us", "-1"], "--dense-us: must be in [0.0, 1000000.0], got -1"),
+        (["simulate", "--trace", str(TRACE), "--dense-us", "inf"], "--dense-us: must be in [0.0, 1000000.0], got inf"),
+        (["simulate", "--trace", str(TRACE), "--dense-us", "1e308"], "--dense-us: must be in"),
+        (["simulate", "--trace", str(TRACE), "--graph", "--cpu-task-us", "inf"], "--cpu-task-us: must be in"),
         (["simulate", "--trace", str(TRACE), "--routers", "{tmp}"], "prefetchers replay: model directory"),
         (["simulate", "--trace", str(TRACE), "--stack", "lru"], "expected SCHEDULER,CACHE[,PREFETCHER]"),
         (["simulate", "--trace", str(TRACE), "--cpu-task-us", "30"], "price the captured decode step: add --graph"),
-        (["simulate", "--trace", str(TRACE), "--graph", "--graph-fill-us", "-2"], "--graph-fill-us: must be >= 0.0"),
+        (["simulate", "--trace", str(TRACE), "--graph", "--graph-fill-us", "-2"], "--graph-fill-us: must be in [0"),
         (["simulate", "--trace", str(TRACE), "--stack", "dali_greedy,nope"], "unknown cache policy 'nope'"),
         (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
         (["trace", "--out", "{tmp}"], "is a directory; give a file name"),

@@ -371,10 +371,6 @@ def simulate(args: argparse.Namespace) -> int:
             "--save-ours: ours with prefetch does not run live (DALI's residual prefetch needs residual vectors the "
             "runtime lacks): give --ours W,U,DECAY,0"
         )
-    if args.save_ours and any(
-        path is not None and args.save_ours.resolve() == Path(path).resolve() for path in (args.trace, args.calibration)
-    ):
-        raise InputError(f"--save-ours {args.save_ours} is an input trace; name another file (nothing was written)")
     trace = Trace.load(args.trace)
     held = Trace.load(args.calibration) if args.calibration else None
     for loaded, path in ((trace, args.trace), (held, args.calibration)):
@@ -726,14 +722,14 @@ def format_stats(per_layer: dict[int, thm.LayerStats]) -> str:
 
 
 def bounded(kind: type, low: float, high: float = math.inf) -> Callable[[str], float]:
-    """An argparse type: a `kind` number in [low, high], else a one-line usage error."""
+    """An argparse type: a finite `kind` number in [low, high], else a one-line usage error."""
 
     def parse(text: str) -> float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-        if not low <= value <= high:  # NaN fails too
+        if not (low <= value <= high and math.isfinite(value)):  # NaN fails too
             span = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
             raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
         return value
@@ -749,12 +745,17 @@ def _non_empty(text: str) -> str:
 
 
 def _writable(text: str) -> Path:
-    """An output path whose directory exists and can be written: checked before any work, not after it."""
+    """A new output file in a directory that exists and can be written: checked before any work, not after it (an
+    existing file is refused, not overwritten: it may be the input, or hold what another run wrote)."""
     path = Path(text)
     parent = path.parent if str(path.parent) else Path(".")
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
-    if not parent.is_dir() or not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text} exists; remove it or give another name (nothing was written)")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: its directory does not exist or is not writable")
     return path
 
@@ -911,11 +912,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--gpu-preset",
             default="rtx4090",
             choices=sorted(HARDWARE),
-            help="with local hardware and no CUDA device: the preset the GPU and link figures come from",
+            help="with local hardware or --profile, where no GPU was measured: the preset the GPU and link figures "
+            "come from",
         )
     s.add_argument(
         "--dense-us",
-        type=bounded(float, 0.0),
+        type=bounded(float, 0.0, 1e6),
         metavar="US",
         help="a decoder block's fixed non-MoE time at decode, measured on a real step (e.g. gpu_decode.py's whole-GPU "
         "row: its time per token over its layers); default: the estimate from the expert shape",
@@ -933,7 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         s.add_argument(
             flag,
-            type=bounded(float, 0.0),
+            type=bounded(float, 0.0, 1e6),
             metavar="US",
             help=f"with --graph: microseconds of {what}, as benchmarks/graph_costs.py times them on the GPU machine",
         )
