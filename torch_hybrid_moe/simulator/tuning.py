@@ -1,17 +1,17 @@
 """Our stack, tuned per hardware profile by simulation, and the oracle that knows what ours must guess.
 
-Ours is queue-aware placement over DALI's window cache (or MRS, LFU, LRU or DAOP's), with or without residual-based
-prefetch; which cache, window (w_size, u_size) and whether to prefetch depends on the hardware, the batch and
-the slot budget, so `tune` replays a calibration trace through every candidate. Candidates often differ by less than a
-percent, and the fastest on one trace need not be on the next: each is replayed on the trace's first and
-second half of decode steps separately, with what the policies learn (residuals, popularity, past requests)
-calibrated on the other half, so that a prefetcher is never judged on the data it was fitted to; and it is
-ranked by its worse half (maximin of its speed relative to the fastest candidate of that half), which
-prefers settings that win consistently over ones that won once; among those the halves cannot tell apart (within
-their typical disagreement, at most 1%), the simplest is picked (`pick`). The oracle
-replaces ours' guesses by the truth (the window's past workload by the workload to come, the residual
-prediction by the next layer's real routing, local search by the best placement found), and is the fastest
-of those variants and Belady's slots.
+Ours is queue-aware placement over DALI's window cache (or MRS, LFU, LRU, DAOP's, ours' cost-aware one or pinned
+experts), with or without residual-based prefetch; which cache, window (w_size, u_size) and whether to prefetch
+depends on the hardware, the batch and the slot budget, so `tune` replays a calibration trace through every
+candidate. Candidates often differ by less than a percent, and the fastest on one trace need not be on the next: each
+is replayed on the trace's first and second half of decode steps separately, with what the policies learn
+(residuals, popularity, past requests) calibrated on the other half, so that a prefetcher is never judged on the data
+it was fitted to; and it is ranked by its worse half (maximin of its speed relative to the fastest candidate of that
+half), which prefers settings that win consistently over ones that won once; among those the halves cannot tell
+apart (within their typical disagreement, at most 1%), the simplest is picked (`pick`). The oracle replaces ours'
+guesses by the truth (the window's past workload by the workload to come, the residual prediction by the next
+layer's real routing, local search by the best placement found), and is the fastest of those variants and Belady's
+slots.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from .stacks import STACKS, Stack
 WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5, 0.8))  # (w_size, u_size, decay)
 # caches ours' placement also runs over: admitting every missed expert that outranks a resident one, which a
 # window's bursts of u_size copies cannot express where the link is fast and reuse high; and DAOP's per-sequence
-# allocation, which wins where a batch's sequences keep to their own experts
-CACHES = ("mrs", "lfu", "lru", "daop", "cost_aware")
+# allocation, which wins where a batch's sequences keep to their own experts; and the calibration's most used experts
+# pinned, where copies cost more than reuse saves (a calibration of the same model makes Fiddler's pinning the paper
+# stack to beat on realistic routing at 8 experts)
+CACHES = ("mrs", "lfu", "lru", "daop", "cost_aware", "static")
 # ours' cost-aware cache: (decay, horizon) from sparing (a short horizon: few copies pay) to eager
 COST_AWARE = tuple((d, h) for d in (0.8, 0.95) for h in (8.0, 32.0, 128.0))
 # what the live decode graph can run (tensor forms): a tuning whose pick is to run live (`--save-ours`) tries only these
