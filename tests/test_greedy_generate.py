@@ -222,6 +222,10 @@ def test_greedy_tokens_refuses_what_is_not_rows_of_logits(kernel, logits) -> Non
         (lambda m: thm.greedy_generate(m, prompts(), 0), "max_new_tokens must be a positive int"),
         (lambda m: thm.greedy_generate(m, prompts(), True), "max_new_tokens must be a positive int"),
         (lambda m: thm.greedy_generate(m, prompts(), 2.0), "max_new_tokens must be a positive int"),
+        (  # positions past the model's are not what it was trained on (the CLI's generate ran there silently)
+            lambda m: thm.greedy_generate(m, prompts(), m.config.max_position_embeddings - 4),
+            "a 6-token prompt and .* new tokens exceed the model's",
+        ),
         (lambda m: thm.greedy_generate(m, prompts(), 4, eos_token_id=10**6), "eos_token_id must be token ids"),
         (lambda m: thm.greedy_generate(m, prompts(), 4, eos_token_id=[-1]), "eos_token_id must be token ids"),
         (lambda m: thm.greedy_generate(m, prompts(), 4, pad_token_id=10**6), "pad_token_id must be a token id"),
