@@ -244,8 +244,11 @@ def eval_ppl(args: argparse.Namespace) -> int:
     if mode == "expert_deferral":
         mode = f"expert_deferral ({top_k - config.deferred_experts} immediate + {config.deferred_experts} deferred)"
     if mode == "daop_precalc":
-        counts = [c for c in precalc_stats(thm.runtime.model_layers(model)).values() if c.pairs]
-        mode = f"daop_precalc (from decoder block {start}: {len(counts)} MoE layers approximated; decode steps)"
+        stats = {idx: c for idx, c in precalc_stats(thm.runtime.model_layers(model)).items() if c.pairs}
+        counts = list(stats.values())
+        # the blocks it really approximated: a start at or before the first MoE block begins at the second
+        blocks = ", ".join(map(str, sorted(stats))) or "none"
+        mode = f"daop_precalc (--precalc-from-layer {start}: decoder blocks {blocks} approximated; decode steps)"
     dtype = str(model.dtype).removeprefix("torch.")  # what --dtype auto loaded: bf16 experts of a bf16 model are exact
     quantised = [f"{config.cpu_weight_dtype} experts"] if config.cpu_weight_dtype not in ("model", dtype) else []
     if config.dense_weight_dtype != "model":
