@@ -90,6 +90,12 @@ def test_prepare_command_and_its_bad_input(source, tmp_path, capsys, monkeypatch
     one_line_error(capsys, ["prepare", "--model", str(source), "--cpu-weight-dtype", "model", "--out", "x"], "choice")
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "bad"), "--model", str(tmp_path / "nowhere")], "nowhere")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad.partial-*"))
+    # a place no directory can be made in is refused before the conversion, not after it (a traceback)
+    one_line_error(capsys, [*argv, "--out", "/proc/hybrid-moe-store"], "cannot make a directory in /proc")
+    here = tmp_path / "here"  # "." names an empty directory: written there (it crashed on the empty name)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main([*argv, "--out", "."]) == 0 and (here / "hybrid_moe_store.json").is_file()
 
 
 def test_a_store_prepared_in_another_dtype_loads_in_that_dtype(source, tmp_path):

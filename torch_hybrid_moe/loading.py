@@ -153,7 +153,7 @@ def from_pretrained(
 def prepare(source: str | Path, out: str | Path, config: HybridMoEConfig, dtype: torch.dtype | str = "auto") -> Path:
     """Write checkpoint `source` (a directory or hub id) as a prepared store (prepared.py) in
     `config.cpu_weight_dtype` to the new directory `out`, which `from_pretrained` then loads with no conversion."""
-    out = Path(out)
+    out = Path(out).absolute()  # "." names its directory: the store is written beside it, then renamed
     check_request(out, config)
     if str(source).endswith(".gguf"):
         raise InputError(

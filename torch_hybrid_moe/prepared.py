@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -90,6 +91,13 @@ def check_request(out: Path, config: HybridMoEConfig) -> None:
     blocking = next((parent for parent in out.absolute().parents if parent.exists()), None)
     if blocking is not None and not blocking.is_dir():
         raise InputError(f"{out}: {blocking} is a file, so no directory can be made there; pass another path")
+    if blocking is not None:  # a directory made and removed there now, not found unwritable after the conversion
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".hybrid-moe-probe-", dir=blocking))
+        except OSError as err:
+            raise InputError(
+                f"{out}: cannot make a directory in {blocking} ({err.strerror}); pass another path"
+            ) from None
     if config.cpu_weight_dtype == "model":
         raise InputError("prepare needs a host format: pass cpu_weight_dtype bfloat16, int8 or int4")
     if config.dense_weight_dtype != "model":
