@@ -590,3 +590,14 @@ def test_simulate_refuses_a_batch_the_calibration_trace_cannot_fill(tmp_path, ca
     one_line_error(capsys, argv, f"--batch 4: {held} holds 2 sequences; pass --batch <= 2")
     with pytest.raises(ValueError, match="batch 3: the trace holds 2 sequences"):
         simulate(Trace.load(held), STACKS["lru-cache"], CostModel(HARDWARE["dali"], EXPERT_SHAPES["mixtral-8x7b"]), 3)
+
+
+def test_gguf_paths_that_are_not_files_fail_in_one_line(tmp_path, capsys, monkeypatch):
+    """A .gguf path that does not exist is not tried as a hub id (a minute of retries), a directory named so is
+    called one, and a file cut short inside its header fails in one line (struct.error's traceback before)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    one_line_error(capsys, ["generate", "--model", str(tmp_path / "no" / "model.gguf")], "does not exist; pass the")
+    (tmp_path / "dir.gguf").mkdir()
+    one_line_error(capsys, ["generate", "--model", str(tmp_path / "dir.gguf")], "is a directory; pass the path")
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    one_line_error(capsys, ["generate", "--model", str(tmp_path / "cut.gguf")], "if it is a whole GGUF file")

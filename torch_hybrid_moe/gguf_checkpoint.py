@@ -168,7 +168,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path) -> None:
         if not path.is_file():
-            raise InputError(f"{path} does not exist; pass the path of a .gguf file")
+            raise InputError(f"{path} {'is a directory' if path.is_dir() else 'does not exist'}; pass a .gguf file")
         parts = [path]
         if match := _SPLIT.fullmatch(path.name):
             count = int(match["count"])

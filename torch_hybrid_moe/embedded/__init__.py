@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,16 +87,20 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     path = Path(name).expanduser()
+    if path.suffix == ".gguf" and not path.is_file():  # not a hub id to retry for a minute
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise InputError(f"{name} {what}; pass the path of a .gguf file")
     with _loading_errors(name):
-        if path.suffix == ".gguf" and path.is_file():  # the tokenizer beside the file, else the file's own
+        if path.suffix == ".gguf":  # the tokenizer beside the file, else the file's own
             if any((path.parent / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
                 return AutoTokenizer.from_pretrained(path.parent)
             try:
                 return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            except (ValueError, KeyError) as err:  # an architecture or vocabulary transformers cannot convert
+            except (ValueError, KeyError, struct.error) as err:  # an architecture or vocabulary it cannot convert,
+                # or a file cut short (struct.error)
                 raise InputError(
-                    f"transformers cannot read the tokenizer in {path.name} ({type(err).__name__}: {err}); put the "
-                    "model's tokenizer.json and tokenizer_config.json beside it"
+                    f"transformers cannot read the tokenizer in {path.name} ({type(err).__name__}: {err}); if it is a "
+                    "whole GGUF file, put the model's tokenizer.json and tokenizer_config.json beside it"
                 ) from None
         try:
             return AutoTokenizer.from_pretrained(resolve_model(name))
