@@ -229,3 +229,7 @@ def test_plan_takes_a_top_k_above_half_the_experts_and_refuses_a_config_without_
     dense.mlp_only_layers = list(range(dense.num_hidden_layers))
     dense.save_pretrained(tmp_path / "dense")
     one_line_error(capsys, ["plan", "--model", str(tmp_path / "dense")], "has no MoE layers")
+    none = tiny_model("mixtral").config
+    none.num_local_experts = 0  # a ZeroDivisionError's traceback before
+    none.save_pretrained(tmp_path / "none")
+    one_line_error(capsys, ["plan", "--model", str(tmp_path / "none")], "routes 2 of 0 experts a token")

@@ -83,6 +83,12 @@ def summarise(config: PretrainedConfig) -> ModelSummary:
         model = AutoModelForCausalLM.from_config(config)
     text = config.get_text_config()
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    num_experts, top_k = getattr(text, spec.num_experts_attr), text.num_experts_per_tok
+    if not (isinstance(num_experts, int) and isinstance(top_k, int) and 0 < top_k <= num_experts):
+        raise InputError(
+            f"this {model_type} config routes {top_k} of {num_experts} experts a token: plan a config with "
+            "0 < num_experts_per_tok <= its expert count"
+        )
     if not experts:
         raise InputError(f"this {model_type} config has no MoE layers (nothing to offload): plan a config with experts")
     expert_weights = sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in experts)
@@ -100,8 +106,8 @@ def summarise(config: PretrainedConfig) -> ModelSummary:
         model_type=model_type,
         layers=text.num_hidden_layers,
         moe_layers=len(experts),
-        num_experts=getattr(text, spec.num_experts_attr),
-        top_k=text.num_experts_per_tok,
+        num_experts=num_experts,
+        top_k=top_k,
         hidden=text.hidden_size,
         inter=getattr(text, spec.intermediate_attr),
         expert_weights=expert_weights,
