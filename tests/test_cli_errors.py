@@ -15,6 +15,7 @@ from torch_hybrid_moe import profiling
 from torch_hybrid_moe.cli import main
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.embedded import resolve_model
+from torch_hybrid_moe.errors import InputError
 from torch_hybrid_moe.simulator import STACKS, simulate
 from torch_hybrid_moe.simulator.stacks import PAPERS
 from torch_hybrid_moe.simulator.synthetic import synthetic_trace
@@ -72,6 +73,13 @@ TRACE_EDITS = {
         lambda t, m: t["L1.topk_ids"][0].fill_(int(t["L1.topk_ids"][0, 0])),
         "L1.topk_ids lists an expert twice in one row",
     ),
+    "prefill counted as a decode step": (lambda t, m: t["step"].add_(1), "has two rows for one decode step"),
+    "steps reversed": (lambda t, m: t["step"].copy_(t["step"].max() - t["step"]), "goes back a step"),
+    "a decode step twice": (
+        lambda t, m: t["step"].copy_(torch.where(t["step"] == 2, 1, t["step"])),
+        "has two rows for one decode step",
+    ),
+    "positions repeat": (lambda t, m: t["position"].zero_(), "has two rows at one position"),
     "gate-input rows repeat": (
         lambda t, m: [t[f"L{i}.hidden_rows"].__setitem__(1, 0) for i in m["layers"]],
         "hidden_rows must be ascending without repeats",
@@ -601,3 +609,12 @@ def test_gguf_paths_that_are_not_files_fail_in_one_line(tmp_path, capsys, monkey
     one_line_error(capsys, ["generate", "--model", str(tmp_path / "dir.gguf")], "is a directory; pass the path")
     (tmp_path / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     one_line_error(capsys, ["generate", "--model", str(tmp_path / "cut.gguf")], "if it is a whole GGUF file")
+
+
+def test_simulate_refuses_a_sequence_without_its_prefill(tmp_path, capsys):
+    """One-token prompts, every step moved one on: no two rows share a step, but no sequence has a prefill (every
+    stack printed a prefill of 0 tok/s)."""
+    trace = synthetic_trace(1.0, 0.4, num_experts=8, top_k=2, sequences=2, prompt_tokens=1, new_tokens=8)
+    shifted = Trace(trace.meta, trace.tokens, trace.sequence, trace.step + 1, trace.position, trace.layers)
+    with pytest.raises(InputError, match="sequence 0 starts without a prefill row"):
+        shifted.check()

@@ -128,6 +128,8 @@ class Trace:
                 )
             if n and int(t.min()) < 0:
                 raise InputError(f"{where}: {name} holds negative values")
+        if n:
+            self._check_order(where)
         e, k, h = meta["num_experts"], meta["top_k"], meta["hidden_size"]
         if list(self.layers) != sorted(set(self.layers)):  # replayed, and residuals taken, in decoder order
             raise InputError(
@@ -160,6 +162,34 @@ class Trace:
                 )
             first_rows = rows.long()
             _check_values(where, f"{field_}.hidden", layer.hidden, (rows.shape[0], h) if rows.numel() else None)
+
+
+    def _check_order(self, where: str | Path) -> None:
+        """Each sequence's rows, by position: distinct positions, a prefill (step 0) first, steps that never go back,
+        and one row per decode step (the replay batches and prices steps from these; a trace breaking them gave
+        figures, a prefill of 0 tok/s among them)."""
+        sequence, position, step = (t.long() for t in (self.sequence, self.position, self.step))
+        order = torch.argsort(sequence * (int(position.max()) + 1) + position)
+        sequence, position, step = sequence[order], position[order], step[order]
+        same = sequence[1:] == sequence[:-1]
+        problems = {
+            "has two rows at one position": same & (position[1:] == position[:-1]),
+            "goes back a step at a later position": same & (step[1:] < step[:-1]),
+            "has two rows for one decode step": same & (step[1:] == step[:-1]) & (step[1:] > 0),
+        }
+        for what, bad in problems.items():
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0]) + 1
+                raise InputError(
+                    f"{where}: sequence {int(sequence[row])} {what} (position {int(position[row])}, step "
+                    f"{int(step[row])}): each sequence is a prefill (step 0) then one row per decode step"
+                )
+        first = torch.cat([torch.tensor([True]), ~same])
+        if bool((step[first] != 0).any()):
+            raise InputError(
+                f"{where}: sequence {int(sequence[first][step[first] != 0][0])} starts without a prefill row "
+                "(step 0): each sequence is a prefill then one row per decode step"
+            )
 
 
 def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external") -> Trace:
