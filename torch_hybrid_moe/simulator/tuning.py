@@ -33,7 +33,8 @@ WINDOWS = tuple((w, u, d) for w in (2, 4, 8) for u in (1, 2) for d in (0.0, 0.5,
 # allocation, which wins where a batch's sequences keep to their own experts; and the calibration's most used experts
 # pinned, where copies cost more than reuse saves (a calibration of the same model makes Fiddler's pinning the paper
 # stack to beat on realistic routing at 8 experts)
-CACHES = ("mrs", "lfu", "lru", "daop", "cost_aware", "static")
+CACHES = ("static", "lfu", "mrs", "lru", "daop", "cost_aware")
+SETTLED = ("static", "lfu")  # caches that stop copying once they hold the popular experts: the most conservative
 # ours' cost-aware cache: (decay, horizon) from sparing (a short horizon: few copies pay) to eager
 COST_AWARE = tuple((d, h) for d in (0.8, 0.95) for h in (8.0, 32.0, 128.0))
 # what the live decode graph can run (tensor forms): a tuning whose pick is to run live (`--save-ours`) tries only these
@@ -124,7 +125,10 @@ def tune(
                 (s, [simulate(half, s, costs, batch, cache_ratio, learnt, graph=graph) for half, learnt in folds])
             )
 
-    run([ours(*w) for w in windows] + [s for c in caches for s in cache_candidates(c)], "caches")
+    # the settling caches first, then the windows, then the eager caches: `pick` prefers the first of a near-tie
+    settled, eager = [c for c in caches if c in SETTLED], [c for c in caches if c not in SETTLED]
+    candidates = [s for c in settled for s in cache_candidates(c)] + [ours(*w) for w in windows]
+    run(candidates + [s for c in eager for s in cache_candidates(c)], "caches")
     if gate_inputs and prefetch_sizes:
         finalists = sorted(tried, key=lambda entry: consistency(entry[1], [r for _, r in tried]), reverse=True)
         run([with_prefetch(s, p) for s, _ in finalists[:FINALISTS] for p in prefetch_sizes], "prefetch")
@@ -132,8 +136,8 @@ def tune(
 
 
 def pick(tried: list[tuple[Stack, list[SimResult]]]) -> Stack:
-    """The candidate `tune` picks among (candidate, results on each half), listed simplest first (a smaller window,
-    fewer copies, no prefetch): the first whose worse half is within the calibration's noise of the best worse half.
+    """The candidate `tune` picks among (candidate, results on each half), listed most conservative first (caches
+    that settle, then windows from the smallest and fewest copies, then eager caches, prefetch last): the first whose worse half is within the calibration's noise of the best worse half.
     The noise is how far the halves disagree on a typical candidate (their median gap), at most `NEAR_TIE`: closer
     than that, the halves cannot tell candidates apart, and the simpler generalises as well (on realistic-8x2 four
     candidates within 0.42% on calibration ranked 1st to 6th on the judged trace)."""
