@@ -163,7 +163,6 @@ class Trace:
             first_rows = rows.long()
             _check_values(where, f"{field_}.hidden", layer.hidden, (rows.shape[0], h) if rows.numel() else None)
 
-
     def _check_order(self, where: str | Path) -> None:
         """Each sequence's rows, by position: distinct positions, a prefill (step 0) first, steps that never go back,
         and one row per decode step (the replay batches and prices steps from these; a trace breaking them gave

@@ -137,10 +137,11 @@ def tune(
 
 def pick(tried: list[tuple[Stack, list[SimResult]]]) -> Stack:
     """The candidate `tune` picks among (candidate, results on each half), listed most conservative first (caches
-    that settle, then windows from the smallest and fewest copies, then eager caches, prefetch last): the first whose worse half is within the calibration's noise of the best worse half.
-    The noise is how far the halves disagree on a typical candidate (their median gap), at most `NEAR_TIE`: closer
-    than that, the halves cannot tell candidates apart, and the simpler generalises as well (on realistic-8x2 four
-    candidates within 0.42% on calibration ranked 1st to 6th on the judged trace)."""
+    that settle, then windows from the smallest and fewest copies, then eager caches, prefetch last): the first whose
+    worse half is within the calibration's noise of the best worse half. The noise is how far the halves disagree on
+    a typical candidate (their median gap), at most `NEAR_TIE`: closer than that, the halves cannot tell candidates
+    apart, and the more conservative generalises as well (on realistic-8x2 four candidates within 0.42% on
+    calibration ranked 1st to 6th on the judged trace)."""
     everyone = [r for _, r in tried]
     ratios = [relative(results, everyone) for results in everyone]
     gaps = sorted(max(r) - min(r) for r in ratios)
