@@ -618,3 +618,13 @@ def test_simulate_refuses_a_sequence_without_its_prefill(tmp_path, capsys):
     shifted = Trace(trace.meta, trace.tokens, trace.sequence, trace.step + 1, trace.position, trace.layers)
     with pytest.raises(InputError, match="sequence 0 starts without a prefill row"):
         shifted.check()
+
+
+def test_a_calibration_from_another_model_is_not_called_a_router_problem(capsys):
+    """It was wrapped as "the routers the gate prefetchers replay: ... (--routers DIR reads another)", which cannot
+    mend it."""
+    one_line_error(
+        capsys, ["simulate", "--trace", str(TRACE), "--calibration", str(DEEPSEEK_TRACE)], "the calibration trace ("
+    )
+    assert main(["simulate", "--trace", str(TRACE), "--calibration", str(DEEPSEEK_TRACE)]) == 2
+    assert "routers" not in capsys.readouterr().err

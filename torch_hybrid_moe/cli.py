@@ -361,7 +361,7 @@ def simulate(args: argparse.Namespace) -> int:
     from torch_hybrid_moe.cost_model import CostModel
     from torch_hybrid_moe.simulator import STACKS
     from torch_hybrid_moe.simulator.bound import bound
-    from torch_hybrid_moe.simulator.calibration import Calibration
+    from torch_hybrid_moe.simulator.calibration import Calibration, RouterUnavailable
     from torch_hybrid_moe.simulator.replay import GraphStep, simulate_runnable, slots_for
     from torch_hybrid_moe.simulator.stacks import PAPERS
     from torch_hybrid_moe.simulator.tuning import LIVE_CACHES, judged_rank, oracle, ours, tune
@@ -398,7 +398,7 @@ def simulate(args: argparse.Namespace) -> int:
         )
     try:
         calibration = Calibration.from_trace(trace, held, args.routers)
-    except InputError as err:
+    except RouterUnavailable as err:
         hint = "" if args.routers else " (--routers DIR reads another)"
         raise InputError(f"the routers the gate prefetchers replay: {err}{hint}") from None
     profile = None

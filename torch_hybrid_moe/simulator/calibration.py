@@ -67,6 +67,10 @@ def load_routers(model: str | Path, layers: Sequence[int]) -> dict[int, Router]:
     return routers
 
 
+class RouterUnavailable(InputError):
+    """The traced model's routers cannot be read or do not fit the trace (the gate prefetchers replay them)."""
+
+
 @dataclass
 class Calibration:
     """What policies may learn before serving, from a calibration trace (best another one than the trace
@@ -91,10 +95,13 @@ class Calibration:
             )
         # routers only where both traces kept gate inputs: the judged trace's replay feeds them its own
         gated = source.gate_inputs and trace.gate_inputs
-        routers = load_routers(model or trace.meta["model"], trace.meta["layers"]) if gated else {}
+        try:
+            routers = load_routers(model or trace.meta["model"], trace.meta["layers"]) if gated else {}
+        except InputError as err:
+            raise RouterUnavailable(str(err)) from None
         for idx, router in routers.items():  # checked here, before any stack replays them
             if tuple(router.weight.shape) != (trace.meta["num_experts"], trace.meta["hidden_size"]):
-                raise InputError(
+                raise RouterUnavailable(
                     f"the router of layer {idx} is [{router.weight.shape[0]} experts, {router.weight.shape[1]} "
                     f"inputs], the trace's model has {trace.meta['num_experts']} experts and hidden size "
                     f"{trace.meta['hidden_size']}: pass the traced model's routers"
