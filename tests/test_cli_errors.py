@@ -427,7 +427,12 @@ def test_convert_trace_from_jsonl_round_trips_the_routing(tmp_path, capsys):
             '{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": ["x"]}}',
             "weights['0'] must be a list of numbers",
         ),
-        ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [NaN]}}', "holds NaN"),
+        ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [NaN]}}', "router probabilities in [0, 1]"),
+        ('{"sequence": 0, "step": 0, "ids": {"0": [1]}, "weights": {"0": [1e6]}}', "router probabilities in [0, 1]"),
+        (
+            '{"sequence": 0, "step": 0, "ids": {"70000": [1]}, "weights": {"70000": [1]}}',
+            "layer 70000 is no decoder index",
+        ),
         ('{"sequence": 0, "step": 0, "ids": {"\u00b2": [1]}, "weights": {"\u00b2": [1.0]}}', "must be a list of"),
         (
             '{"sequence": 0, "step": 0, "ids": {"1": [1]}, "weights": {"2": [1.0]}}',

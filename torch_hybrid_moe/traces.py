@@ -191,6 +191,9 @@ class Trace:
             )
 
 
+MAX_LAYERS = 2**16
+
+
 def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external") -> Trace:
     """A trace from routing recorded by other tools: one JSON object per token row, in forward order,
     `{"sequence": s, "step": t, "ids": {"L": [k ids], ...}, "weights": {"L": [k weights], ...}}` with the same
@@ -210,6 +213,8 @@ def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external"
     if not rows:
         raise InputError(f"{path}: no rows")
     layers = sorted(rows[0]["ids"], key=int)
+    if int(layers[-1]) >= MAX_LAYERS:  # a safetensors trace names its layers in int32 metadata, and no model is so deep
+        raise InputError(f"{path}: layer {layers[-1]} is no decoder index (at most {MAX_LAYERS - 1})")
     k = len(rows[0]["ids"][layers[0]])
     ids: dict[str, list[list[int]]] = {layer: [] for layer in layers}
     weights: dict[str, list[list[float]]] = {layer: [] for layer in layers}
@@ -238,7 +243,10 @@ def trace_from_jsonl(path: str | Path, num_experts: int, model: str = "external"
         others = torch.ones(len(top), num_experts, dtype=torch.bool).scatter_(1, top, False)
         rest = torch.sort(others.to(torch.int8), dim=1, descending=True, stable=True).indices[:, : listed - k]
         score_ids = torch.cat([top, rest], 1)
-        scores = torch.cat([torch.tensor(weights[layer], dtype=torch.float32), torch.zeros(len(top), listed - k)], 1)
+        given = torch.tensor(weights[layer], dtype=torch.float32)
+        if given.numel() and not 0 <= float(given.min()) <= float(given.max()) <= 1:  # NaN fails too
+            raise InputError(f"{path}: layer {layer}: weights must be router probabilities in [0, 1]")
+        scores = torch.cat([given, torch.zeros(len(top), listed - k)], 1)
         trace_layers[int(layer)] = LayerTrace(
             top.to(torch.int16),
             score_ids.to(torch.int16),
