@@ -169,6 +169,7 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["trace", "--out", "{tmp}/missing/dir/t.safetensors"], "cannot write"),
         (["trace", "--out", "{tmp}"], "is a directory; give a file name"),
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
+        (["trace", "--out", "{tmp}/t.safetensors", "--max-new-tokens", "2"], "--max-new-tokens: must be >= 3"),
         (["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1000", "--prompt-tokens", "1000"], "too few"),
         (
             ["trace", "--out", "{tmp}/t.safetensors", "--prompts", "1", "--prompt-tokens", "1000"],

@@ -1002,7 +1002,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument(
         "--offset", type=bounded(int, 0), default=0, help="token offset of each prompt in its held-out slice"
     )
-    t.add_argument("--max-new-tokens", type=bounded(int, 1), default=64)
+    t.add_argument(
+        "--max-new-tokens",
+        type=bounded(int, 3),
+        default=64,
+        help="at least 3: the last token is never fed back, and simulate needs two decode steps",
+    )
     t.add_argument(
         "--hidden-every",
         type=bounded(int, 0, 2**31),
