@@ -38,6 +38,17 @@ def test_prepared_store_loads_as_the_original(fmt, source, tmp_path, monkeypatch
         (w.bits if isinstance(w, quantize.QuantizedWeight) else w.dtype) == (want_bits or torch.bfloat16) for w in hosts
     )
     assert json.loads((out / "hybrid_moe_store.json").read_text())["cpu_weight_dtype"] == fmt
+    # plain transformers: a bf16 store is a checkpoint like any other; an int8 / int4 one it refuses (it loaded its
+    # config with freshly initialised experts, a warning its only sign)
+    from transformers import AutoModelForCausalLM
+
+    if fmt == "bfloat16":
+        torch.testing.assert_close(
+            _logits(AutoModelForCausalLM.from_pretrained(out)), _logits(AutoModelForCausalLM.from_pretrained(source))
+        )
+    else:
+        with pytest.raises(OSError):
+            AutoModelForCausalLM.from_pretrained(out)
 
 
 def test_a_prepared_store_quantises_the_dense_layers_in_the_group_asked_for(source, tmp_path):
@@ -114,7 +125,7 @@ def test_a_store_prepared_in_another_dtype_loads_in_that_dtype(source, tmp_path)
     "edit, message",
     [
         ("config", "config.json is missing or changed since the store was prepared; prepare the original again"),
-        ("shard", "model-00001-of-00001.safetensors is missing or changed since the store was prepared"),
+        ("shard", "hybrid-moe-store-00001-of-00001.safetensors is missing or changed since the store was prepared"),
         ("marker", "holds prepared experts \\(\\*.qdata\\) but no hybrid_moe_store.json"),
     ],
 )
@@ -124,10 +135,11 @@ def test_a_store_changed_after_preparing_is_refused(edit, message, source, tmp_p
     message about per-expert tensors. Both are one line now, and so is a shard of another size."""
     out = thm.prepare(source, tmp_path / "store", thm.HybridMoEConfig(cpu_weight_dtype="int8", **GROUP))
     if edit == "config":
-        config = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 2}))
+        text = (out / "config.json").read_text()  # one digit changed: the same size, only its bytes differ
+        assert text.count('"num_experts_per_tok": 4') == 1
+        (out / "config.json").write_text(text.replace('"num_experts_per_tok": 4', '"num_experts_per_tok": 2'))
     if edit == "shard":
-        shard = out / "model-00001-of-00001.safetensors"
+        shard = out / "hybrid-moe-store-00001-of-00001.safetensors"
         shard.write_bytes(shard.read_bytes() + b"\0" * 8)
     if edit == "marker":
         (out / "hybrid_moe_store.json").unlink()

@@ -123,7 +123,7 @@ def write_store(model: torch.nn.Module, source: Path, out: Path, config: HybridM
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        _write_shards(tensors, partial)
+        _write_shards(tensors, partial, quantised=config.cpu_weight_dtype in ("int8", "int4"))
         for file in source.iterdir():
             if file.is_file() and not file.name.endswith(_NOT_COPIED):  # config, tokenizer, generation config
                 shutil.copy2(file, partial / file.name)
@@ -165,8 +165,10 @@ def _dense_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """safetensors shards of at most SHARD_BYTES each (a larger tensor alone), with transformers' index file."""
+def _write_shards(tensors: dict[str, torch.Tensor], directory: Path, quantised: bool) -> None:
+    """safetensors shards of at most SHARD_BYTES each (a larger tensor alone): a bf16 store's as transformers names
+    them, with its index file (it loads them as the original); a `quantised` store's under names transformers does not
+    look for, so that it refuses the directory instead of loading it with freshly initialised experts."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -177,8 +179,9 @@ def _write_shards(tensors: dict[str, torch.Tensor], directory: Path) -> None:
         size += tensor.nbytes
     weight_map = {}
     for i, shard in enumerate(tqdm(shards, desc="hybrid-moe: writing", unit="shard", leave=False), 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        file = f"{'hybrid-moe-store' if quantised else 'model'}-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    if not quantised:  # the store's reader finds the shards either way
+        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
