@@ -183,6 +183,8 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["generate", "--expert-budget", "2"], "--expert-budget: must be in [0.0, 1.0]"),
         (["generate", "--model", "{tmp}/no/such/model"], "not an embedded model"),
         (["generate", "--model", "{json}"], "is a file; pass the checkpoint's directory"),
+        (["eval-ppl", "--model", ""], "the model name is empty"),
+        (["plan", "--model", " "], "the model name is empty"),
         (["generate", "--model", "{tmp}"], "has no config.json"),
         (["generate", "--model", "tiny:llama"], "unknown tiny model 'llama'"),
         (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),

@@ -456,7 +456,7 @@ def simulate(args: argparse.Namespace) -> int:
             "batch": args.batch,
             "cache_ratio": args.cache_ratio,
             "graph": bool(args.graph),
-            "stack": mine.description,
+            "stack": mine.description + (" (given by --ours, not tuned)" if args.ours else ""),
         }
         record = {"format": STACK_FILE_FORMAT, **_stack_fields(mine), "tuned_on": provenance}
         args.save_ours.write_text(json.dumps(record, indent=1) + "\n")
@@ -825,7 +825,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--dtype",
             default="auto",
             choices=sorted(_DTYPES),
-            help="compute dtype; auto: the checkpoint's own (float32 for tiny:ARCH)",
+            help="compute dtype; auto: the checkpoint's own (float32 for generate's tiny:ARCH)",
         )
     for p in (g, e):
         p.add_argument(

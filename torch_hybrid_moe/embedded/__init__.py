@@ -34,6 +34,8 @@ def resolve_model(name_or_path: str) -> str:
     """An existing directory as given (as transformers would load it, even where an embedded model has its name);
     else an embedded model's directory for its name, or a hub id (owner/name) as given. Anything else is an
     InputError saying what was looked for."""
+    if not name_or_path.strip():
+        raise InputError("the model name is empty: pass an embedded model's name, a directory or a hub id")
     embedded = embedded_models()
     path = Path(name_or_path).expanduser()
     if name_or_path in embedded and not path.is_dir():
@@ -44,7 +46,7 @@ def resolve_model(name_or_path: str) -> str:
         return str(path)
     if path.exists():
         raise InputError(
-            f"--model {name_or_path} is a file; pass the checkpoint's directory (generate also reads a .gguf file)"
+            f"{name_or_path} is a file; pass the checkpoint's directory (generate also reads a .gguf file)"
         )
     if _HUB_ID.fullmatch(name_or_path) and not name_or_path.startswith((".", "~")):
         return name_or_path
