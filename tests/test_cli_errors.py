@@ -494,16 +494,21 @@ def test_simulate_with_a_profile_from_another_machine(tmp_path, monkeypatch, cap
     one_line_error(capsys, [*argv, "--profile", str(tmp_path / "missing.json")], "is not a readable cost profile")
     one_line_error(capsys, [*argv, "--profile", str(old)], f"is a cost profile of format {profiling.FORMAT - 1}")
     for field, value, match in [
-        ("hidden", -4096, "not positive sizes"),
-        ("inter", 1.5, "not positive sizes"),
-        ("dense", float("inf"), "not positive sizes"),
-        ("slot_bytes_per_weight", -2.0, "not positive sizes"),
+        ("hidden", -4096, "is not sizes in [1, 1048576]"),
+        ("hidden", 10**12, "is not sizes in [1, 1048576]"),  # every stack decoded 0.0 tok/s, "x bound 1.000"
+        ("inter", 1.5, "is not sizes in [1, 1048576]"),
+        ("dense", float("inf"), "finite shares"),
+        ("slot_bytes_per_weight", -2.0, "finite shares"),
         ("bytes_per_weight", 0.7, "no host format has 0.7 bytes"),
     ]:
         tampered = json.loads(path.read_text())
         tampered["key"]["expert"][field] = value
         old.write_text(json.dumps(tampered))
         one_line_error(capsys, [*argv, "--profile", str(old)], match)
+    gpu = tmp_path / "gpu.json"  # a small copy timed slower than a whole expert's: stacks decoded 0.0 tok/s
+    timed = synthetic_measurements(expert, profiling.DEFAULT_TOKENS, {"all_cpu": 1e-3}).to_json()
+    gpu.write_text(json.dumps({**timed, "small_transfer_s": 9.0}))
+    one_line_error(capsys, [*argv, "--profile", str(gpu)], "a small copy (9.0 s) is timed slower than a whole")
     for edit, match in [
         (lambda d: d["key"].pop("cpu"), "KeyError('cpu')"),  # what the fitted machine's description names
         (lambda d: d["cpu_s"].update({"0": 1e-3}), "count '0' is not positive"),

@@ -667,6 +667,9 @@ def profile_hardware(
     return result
 
 
+MAX_DIM = 2**20  # an expert's hidden or intermediate size no model comes near
+
+
 def load_profile(path: Path, preset: str = DEFAULT_PRESET) -> HardwareProfile:
     """A profile measured elsewhere (a cache file `profile_hardware` wrote, e.g. on the GPU machine a trace was
     recorded on), for its expert shape: so that machine's costs can be replayed here. One-line InputError if the
@@ -676,10 +679,12 @@ def load_profile(path: Path, preset: str = DEFAULT_PRESET) -> HardwareProfile:
         expert = ExpertShape(**m.key["expert"])
         sizes = (expert.hidden, expert.inter)
         shares = (expert.dense, expert.dense_bytes_per_weight or 1, expert.slot_bytes_per_weight or 1)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes) or not all(
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_DIM for v in sizes) or not all(
             isinstance(v, (int, float)) and 0 <= v < math.inf for v in shares
         ):
-            raise ValueError(f"expert shape {m.key['expert']} is not positive sizes and finite shares")
+            raise ValueError(f"expert shape {m.key['expert']} is not sizes in [1, {MAX_DIM}] and finite shares")
+        if m.small_transfer_s is not None and m.transfer_s is not None and m.small_transfer_s > m.transfer_s:
+            raise ValueError(f"a small copy ({m.small_transfer_s} s) is timed slower than a whole expert's")
         label = weights_label(expert)
         profile = HardwareProfile(expert, m, preset, cached=True, path=Path(path))
         profile.hardware  # noqa: B018  (fitted now: a file that cannot be fitted fails here, in one line)
