@@ -1053,27 +1053,6 @@ def test_simulate_and_tune_refuse_what_they_cannot_replay():
         tune(short, costs, 1, 0.5, Calibration.from_trace(short))
 
 
-def test_the_tuner_picks_the_simplest_of_the_candidates_its_halves_cannot_tell_apart():
-    """Candidates listed simplest first; each half's speeds relative to that half's fastest. Where the worse halves
-    differ by less than the halves' typical disagreement, the first listed is picked, not the marginally faster;
-    beyond that (or beyond NEAR_TIE) the faster."""
-    from types import SimpleNamespace
-
-    from torch_hybrid_moe.simulator.tuning import NEAR_TIE, pick
-
-    def candidates(*halves: tuple[float, float]) -> list:
-        return [(f"c{i}", [SimpleNamespace(decode_tok_s=h) for h in pair]) for i, pair in enumerate(halves)]
-
-    # the halves disagree by 1% on the median candidate: 0.5% apart on the worse half is a tie, the simpler wins
-    assert pick(candidates((99.0, 100.0), (100.0, 99.5), (97.0, 100.0))) == "c0"
-    # 0.4% apart where the halves agree exactly: the faster
-    assert pick(candidates((99.6, 99.6), (100.0, 100.0), (90.0, 90.0))) == "c1"
-    # halves 9% apart: ties only up to NEAR_TIE (1%)
-    assert NEAR_TIE == 0.01
-    assert pick(candidates((98.5, 90.5), (100.0, 91.0), (89.0, 100.0))) == "c0"  # worse halves 0.905 and 0.91
-    assert pick(candidates((98.5, 89.5), (100.0, 91.0), (89.0, 100.0))) == "c1"  # 0.895 and 0.91
-
-
 def test_the_bound_includes_the_guessing_prefetchers_rules_over_its_caches():
     """A review's find: over a future-window cache, EAM's prefetch (not the next layer's heaviest experts) decoded
     1.008x the bound on realistic routing at batch 4; the bound now tries the guessing prefetchers over its

@@ -7,11 +7,11 @@ candidate. Candidates often differ by less than a percent, and the fastest on on
 is replayed on the trace's first and second half of decode steps separately, with what the policies learn
 (residuals, popularity, past requests) calibrated on the other half, so that a prefetcher is never judged on the data
 it was fitted to; and it is ranked by its worse half (maximin of its speed relative to the fastest candidate of that
-half), which prefers settings that win consistently over ones that won once; among those the halves cannot tell
-apart (within their typical disagreement, at most 1%), the simplest is picked (`pick`). The oracle replaces ours'
-guesses by the truth (the window's past workload by the workload to come, the residual prediction by the next
-layer's real routing, local search by the best placement found), and is the fastest of those variants and Belady's
-slots.
+half), which prefers settings that win consistently over ones that won once (a rule preferring the most
+conservative of the candidates within the halves' disagreement was measured and dropped: benchmarks/RESULTS.md,
+2026-11-30 evening). The oracle replaces ours' guesses by the truth (the window's past workload by the workload to
+come, the residual prediction by the next layer's real routing, local search by the best placement found), and is
+the fastest of those variants and Belady's slots.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ COST_AWARE = tuple((d, h) for d in (0.8, 0.95) for h in (8.0, 32.0, 128.0))
 LIVE_CACHES = tuple(c for c in CACHES if c in CACHE_POLICIES.graph_names())
 PREFETCH_SIZES = (1, 2)
 FINALISTS = 2  # candidates (windows or caches) that are tried again with each prefetch size
-NEAR_TIE = 0.01  # the most two candidates' worse halves may differ by and still count as tied (`pick`)
 
 
 def ours(w_size: int, u_size: int, decay: float, prefetch: int = 0) -> Stack:
@@ -125,29 +124,16 @@ def tune(
                 (s, [simulate(half, s, costs, batch, cache_ratio, learnt, graph=graph) for half, learnt in folds])
             )
 
-    # the settling caches first, then the windows, then the eager caches: `pick` prefers the first of a near-tie
+    def ranked() -> list[tuple[Stack, list[SimResult]]]:  # stable: an exact tie goes to the candidate listed first
+        return sorted(tried, key=lambda entry: consistency(entry[1], [r for _, r in tried]), reverse=True)
+
+    # the settling caches first, then the windows, then the eager caches
     settled, eager = [c for c in caches if c in SETTLED], [c for c in caches if c not in SETTLED]
     candidates = [s for c in settled for s in cache_candidates(c)] + [ours(*w) for w in windows]
     run(candidates + [s for c in eager for s in cache_candidates(c)], "caches")
     if gate_inputs and prefetch_sizes:
-        finalists = sorted(tried, key=lambda entry: consistency(entry[1], [r for _, r in tried]), reverse=True)
-        run([with_prefetch(s, p) for s, _ in finalists[:FINALISTS] for p in prefetch_sizes], "prefetch")
-    return pick(tried), tried
-
-
-def pick(tried: list[tuple[Stack, list[SimResult]]]) -> Stack:
-    """The candidate `tune` picks among (candidate, results on each half), listed most conservative first (caches
-    that settle, then windows from the smallest and fewest copies, then eager caches, prefetch last): the first whose
-    worse half is within the calibration's noise of the best worse half. The noise is how far the halves disagree on
-    a typical candidate (their median gap), at most `NEAR_TIE`: closer than that, the halves cannot tell candidates
-    apart, and the more conservative generalises as well (on realistic-8x2 four candidates within 0.42% on
-    calibration ranked 1st to 6th on the judged trace)."""
-    everyone = [r for _, r in tried]
-    ratios = [relative(results, everyone) for results in everyone]
-    gaps = sorted(max(r) - min(r) for r in ratios)
-    noise = min(NEAR_TIE, gaps[len(gaps) // 2])
-    best = max(min(r) for r in ratios)
-    return next(stack for (stack, _), r in zip(tried, ratios) if min(r) >= best - noise)
+        run([with_prefetch(s, p) for s, _ in ranked()[:FINALISTS] for p in prefetch_sizes], "prefetch")
+    return ranked()[0][0], tried
 
 
 def judged_rank(
@@ -169,14 +155,9 @@ def judged_rank(
     return 1 + sum(v > mine for v in speeds), len(speeds), mine, mine / max(speeds) if max(speeds) else 1.0
 
 
-def relative(results: list[SimResult], everyone: list[list[SimResult]]) -> list[float]:
-    """Each half's decode speed relative to the fastest of `everyone` on that half."""
-    return [r.decode_tok_s / max(other[i].decode_tok_s for other in everyone) for i, r in enumerate(results)]
-
-
 def consistency(results: list[SimResult], everyone: list[list[SimResult]]) -> tuple[float, float]:
     """(worst, mean) over the halves of decode speed relative to the fastest of `everyone` on that half."""
-    ratios = relative(results, everyone)
+    ratios = [r.decode_tok_s / max(other[i].decode_tok_s for other in everyone) for i, r in enumerate(results)]
     return min(ratios), sum(ratios) / len(ratios)
 
 
