@@ -149,10 +149,11 @@ def test_tuner_also_tries_ours_placement_over_the_ranked_caches():
     )
     best, tried = tune(trace, COSTS, 1, 0.5, Calibration.from_trace(trace), windows=((2, 1, 0.0),))
     cost_aware = ["cost_aware"] * len(COST_AWARE)  # ours' cost-aware cache, over its grid of decays and horizons
-    assert [s.cache_policy for s, _ in tried] == ["dali_window", "mrs", "lfu", "lru", "daop", *cost_aware]
-    assert {dict(s.options)["horizon"] for s, _ in tried[5:]} == {h for _, h in COST_AWARE}
+    # the settling caches (pinned, LFU) first, then the window, then the eager ones
+    assert [s.cache_policy for s, _ in tried] == ["static", "lfu", "dali_window", "mrs", "lru", "daop", *cost_aware]
+    assert {dict(s.options)["horizon"] for s, _ in tried[6:]} == {h for _, h in COST_AWARE}
     assert all(s.scheduler == "queue_aware" for s, _ in tried)
-    mrs = tried[1][0]
+    mrs = tried[3][0]
     assert [s.cache_policy for s in foresight(mrs)] == ["mrs", "mrs", "belady"]  # no window to mirror
 
 

@@ -504,7 +504,8 @@ def test_live_tuning_tries_what_the_graph_runs_as_the_graph_runs_it():
         graph=GraphStep(),
     )
     assert LIVE_CACHES == ("lfu", "mrs", "lru", "cost_aware")  # DAOP's allocation has no tensor form
-    want = ["dali_window", "mrs", "lfu", "lru"] + ["cost_aware"] * len(COST_AWARE)  # the cost-aware one's grid
+    # the settling cache first, then the window, then the eager caches (the cost-aware one over its grid)
+    want = ["lfu", "dali_window", "mrs", "lru"] + ["cost_aware"] * len(COST_AWARE)
     assert [s.cache_policy for s, _ in tried] == want and picked in [s for s, _ in tried]
     assert all(s.capturable and s.prefetcher == "none" for s, _ in tried)
     assert all(r.captured for _, runs in tried for r in runs)
