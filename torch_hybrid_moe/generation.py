@@ -216,7 +216,7 @@ def _check(
     if not is_count(max_new_tokens, 1):
         raise InputError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if context and input_ids.shape[1] + max_new_tokens - 1 > context:  # positions past it are not the model's
+    if context and input_ids.shape[1] + cast(int, max_new_tokens) - 1 > context:  # past it are not the model's
         raise InputError(
             f"a {input_ids.shape[1]}-token prompt and {max_new_tokens} new tokens exceed the model's {context} "
             "positions: shorten the prompt or generate fewer tokens"
