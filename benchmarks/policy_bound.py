@@ -98,7 +98,8 @@ def main() -> None:
                         f"{record['ours_over_bound']:.3f} | {rank} of {candidates} | {of_best:.3f} |",
                         flush=True,
                     )
-    short = [r for r in records if r["ours_over_best_paper"] < 1 or r["ours_over_bound"] < 0.9]
+    # level within float rounding (ours over pinned experts and a paper's stack can sum one step in another order)
+    short = [r for r in records if r["ours_over_best_paper"] < 1 - 1e-9 or r["ours_over_bound"] < 0.9]
     print(
         f"\n{len(records) - len(short)} of {len(records)} settings meet both targets; ours / bound ranges "
         f"{min(r['ours_over_bound'] for r in records):.3f}-{max(r['ours_over_bound'] for r in records):.3f}, "
