@@ -285,6 +285,7 @@ BAD_CPU_TIMES = {
     "null": None,
     "inf": math.inf,
     "huge": 1e300,
+    "tiny": 1e-300,  # overflowed the fit (OverflowError) where it was accepted
 }
 
 

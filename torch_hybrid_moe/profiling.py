@@ -186,6 +186,7 @@ class Measurements:
         return m
 
 
+_SHORTEST_S = 1e-9  # no timed call is faster; far shorter times overflowed the fit
 _LONGEST_S = 10.0  # no single expert call or copy of a real expert takes this long
 
 
@@ -199,8 +200,8 @@ def _count(key: object) -> int:
 
 def _duration(value: object) -> float:
     """A measured time in seconds, or ValueError: a hand-edited or corrupted cache must not reach the fit."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < _LONGEST_S:
-        raise ValueError(f"time {value!r} is not in (0, {_LONGEST_S}) seconds")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _SHORTEST_S <= value < _LONGEST_S:
+        raise ValueError(f"time {value!r} is not in [{_SHORTEST_S}, {_LONGEST_S}) seconds")
     return float(value)
 
 
