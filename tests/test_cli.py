@@ -80,12 +80,16 @@ def test_expert_budget_defaults_to_zero_without_cuda():
         expert_budget=None,
         device="auto",
         cpu_weight_dtype="model",
-        cpu_weight_group_size=64,
+        cpu_weight_group_size=None,
         dense_weight_dtype="model",
         stack=None,
     )
     assert _config(args).expert_budget == 0.0
     assert _config(argparse.Namespace(**{**vars(args), "expert_budget": 0.5})).expert_budget == 0.5
+    # the group reaches the config where something is quantised: the dense layers with model-dtype experts too
+    for fields in ({"cpu_weight_dtype": "int4"}, {"dense_weight_dtype": "int8"}):
+        grouped = argparse.Namespace(**{**vars(args), **fields, "cpu_weight_group_size": 32})
+        assert _config(grouped).cpu_weight_group_size == 32
 
 
 def test_build_command_reports_the_kernel(capsys):

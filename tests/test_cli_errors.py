@@ -136,7 +136,13 @@ def test_ours_settings_are_checked_before_anything_runs(spec, match, tmp_path, c
 
 def test_generate_with_an_unusable_stack_file_is_one_line(tmp_path, capsys):
     missing = tmp_path / "none.json"
-    one_line_error(capsys, ["generate", "--stack", str(missing)], f"stack file {missing}: cannot read it")
+    argv = ["generate", "--stack", str(missing), "--expert-budget", "0.25"]
+    one_line_error(capsys, argv, f"stack file {missing}: cannot read it")
+    saved = tmp_path / "ours.json"
+    assert main(["simulate", "--trace", str(TRACE), "--ours", "4,1,0.5,0", "--save-ours", str(saved)]) == 0
+    capsys.readouterr()
+    # CPU's default budget 0: no slots for the stack's placement and cache to act on, so it would do nothing
+    one_line_error(capsys, ["generate", "--stack", str(saved)], "expert_budget 0.0 gives none")
 
 
 @pytest.mark.parametrize("case", list(TRACE_EDITS))
@@ -188,7 +194,18 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
         (["generate", "--model", "{tmp}"], "has no config.json"),
         (["generate", "--model", "tiny:llama"], "unknown tiny model 'llama'"),
         (["generate", "--cpu-weight-group-size", "0"], "--cpu-weight-group-size: must be >= 32"),
-        (["generate", "--cpu-weight-group-size", "48"], "cpu_weight_group_size must be a positive multiple of 32"),
+        (
+            ["generate", "--cpu-weight-dtype", "int8", "--cpu-weight-group-size", "48"],
+            "cpu_weight_group_size must be a positive multiple of 32",
+        ),
+        # a group where nothing is int8 / int4 would group nothing
+        (["generate", "--cpu-weight-group-size", "32"], "--cpu-weight-group-size 32 groups int8 / int4 weights"),
+        (["eval-ppl", "--cpu-weight-dtype", "bfloat16", "--cpu-weight-group-size", "32"], "and none are asked for"),
+        (
+            ["prepare", "--model", "deepseek-tiny", "--cpu-weight-dtype", "bfloat16", "--cpu-weight-group-size", "32"]
+            + ["--out", "{tmp}/s"],
+            "--cpu-weight-group-size 32 groups int8 / int4 weights",
+        ),
         (["generate", "--model", "tiny:mixtral", "--cpu-weight-dtype", "int8"], "experts.down_proj"),
         (["eval-ppl", "--model", "tiny:mixtral"], "needs a model with a tokenizer"),
         (["simulate", "--trace", str(TRACE), "--batch", "999"], "--batch 999: "),

@@ -233,6 +233,9 @@ def test_stack_file_doors(tmp_path):
         thm.HybridMoEConfig.from_stack_file(stack_file(tmp_path), scheduler="lru", cache_policy="lru")
     with pytest.raises(ValueError, match="device must be"):  # the caller's own fields, before the file is read
         thm.HybridMoEConfig.from_stack_file(missing, device="tpu")
+    for zero in (0.0, "0GiB"):  # no slots: the stack's placement and cache would do nothing
+        with pytest.raises(thm.errors.InputError, match="gives none; give a budget above 0"):
+            thm.HybridMoEConfig.from_stack_file(stack_file(tmp_path), expert_budget=zero)
 
 
 def test_patched_layers_hold_the_stack_chosen_for_their_device():

@@ -18,8 +18,10 @@ from transformers.generation.streamers import BaseStreamer
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.config import (
     CPU_WEIGHT_DTYPES,
+    DEFAULT_GROUP_SIZE,
     DENSE_WEIGHT_DTYPES,
     PRECALC_FROM_LAYER,
+    QUANTISED_DTYPES,
     STACK_FILE_FIELDS,
     STACK_FILE_FORMAT,
     check_cache_values,
@@ -80,20 +82,30 @@ CPU_BUDGET_NOTE = (
 def _config(args: argparse.Namespace) -> thm.HybridMoEConfig:
     """The command line's config. The expert budget defaults to 0.25 with CUDA and 0 without, where slots only
     duplicate host memory; a budget given there is kept, with a note saying why it does not help."""
+    on_cpu = thm.HybridMoEConfig(device=args.device).resolve_device().type == "cpu"
     fields = dict(
-        expert_budget=0.0 if args.expert_budget is None else args.expert_budget,
+        expert_budget=(0.0 if on_cpu else 0.25) if args.expert_budget is None else args.expert_budget,
         device=args.device,
         cpu_weight_dtype=args.cpu_weight_dtype,
-        cpu_weight_group_size=args.cpu_weight_group_size,
+        cpu_weight_group_size=_group_size(args),
         dense_weight_dtype=args.dense_weight_dtype,
     )
     config = thm.HybridMoEConfig.from_stack_file(args.stack, **fields) if args.stack else thm.HybridMoEConfig(**fields)
-    on_cpu = config.resolve_device().type == "cpu"
-    if args.expert_budget is None and not on_cpu:
-        return config.replace(expert_budget=0.25)
     if args.expert_budget and on_cpu:
         _phase(f"note: --expert-budget {args.expert_budget}: {CPU_BUDGET_NOTE}")
     return config
+
+
+def _group_size(args: argparse.Namespace) -> int:
+    """--cpu-weight-group-size, refused where no weight is int8 / int4 (it would group nothing)."""
+    if args.cpu_weight_group_size is None:
+        return DEFAULT_GROUP_SIZE
+    if args.cpu_weight_dtype not in QUANTISED_DTYPES and getattr(args, "dense_weight_dtype", "model") == "model":
+        raise InputError(
+            f"--cpu-weight-group-size {args.cpu_weight_group_size} groups int8 / int4 weights and none are asked "
+            "for: add --cpu-weight-dtype int8 or int4 (or --dense-weight-dtype), or leave the group out"
+        )
+    return args.cpu_weight_group_size
 
 
 def _phase(message: str) -> None:
@@ -643,7 +655,7 @@ def prepare(args: argparse.Namespace) -> int:
         expert_budget=0.0,
         device="cpu",
         cpu_weight_dtype=args.cpu_weight_dtype,
-        cpu_weight_group_size=args.cpu_weight_group_size,
+        cpu_weight_group_size=_group_size(args),
     )
     out = _timed(f"preparing {args.model} as {args.cpu_weight_dtype}", lambda: write(args.model, args.out, config))
     print(f"wrote {out}: load it with thm.from_pretrained({str(out)!r}) or hybrid-moe generate --model {out}")
@@ -811,7 +823,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     pp.add_argument("--model", type=_non_empty, required=True, help="local checkpoint directory or hub id")
     pp.add_argument("--cpu-weight-dtype", required=True, choices=[f for f in CPU_WEIGHT_DTYPES if f != "model"])
-    pp.add_argument("--cpu-weight-group-size", type=bounded(int, 32), default=64)
+    pp.add_argument(
+        "--cpu-weight-group-size",
+        type=bounded(int, 32),
+        help=f"scale group of int8 / int4 weights, in columns (default {DEFAULT_GROUP_SIZE})",
+    )
     pp.add_argument("--out", type=Path, required=True, help="a new (or empty) directory")
     for p in (g, e):
         p.add_argument(
@@ -841,7 +857,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             choices=CPU_WEIGHT_DTYPES,
             help="format of the experts' host copy; int8 / int4 are approximate",
         )
-        p.add_argument("--cpu-weight-group-size", type=bounded(int, 32), default=64)
+        p.add_argument(
+            "--cpu-weight-group-size",
+            type=bounded(int, 32),
+            help=f"scale group of int8 / int4 weights, in columns (default {DEFAULT_GROUP_SIZE})",
+        )
         p.add_argument(
             "--dense-weight-dtype",
             default="model",
@@ -883,7 +903,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--host-memory", type=_size, default=64 * 2**30, help="host memory to plan for (default 64GiB)")
     pl.add_argument("--context", type=bounded(int, 1), default=4096, help="tokens of KV cache to keep room for")
     pl.add_argument("--prompt", type=bounded(int, 1), default=512, help="prompt length of the prefill estimate")
-    pl.add_argument("--cpu-weight-group-size", type=bounded(int, 32), default=64)
+    pl.add_argument(
+        "--cpu-weight-group-size",
+        type=bounded(int, 32),
+        default=DEFAULT_GROUP_SIZE,
+        help="the int8 / int4 rows' scale group, in columns (default %(default)s)",
+    )
     pl.add_argument(
         "--hardware",
         default="rtx4090",

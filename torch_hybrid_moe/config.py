@@ -21,6 +21,8 @@ from .policies import CACHE_POLICIES, PREFETCHERS, SCHEDULERS, LayerInfo
 
 CPU_WEIGHT_DTYPES = ("model", "bfloat16", "int8", "int4")
 DENSE_WEIGHT_DTYPES = ("model", "int8", "int4")
+QUANTISED_DTYPES = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 64
 MODES = ("exact", "expert_deferral", "daop_precalc")
 AUTO = "auto"  # the scheduler and cache policy chosen for the device when the model is patched (`for_device`)
 # Ours' window cache settings, as its tuner picked them on the leases' traces and the GPU rows measured them
@@ -85,7 +87,8 @@ class HybridMoEConfig:
         CPU experts faster, at an accuracy cost measured in benchmarks/RESULTS.md. Slots hold the experts
         dequantised to the model's dtype and multiply in it, where the CPU keeps fp32: in a bf16 model an
         expert's output differs a little by where it ran, so outputs differ by budget (perplexity cost of
-        mixtral-tiny in bf16 at budget 0 and 1: int8 1.00035 and 1.00016, int4 1.00395 and 1.00392).
+        mixtral-tiny in bf16 at budget 0 and 1: int8 1.00035 and 1.00016, int4 1.00395 and 1.00392). The group
+        is unused where nothing is int8 / int4, so one config can sweep formats (the CLI refuses it there).
     dense_weight_dtype: "model" (the default) keeps the dense layers' linears (attention projections, shared
         experts, dense MLPs, the LM head) as loaded; "int8" / "int4" quantise them with one scale per
         `cpu_weight_group_size` columns and run them on the CPU kernel's micro-kernels: an approximate mode for
@@ -133,7 +136,7 @@ class HybridMoEConfig:
     hardware: str = ""
     expert_shape: str = ""
     cpu_weight_dtype: str = "model"
-    cpu_weight_group_size: int = 64
+    cpu_weight_group_size: int = DEFAULT_GROUP_SIZE
     dense_weight_dtype: str = "model"
     dense_weight_group_size: int = 0
     staging_slots: int = 2
@@ -199,6 +202,11 @@ class HybridMoEConfig:
         if clash:
             raise InputError(f"stack file {path} sets {', '.join(clash)}: leave them out of the other fields")
         base = cls(**fields)  # the caller's own fields, checked before the file is read
+        if not (base.budget_bytes() if isinstance(base.expert_budget, str) else base.expert_budget):
+            raise InputError(
+                f"stack file {path}: its placement and cache act on accelerator slots, and expert_budget "
+                f"{base.expert_budget!r} gives none; give a budget above 0 or leave the stack file out"
+            )
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:
