@@ -2,6 +2,7 @@
 cache filled), its memory arithmetic by hand, and every door with bad input."""
 
 import inspect
+import re
 from dataclasses import replace
 
 import pytest
@@ -185,6 +186,14 @@ def test_plan_command_prints_the_answer(tmp_path, capsys):
     # the tiny model's 16-wide experts cannot be quantised in groups of 32, as patching would say
     assert out.count("not possible: cannot quantise 16 columns") == 2
     assert "ktransformers" in out and "lru-cache" in out
+    # sizes in the unit they fill: the tiny model's host memory printed 0.0 GiB
+    units = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+    sizes = re.findall(r"host memory ([\d.]+) (GiB|MiB|KiB|B) ", out)
+    assert sizes and all(1 <= float(v) < 1024 for v, _ in sizes), out
+    bf16 = float(sizes[0][0]) * units[sizes[0][1]]
+    summary = planning.summarise(planning.load_config(str(tmp_path)))
+    assert bf16 == pytest.approx(2 * summary.expert_weights, rel=0.01)  # the bf16 experts; dense layers on the GPU
+    assert "GPU 2.00 GiB: " in out
 
 
 @pytest.mark.parametrize(
