@@ -15,6 +15,7 @@ from torch_hybrid_moe import profiling
 from torch_hybrid_moe.cli import main
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel, ExpertShape
 from torch_hybrid_moe.simulator import STACKS, simulate
+from torch_hybrid_moe.simulator.synthetic import synthetic_trace
 from torch_hybrid_moe.traces import Trace
 
 TRACES = Path(torch_hybrid_moe.embedded.__file__).parent / "traces"
@@ -310,17 +311,27 @@ def test_simulate_cli_json_reports_prefetch_accuracy(capsys):
             "prefill_tok_s",
             "hit_rate",
             "prefetch_accuracy",
-            "moe_time_s",
+            "replay_time_s",
             "planning_us",
         } <= r.keys() and r["batch"] == 8
         assert (r["prefetch_accuracy"] is None) == (r["stack"] not in prefetching)
     assert 0 < records["dali"]["prefetch_accuracy"] <= 1 and records["oracle"]["prefetch_accuracy"] == 1
+    assert records["ours"]["tuned_on"] == "given by --ours" and "tuned_on" not in records["dali"]
     from torch_hybrid_moe.simulator.tuning import ours
 
     # what each row ran: ours' settings, the bound's winning candidate
     assert records["ours"]["description"] == ours(4, 1, 0.5, 1).description and bound["description"].startswith(
         ("Belady", "future-window", "the trace's", "LFU")
     )
+
+
+def test_simulate_cli_json_says_ours_was_tuned_on_the_judged_trace(tmp_path, capsys):
+    """Without --calibration ours is tuned on the trace it is judged on, which flatters it: the record says so."""
+    path = tmp_path / "synthetic.safetensors"
+    synthetic_trace(1.0, 0.4, num_experts=8, top_k=2, sequences=1, prompt_tokens=8, new_tokens=8).save(path)
+    assert main(["simulate", "--trace", str(path), "--json"]) == 0
+    ours = next(r for r in json.loads(capsys.readouterr().out) if r["stack"] == "ours")
+    assert ours["tuned_on"] == "tuned on the trace itself (pass --calibration)"
 
 
 def test_simulate_cli_on_local_hardware_with_calibration(tmp_path, monkeypatch, capsys):

@@ -124,7 +124,7 @@ def test_all_cpu_stack_time_is_the_sum_of_cpu_expert_times():
     r = simulate(trace, STACKS["ktransformers"], COSTS)
     want_prefill = COSTS.t_dense(3) + COSTS.t_cpu(2) + COSTS.t_cpu(1)  # the block's dense work, then its experts
     want_decode = 3 * (COSTS.t_dense(1) + COSTS.t_cpu(1))
-    assert r.moe_time_s == pytest.approx(want_prefill + want_decode)
+    assert r.replay_time_s == pytest.approx(want_prefill + want_decode)
     assert r.decode_tok_s == pytest.approx(3 / want_decode)
     assert r.prefill_tok_s == pytest.approx(3 / want_prefill)
     assert r.pcie_gb == 0 and r.hit_rate == 0
@@ -156,8 +156,8 @@ def test_ours_plans_with_the_link_a_live_cuda_layer_sees():
     ours = simulate(trace, ours_over("lru"), COSTS, cache_ratio=0.5)
     waits = simulate(trace, STACKS["lru-cache"], COSTS, cache_ratio=0.5)
     t0 = COSTS.t_dense(1) + COSTS.t_cpu(1)
-    assert ours.moe_time_s == pytest.approx(t0 + COSTS.t_dense(1) + COSTS.t_cpu(1))
-    assert ours.moe_time_s < waits.moe_time_s
+    assert ours.replay_time_s == pytest.approx(t0 + COSTS.t_dense(1) + COSTS.t_cpu(1))
+    assert ours.replay_time_s < waits.replay_time_s
 
 
 def test_a_live_layers_view_of_the_link_is_the_replays():
@@ -246,7 +246,7 @@ def test_cached_stack_waits_for_background_copies_on_the_pcie_timeline():
     t0 = COSTS.t_dense(1) + COSTS.t_cpu(1)
     ready = t0 + COSTS.t_transfer()
     t1 = max(t0 + COSTS.t_dense(1), ready) + COSTS.t_gpu(1)
-    assert r.moe_time_s == pytest.approx(t1)
+    assert r.replay_time_s == pytest.approx(t1)
     assert (r.hits, r.misses) == (1, 1)
     assert r.landed_hit_rate == 0.0  # step 1's hit was a slot whose copy was still on the link
     assert r.pcie_gb == pytest.approx(COSTS.expert.nbytes / 1e9)
@@ -733,7 +733,7 @@ def test_layer_time_is_what_the_simulator_plays():
     counts, resident = [3, 0, 2, 1], [True, True, False, False]
     plan = SCHEDULERS.create("queue_aware", info=info, costs=COSTS, timeline=Idle()).place(counts, resident)
     moe = layer_time(counts, resident, plan.accelerator, COSTS, Idle())
-    assert r.moe_time_s == pytest.approx(COSTS.t_dense(6) + moe)
+    assert r.replay_time_s == pytest.approx(COSTS.t_dense(6) + moe)
 
 
 def test_a_full_budget_runs_every_expert_from_its_slot_whatever_the_scheduler():
@@ -746,7 +746,7 @@ def test_a_full_budget_runs_every_expert_from_its_slot_whatever_the_scheduler():
         for scheduler in ("queue_aware", "all_cpu", "cached_on_accelerator")
     }
     assert all(r.cpu_busy == 0 for r in runs.values())
-    assert len({r.moe_time_s for r in runs.values()}) == 1
+    assert len({r.replay_time_s for r in runs.values()}) == 1
 
 
 def test_belady_starts_at_most_u_size_copies_a_step():

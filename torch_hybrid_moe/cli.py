@@ -480,11 +480,18 @@ def simulate(args: argparse.Namespace) -> int:
 
     papers = [by_name[n] for n in PAPERS if n in by_name]
     best_paper = max(papers, key=lambda r: r.decode_tok_s)
+    tuned_on = (
+        "given by --ours"
+        if args.ours
+        else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
+        + (" among what runs live" if args.save_ours else "")
+    )
     if args.json:
         records = [  # each stack's description too: what ours was tuned to, which bound candidate won
             asdict(r) | {"description": s.description, "bound_tok_s": bound_tok_s, "x_bound": x_bound(r.decode_tok_s)}
             for r, s in zip(results, ran)
         ]
+        records = [r | {"tuned_on": tuned_on} if r["stack"] == "ours" else r for r in records]
         if ranked is not None:
             rank, candidates, _, of_best = ranked
             records = [
@@ -510,12 +517,6 @@ def simulate(args: argparse.Namespace) -> int:
             else "; calibrated on the trace itself (Fiddler's popularity, DALI's residuals: pass --calibration)"
         )
     )
-    tuned_on = (
-        "given by --ours"
-        if args.ours
-        else f"tuned on {args.calibration or 'the trace itself (pass --calibration)'}"
-        + (" among what runs live" if args.save_ours else "")
-    )
     print(f"ours: {mine.description} ({tuned_on}); oracle: {ceiling.description}")
     if ranked is not None:
         rank, candidates, _, of_best = ranked
@@ -538,13 +539,13 @@ def simulate(args: argparse.Namespace) -> int:
     width = max(len(r.stack) for r in results)  # "hybrimoe (no prefetch)" and the like
     print(
         f"{'stack':<{width}} {'decode tok/s':>12} {'x bound':>7} {'prefill tok/s':>13} {'hit rate':>8} "
-        f"{'landed':>7} {'prefetch acc':>12} {'PCIe GB':>8} {'MoE s':>7} {'CPU busy':>8} {'GPU busy':>8}"
+        f"{'landed':>7} {'prefetch acc':>12} {'PCIe GB':>8} {'total s':>7} {'CPU busy':>8} {'GPU busy':>8}"
     )
     for r in results:
         acc = "-" if r.prefetch_accuracy is None else f"{r.prefetch_accuracy:.1%}"
         print(
             f"{r.stack:<{width}} {r.decode_tok_s:>12.1f} {_ratio(x_bound(r.decode_tok_s)):>7} {r.prefill_tok_s:>13.1f} "
-            f"{r.hit_rate:>8.1%} {r.landed_hit_rate:>7.1%} {acc:>12} {r.pcie_gb:>8.2f} {r.moe_time_s:>7.3f} "
+            f"{r.hit_rate:>8.1%} {r.landed_hit_rate:>7.1%} {acc:>12} {r.pcie_gb:>8.2f} {r.replay_time_s:>7.3f} "
             f"{r.cpu_busy:>8.1%} {r.gpu_busy:>8.1%}"
         )
     if "ours" in by_name:

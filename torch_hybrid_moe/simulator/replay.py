@@ -53,7 +53,7 @@ class SimResult:
     decode_tok_s: float
     prefill_tok_s: float
     hit_rate: float
-    moe_time_s: float
+    replay_time_s: float  # the whole replay's time: prefill and decode steps, dense layers included
     pcie_gb: float
     cpu_busy: float
     gpu_busy: float
@@ -586,7 +586,7 @@ class _Replay:
             decode_tok_s=tokens_by[False] / time_by[False] if time_by[False] else 0.0,
             prefill_tok_s=tokens_by[True] / time_by[True] if time_by[True] else 0.0,
             hit_rate=self.hits / max(self.hits + self.misses, 1),
-            moe_time_s=now,
+            replay_time_s=now,
             pcie_gb=self.link.copies * self.costs.expert.nbytes / 1e9,
             cpu_busy=self.cpu_busy / now if now else 0.0,
             gpu_busy=self.gpu_busy / now if now else 0.0,
