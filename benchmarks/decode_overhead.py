@@ -25,6 +25,7 @@ from transformers import CompileConfig
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.embedded import embedded_models, load_model
+from torch_hybrid_moe.errors import InputError
 
 
 def _generate(model: torch.nn.Module, ids: torch.Tensor, new: int, **gen: object) -> float:
@@ -68,8 +69,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     records = []
-    for name in args.model or list(embedded_models()):
-        ref, _ = load_model(name)
+    try:  # all loaded before any timing: a mistyped name is a usage error, not a traceback after minutes
+        models = {name: load_model(name)[0] for name in args.model or list(embedded_models())}
+    except InputError as err:
+        parser.error(str(err))
+    for name, ref in models.items():
         ids = torch.randint(3, ref.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
         inductor = CompileConfig(fullgraph=True, mode="default")
         inductor._compile_all_devices = True

@@ -75,7 +75,7 @@ class Alternating:
 
 def spread(values: list[float], scale: float, digits: int) -> str:
     """Median [quartiles] of `values` times `scale`, as the tables print them (one value: itself for all three)."""
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3  # within the data
     mid, low, high = (v * scale for v in (statistics.median(values), q[0], q[2]))
     return f"{mid:.{digits}f} [{low:.{digits}f}-{high:.{digits}f}]"
 

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from torch_hybrid_moe.cli import bounded
+from torch_hybrid_moe.cli import bounded, writable
 
 ROWS = (
     "ours",
@@ -300,6 +300,12 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({**record, "peak_rss_gb": peak * 1024 / 1e9}))
 
 
+def common_prefix(tokens: list[int], reference: list[int]) -> int:
+    """How many leading tokens agree: after the first difference each run continues its own context, and later
+    matches are chance."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
 def llama_ready(llama: Path | None) -> str:
     """Why llama.cpp rows cannot run, or ""."""
     if llama is None:
@@ -325,7 +331,7 @@ def main() -> None:
     parser.add_argument("--threads", type=bounded(int, 1), default=2)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "torch_hybrid_moe" / "checkpoints")
     parser.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree with a CMake build/ directory")
-    parser.add_argument("--json", type=Path, help="also write every record here")
+    parser.add_argument("--json", type=writable, help="also write every record here (a new file)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -335,10 +341,14 @@ def main() -> None:
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {', '.join(ROWS)}")
+    if len(set(rows)) < len(rows):  # a row named twice would be measured twice a round and pooled
+        parser.error(f"--rows names {sorted({r for r in rows if rows.count(r) > 1})} more than once")
     why = llama_ready(args.llama_cpp)
     if why and any(r.startswith("llama-") for r in rows):
-        print(f"llama.cpp rows skipped: {why}")
         rows = [r for r in rows if not r.startswith("llama-")]
+        if not rows:
+            parser.error(f"no row left to run: llama.cpp's need what is missing: {why}")
+        print(f"llama.cpp rows skipped: {why}")
     path = checkpoint(args.shape, args.layers, args.cache)
     for row in rows:  # convert before timing anything: a converter's memory is no row's
         if row.startswith("llama-"):
@@ -403,9 +413,14 @@ def main() -> None:
     )
     reference = next((r["tokens"] for r in records.get("eager", []) if r["tokens"]), None)
     print(
-        f"{'row':<12} {'decode tok/s':>22} {'% floor':>8} {'prefill tok/s':>22} {'peak RSS GB':>11} "
-        f"{'tokens = eager':>14}"
+        "'eager prefix': how many of the first new tokens equal unpatched eager transformers' (greedy); after the "
+        "first difference the two continue from different contexts"
     )
+    print(
+        f"{'row':<12} {'decode tok/s':>22} {'% floor':>8} {'prefill tok/s':>22} {'peak RSS GB':>11} "
+        f"{'eager prefix':>14}"
+    )
+    per_row: dict[str, dict] = {}
     for row, recs in records.items():
         if not recs:
             continue
@@ -415,11 +430,9 @@ def main() -> None:
             cells.append(f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]")
         row_gb = decode_bytes(path, row) / 1e9
         floor = statistics.median(100 * r["decode_tok_s"] * row_gb / r["bandwidth_gb_s"] for r in recs)
-        agree = (
-            "-"
-            if reference is None or recs[0]["tokens"] is None
-            else (f"{sum(a == b for a, b in zip(recs[0]['tokens'], reference))}/{len(reference)}")
-        )
+        prefix = None if reference is None or recs[0]["tokens"] is None else common_prefix(recs[0]["tokens"], reference)
+        agree = "-" if prefix is None else f"{prefix}/{len(reference)}"
+        per_row[row] = {"row_gb": row_gb, "pct_floor": floor, "eager_prefix": prefix}
         print(f"{row:<12} {cells[0]:>22} {floor:>8.0f} {cells[1]:>22} {cells[2]:>11} {agree:>14}")
     if args.json:
         args.json.write_text(
@@ -432,6 +445,7 @@ def main() -> None:
                     threads=args.threads,
                     floor_gb=floor_gb,
                     bandwidth_gb_s=bandwidth,
+                    rows=per_row,
                     records=records,
                 ),
                 indent=1,

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from torch_hybrid_moe.cli import bounded
+from torch_hybrid_moe.cli import bounded, writable
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.policies.schedulers import SCHEDULERS, DaliGreedy, Optimal, makespan
 from torch_hybrid_moe.simulator import STACKS, SimResult, Stack, simulate
@@ -63,14 +63,22 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["deepseek-tiny", "mixtral-tiny"], choices=shipped)
     parser.add_argument("--batches", nargs="+", type=bounded(int, 1), default=[1, 16])
     parser.add_argument("--ratios", nargs="+", type=bounded(float, 0, 1), default=[0.25, 0.5])
-    parser.add_argument("--json", type=Path, help="write every record here")
+    parser.add_argument("--json", type=writable, help="write every record here (a new file)")
     args = parser.parse_args()
+    if 0 in args.ratios:  # no slots: every stack runs all on the CPU, alike
+        parser.error("--ratios: a cache ratio of 0 leaves no slots, where every stack is the same; give ratios above 0")
+    traces = {
+        model: tuple(Trace.load(TRACES / f"{model}-heldout-at{at}.safetensors") for at in (0, 512))
+        for model in args.models
+    }
+    fewest = min(len(t.sequence.unique()) for pair in traces.values() for t in pair)
+    if max(args.batches) > fewest:
+        parser.error(f"--batches: at most {fewest}, the sequences the traces hold")
     costs = CostModel(HARDWARE[args.hardware], EXPERT_SHAPES[args.expert_shape])
     records, summary = [], []
     print(f"hardware {args.hardware}: {costs.hardware.description}; experts sized as {args.expert_shape}")
     for model in args.models:
-        trace = Trace.load(TRACES / f"{model}-heldout-at0.safetensors")
-        held = Trace.load(TRACES / f"{model}-heldout-at512.safetensors")
+        trace, held = traces[model]
         calibration = Calibration.from_trace(trace, held)
         for batch in args.batches:
             for ratio in args.ratios:

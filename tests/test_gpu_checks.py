@@ -1,6 +1,7 @@
 """benchmarks/gpu_checks.sh runs on a lent GPU machine whose minutes are few: an argument a benchmark refuses there
 costs the lease a step (2026-11-28: a row name missing from gpu_decode.py's choices). Checked here, without a GPU."""
 
+import functools
 import importlib.util
 import os
 import shlex
@@ -15,8 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
 def _script(name: str) -> ModuleType:
-    """A benchmark script as a module (its main not run): parsed in this process, without a fresh torch import."""
+    """A benchmark script as a module (its main not run): parsed in this process, without a fresh torch import;
+    once a process (policies.py registers a scheduler when imported)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -51,6 +54,18 @@ _PAPER_ROWS = ["dali", "hybrimoe", "all-cpu"]
         (["end_to_end.py", "--tokens", "1"], "argument --tokens: must be >= 2, got 1"),
         (["policy_bound.py", "--ratios", "0.5", "2"], "argument --ratios: must be in [0, 1], got 2"),
         (["policies.py", "--models", "nosuch"], "argument --models: invalid choice: 'nosuch'"),
+        # a row named twice was measured twice a round and pooled under "medians of R"
+        (["end_to_end.py", "--rows", "ours,eager,ours"], "--rows names ['ours'] more than once"),
+        (["end_to_end.py", "--rows", "llama-q8_0"], "no row left to run"),  # before a checkpoint is generated
+        # no slots: every stack the same, so the targets could not fail
+        (["policy_bound.py", "--ratios", "0", "0.5"], "a cache ratio of 0 leaves no slots"),
+        (["policies.py", "--ratios", "0"], "a cache ratio of 0 leaves no slots"),
+        (["policy_bound.py", "--traces", "deepseek-tiny", "--batches", "1", "17"], "--batches: at most 16"),
+        (["policies.py", "--batches", "17"], "--batches: at most 16"),
+        (["policy_bound.py", "--json", str(ROOT / "README.md")], "exists; remove it or give another name"),
+        (["policies.py", "--json", str(ROOT / "no" / "dir" / "x.json")], "its directory does not exist"),
+        (["end_to_end.py", "--json", str(ROOT)], "is a directory; give a file name"),
+        (["decode_overhead.py", "--model", "nosuch"], "not an embedded model"),
     ],
 )
 def test_benchmarks_refuse_nonsense_counts_in_one_line(argv, message, monkeypatch, capsys):
@@ -63,3 +78,18 @@ def test_benchmarks_refuse_nonsense_counts_in_one_line(argv, message, monkeypatc
     said = capsys.readouterr()
     assert stopped.value.code == 2 and not said.out, said.out
     assert message in said.err and "Traceback" not in said.err, said.err
+
+
+def test_token_agreement_counts_the_common_prefix():
+    """After the first difference two greedy runs continue different contexts: later matches are chance."""
+    prefix = _script("end_to_end").common_prefix
+    assert [prefix([1, 2, 3, 4], [1, 2, 3, 4]), prefix([1, 9, 3, 4], [1, 2, 3, 4]), prefix([5, 2, 3], [1, 2, 3])] == [
+        4,
+        1,
+        0,
+    ]
+
+
+def test_spread_quartiles_lie_within_the_data():
+    """Two rounds' exclusive quartiles extrapolated past the minimum and maximum."""
+    assert _script("decode_profile").spread([1.0, 2.0], 1.0, 2) == "1.50 [1.25-1.75]"

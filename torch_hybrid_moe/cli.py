@@ -767,7 +767,7 @@ def _non_empty(text: str) -> str:
     return text
 
 
-def _writable(text: str) -> Path:
+def writable(text: str) -> Path:
     """A new output file in a directory that exists and can be written: checked before any work, not after it (an
     existing file is refused, not overwritten: it may be the input, or hold what another run wrote)."""
     path = Path(text)
@@ -998,7 +998,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     s.add_argument(
         "--save-ours",
-        type=_writable,
+        type=writable,
         metavar="FILE",
         help="write ours' settings here as a stack file for the live runtime (HybridMoEConfig.from_stack_file, "
         "generate --stack): as --ours gives them, or tuned among what runs in the decode graph (window, MRS, LFU, "
@@ -1023,13 +1023,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     c.add_argument("--num-experts", type=bounded(int, 1, 2**15), required=True)
     c.add_argument("--model-name", default="external", help="recorded in the trace's metadata")
-    c.add_argument("--out", type=_writable, required=True)
+    c.add_argument("--out", type=writable, required=True)
     pr.add_argument(
         "--refresh",
         action="store_true",
         help="measure again even if a cached profile exists; forget the kernels' measured routes too",
     )
-    t.add_argument("--out", type=_writable, required=True)
+    t.add_argument("--out", type=writable, required=True)
     t.add_argument("--prompts", type=bounded(int, 1), default=16)
     t.add_argument("--prompt-tokens", type=bounded(int, 1), default=64)
     t.add_argument(
