@@ -268,6 +268,7 @@ def test_patch_quantises_dense_layers_on_request_and_refuses_to_save_them(tmp_pa
     assert 0 < (got - want).abs().max() < 0.05 * want.abs().max()  # approximate, and close
     with pytest.raises(RuntimeError, match="dense_weight_dtype='int8' quantised this linear"):
         model.save_pretrained(tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_dense_quantisation_with_a_group_that_does_not_fit_changes_nothing():

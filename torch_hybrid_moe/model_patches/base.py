@@ -8,6 +8,7 @@ and dense layers stay the model's own code, so each architecture's routing seman
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,8 +167,23 @@ def patch_with_spec(
         use_cpu_attention(model)
     model.to(device)  # dense weights, attention, routers and shared experts
     _compile_decode_with_backend(model, capture, device.type == "cpu")
+    _refuse_saves_before_writing(model)
     setattr(model, _PATCHED_ATTR, config)
     return model
+
+
+def _refuse_saves_before_writing(model: torch.nn.Module) -> None:
+    """`save_pretrained` builds the state dict, whose hooks refuse a save that would write altered weights, before
+    it writes anything: transformers writes config.json first, which over an existing checkpoint would pair a new
+    config with the old weights."""
+    save = model.save_pretrained
+
+    @functools.wraps(save)
+    def save_pretrained(*args: object, **kwargs: object) -> object:
+        model.state_dict()  # raises here, with nothing written, where a hook refuses
+        return save(*args, **kwargs)
+
+    model.save_pretrained = save_pretrained
 
 
 def check_structure(
