@@ -110,6 +110,27 @@ def test_backend_options_configure_stock_models(reference_models):
     assert all(s.cpu_experts == 0 for s in thm.stats(stock).values())
 
 
+@pytest.mark.parametrize("patched", [True, False])
+def test_a_forward_with_grad_enabled_runs_without_autograd_and_says_so(reference_models, patched):
+    """README's minimal example calls the compiled model outside torch.no_grad(): compiling for autograd failed at
+    the first hybrid_moe op (no backward). The graph runs without autograd, with a warning, and gives the unpatched
+    model's logits."""
+    import copy
+
+    ref = reference_models["qwen3_moe"]
+    model = patched_copy(ref, expert_budget=0.25) if patched else copy.deepcopy(ref)
+    compiled = torch.compile(
+        model, backend="hybrid_moe", **({"options": {"expert_budget": 0.25}} if not patched else {})
+    )
+    x = torch.randint(3, 96, (2, 5))
+    with pytest.warns(UserWarning, match="inference-only, so this graph runs without autograd"):
+        got = compiled(x).logits
+    with torch.no_grad():
+        want = ref(x).logits
+    assert not got.requires_grad and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert sum(s.tokens for s in thm.stats(model).values())  # the hybrid layers ran
+
+
 def test_backend_refuses_dense_weight_dtype_it_cannot_apply(reference_models):
     """Quantised dense layers are made when patching; passed to the backend, the option was accepted and the model ran
     exact under a lossy label. It is refused, and the model left as it was."""

@@ -16,10 +16,14 @@ architecture, and it follows in-place weight changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
+import torch
 import torch.fx as fx
 
 from ..config import HybridMoEConfig
@@ -63,6 +67,31 @@ def hybrid_moe_backend(
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options
-    compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
-    # not AOT: the compiled callable; recordable, so that uncaptured decode steps can call it past Dynamo
-    return recordable(sites.wrap(cast(Callable[..., Any], compiled)))
+    inference = torch.is_grad_enabled() and _calls_our_ops(gm)
+    if inference:  # the ops have no backward: traced with autograd, compiling would fail at the first of them
+        warnings.warn(
+            "hybrid_moe: the experts' ops are inference-only, so this graph runs without autograd (its outputs carry "
+            "no gradient); call the model under torch.no_grad() or torch.inference_mode() to say so",
+            stacklevel=2,
+        )
+    with torch.no_grad() if inference else contextlib.nullcontext():
+        compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+    run = cast(Callable[..., Any], compiled)  # not AOT: the compiled callable
+    # recordable, so that uncaptured decode steps can call it past Dynamo
+    return recordable(sites.wrap(_without_grad(run) if inference else run))
+
+
+def _calls_our_ops(gm: fx.GraphModule) -> bool:
+    return any(
+        node.op == "call_function" and getattr(node.target, "namespace", None) == "hybrid_moe"
+        for node in gm.graph.nodes
+    )
+
+
+def _without_grad(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        with torch.no_grad():
+            return compiled(*args)
+
+    return run
