@@ -177,6 +177,80 @@ def test_each_stock_model_computes_with_its_own_experts(reference_models):
         torch.testing.assert_close(compiled_second(x).logits, want[1])
 
 
+def _flagged_experts_net(hidden: int, inter: int, **flags: bool) -> torch.nn.Module:
+    """One MoE block whose experts class transformers' decorator builds with `flags`, weights laid out to match."""
+    from types import SimpleNamespace
+
+    from transformers.activations import ACT2FN
+    from transformers.integrations.moe import use_experts_implementation
+
+    transposed = flags.get("is_transposed", False)
+
+    @use_experts_implementation(**flags)
+    class Experts(torch.nn.Module):
+        def __init__(self, config: object) -> None:
+            super().__init__()
+            self.num_experts = 8
+            shapes = (
+                ((8, hidden, 2 * inter), (8, inter, hidden))
+                if transposed
+                else ((8, 2 * inter, hidden), (8, hidden, inter))
+            )
+            self.gate_up_proj, self.down_proj = (torch.nn.Parameter(torch.randn(s) / s[-2] ** 0.5) for s in shapes)
+            self.act_fn = ACT2FN["silu"]
+            self.post_expert_norm = torch.nn.RMSNorm(hidden, elementwise_affine=False)  # no weight: no graph input
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(hidden, 8, bias=False)
+            self.experts = Experts(SimpleNamespace(_experts_implementation="grouped_mm"))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weights, ids = self.gate(x).softmax(-1).topk(2, -1)
+            return x + self.experts(x, ids, weights)
+
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Block()])})
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        ({"has_post_expert_norm": True}, "is built with has_post_expert_norm=True"),  # dropped silently: 0.54 off
+        ({"is_transposed": True}, "is built with is_transposed=True"),  # H = 2I: shapes alone passed, then it failed
+    ],
+)
+def test_experts_built_with_other_layouts_are_left_as_they_are(flags, said, caplog):
+    import inspect
+
+    from transformers.integrations.moe import use_experts_implementation
+
+    if not set(flags) <= set(inspect.signature(use_experts_implementation).parameters):
+        pytest.skip(f"this transformers has no {', '.join(flags)}")
+    net = _flagged_experts_net(32, 16, **flags).eval()
+    x = torch.randn(6, 32)
+    with torch.no_grad():
+        want = net["layers"][0](x)
+        got = torch.compile(net["layers"][0], backend="hybrid_moe", fullgraph=True)(x)
+    torch.testing.assert_close(got, want)
+    assert said in caplog.text
+
+
+def test_float64_experts_are_left_as_they_are(reference_models, caplog):
+    """dispatch computes fp32 / bf16 / fp16 experts; a float64 model was rewritten, then failed in the kernel."""
+    import copy
+
+    model = copy.deepcopy(reference_models["qwen3_moe"]).double()
+    model.config._experts_implementation = "batched_mm"  # grouped_mm takes no float64
+    x = torch.randint(3, 96, (1, 5))
+    with torch.no_grad():
+        want = model(x).logits
+        got = torch.compile(model, backend="hybrid_moe", fullgraph=True)(x).logits
+    torch.testing.assert_close(got, want)
+    assert "its experts are torch.float64 / torch.float64" in caplog.text
+
+
 @pytest.mark.slow
 def test_experts_with_their_own_gate_are_left_as_they_are(reference_models, caplog):
     """Experts whose class gates its own way (a clamped SwiGLU, as transformers' HY-V4, GLM-5 Next, Step-3.7 and

@@ -18,11 +18,21 @@ import torch.nn.functional as F
 
 from ..config import HybridMoEConfig
 from ..runtime import get_layer
+from ..runtime.expert_store import EXPERT_DTYPES
 from ..runtime.stock import StockSites
 from .graph_utils import DISPATCH, calls
 
 log = logging.getLogger(__name__)
 _SILU = {F.silu, torch.ops.aten.silu.default, torch.ops.aten.silu}
+# The flags of transformers' `use_experts_implementation` under which its experts compute what dispatch does (its
+# defaults): gate and up concatenated in one untransposed weight without biases, nothing after the down projection.
+_DISPATCH_LAYOUT = {
+    "has_gate": True,
+    "has_bias": False,
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_post_expert_norm": False,
+}
 
 
 @dataclass
@@ -82,6 +92,16 @@ def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: Hy
     return sites
 
 
+def _layout(cls: type) -> dict[str, object]:
+    """The flags `use_experts_implementation` built `cls` with. It keeps them in the closure of the `__init__` it
+    wraps (each instance copies them there), so a class is read without one; a flag a transformers version does
+    not have yet is at its default."""
+    init = next(vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k))  # as the instance's runs
+    code, closure = getattr(init, "__code__", None), getattr(init, "__closure__", None)
+    cells = dict(zip(code.co_freevars, closure)) if code is not None and closure else {}
+    return {name: cells[name].cell_contents if name in cells else default for name, default in _DISPATCH_LAYOUT.items()}
+
+
 def _rewrite(
     graph: fx.Graph,
     region: ExpertsRegion,
@@ -99,6 +119,10 @@ def _rewrite(
     # something else, which dispatch does not
     if getattr(getattr(region.cls, "_apply_gate", None), "__name__", "") != "_default_apply_gate":
         return f"{region.cls.__name__} gates its experts its own way (_apply_gate), not as SiLU(gate) * up"
+    # a weightless post-expert norm leaves no trace among the region's inputs: only the flag tells
+    differs = [f"{k}={v}" for k, v in _layout(region.cls).items() if v != _DISPATCH_LAYOUT[k]]
+    if differs:
+        return f"{region.cls.__name__} is built with {', '.join(differs)}, which dispatch does not compute"
     inside = set(region.nodes)
     params = set(region.params.values())
     inputs = [a for n in region.nodes for a in n.all_input_nodes if a not in inside and a not in params]
@@ -109,6 +133,14 @@ def _rewrite(
         return f"expected 3 tensor inputs and 1 tensor output, found {len(tensors)} and {len(tensor_outputs)}"
     gate_up_arg, down_arg = (placeholders.index(region.params[p]) for p in ("gate_up_proj", "down_proj"))
     gate_up, down = example_inputs[gate_up_arg], example_inputs[down_arg]
+    if gate_up.dtype not in EXPERT_DTYPES or down.dtype != gate_up.dtype:
+        return f"its experts are {gate_up.dtype} / {down.dtype}; dispatch computes {', '.join(map(str, EXPERT_DTYPES))}"
+    if (
+        gate_up.dim() != 3
+        or down.dim() != 3
+        or (gate_up.shape[1], down.shape[1]) != (2 * down.shape[2], gate_up.shape[2])
+    ):
+        return f"its weights are {tuple(gate_up.shape)} and {tuple(down.shape)}, not (E, 2I, H) and (E, H, I)"
     ids = [a for a in tensors if not a.meta["example_value"].is_floating_point()]
     floats = [a for a in tensors if a.meta["example_value"].is_floating_point()]
     hidden_size = gate_up.shape[-1]

@@ -30,14 +30,13 @@ from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context, streaming_costs
 from ..runtime.decode_graphs import DecodeGraphs
 from ..runtime.decode_replay import DecodeReplay
-from ..runtime.expert_store import HostWeight, expert_nbytes
+from ..runtime.expert_store import EXPERT_DTYPES, HostWeight, expert_nbytes
 from ..runtime.layer import RoutingRule
 from ..runtime.layer_policies import build_policies
 from ..runtime.link_clock import link_for
 from .cpu_attention import use_cpu_attention
 
 EXPERTS_IMPLEMENTATION = "hybrid_moe"
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PATCHED_ATTR = "_hybrid_moe_config"
 
 
@@ -350,10 +349,10 @@ def _check_experts(idx: int, experts: torch.nn.Module, spec: ArchSpec, cfg: obje
                 f"layer {idx}: experts.{name} has shape {tuple(tensor.shape)} but the config implies {want[name]} "
                 f"({spec.num_experts_attr}={num_experts}, {spec.intermediate_attr}={inter}, hidden_size={hidden})"
             )
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        if tensor.dtype not in EXPERT_DTYPES:
             raise TypeError(
                 f"layer {idx}: experts.{name} has dtype {tensor.dtype}; supported: "
-                f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}"
+                f"{', '.join(str(d) for d in EXPERT_DTYPES)}"
             )
         if tensor.device.type == "meta":
             raise ValueError(f"layer {idx}: experts.{name} is on the meta device; load real weights first")

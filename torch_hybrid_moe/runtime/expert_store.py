@@ -11,6 +11,8 @@ from ..ops.quantize import QuantizedWeight, dequantize
 from .link_clock import CopyTimeline
 from .slot_map import SlotMap
 
+EXPERT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels and slots compute in
+
 HostWeight = torch.Tensor | QuantizedWeight
 
 
