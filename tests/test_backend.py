@@ -144,6 +144,32 @@ def test_backend_refuses_dense_weight_dtype_it_cannot_apply(reference_models):
     assert thm.stats(stock) == {}  # no expert store was made
 
 
+def test_backend_refuses_what_a_graph_of_some_layers_cannot_apply(reference_models):
+    """A byte budget is the model's MoE layers' together: compiled layer by layer, each layer took all of it (4x the
+    budget on a GPU). An approximate mode reaches into the next MoE layer: compiled layer by layer, nothing was
+    deferred and no one was told. Both refused, with no store made."""
+    import copy
+
+    x = torch.randint(3, 96, (1, 3))
+    for options, said in (
+        ({"expert_budget": "4KiB"}, "is a byte budget for all the model's MoE layers"),
+        ({"mode": "expert_deferral", "deferred_experts": 1}, "this compiled graph holds one"),
+    ):
+        stock = copy.deepcopy(reference_models["qwen3_moe"])
+        for layer in stock.model.layers:
+            layer.compile(backend="hybrid_moe", options=options)  # regional compilation, as transformers suggests
+        with pytest.raises(Exception, match=said), torch.no_grad():
+            stock(x)
+        assert thm.stats(stock) == {}
+
+
+def test_backend_options_on_a_patched_model_say_they_do_nothing(reference_models):
+    model = patched_copy(reference_models["mixtral"], expert_budget=0.25)
+    compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, options={"expert_budget": 1.0})
+    with pytest.warns(UserWarning, match=r"options \['expert_budget'\] configure stock models"), torch.no_grad():
+        compiled(torch.randint(3, 96, (1, 3)))
+
+
 def _perturbed(model, seed):
     """A copy of `model` with other weights: a second model of the same architecture."""
     import copy

@@ -33,6 +33,7 @@ from .cpu_dispatch import direct_cpu_dispatch
 from .daop_precalc import insert_daop_precalc
 from .dense_linear import fuse_sibling_matvecs, route_dense_linears
 from .expert_deferral import insert_expert_deferral
+from .graph_utils import DISPATCH, calls
 from .moe_regions import rewrite_experts_regions
 from .prefetch import insert_prefetch
 
@@ -51,13 +52,20 @@ def hybrid_moe_backend(
     from torch._inductor.compile_fx import compile_fx
 
     options = dict(options or {})
-    config = HybridMoEConfig(**{k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS})
+    given = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS}
+    config = HybridMoEConfig(**given)
     if config.dense_weight_dtype != "model":  # a lossy option must not pass silently unapplied
         raise InputError(
             f"dense_weight_dtype={config.dense_weight_dtype!r} quantises dense layers when a model is patched, which "
             "the backend cannot do to a compiled graph: patch_model(model, dense_weight_dtype=...), then compile it"
         )
     sites = rewrite_experts_regions(gm, example_inputs, config)
+    if given and not sites.sites and any(calls(n, DISPATCH) for n in gm.graph.nodes):
+        warnings.warn(
+            f"hybrid_moe: options {sorted(given)} configure stock models the backend rewrites; this model is patched "
+            "and runs the config patch_model gave it",
+            stacklevel=2,
+        )
     insert_prefetch(gm)
     insert_expert_deferral(gm)  # only layers whose config has mode="expert_deferral"; others stay exact
     insert_daop_precalc(gm)  # likewise mode="daop_precalc", and decode graphs only

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..config import HybridMoEConfig
+from ..errors import InputError
 from ..runtime import get_layer
 from ..runtime.expert_store import EXPERT_DTYPES
 from ..runtime.stock import StockSites
@@ -81,6 +82,7 @@ def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: Hy
     placeholders = list(graph.find_nodes(op="placeholder"))
     # A patched model already dispatches; only stock regions are rewritten.
     stock = [r for r in find_experts_regions(graph) if not any(calls(n, DISPATCH) for n in r.nodes)]
+    _check_graph_holds_enough(stock, config)
     sites = StockSites(config, len(stock))
     for ordinal, region in enumerate(stock):
         problem = _rewrite(graph, region, placeholders, example_inputs, sites, ordinal)
@@ -90,6 +92,23 @@ def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: Hy
     for prev, cur in zip(sites.sites, sites.sites[1:]):
         get_layer(prev.handle).next_handle = cur.handle
     return sites
+
+
+def _check_graph_holds_enough(stock: list[ExpertsRegion], config: HybridMoEConfig) -> None:
+    """What a compiled graph holding some of the model's MoE layers cannot apply (a model compiled layer by layer,
+    or split by graph breaks), refused before any change: a byte budget is the model's layers' together, and the
+    approximate modes reach from one MoE layer into the next."""
+    if stock and isinstance(config.expert_budget, str):
+        raise InputError(
+            f"expert_budget={config.expert_budget!r} is a byte budget for all the model's MoE layers, and a compiled "
+            "graph may hold some of them only (compiled layer by layer, each took all of it): give the backend a "
+            "fraction of each layer's experts, or patch_model(model, expert_budget=...) and compile that"
+        )
+    if len(stock) == 1 and config.mode != "exact":
+        raise InputError(
+            f"mode={config.mode!r} reaches from one MoE layer into the next, and this compiled graph holds one (a "
+            "model compiled layer by layer, or split by a graph break): compile the whole model with fullgraph=True"
+        )
 
 
 def _layout(cls: type) -> dict[str, object]:
