@@ -193,6 +193,16 @@ def test_k_quant_experts_go_to_the_nearest_format_through_the_dequantiser(tmp_pa
     assert torch.equal(_logits(model), _holding(_model("qwen3_moe", width=256), held, expert_budget=0.0, **want))
 
 
+def test_each_gguf_type_goes_to_the_host_format_keeping_its_precision():
+    """5- to 8-bit types to int8, fewer bits to int4, floats as they are: Q8_1 and Q8_K went to int4."""
+    from torch_hybrid_moe.gguf_checkpoint import nearest_format
+
+    want = {Q.F32: "model", Q.F16: "model", Q.BF16: "model", Q.Q2_K: "int4", Q.Q3_K: "int4", Q.Q4_0: "int4"}
+    want |= {Q.Q4_1: "int4", Q.Q4_K: "int4", Q.IQ4_NL: "int4", Q.Q5_0: "int8", Q.Q5_1: "int8", Q.Q5_K: "int8"}
+    want |= {Q.Q6_K: "int8", Q.Q8_0: "int8", Q.Q8_1: "int8", Q.Q8_K: "int8"}
+    assert {t: nearest_format(t) for t in want} == want
+
+
 def test_split_files_load_from_their_first_part(tmp_path):
     held = write_gguf(_model("mixtral"), tmp_path / "model.gguf", dense=Q.F32, parts=3)
     first = tmp_path / "model-00001-of-00003.gguf"

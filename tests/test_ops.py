@@ -182,3 +182,12 @@ def test_freed_layer_handle_is_a_clear_error():
     hidden, ids, weights = routing("random", 2, 2)
     with pytest.raises(RuntimeError, match="not live"):
         torch.ops.hybrid_moe.dispatch(hidden, ids, weights, handle)
+
+
+def test_a_group_that_does_not_fit_suggests_only_what_would():
+    from torch_hybrid_moe.ops.quantize import check_group_size
+
+    with pytest.raises(ValueError, match=r"\(try cpu_weight_group_size=32, or keep"):
+        check_group_size(96, 64)
+    with pytest.raises(ValueError, match=r"divides the column count \(keep cpu_weight_dtype='model'\)"):
+        check_group_size(48, 32)  # 32 is the group already

@@ -66,9 +66,10 @@ def check_group_size(columns: int, group_size: int) -> int:
     """The group used for a K-column weight: min(group_size, K); it must be a multiple of 32 dividing K."""
     group = min(group_size, columns)
     if group % 32 or columns % group:
+        smaller = "try cpu_weight_group_size=32, or " if group_size > 32 and columns % 32 == 0 else ""
         raise ValueError(
             f"cannot quantise {columns} columns in groups of {group_size}: the group must be a multiple of 32 "
-            f"that divides the column count (try cpu_weight_group_size=32, or keep cpu_weight_dtype='model')"
+            f"that divides the column count ({smaller}keep cpu_weight_dtype='model')"
         )
     return group
 
