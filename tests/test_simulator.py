@@ -70,6 +70,16 @@ def test_fiddler_fetches_exactly_when_cpu_is_slower_than_copy_plus_gpu():
     assert plan.fetch == [0] and plan.cpu == [1] and sorted(plan.accelerator) == [0, 3]
 
 
+def test_fiddler_computes_a_fetched_expert_from_a_staging_buffer_and_keeps_its_pins():
+    """Fiddler copies an expert the GPU computes faster, for that step: the fetch took a pinned expert's slot, and
+    the pinning copied it back, a second copy Fiddler never makes."""
+    heavy = next(n for n in range(1, 10_000) if COSTS.t_cpu(n) > COSTS.t_transfer() + COSTS.t_gpu(n))
+    trace = tiny_trace([[1] * heavy] + [[0]] * (heavy + 5))  # expert 0 the most used: pinned in the one slot
+    r = simulate(trace, STACKS["fiddler"], COSTS, cache_ratio=0.25)
+    assert r.pcie_gb == pytest.approx(COSTS.expert.nbytes / 1e9)  # expert 1's fetch only
+    assert r.hit_rate == pytest.approx((heavy + 5) / (heavy + 6))  # every decode step finds expert 0
+
+
 def test_dali_greedy_stays_within_ten_percent_of_the_optimum_on_average():
     rng = random.Random(0)
     ratios = []

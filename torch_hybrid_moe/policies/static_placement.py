@@ -13,7 +13,10 @@ from .caching import CACHE_POLICIES, RankedCache
 @CACHE_POLICIES.register("static")
 class StaticPopularity(RankedCache):
     """value = calibration tokens per expert (`popularity`); the `num_slots` most popular experts are brought in
-    once (ties: lower id) and stay."""
+    once (ties: lower id) and stay: an expert a scheduler fetches is computed from a staging buffer (Fiddler's
+    copy-and-compute), never displacing a pinned one (`pinned`, read by the simulator's replay)."""
+
+    pinned_slots = True
 
     def __init__(self, info: LayerInfo, popularity: Sequence[int] | None = None) -> None:
         super().__init__(info)

@@ -497,8 +497,9 @@ class _Replay:
         began = time.perf_counter()
         plan = place_step(layer.scheduler, layer.info, counts, resident)
         self.planning += time.perf_counter() - began
+        staged = getattr(layer.cache, "pinned_slots", False)  # fetched into a staging buffer, the slots untouched
         for e in plan.fetch:
-            if not layer.fill(e, keep=set(plan.accelerator)):
+            if not staged and not layer.fill(e, keep=set(plan.accelerator)):
                 raise RuntimeError(f"{self.stack.name}: no slot free for on-demand fetch of expert {e}")
             layer.ready[e] = self.link.copy(self.now, "fetch", e)
         return plan
