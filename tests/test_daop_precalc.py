@@ -272,6 +272,8 @@ def test_precalc_ops_pass_opcheck(deepseek_tiny):
     ids = logits.topk(4, -1).indices
     weights = logits.sigmoid().gather(1, ids)
     torch.library.opcheck(torch.ops.hybrid_moe.precalc_routing.default, (ids, weights, logits, handle))
+    column_major = (t.t().contiguous().t() for t in (ids, weights, logits))  # outputs row-major, as the fake's
+    torch.library.opcheck(torch.ops.hybrid_moe.precalc_routing.default, (*column_major, handle))
     early, late, _, swapped = torch.ops.hybrid_moe.precalc_routing(ids, weights, logits, handle)
     assert ((early >= 0) ^ (late >= 0)).all()  # each pair computed by exactly one of the two dispatches
     torch.library.opcheck(torch.ops.hybrid_moe.precalc_account.default, (ids, ids, swapped, early, handle))

@@ -134,6 +134,27 @@ def test_opcheck_all_ops():
     partial, carried = torch.ops.hybrid_moe.dispatch_begin(hidden, ids, weights, layer.handle, 1, hidden)
     assert torch.equal(carried, hidden) and carried.data_ptr() != hidden.data_ptr()
     torch.library.opcheck(torch.ops.hybrid_moe.dispatch_end.default, (partial, hidden, layer.handle, 1, hidden))
+    # a transposed hidden: the kernels give row-major outputs, and so must the fake ones (empty_like kept the
+    # transpose; with Inductor's size asserts off the compiled graph read the result 3.5 off)
+    flipped = hidden.t().contiguous().t()
+    torch.library.opcheck(torch.ops.hybrid_moe.dispatch.default, (flipped, ids, weights, layer.handle))
+    torch.library.opcheck(torch.ops.hybrid_moe.dispatch_end.default, (partial, flipped, layer.handle, 1, hidden))
+
+
+def test_stateful_ops_are_kept_when_their_outputs_are_unused():
+    """dispatch and prefetch change their layer (fills, admissions, statistics): Inductor dropped them when nothing
+    read their outputs."""
+    layer, _, _ = make_layer(0.5)
+    nxt, _, _ = make_layer(0.5, seed=1)
+    hidden, ids, weights = routing("random", 3, 2)
+
+    def step(hidden: torch.Tensor) -> torch.Tensor:
+        torch.ops.hybrid_moe.prefetch(hidden, ids, nxt.handle)
+        torch.ops.hybrid_moe.dispatch(hidden, ids, weights, layer.handle)
+        return hidden + 1
+
+    torch.compile(step, backend="inductor", fullgraph=True)(hidden)
+    assert (nxt.stats.prefetch_calls, layer.stats.steps) == (1, 1)
 
 
 @pytest.mark.parametrize("graph", [False, True])

@@ -196,3 +196,8 @@ def test_fake_kernel_gives_the_op_s_shape():
     mask = torch.ones(1, 1, 24, 24, dtype=torch.bool).tril()
     for args in ((query, key, value, None, 0.125, True), (query, key, value, mask, 0.125, False)):
         torch.library.opcheck(torch.ops.hybrid_moe.prefill_attention.default, args, test_utils="test_faketensor")
+    # every size symbolic: the fake's SDPA took the head counts' comparison as a SymBool, which it refuses
+    attend = lambda q, k, v: torch.ops.hybrid_moe.prefill_attention(q, k, v, None, 0.125, True)  # noqa: E731
+    torch.testing.assert_close(
+        torch.compile(attend, fullgraph=True, dynamic=True)(query, key, value), attend(query, key, value)
+    )

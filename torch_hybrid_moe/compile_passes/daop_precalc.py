@@ -129,7 +129,13 @@ def precalc_routing(
     new_ids, new_weights, swap = degrade(ids.long(), weights, scores, resident, rule.renormalise)
     on_gpu = resident[new_ids]
     early, late = torch.where(on_gpu, -1, new_ids), torch.where(on_gpu, new_ids, -1)
-    return early.to(ids.dtype), late.to(ids.dtype), new_weights, swap
+    # row-major, as the fake kernel says, whatever the inputs' layout
+    return (
+        early.to(ids.dtype).contiguous(),
+        late.to(ids.dtype).contiguous(),
+        new_weights.contiguous(),
+        swap.contiguous(),
+    )
 
 
 @precalc_routing.register_fake

@@ -93,6 +93,7 @@ cpu_experts = torch.library.custom_op(
 @cpu_experts.register_fake
 def _(hidden, topk_ids, topk_weights, gate_up, down, gate_up_scale, down_scale, out) -> None:
     check_routing(hidden, topk_ids, topk_weights, torch._check)
+    torch._check(out.is_contiguous(), lambda: "out must be a contiguous fp32 tensor")  # as the C++ kernel says
 
 
 # `hybrid_moe::cpu_moe`: the decode step of a layer whose every expert runs on the CPU, named by its handle as
@@ -108,4 +109,4 @@ _LIB.define("cpu_moe(Tensor hidden, Tensor topk_ids, Tensor topk_weights, int la
 @torch.library.register_fake("hybrid_moe::cpu_moe", lib=_LIB)
 def _(hidden, topk_ids, topk_weights, layer) -> torch.Tensor:
     check_routing(hidden, topk_ids, topk_weights, torch._check)
-    return torch.empty_like(hidden)
+    return hidden.new_empty(hidden.shape)  # row-major, as the kernel's

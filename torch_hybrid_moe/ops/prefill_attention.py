@@ -106,7 +106,7 @@ def prefill_attention_sdpa(
         attn_mask=mask,
         scale=scale,
         is_causal=causal and mask is None,
-        enable_gqa=query.shape[1] != key.shape[1],
+        enable_gqa=bool(query.shape[1] != key.shape[1]),  # a SymBool under dynamic shapes, which SDPA refuses
     )
     return out.transpose(1, 2).contiguous()
 

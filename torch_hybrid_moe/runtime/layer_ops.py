@@ -28,7 +28,7 @@ def dispatch(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 @dispatch.register_fake
 def _(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, layer: int) -> torch.Tensor:
     check_routing(hidden, topk_ids, topk_weights, torch._check)
-    return torch.empty_like(hidden)
+    return hidden.new_empty(hidden.shape)  # row-major, as the kernel's: empty_like would keep a transposed layout
 
 
 @torch.library.custom_op(
@@ -83,7 +83,7 @@ def dispatch_end(
 
 @dispatch_end.register_fake
 def _(partial, hidden, layer, part, after):
-    return torch.empty_like(hidden)
+    return hidden.new_empty(hidden.shape)
 
 
 @torch.library.custom_op(
@@ -104,3 +104,9 @@ def prefetch(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.
 @prefetch.register_fake
 def _(hidden: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
     return torch.empty_like(hidden)
+
+
+# They change the layer's state (slot fills, admissions, statistics, a begun step): kept where their outputs are not
+# read, which today only the passes' data dependencies ensure.
+for _op in (dispatch, dispatch_begin, dispatch_end, prefetch):
+    torch.fx.node.has_side_effect(_op._opoverload)
