@@ -14,7 +14,7 @@ from .caching import CACHE_POLICIES, RankedCache
 class StaticPopularity(RankedCache):
     """value = calibration tokens per expert (`popularity`); the `num_slots` most popular experts are brought in
     once (ties: lower id) and stay: an expert a scheduler fetches is computed from a staging buffer (Fiddler's
-    copy-and-compute), never displacing a pinned one (`pinned`, read by the simulator's replay)."""
+    copy-and-compute), never displacing a pinned one (`pinned_slots`, read by the simulator's replay)."""
 
     pinned_slots = True
 
