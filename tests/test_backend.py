@@ -203,7 +203,7 @@ def test_each_stock_model_computes_with_its_own_experts(reference_models):
         torch.testing.assert_close(compiled_second(x).logits, want[1])
 
 
-def _flagged_experts_net(hidden: int, inter: int, **flags: bool) -> torch.nn.Module:
+def _flagged_experts_block(hidden: int, inter: int, **flags: bool) -> torch.nn.Module:
     """One MoE block whose experts class transformers' decorator builds with `flags`, weights laid out to match."""
     from types import SimpleNamespace
 
@@ -237,7 +237,7 @@ def _flagged_experts_net(hidden: int, inter: int, **flags: bool) -> torch.nn.Mod
             return x + self.experts(x, ids, weights)
 
     torch.manual_seed(0)
-    return torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Block()])})
+    return Block()
 
 
 @pytest.mark.parametrize(
@@ -254,11 +254,11 @@ def test_experts_built_with_other_layouts_are_left_as_they_are(flags, said, capl
 
     if not set(flags) <= set(inspect.signature(use_experts_implementation).parameters):
         pytest.skip(f"this transformers has no {', '.join(flags)}")
-    net = _flagged_experts_net(32, 16, **flags).eval()
+    net = _flagged_experts_block(32, 16, **flags).eval()
     x = torch.randn(6, 32)
     with torch.no_grad():
-        want = net["layers"][0](x)
-        got = torch.compile(net["layers"][0], backend="hybrid_moe", fullgraph=True)(x)
+        want = net(x)
+        got = torch.compile(net, backend="hybrid_moe", fullgraph=True)(x)
     torch.testing.assert_close(got, want)
     assert said in caplog.text
 

@@ -25,6 +25,7 @@ from torch_hybrid_moe.config import (
     STACK_FILE_FIELDS,
     STACK_FILE_FORMAT,
     check_cache_values,
+    format_size,
     parse_size,
 )
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE
@@ -692,8 +693,8 @@ def plan(args: argparse.Namespace) -> int:
         budget = plans[0].expert_budget
         slots = round(budget * summary.num_experts)
         print(
-            f"GPU {_bytes(args.gpu_memory)}: dense weights {_bytes(dense)} + KV cache of {args.context} "
-            f"tokens {_bytes(kv)} + 1 GiB reserve + a 2-expert staging ring; the rest holds {slots} of each "
+            f"GPU {format_size(args.gpu_memory)}: dense weights {format_size(dense)} + KV cache of {args.context} "
+            f"tokens {format_size(kv)} + 1 GiB reserve + a 2-expert staging ring; the rest holds {slots} of each "
             f"layer's {summary.num_experts} experts (expert_budget={budget:.4g})"
         )
         if not any(p.speeds for p in plans) and all(p.refused for p in plans):
@@ -703,10 +704,10 @@ def plan(args: argparse.Namespace) -> int:
     else:
         print("no GPU memory given (--gpu-memory): everything runs on the CPU")
     for p in plans:
-        verdict = "fits" if p.fits_host else f"does not fit in {_bytes(args.host_memory)}"
+        verdict = "fits" if p.fits_host else f"does not fit in {format_size(args.host_memory)}"
         if p.refused:
             verdict = f"not possible: {p.refused}"
-        print(f"\ncpu_weight_dtype={p.fmt}: host memory {_bytes(p.host_bytes)} ({verdict})")
+        print(f"\ncpu_weight_dtype={p.fmt}: host memory {format_size(p.host_bytes)} ({verdict})")
         if p.speeds:
             print(f"  {'stack':<28} {'decode tok/s':>12} {f'prefill tok/s ({args.prompt})':>22}")
             for name, (decode, prefill) in p.speeds.items():
@@ -716,14 +717,6 @@ def plan(args: argparse.Namespace) -> int:
         "expert count and top-k, batch 1; `hybrid-moe simulate --trace` replays recorded routing instead."
     )
     return 0
-
-
-def _bytes(n: int) -> str:
-    """A byte count in the largest binary unit it fills, so a tiny model's memory does not print as 0.0 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def _size(text: str) -> int:

@@ -375,6 +375,14 @@ def parse_size(text: str) -> int | None:
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
 
+def format_size(n: int) -> str:
+    """`parse_size`'s inverse for printing: the largest binary unit `n` fills (a tiny model's memory is not 0.0 GiB)."""
+    for unit in ("GiB", "MiB", "KiB"):
+        if n >= _BYTE_UNITS[unit.lower()]:
+            return f"{n / _BYTE_UNITS[unit.lower()]:.2f} {unit}"
+    return f"{n} B"
+
+
 def _budget_value(budget: object) -> float | str:
     """A size string as given; any real number (numpy scalars, 0-d tensors included) as a Python float."""
     if isinstance(budget, str):
