@@ -272,6 +272,22 @@ def test_float64_experts_are_left_as_they_are(reference_models, caplog):
     _left_as_they_are(model, caplog, "its experts are torch.float64 / torch.float64")
 
 
+def test_experts_in_transformers_eager_loop_are_left_as_they_are_with_a_word(reference_models, caplog):
+    """The eager experts loop breaks Dynamo's graph, so no graph holds the experts module: they ran as they were
+    without a word. The backend names them and says what puts them in the graph."""
+    import copy
+
+    model = copy.deepcopy(reference_models["mixtral"])
+    model.set_experts_implementation("eager")
+    x = torch.randint(3, 96, (1, 5))
+    with torch.no_grad():
+        want = model(x).logits
+        got = torch.compile(model, backend="hybrid_moe")(x).logits
+    torch.testing.assert_close(got, want)
+    assert "left MixtralExperts as it is: its experts run transformers' eager per-expert loop" in caplog.text
+    assert "set_experts_implementation('grouped_mm')" in caplog.text
+
+
 def _left_as_they_are(model: torch.nn.Module, caplog: pytest.LogCaptureFixture, said: str) -> None:
     """The backend leaves the experts in the graph, saying why, and the compiled model computes what the eager one
     does."""

@@ -8,6 +8,7 @@ out and replaces, whatever the implementation, by the region's inputs and output
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from dataclasses import dataclass, field
@@ -82,6 +83,13 @@ def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: Hy
     placeholders = list(graph.find_nodes(op="placeholder"))
     # A patched model already dispatches; only stock regions are rewritten.
     stock = [r for r in find_experts_regions(graph) if not any(calls(n, DISPATCH) for n in r.nodes)]
+    for cls in _eager_experts():
+        log.warning(
+            "hybrid_moe: left %s as it is: its experts run transformers' eager per-expert loop, which Dynamo splits "
+            "into pieces no pass can rewrite; model.set_experts_implementation('grouped_mm') before torch.compile "
+            "puts them in the graph",
+            cls.__name__,
+        )
     _check_graph_holds_enough(stock, config)
     sites = StockSites(config, len(stock))
     for ordinal, region in enumerate(stock):
@@ -92,6 +100,21 @@ def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: Hy
     for prev, cur in zip(sites.sites, sites.sites[1:]):
         get_layer(prev.handle).next_handle = cur.handle
     return sites
+
+
+def _eager_experts() -> list[type]:
+    """The experts classes whose eager forward (`experts_implementation="eager"`) this graph was traced from. Dynamo
+    breaks the graph inside its loop over experts, so no graph shows the experts module and the experts would run
+    unchanged without a word. `use_experts_implementation` keeps that forward as its dispatcher's `__wrapped__`."""
+    context = torch._guards.TracingContext.try_get()
+    found = []
+    for code in getattr(context, "traced_code", None) or ():
+        module = inspect.getmodule(code)
+        for cls in vars(module).values() if module is not None else ():
+            forward = getattr(getattr(cls, "forward", None), "__wrapped__", None)
+            if isinstance(cls, type) and hasattr(cls, "_apply_gate") and getattr(forward, "__code__", None) is code:
+                found.append(cls)
+    return found
 
 
 def _check_graph_holds_enough(stock: list[ExpertsRegion], config: HybridMoEConfig) -> None:
