@@ -182,6 +182,9 @@ def test_simulate_refuses_a_malformed_trace(case, tmp_path, capsys):
             "--prompt-tokens 1000 + --max-new-tokens 64 exceed the model's 1024 positions",
         ),
         (["eval-ppl", "--max-tokens", "-5"], "--max-tokens: must be >= 1, got -5"),
+        # a minus before a unit was taken for an unknown option: "expected one argument"
+        (["plan", "--gpu-memory", "-1GiB"], "--gpu-memory: '-1GiB': a size cannot be negative"),
+        (["plan", "--host-memory", "-.5GiB"], "--host-memory: '-.5GiB': a size cannot be negative"),
         (["eval-ppl", "--max-tokens", "16"], "perplexity is measured in windows of 256 tokens"),
         (["eval-ppl", "--mode", "daop_precalc", "--precalc-from-layer", "9"], "approximates nothing in this model"),
         (["generate", "--prompt", ""], "--prompt: must not be empty"),

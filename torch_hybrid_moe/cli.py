@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -720,6 +721,8 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _size(text: str) -> int:
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative (0 for none)")
     size = parse_size(text)
     if size is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size with a unit, such as 24GiB or 512MB")
@@ -794,6 +797,12 @@ def _existing_ancestor(path: Path) -> Path:
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line that says where help is, not a usage block."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # "-1GiB" or "-.5" is a value for its option's check to refuse with a reason, not an unknown option ("expected
+        # one argument"): argparse before Python 3.13 let bare numbers only through
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
