@@ -58,9 +58,15 @@ def _stored(value: torch.Tensor, qtype: Q) -> tuple[np.ndarray, torch.Tensor]:
 
 
 def write_gguf(
-    model: torch.nn.Module, path: Path, experts: Q = Q.Q8_0, dense: Q = Q.Q8_0, parts: int = 1, rope_factor: float = 0
+    model: torch.nn.Module,
+    path: Path,
+    experts: Q | dict[str, Q] = Q.Q8_0,
+    dense: Q = Q.Q8_0,
+    parts: int = 1,
+    rope_factor: float = 0,
 ) -> dict:
-    """Write `model` as convert_hf_to_gguf.py lays it out (dense 2-D weights in `dense` where their rows are whole
+    """Write `model` as convert_hf_to_gguf.py lays it out (experts in `experts`, or per kind: {"gate": .., "up": ..,
+    "down": ..}, as llama.cpp's mixes write them; dense 2-D weights in `dense` where their rows are whole
     blocks, the rest F32); the state dict of the values the file holds, in the model's layout. `rope_factor`: a
     yarn scaling factor in the file's metadata (0: none, as for these models)."""
     cfg = model.config
@@ -74,8 +80,9 @@ def write_gguf(
             kinds = ("gate", "up") if len(halves) == 2 else ("down",)
             kept = []
             for kind, half in zip(kinds, halves):
-                raw, values = _stored(half, experts)
-                tensors.append((f"blk.{bid}.ffn_{kind}_exps.weight", raw, experts))
+                qtype = experts[kind] if isinstance(experts, dict) else experts
+                raw, values = _stored(half, qtype)
+                tensors.append((f"blk.{bid}.ffn_{kind}_exps.weight", raw, qtype))
                 kept.append(values)
             held[name] = torch.cat(kept, dim=1)
             continue
@@ -191,6 +198,24 @@ def test_k_quant_experts_go_to_the_nearest_format_through_the_dequantiser(tmp_pa
     model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.0, device="cpu")
     want = {"cpu_weight_dtype": "int4", "cpu_weight_group_size": 32}
     assert torch.equal(_logits(model), _holding(_model("qwen3_moe", width=256), held, expert_budget=0.0, **want))
+
+
+@pytest.mark.parametrize(
+    "experts,want",
+    [  # llama.cpp's mixes (Q4_K_M: gate and up at 4 bits, down at 6) store each kind in its own type
+        ({"gate": Q.Q4_0, "up": Q.Q4_0, "down": Q.Q8_0}, {"cpu_weight_dtype": "int8", "cpu_weight_group_size": 32}),
+        ({"gate": Q.Q8_0, "up": Q.Q4_0, "down": Q.F16}, {"cpu_weight_dtype": "model"}),
+    ],
+)
+def test_experts_of_mixed_types_go_to_the_widest_format_keeping_each_tensors_values(experts, want, tmp_path):
+    """The store takes the widest format any expert tensor needs (nothing is read into fewer bits than the file
+    holds); each tensor arrives there as patch_model would put the file's values, whether read as it is (Q8_0 into
+    int8) or through the dequantiser (Q4_0 into int8, anything into the model's dtype)."""
+    held = write_gguf(_model("qwen3_moe"), tmp_path / "model.gguf", experts=experts, dense=Q.F32)
+    model = thm.from_pretrained(tmp_path / "model.gguf", expert_budget=0.25, device="cpu")
+    host = _store(model).host_gate_up
+    assert getattr(host, "bits", None) == (8 if want["cpu_weight_dtype"] == "int8" else None)
+    assert torch.equal(_logits(model), _holding(_model("qwen3_moe"), held, expert_budget=0.25, **want))
 
 
 def test_each_gguf_type_goes_to_the_host_format_keeping_its_precision():
