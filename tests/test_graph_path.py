@@ -1106,6 +1106,27 @@ def test_a_live_layer_offers_its_policies_the_links_copies_where_they_are_asynch
         assert build_policies(stack, context, capture=False).timeline is None
 
 
+def test_the_stores_first_fills_still_crossing_are_on_the_layers_timeline():
+    """A store fills its slots when built, before its layer gives it a timeline: the copies still crossing then must
+    be booked, or the first step plans around an idle link and a slot that reads ready. (A CUDA store's events; here
+    stand-ins, one still crossing, one landed, on a CPU store and a clock whose time stands still.)"""
+    from torch_hybrid_moe.runtime.costs import policy_context
+    from torch_hybrid_moe.runtime.link_clock import LinkClock
+
+    store = ExpertStore(torch.randn(8, 4, 2), torch.randn(8, 2, 2), 2, torch.device("cpu"), torch.float32)
+    crossing, landed = SimpleNamespace(query=lambda: False), SimpleNamespace(query=lambda: True)
+    store._landed = [crossing, landed]  # experts 0 and 1 in slots 0 and 1
+    config = thm.HybridMoEConfig(scheduler="queue_aware", hardware="dali").for_device(torch.device("cpu"))
+    info = LayerInfo(0, 8, 2, store.expert_bytes)
+    clock = LinkClock(now=lambda: 10.0)
+    policies = build_policies(config, policy_context(config, info, 2, 2, link=clock), capture=False)
+    layer = HybridMoELayer("first-fills", 0, store, config, policies=policies)
+    timeline = layer.scheduler.timeline
+    assert store.timeline is timeline
+    assert timeline.ready_in(0) == pytest.approx(timeline.copy_s) and timeline.ready_in(1) == 0.0
+    assert timeline.link_free_in() == pytest.approx(timeline.copy_s)
+
+
 def test_a_scheduler_that_cannot_run_inside_a_graph_is_refused_before_patching():
     from torch_hybrid_moe.runtime.costs import policy_context
 

@@ -73,6 +73,14 @@ class ExpertStore(SlotMap):
                 self.timeline.copied(expert, landed.query)
         return self.expert_bytes
 
+    def follow(self, timeline: CopyTimeline | None) -> None:
+        """Tell `timeline` of every later copy, and of the first fills still crossing: queued when the store was
+        built, before its layer had a timeline, they would otherwise leave the link reading idle to the first step."""
+        self.timeline = timeline
+        for slot, landed in enumerate(self._landed):
+            if timeline is not None and landed is not None and not landed.query():
+                timeline.copied(self.slot_experts[slot], landed.query)
+
     def _fill(self, slot: int, expert: int) -> None:
         self.copy_experts(expert, self.slot_gate_up[slot : slot + 1], self.slot_down[slot : slot + 1])
 

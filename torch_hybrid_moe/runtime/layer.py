@@ -94,7 +94,7 @@ class HybridMoELayer:
             )
             context = policy_context(config, info, hidden, two_inter // 2, router, link_for(store.device))
             policies = build_policies(config, context, capture, streaming)
-        store.timeline = policies.timeline
+        store.follow(policies.timeline)
         self.scheduler, self.cache_policy, self.prefetcher = (
             policies.scheduler,
             policies.cache_policy,
