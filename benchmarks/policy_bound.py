@@ -113,7 +113,8 @@ def main() -> None:
         f"{min(r['ours_over_bound'] for r in records):.3f}-{max(r['ours_over_bound'] for r in records):.3f}, "
         f"ours / best paper {min(r['ours_over_best_paper'] for r in records):.3f}-"
         f"{max(r['ours_over_best_paper'] for r in records):.3f}; the tuner's pick on the judged trace at "
-        f"{min(r['ours_over_best_candidate'] for r in records):.3f}-1 of the best candidate it tried (median rank "
+        f"{min(r['ours_over_best_candidate'] for r in records):.3f}-"
+        f"{max(r['ours_over_best_candidate'] for r in records):.3f} of the best candidate it tried (median rank "
         f"{statistics.median(r['tuning_rank'] for r in records):g})"
     )
     for r in records:  # the bound is the best of a family, not a proof
