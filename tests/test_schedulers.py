@@ -143,6 +143,49 @@ def test_tuner_keeps_the_fastest_candidate_and_never_prefetches_without_gate_inp
     assert (oracle.scheduler, oracle.cache_policy, oracle.options) == ("oracle", "oracle_window", best.options)
 
 
+def test_tuner_ranks_by_the_worse_half_and_judges_each_half_calibrated_on_the_other(monkeypatch):
+    """Scripted speeds where the rules disagree: ranked by the mean relative speed, "static" (1.0 and 0.7 of each
+    half's fastest) would lead; by the worse half, "lfu" (0.85, 0.8) does, then "static". The two leaders go on to
+    the prefetch stage (the trace keeps gate inputs), and no half is replayed with what was learnt from itself."""
+    from types import SimpleNamespace
+
+    import torch_hybrid_moe.simulator.tuning as tuning
+
+    full = Trace.load(TRACES / "deepseek-tiny-heldout-at0.safetensors")
+    trace = full.select(full.sequence < full.sequence.unique()[2])
+    halves = decode_halves(trace)
+    speeds = {"static": (100, 70), "lfu": (85, 80), "mrs": (60, 100)}
+    prefetch = {("lfu", 1): (80, 80), ("static", 1): (50, 50)}
+
+    def half_of(part: Trace) -> int:
+        return [torch.equal(part.step, h.step) for h in halves].index(True)
+
+    def fake_simulate(part, stack, costs, batch, ratio, learnt, graph=None):
+        i = half_of(part)
+        assert learnt == ("learnt from", 1 - i)
+        options = dict(stack.options)
+        table = speeds if stack.prefetcher == "none" else {k: v for (k, _), v in prefetch.items()}
+        assert stack.prefetcher == "none" or options["size"] == 1
+        return SimpleNamespace(decode_tok_s=float(table[stack.cache_policy][i]))
+
+    monkeypatch.setattr(tuning, "simulate", fake_simulate)
+    monkeypatch.setattr(tuning.Calibration, "learn", staticmethod(lambda part, routers: ("learnt from", half_of(part))))
+    calibration = SimpleNamespace(routers={0: "a router"})
+    assert trace.gate_inputs
+    best, tried = tune(trace, COSTS, 1, 0.25, calibration, windows=(), prefetch_sizes=(1,), caches=tuple(speeds))
+    assert [(s.cache_policy, s.prefetcher) for s, _ in tried] == [
+        ("static", "none"),
+        ("lfu", "none"),
+        ("mrs", "none"),
+        ("lfu", "residual"),
+        ("static", "residual"),
+    ]
+    assert (best.cache_policy, best.prefetcher) == (
+        "lfu",
+        "none",
+    )  # with prefetch (0.8, 0.8): as bad a worse half, lower mean
+
+
 def test_tuner_also_tries_ours_placement_over_the_ranked_caches():
     trace = synthetic_trace(
         skew=1.2, locality=0.5, num_experts=16, top_k=2, num_layers=2, sequences=2, prompt_tokens=8, new_tokens=24

@@ -226,6 +226,38 @@ def test_hybrimoes_cache_changes_only_on_its_transfers():
     assert cache.victim([2, 0], keep=set()) == 0  # slot 0: expert 2 (score 0.05) leaves before expert 0 (0.45)
 
 
+def test_prefetch_accuracy_is_the_best_tie_break_of_the_top_k_against_brute_force():
+    """(hits, out of) against every top-k set the workloads allow (an expert in it has at least the count of any
+    active one outside): the hits are the most any of them shares with the prediction, never more than out of."""
+    from torch_hybrid_moe.simulator.replay import top_workload_overlap
+
+    rng = random.Random(0)
+    for _ in range(400):
+        counts = [rng.choice((0, 0, 1, 1, 2, 3)) for _ in range(rng.randint(1, 7))]
+        predicted = rng.sample(range(len(counts)), rng.randint(0, len(counts)))
+        k = rng.randint(1, 4)
+        active = [e for e, c in enumerate(counts) if c]
+        out_of = min(k, len(active))
+        tops = [
+            set(top)
+            for top in itertools.combinations(active, out_of)
+            if all(counts[e] >= counts[o] for e in top for o in active if o not in top)
+        ]
+        want = max(len(top & set(predicted)) for top in tops)
+        assert top_workload_overlap(predicted, counts, k) == (want, out_of), (predicted, counts, k)
+
+
+def test_slots_are_the_ratios_whole_experts_despite_float_rounding():
+    """0.29 * 100 is 28.999999999999996 in floats: the slots are those of the decimal ratio, floored."""
+    from fractions import Fraction
+
+    from torch_hybrid_moe.simulator.replay import slots_for
+
+    for ratio in (0.07, 0.14, 0.29, 0.57, 0.58, 0.25, 0.5, 0.999, 1.0, 0.0):
+        for experts in (8, 60, 64, 100, 128, 160):
+            assert slots_for(ratio, experts) == int(Fraction(repr(ratio)) * experts), (ratio, experts)
+
+
 def test_prefetch_accuracy_scores_a_routers_forecast_not_the_copies_it_led_to():
     """HybriMoE's impact prefetch skips experts already in a slot and copies that gain nothing; scored on its copies,
     it read as half as accurate as the same router's plain forecast. Scored on the forecast, the two agree."""
