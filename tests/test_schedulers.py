@@ -106,6 +106,17 @@ def test_ours_starts_from_the_best_cheap_rule_and_stops_where_no_single_flip_hel
                 assert timer(flipped) >= timer(gpu) * (1 - 1e-9), (counts, resident, gpu, e)
 
 
+def test_lru_admits_the_busiest_misses_when_more_miss_than_there_are_slots():
+    """Two slots, four experts missed: the two with the most tokens come in (ties by id); the least recently used
+    resident leaves first, an empty slot before any."""
+    lru = CACHE_POLICIES.create("lru", info=LayerInfo(0, 6, 2, 1))
+    assert lru.admit([1, 0, 3, 1, 5, 0], [False] * 6, [0.0] * 6) == [4, 2]
+    assert lru.admit([0, 2, 0, 0, 1, 1], [False, False, True, False, True, False], [0.0] * 6) == [1, 5]
+    assert lru.victim([4, -1], keep=set()) == 1
+    assert lru.victim([4, 2], keep=set()) == 1  # e2 last used a step before e4
+    assert lru.victim([4, 2], keep={2}) == 0 and lru.victim([4, 2], keep={2, 4}) == -1
+
+
 def test_oracle_window_ranks_by_the_workload_to_come():
     """w_size 2, u_size 1, one slot holding e0. At step 2 the window closes: the next two steps route e2 twice
     and e1 once, so e2 (not the past window's e1) comes in."""
