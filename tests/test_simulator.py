@@ -338,6 +338,18 @@ def test_expert_deferral_overlaps_the_next_block_in_closed_form(dense):
         simulate(two_layer_trace(1), Stack("bad", "all_cpu", "lru", False, "", deferred=2), costs)
 
 
+@pytest.mark.parametrize("dense", [0.5, 3.6])
+def test_without_an_accelerator_deferral_gains_nothing_in_closed_form(dense):
+    """Dense work on the CPU (`dense_on_cpu`: no GPU) shares the CPU's one timeline with the deferred expert, so
+    the next block's dense work starts after it: a token costs what it costs without deferral."""
+    costs = CostModel(HARDWARE["dali"], ExpertShape("x", 2048, 1408, dense=dense), dense_on_cpu=True)
+    d, c = costs.t_dense(1), costs.t_cpu(1)
+    plain = Stack("kt", "all_cpu", "lru", False, "all on the CPU")
+    deferring = Stack("kt-deferral", "all_cpu", "lru", False, "all on the CPU, 1 expert deferred", deferred=1)
+    for stack in (plain, deferring):
+        assert 1 / simulate(two_layer_trace(2), stack, costs).decode_tok_s == pytest.approx(2 * d + 4 * c)
+
+
 @pytest.mark.parametrize(
     ("scheduler", "cache_policy", "options"),
     [
