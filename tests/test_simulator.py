@@ -870,6 +870,7 @@ def test_the_bound_settles_where_copies_cost_more_than_reuse_saves():
         assert result.decode_tok_s >= simulate(trace, stack, costs, 2, 0.25, calibration).decode_tok_s, stack
 
 
+@pytest.mark.slow
 def test_the_bound_under_the_graph_is_at_least_the_captured_stacks():
     """Priced as the captured graph runs a decode step (one grouped GPU call), the live stacks gained on the bound,
     which was replayed uncaptured (no tensor form): every expert in a slot, ours and the default decoded 1.11x
@@ -955,6 +956,7 @@ def test_trace_generators_refuse_parameters_that_draw_nonsense(kind, kwargs, mes
             realistic_trace(**{"num_experts": 64, "top_k": 6, **kwargs})
 
 
+@pytest.mark.slow
 def test_judged_rank_places_the_pick_among_the_candidates_on_the_judged_trace():
     """The tuner's report: the pick's rank among the tried candidates on the judged trace, against a sort of their
     speeds there."""
@@ -1039,6 +1041,7 @@ def test_graph_step_runs_its_gpu_share_as_one_grouped_call():
     assert plain.decode_tok_s == pytest.approx(1 / (layers * (COSTS.t_dense(1) + top_k * COSTS.t_gpu(1))))
 
 
+@pytest.mark.slow
 def test_graph_step_caps_fills_and_starts_the_gpu_share_after_its_fetches():
     """On a real-model trace: uncaptured, LRU admits several experts in some layer steps, and a fetching scheduler's
     cached experts start before its fetches land; in the decode steps the graph runs, neither happens."""
