@@ -790,6 +790,19 @@ def test_layer_time_is_what_the_simulator_plays():
     assert r.replay_time_s == pytest.approx(COSTS.t_dense(6) + moe)
 
 
+def test_the_gpu_runs_its_experts_in_the_order_their_weights_arrive():
+    """Step 1 needs expert 3, in a slot since step 0, and expert 0, fetched now: 3 runs while 0's copy crosses,
+    and 0 runs once it has landed, whatever order the plan lists them in."""
+    events = []
+    stack = Stack("t", "on_demand", "lru", True, "")
+    simulate(tiny_trace([[2, 3, 3], [0, 3, 3, 3]]), stack, COSTS, cache_ratio=0.5, events=events)
+    (fetch,) = [e for e in events if (e.step, e.lane) == (1, "pcie")]
+    gpu = {e.expert: e for e in events if (e.step, e.lane, e.kind) == (1, "gpu", "expert")}
+    assert fetch.expert == 0 and sorted(gpu) == [0, 3]
+    assert gpu[3].start == fetch.start and gpu[3].end < fetch.end  # no wait for a copy it does not need
+    assert gpu[0].start == fetch.end
+
+
 def test_a_full_budget_runs_every_expert_from_its_slot_whatever_the_scheduler():
     """At cache ratio 1.0 the replay places as the live layer does (`place_step`): every expert from its slot, the
     CPU idle, so ours, the all-CPU scheduler and the cached placement play one time (before, ours sent cached
