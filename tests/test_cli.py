@@ -19,6 +19,18 @@ def test_generate_prints_reference_tokens_and_stats(capsys):
     assert len(table) == 1 + 3  # header + three MoE layers
 
 
+def test_generate_that_ends_at_its_first_token_prints_no_decode_rate(capsys):
+    """The prompt "2f" makes tiny:mixtral's first token an end token: no decode step ran, so no rate (it printed
+    0.0 tok/s) and no decode compile."""
+    assert main(["generate", "--model", "tiny:mixtral", "--prompt", "2f", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    ref = tiny_model("mixtral")
+    ids = _prompt_ids(None, "2f", ref.config.vocab_size)
+    assert ref.generate(ids, max_new_tokens=8, do_sample=False).shape[1] == ids.shape[1] + 1  # the premise
+    assert "decode: none (an end token came first)" in out and "warm-up: " in out
+    assert "0.0 tok/s" not in out
+
+
 def test_eval_ppl_exact_mode_costs_nothing(capsys):
     assert main(["eval-ppl", "--max-tokens", "512", "--expert-budget", "0.5"]) == 0
     line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("perplexity:")][0]

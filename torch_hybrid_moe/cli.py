@@ -179,10 +179,12 @@ def generate(args: argparse.Namespace) -> int:
     text = tokenizer.decode(new, skip_special_tokens=True) if tokenizer else " ".join(map(str, new.tolist()))
     print(f"model {args.model}  budget {config.expert_budget}  device {device}  dtype {model.dtype}")
     print(f"output: {text}")
-    print(f"warm-up with decode compile: {compile_s:.1f} s")
+    steps = len(times) - 2  # decode steps after the first token (the prompt's pushed first)
+    decode = f"{steps / max(decode_s, 1e-9):8.1f} tok/s" if steps else "none (an end token came first)"
+    print(f"warm-up{' with decode compile' if steps else ''}: {compile_s:.1f} s")
     print(
         f"prefill: {ids.shape[1] / prefill_s:8.1f} tok/s ({ids.shape[1]}-token prompt; --prompt-tokens N for "
-        f"another length)   decode: {(len(times) - 2) / max(decode_s, 1e-9):8.1f} tok/s"
+        f"another length)   decode: {decode}"
     )
     print(format_stats(thm.stats(model)))
     return 0
