@@ -256,3 +256,15 @@ def test_training_refuses_to_overwrite_the_shipped_models_unasked(argv, message,
         train.main()
     assert message in capsys.readouterr().err
     assert read == [] and corpus.SHIPPED_HELDOUT.read_bytes() == heldout
+
+
+def test_training_on_too_little_text_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """1000 characters, less than the corpus's first file: it wrote the held-out text, then failed with a traceback
+    inside transformers' tokenizer."""
+    from torch_hybrid_moe.embedded import train
+
+    monkeypatch.setattr("sys.argv", ["train", "--out", str(tmp_path / "out"), "--max-train-chars", "1000"])
+    with pytest.raises(SystemExit):
+        train.main()
+    assert "leaves too little text to train on" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -187,11 +187,21 @@ def main() -> None:
     heldout_path = SHIPPED_HELDOUT if args.replace_shipped else out_dir / "heldout.txt"
     torch.set_num_threads(max(1, torch.get_num_threads()))
     train_texts, heldout_texts = split_corpus(args.max_train_chars)
-    heldout_path.parent.mkdir(parents=True, exist_ok=True)
-    heldout_path.write_text(SEPARATOR.join(heldout_texts)[:400_000], encoding="utf-8")
+    # checked before anything is written: a corpus cut below one file, or below one training window, fails inside
+    # transformers' tokenizer or torch.randint otherwise
+    too_few = (
+        f"--max-train-chars {args.max_train_chars} leaves too little text to train on; give more (default 12000000)"
+    )
+    if not train_texts:
+        parser.error(too_few)
     tokenizer = train_tokenizer(train_texts, VOCAB)
     train_ids = encode(tokenizer, train_texts)
-    heldout_ids = encode(tokenizer, [heldout_path.read_text(encoding="utf-8")])
+    if train_ids.numel() <= SEQ + 1:
+        parser.error(too_few)
+    heldout_text = SEPARATOR.join(heldout_texts)[:400_000]
+    heldout_ids = encode(tokenizer, [heldout_text])
+    heldout_path.parent.mkdir(parents=True, exist_ok=True)
+    heldout_path.write_text(heldout_text, encoding="utf-8")
     print(
         f"corpus: {len(train_texts)} training files, {train_ids.numel()} tokens; held out {heldout_ids.numel()} tokens"
     )
