@@ -95,6 +95,20 @@ def test_decode_perplexity_equals_the_full_forwards_with_a_smaller_last_batch():
         perplexity(model, ids[:5], seq=8)
 
 
+@pytest.mark.filterwarnings("error::FutureWarning")
+def test_decode_perplexity_of_a_compiled_model_hands_the_cache_by_its_models_name():
+    """torch.compile's wrapper takes any argument: the cache's name was read off the wrapper (past_key_values, which
+    transformers 5.24 deprecates for cache and will drop, leaving every step without its context)."""
+    from torch_hybrid_moe.generation import ForwardNames
+
+    model = tiny_model("mixtral").float()
+    compiled = torch.compile(model, backend="eager")
+    names = ForwardNames(compiled)
+    assert (names.cache, names.cache_position) == (ForwardNames(model).cache, ForwardNames(model).cache_position)
+    ids = torch.randint(3, 96, (8 + 1,), generator=torch.Generator().manual_seed(0))
+    assert decode_perplexity(compiled, ids, seq=8) == pytest.approx(perplexity(model, ids, seq=8), rel=1e-4)
+
+
 def test_trace_of_routing_alone(tmp_path):
     """hidden_every=0 records no gate inputs: the same routing as a trace with them, and a calibration learnt from it
     needs no routers (so none is loaded by the model name, which need not exist)."""

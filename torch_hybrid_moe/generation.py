@@ -94,7 +94,7 @@ def greedy_generate(
     while size < need:
         size *= 2
     size = max(need, min(size, getattr(text_config, "max_position_embeddings", None) or size))
-    forward = ForwardNames(type(model))
+    forward = ForwardNames(model)
     cache = {forward.cache: StaticCache(config=text_config, max_cache_len=size)}
     step = DecodeReplay(model, functools.partial(_compiled_next_tokens, model))
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype) if eos else None
@@ -173,10 +173,12 @@ def _compiled_step() -> Callable[..., torch.Tensor]:
 
 
 class ForwardNames:
-    """What a model class's forward calls its cache argument, and whether it takes cache positions."""
+    """What a model's forward calls its cache argument, and whether it takes cache positions. A compiled model's
+    wrapper (`torch.compile`'s OptimizedModule) takes anything: its module's forward is read."""
 
-    def __init__(self, cls: type[PreTrainedModel]) -> None:
-        params = inspect.signature(cls.forward).parameters
+    def __init__(self, model: torch.nn.Module) -> None:
+        module: torch.nn.Module = getattr(model, "_orig_mod", model)
+        params = inspect.signature(type(module).forward).parameters
         self.cache = "cache" if "cache" in params else "past_key_values"
         self.cache_position = "cache_position" in params
 

@@ -37,7 +37,7 @@ def decode_perplexity(model: torch.nn.Module, ids: torch.Tensor, seq: int = SEQ,
     from ..generation import ForwardNames
 
     caches: dict[int, StaticCache] = {}  # one per batch size: the last chunk may hold fewer windows
-    names = ForwardNames(type(model))  # transformers 5.24 renamed past_key_values to cache and dropped positions
+    names = ForwardNames(model)  # transformers 5.24 renamed past_key_values to cache and dropped positions
 
     def logits(inputs: torch.Tensor) -> torch.Tensor:
         if inputs.shape[0] not in caches:
