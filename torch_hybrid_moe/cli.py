@@ -241,7 +241,8 @@ def eval_ppl(args: argparse.Namespace) -> int:
             raise InputError(f"--precalc-from-layer: {err}") from None
     # DAOP approximates decode steps only: both sides are then measured one token per step.
     measure = decode_perplexity if args.mode == "daop_precalc" else perplexity
-    ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    # the whole text at once (verbose=False: no "longer than the maximum" warning; the model sees windows of SEQ)
+    ids = tokenizer(heldout_text(), add_special_tokens=False, return_tensors="pt", verbose=False).input_ids[0]
     tokens = min(args.max_tokens, ids.numel() - 1) // SEQ * SEQ  # whole windows: what is measured is what is shown
     if not tokens:
         raise InputError(f"--max-tokens {args.max_tokens}: perplexity is measured in windows of {SEQ} tokens")
