@@ -798,6 +798,9 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
+_GROUP_HELP = "scale group of int8 / int4 weights, in columns; a weight with fewer columns gets one scale a row"
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line that says where help is, not a usage block."""
 
@@ -839,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pp.add_argument(
         "--cpu-weight-group-size",
         type=bounded(int, 32),
-        help=f"scale group of int8 / int4 weights, in columns (default {DEFAULT_GROUP_SIZE})",
+        help=f"{_GROUP_HELP} (default {DEFAULT_GROUP_SIZE})",
     )
     pp.add_argument("--out", type=Path, required=True, help="a new (or empty) directory")
     for p in (g, e):
@@ -873,7 +876,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(
             "--cpu-weight-group-size",
             type=bounded(int, 32),
-            help=f"scale group of int8 / int4 weights, in columns (default {DEFAULT_GROUP_SIZE})",
+            help=f"{_GROUP_HELP} (default {DEFAULT_GROUP_SIZE})",
         )
         p.add_argument(
             "--dense-weight-dtype",
@@ -920,7 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--cpu-weight-group-size",
         type=bounded(int, 32),
         default=DEFAULT_GROUP_SIZE,
-        help="the int8 / int4 rows' scale group, in columns (default %(default)s)",
+        help=f"{_GROUP_HELP} (default %(default)s)",
     )
     pl.add_argument(
         "--hardware",
