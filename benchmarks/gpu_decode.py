@@ -208,7 +208,7 @@ def generate_s(model: torch.nn.Module, ids: torch.Tensor, tokens: int, cache: St
         min_new_tokens=tokens,
         do_sample=False,
         cache_implementation=None,
-        **{ForwardNames(type(model)).cache: cache},  # transformers 5.24 renamed past_key_values to cache
+        **{ForwardNames(model).cache: cache},  # transformers 5.24 renamed past_key_values to cache
     )
     torch.cuda.synchronize()
     return time.perf_counter() - start

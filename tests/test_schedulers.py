@@ -82,7 +82,8 @@ def test_oracle_placement_is_the_exhaustive_minimum_and_ours_never_loses_to_its_
 @pytest.mark.parametrize("seed", range(3))
 def test_ours_starts_from_the_best_cheap_rule_and_stops_where_no_single_flip_helps(seed):
     """Ours' start is the fastest of cached-on-GPU, DALI's greedy and HybriMoE's placements, timed as the step
-    plays; its answer is a local optimum: no allowed single flip (within the step's fetch room) is faster."""
+    plays; its answer is a local optimum: no allowed single flip (within the step's fetch room) is faster (the
+    search stops after one flip per active expert; these cases all end before that)."""
     from torch_hybrid_moe.policies.schedulers import StepTimer
 
     rng = random.Random(100 + seed)
@@ -104,6 +105,31 @@ def test_ours_starts_from_the_best_cheap_rule_and_stops_where_no_single_flip_hel
             flipped = gpu ^ {e}
             if sum(not resident[x] for x in flipped) <= room:
                 assert timer(flipped) >= timer(gpu) * (1 - 1e-9), (counts, resident, gpu, e)
+
+
+@pytest.mark.slow
+def test_the_oracle_past_its_exhaustive_size_searches_from_the_makespan_optimum_too():
+    """Beyond `exhaustive_up_to` active experts the oracle searches from the best of ours' starts and the exact
+    makespan optimum (`optimal`): its step, timed as the simulator plays it, is no slower than either start, and
+    on some steps it ends elsewhere than ours (the extra start taken), or that branch would be ours renamed."""
+    from torch_hybrid_moe.policies.schedulers import StepTimer
+
+    rng = random.Random(7)
+    elsewhere = 0
+    for _ in range(100):
+        counts, resident, info = random_case(rng, num_experts=16, slots=6)
+        timeline = FakeTimeline(rng, 16)
+        timer = StepTimer(counts, resident, COSTS, timeline)
+        oracle, ours, optimal = (
+            SCHEDULERS.create(name, info=info, costs=COSTS, timeline=timeline, **options).place(counts, resident)
+            for name, options in (("oracle", {"exhaustive_up_to": 2}), ("queue_aware", {}), ("optimal", {}))
+        )
+        ours_start = SCHEDULERS.create("queue_aware", info=info, costs=COSTS, timeline=timeline).start(
+            counts, resident, timer
+        )
+        assert timer(oracle.accelerator) <= min(timer(optimal.accelerator), timer(ours_start)) * (1 + 1e-12)
+        elsewhere += set(oracle.accelerator) != set(ours.accelerator)
+    assert elsewhere
 
 
 def test_lru_admits_the_busiest_misses_when_more_miss_than_there_are_slots():

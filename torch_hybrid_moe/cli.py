@@ -725,7 +725,7 @@ def plan(args: argparse.Namespace) -> int:
 
 def _size(text: str) -> int:
     if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative (0 for none)")
+        raise argparse.ArgumentTypeError(f"{text!r}: a size cannot be negative")
     size = parse_size(text)
     if size is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size with a unit, such as 24GiB or 512MB")
@@ -807,7 +807,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # "-1GiB" or "-.5" is a value for its option's check to refuse with a reason, not an unknown option ("expected
-        # one argument"): argparse before Python 3.13 let bare numbers only through
+        # one argument"): argparse before Python 3.14 (whose own matcher this is) let bare numbers only through
         self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:

@@ -105,14 +105,18 @@ def rewrite_experts_regions(gm: fx.GraphModule, example_inputs: list, config: Hy
 def _eager_experts() -> list[type]:
     """The experts classes whose eager forward (`experts_implementation="eager"`) this graph was traced from. Dynamo
     breaks the graph inside its loop over experts, so no graph shows the experts module and the experts would run
-    unchanged without a word. `use_experts_implementation` keeps that forward as its dispatcher's `__wrapped__`."""
+    unchanged without a word. `use_experts_implementation` keeps that forward as its dispatcher's `__wrapped__`.
+    (With Dynamo's nested_graph_breaks the broken forward is no frame's root and is not named here.)"""
     context = torch._guards.TracingContext.try_get()
+    codes = dict.fromkeys(getattr(context, "traced_code", None) or ())  # inlined once per call: each code once
     found = []
-    for code in getattr(context, "traced_code", None) or ():
+    for code in (c for c in codes if c.co_name == "forward"):
         module = inspect.getmodule(code)
         for cls in vars(module).values() if module is not None else ():
-            forward = getattr(getattr(cls, "forward", None), "__wrapped__", None)
-            if isinstance(cls, type) and hasattr(cls, "_apply_gate") and getattr(forward, "__code__", None) is code:
+            if not (isinstance(cls, type) and hasattr(cls, "_apply_gate")):
+                continue
+            wrapped = getattr(vars(cls).get("forward"), "__wrapped__", None)
+            if getattr(wrapped, "__code__", None) is code:
                 found.append(cls)
     return found
 

@@ -189,8 +189,9 @@ def main() -> None:
     train_texts, heldout_texts = split_corpus(args.max_train_chars)
     # checked before anything is written: a corpus cut below one file, or below one training window, fails inside
     # transformers' tokenizer or torch.randint otherwise
+    default = parser.get_default("max_train_chars")
     too_few = (
-        f"--max-train-chars {args.max_train_chars} leaves too little text to train on; give more (default 12000000)"
+        f"--max-train-chars {args.max_train_chars} leaves too little text to train on; give more (default {default})"
     )
     if not train_texts:
         parser.error(too_few)
