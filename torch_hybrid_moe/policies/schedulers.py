@@ -335,8 +335,8 @@ class OraclePlacement(QueueAware):
     """The least `layer_time` found for the step (what the simulator plays, link backlog included): exhaustive
     over every assignment up to `exhaustive_up_to` active experts; beyond, local search from the best of
     queue_aware's starts and the exact makespan optimum (a faster start can lead to a slower local optimum than
-    ours reaches: searching from every start was measured and dropped, slower in the replay's later steps and 2.5x
-    the time, benchmarks/RESULTS.md 2026-12-01). The placement half of the oracle stack."""
+    ours reaches: searching from every start was measured and dropped, slower in the replay's later steps and 2.6x
+    the time at batch 16, benchmarks/RESULTS.md 2026-12-01). The placement half of the oracle stack."""
 
     def __init__(
         self,
