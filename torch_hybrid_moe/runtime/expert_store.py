@@ -77,8 +77,10 @@ class ExpertStore(SlotMap):
         """Tell `timeline` of every later copy, and of the first fills still crossing: queued when the store was
         built, before its layer had a timeline, they would otherwise leave the link reading idle to the first step."""
         self.timeline = timeline
+        if timeline is None:
+            return
         for slot, landed in enumerate(self._landed):
-            if timeline is not None and landed is not None and not landed.query():
+            if landed is not None and not landed.query():
                 timeline.copied(self.slot_experts[slot], landed.query)
 
     def _fill(self, slot: int, expert: int) -> None:
