@@ -1,17 +1,17 @@
 """Our stack, tuned per hardware profile by simulation, and the oracle that knows what ours must guess.
 
 Ours is queue-aware placement over DALI's window cache (or MRS, LFU, LRU, DAOP's, ours' cost-aware one or pinned
-experts), with or without residual-based prefetch; which cache, window (w_size, u_size) and whether to prefetch
-depends on the hardware, the batch and the slot budget, so `tune` replays a calibration trace through every
-candidate. Candidates often differ by less than a percent, and the fastest on one trace need not be on the next: each
-is replayed on the trace's first and second half of decode steps separately, with what the policies learn
-(residuals, popularity, past requests) calibrated on the other half, so that a prefetcher is never judged on the data
-it was fitted to; and it is ranked by its worse half (maximin of its speed relative to the fastest candidate of that
-half), which prefers settings that win consistently over ones that won once (a rule preferring the most
-conservative of the candidates within the halves' disagreement was measured and dropped: benchmarks/RESULTS.md,
-2026-11-30 evening). The oracle replaces ours' guesses by the truth (the window's past workload by the workload to
-come, the residual prediction by the next layer's real routing, local search by the best placement found), and is
-the fastest of those variants and Belady's slots.
+experts), with or without residual-based prefetch; which cache, window (w_size, u_size) and whether to prefetch depends
+on the hardware, the batch and the slot budget, so `tune` replays a calibration trace through every candidate.
+Candidates often differ by less than a percent, and the fastest on one trace need not be on the next: each is replayed
+on several folds of it (`folds`: halves of its decode steps and of its sequences), each with what the policies learn
+(residuals, popularity, past requests) calibrated on the other half, so that no policy is judged on the data it
+was fitted to; and it is ranked by its worst fold (maximin of its speed relative to the fastest candidate of that fold),
+which prefers settings that win consistently over ones that won once (a rule preferring the most conservative of the
+candidates within the folds' disagreement was measured and dropped: benchmarks/RESULTS.md, 2026-11-30 evening). The
+oracle replaces ours' guesses by the truth (the window's past workload by the workload to come, the residual prediction
+by the next layer's real routing, local search by the best placement found), and is the fastest of those variants and
+Belady's slots.
 """
 
 from __future__ import annotations
@@ -98,6 +98,32 @@ def decode_halves(trace: Trace) -> tuple[Trace, Trace]:
     return trace.select(prefill | (trace.step < mid)), trace.select(prefill | (trace.step >= mid))
 
 
+def sequence_halves(trace: Trace) -> tuple[Trace, Trace] | None:
+    """The trace's first and second half of sequences (each with its own prefill), or None with fewer than two."""
+    sequences = trace.sequence.unique()
+    if len(sequences) < 2:
+        return None
+    first = trace.sequence < sequences[len(sequences) // 2]
+    return trace.select(first), trace.select(~first)
+
+
+def folds(trace: Trace, batch: int) -> list[tuple[Trace, Trace, int]]:
+    """(part replayed, part its policies learn from, batch) for each of the tuner's folds: the first and second half
+    of decode steps, each learning from the other, and where the trace holds two sequences or more, the first and
+    second half of its sequences likewise, at a batch no larger than a half holds. Time halves alone let a policy
+    learn what the very sequences it is judged on do (pinning their popular experts) while the trace it is then
+    judged on has other prompts: on mixtral-tiny / dali / 0.5 at batch 16 they picked the static cache, 24th of 33
+    there (benchmarks/RESULTS.md, 2026-12-01)."""
+    first, second = decode_halves(trace)
+    parts = [(first, second, batch), (second, first, batch)]
+    by_sequence = sequence_halves(trace)
+    if by_sequence is not None:
+        a, b = by_sequence
+        fold_batch = min(batch, len(a.sequence.unique()), len(b.sequence.unique()))
+        parts += [(a, b, fold_batch), (b, a, fold_batch)]
+    return parts
+
+
 def tune(
     trace: Trace,
     costs: CostModel,
@@ -112,17 +138,14 @@ def tune(
     """Our most consistently fast decode on `trace`, which should not be the trace the result is then judged
     on: every window and other cache without prefetch, then the best `FINALISTS` with each prefetch size (only
     where the trace kept gate inputs); decode steps replayed as `graph` runs them where given. Returns the winner
-    and every (candidate, results on each half)."""
+    and every (candidate, results on each fold of `folds`)."""
     gate_inputs = bool(calibration.routers) and trace.gate_inputs
-    halves = decode_halves(trace)
-    folds = [(half, Calibration.learn(other, calibration.routers)) for half, other in zip(halves, reversed(halves))]
+    learnt = [(part, Calibration.learn(source, calibration.routers), b) for part, source, b in folds(trace, batch)]
     tried: list[tuple[Stack, list[SimResult]]] = []
 
     def run(stacks: list[Stack], stage: str) -> None:
         for s in tqdm(stacks, desc=f"tuning {stage} (batch {batch}, cache {cache_ratio:g})", unit="stack", leave=False):
-            tried.append(
-                (s, [simulate(half, s, costs, batch, cache_ratio, learnt, graph=graph) for half, learnt in folds])
-            )
+            tried.append((s, [simulate(part, s, costs, b, cache_ratio, cal, graph=graph) for part, cal, b in learnt]))
 
     def ranked() -> list[tuple[Stack, list[SimResult]]]:  # stable: an exact tie goes to the candidate listed first
         return sorted(tried, key=lambda entry: consistency(entry[1], [r for _, r in tried]), reverse=True)
@@ -148,7 +171,7 @@ def judged_rank(
 ) -> tuple[int, int, float, float]:
     """How the tuned pick does on the trace it is judged on, among every candidate `tune` tried: (its rank, 1 the
     fastest; the candidates; its decode tok/s; that over the fastest's), replayed as `tune` replayed them (`graph`).
-    Candidates within a percent of each other on the calibration halves often swap places here: this says what that
+    Candidates within a percent of each other on the calibration folds often swap places here: this says what that
     costs."""
     speeds = [simulate(trace, s, costs, batch, cache_ratio, calibration, graph=graph).decode_tok_s for s, _ in tried]
     mine = speeds[[s for s, _ in tried].index(picked)]
@@ -156,7 +179,7 @@ def judged_rank(
 
 
 def consistency(results: list[SimResult], everyone: list[list[SimResult]]) -> tuple[float, float]:
-    """(worst, mean) over the halves of decode speed relative to the fastest of `everyone` on that half."""
+    """(worst, mean) over the folds of decode speed relative to the fastest of `everyone` on that fold."""
     ratios = [r.decode_tok_s / max(other[i].decode_tok_s for other in everyone) for i, r in enumerate(results)]
     return min(ratios), sum(ratios) / len(ratios)
 
