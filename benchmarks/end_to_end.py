@@ -261,14 +261,21 @@ def gguf_file(path: Path, kind: str, llama: Path) -> Path:
             capture_output=True,
         )
         return partial.rename(target)
-    # The embedded tokenizer's pre-tokenizer is unknown to the converter: treat it as GPT-2's (byte-level BPE).
+    # The embedded tokenizer's pre-tokenizer is unknown to the converter: treat it as GPT-2's (byte-level BPE). Its
+    # Llama-family models (Mixtral) try a SentencePiece tokenizer.model first and fall back on FileNotFoundError, but
+    # import sentencepiece before looking for the file: without the package that is an ImportError, not the fallback.
     code = (
         "import sys, runpy; sys.path.insert(0, sys.argv[1] + '/gguf-py'); sys.path.insert(0, sys.argv[1]);"
         "import conversion.base as b; orig = b.TextModel.get_vocab_base_pre\n"
         "def pre(self, tok):\n"
         "    try: return orig(self, tok)\n"
         "    except NotImplementedError: return 'gpt-2'\n"
-        "b.TextModel.get_vocab_base_pre = pre; sys.argv = sys.argv[1:2] + sys.argv[2:];"
+        "sp = b.TextModel._create_vocab_sentencepiece\n"
+        "def spm(self):\n"
+        "    if not (self.dir_model / 'tokenizer.model').is_file(): raise FileNotFoundError('no tokenizer.model')\n"
+        "    return sp(self)\n"
+        "b.TextModel.get_vocab_base_pre = pre; b.TextModel._create_vocab_sentencepiece = spm;"
+        "sys.argv = sys.argv[1:2] + sys.argv[2:];"
         "runpy.run_path(sys.argv[0] + '/convert_hf_to_gguf.py', run_name='__main__')"
     )
     subprocess.run(
@@ -277,6 +284,22 @@ def gguf_file(path: Path, kind: str, llama: Path) -> Path:
         capture_output=True,
     )
     return partial.rename(target)
+
+
+def converted(rows: list[str], path: Path, llama: Path | None) -> list[str]:
+    """`rows` less the llama.cpp rows whose GGUF file this llama.cpp fails to make (each said in one line): the
+    other rows still run."""
+    kept = []
+    for row in rows:
+        try:
+            if row.startswith("llama-"):
+                assert llama is not None  # main() drops llama.cpp rows without a source tree
+                gguf_file(path, row.removeprefix("llama-"), llama)
+            kept.append(row)
+        except subprocess.CalledProcessError as err:
+            said = (err.stderr or b"").decode(errors="replace").strip().splitlines()
+            print(f"{row} skipped: its GGUF conversion failed: {said[-1] if said else f'exit {err.returncode}'}")
+    return kept
 
 
 def own_kib(field: str) -> int:
@@ -350,9 +373,9 @@ def main() -> None:
             parser.error(f"no row left to run: llama.cpp's need what is missing: {why}")
         print(f"llama.cpp rows skipped: {why}")
     path = checkpoint(args.shape, args.layers, args.cache)
-    for row in rows:  # convert before timing anything: a converter's memory is no row's
-        if row.startswith("llama-"):
-            gguf_file(path, row.removeprefix("llama-"), args.llama_cpp)
+    rows = converted(rows, path, args.llama_cpp)  # before timing anything: a converter's memory is no row's
+    if not rows:
+        parser.error("no row left to run")
     records: dict[str, list[dict]] = {r: [] for r in rows}
     for _ in range(args.repeats):  # interleaved: each round measures every row once
         for row in rows:

@@ -80,6 +80,26 @@ def test_benchmarks_refuse_nonsense_counts_in_one_line(argv, message, monkeypatc
     assert message in said.err and "Traceback" not in said.err, said.err
 
 
+def test_a_failed_gguf_conversion_skips_its_row_and_says_why(monkeypatch, capsys, tmp_path):
+    """llama.cpp's converter failing on one weight type drops that row, in one line with the converter's last
+    words, and the others still run (a traceback ended the whole benchmark before)."""
+    import subprocess
+
+    script = _script("end_to_end")
+    made = []
+
+    def fake_gguf(path, kind, llama):
+        if kind == "q4_0":
+            raise subprocess.CalledProcessError(1, ["quantize"], stderr=b"loading\nllama_model_quantize: failed\n")
+        made.append(kind)
+        return path / f"model-{kind}.gguf"
+
+    monkeypatch.setattr(script, "gguf_file", fake_gguf)
+    rows = script.converted(["ours", "llama-q4_0", "llama-q8_0", "eager"], tmp_path, tmp_path)
+    assert rows == ["ours", "llama-q8_0", "eager"] and made == ["q8_0"]
+    assert capsys.readouterr().out == "llama-q4_0 skipped: its GGUF conversion failed: llama_model_quantize: failed\n"
+
+
 def test_token_agreement_counts_the_common_prefix():
     """After the first difference two greedy runs continue different contexts: later matches are chance."""
     prefix = _script("end_to_end").common_prefix
