@@ -493,6 +493,6 @@ def test_quantising_in_row_chunks_changes_nothing(bits, monkeypatch):
 
     w = torch.randn(2, 7, 64)
     whole = quantize(w, bits, 32)
-    monkeypatch.setattr(quantize_module, "QUANTIZE_ROWS", 3)
+    monkeypatch.setattr(quantize_module, "QUANTIZE_ELEMENTS", 3 * 64)  # 3 rows a block
     chunked = quantize(w, bits, 32)
     assert torch.equal(whole.data, chunked.data) and torch.equal(whole.scale, chunked.scale)

@@ -68,11 +68,21 @@ def _qwen3(hidden: int, experts: int, inter: int, layers: int) -> torch.nn.Modul
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bfloat16"])
-def test_streamed_host_formats_equal_patching_the_loaded_model(fmt, tmp_path):
-    _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)
+def test_streamed_host_formats_equal_patching_the_loaded_model(fmt, fused, tmp_path, monkeypatch):
+    """Experts converted as read, a block of rows at a time (blocks of 24 rows here: they end inside a gate or up
+    projection and at its last row), from per-expert tensors or the model's fused ones."""
+    model = _qwen3(64, 8, 64, 2)
+    if fused:
+        model.config.save_pretrained(tmp_path)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
+    else:
+        model.save_pretrained(tmp_path)
     config = {"expert_budget": 0.0, "cpu_weight_dtype": fmt, "cpu_weight_group_size": 32}
-    assert torch.equal(_logits(thm.from_pretrained(tmp_path, device="cpu", **config)), _reference(tmp_path, **config))
+    want = _reference(tmp_path, **config)
+    monkeypatch.setattr("torch_hybrid_moe.ops.quantize.QUANTIZE_ELEMENTS", 24 * 64)
+    assert torch.equal(_logits(thm.from_pretrained(tmp_path, device="cpu", **config)), want)
 
 
 @pytest.mark.slow
@@ -368,13 +378,12 @@ def test_embedded_model_with_tied_embeddings():
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["model", "int8"])
 def test_dense_weights_quantised_on_load_equal_patching_the_loaded_model(fmt, tmp_path):
-    """dense_weight_dtype: linears read and quantised a block of rows at a time (QUANTIZE_ROWS shrunk so an LM head
-    spans several blocks), and the embedding left mapped in the file, give the logits of load + patch."""
+    """dense_weight_dtype: linears read and quantised a block of rows at a time (QUANTIZE_ELEMENTS shrunk so an LM
+    head spans several blocks), and the embedding left mapped in the file, give the logits of load + patch."""
     _qwen3(64, 8, 64, 2).save_pretrained(tmp_path)
     config = {"expert_budget": 0.0, "cpu_weight_dtype": "int8", "dense_weight_dtype": fmt, "cpu_weight_group_size": 32}
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("torch_hybrid_moe.ops.quantize.QUANTIZE_ROWS", 48)
-        m.setattr("torch_hybrid_moe.loading.QUANTIZE_ROWS", 48)
+        m.setattr("torch_hybrid_moe.ops.quantize.QUANTIZE_ELEMENTS", 48 * 64)
         model = thm.from_pretrained(tmp_path, device="cpu", **config)
     assert model.model.embed_tokens.weight.untyped_storage().nbytes() > model.model.embed_tokens.weight.nbytes
     assert torch.equal(_logits(model), _reference(tmp_path, **config))

@@ -34,7 +34,7 @@ from .errors import InputError
 from .model_patches import ARCHITECTURES
 from .model_patches.base import check_structure, dense_linears, patch_with_spec
 from .ops.host_memory import advise_huge_pages, fill_in_parallel
-from .ops.quantize import QUANTIZE_ROWS, QuantizedWeight, empty_cpu_format, set_expert
+from .ops.quantize import QuantizedWeight, block_rows, empty_cpu_format, set_expert
 from .prepared import MARKER, check_request, config_for, expert_keys, read_marker, write_store
 from .runtime.expert_store import HostWeight
 
@@ -365,7 +365,9 @@ class Checkpoint:
         into the module's own uninitialised tensors, which the store then keeps; stored in the host format (a bf16
         checkpoint or prepared store read as bf16) straight into the store's. Those reads run on FILL_THREADS threads at
         once (most of their time is the kernel faulting in the fresh memory they land in: zeroing, huge-page
-        compaction, on the reading thread's core). Otherwise through one reused buffer, converted as read."""
+        compaction, on the reading thread's core). Otherwise a block of rows at a time through one reused buffer,
+        converted as read: a Mixtral expert's whole gate / up in bf16 and its fp32 temporaries held 0.3 GB above the
+        store's footprint while it loaded (benchmarks/RESULTS.md, 2026-12-01)."""
         if self.quantised_store:
             return self._read_prepared(experts, layout, fmt, group_size)
         out = []
@@ -388,10 +390,14 @@ class Checkpoint:
                 fill_in_parallel(lambda e, dst=dst, read=read: read(e, dst[e]), param.shape[0])
                 out.append(dst)
                 continue
-            buffer = torch.empty(param.shape[1:], dtype=param.dtype)
-            for e in range(param.shape[0]):
-                read(e, buffer)
-                set_expert(dst, e, buffer)
+            rows, cols = param.shape[1:]
+            for e in range(param.shape[0]):  # each source tensor of the expert: (key, shard, index, first row)
+                if layout.fused:
+                    pieces = [(*sources[0], e, 0)]
+                else:
+                    part = rows // per_expert
+                    pieces = [(*s, None, p * part) for p, s in enumerate(sources[e * per_expert :][:per_expert])]
+                _read_in_blocks(dst, e, pieces, rows, cols, param.dtype)
             out.append(dst)
         return out[0], out[1]
 
@@ -426,16 +432,12 @@ class Checkpoint:
         return out[0], out[1]
 
     def read_quantized(self, name: str, dtype: torch.dtype, fmt: str, group_size: int) -> QuantizedWeight:
-        """2-D weight `name` in int8 / int4 `fmt`, as quantising it in `dtype` gives, read QUANTIZE_ROWS at a time."""
+        """2-D weight `name` in int8 / int4 `fmt`, as quantising it in `dtype` gives, read `block_rows` at a time."""
         key, shard = self.source[name]
         rows, cols = shard.shape(key)
         dst = empty_cpu_format((1, rows, cols), dtype, fmt, group_size)
         assert isinstance(dst, QuantizedWeight)  # fmt is int8 or int4 (a dense_weight_dtype other than "model")
-        buffer = torch.empty((min(rows, QUANTIZE_ROWS), cols), dtype=dtype)
-        for start in range(0, rows, QUANTIZE_ROWS):
-            block = buffer[: min(rows, start + QUANTIZE_ROWS) - start]
-            shard.read(key, block, rows=(start, start + block.shape[0]))
-            set_expert(dst, 0, block, row=start)
+        _read_in_blocks(dst, 0, [(key, shard, None, 0)], rows, cols, dtype)
         return dst
 
     def load_dense(self, model: torch.nn.Module, skip: set[str]) -> None:
@@ -490,6 +492,24 @@ def _untie(model: torch.nn.Module, name: str, values: torch.Tensor, tied_to: str
         "untied (as transformers does); set tie_word_embeddings=False in config.json to silence this",
         stacklevel=4,
     )
+
+
+Piece = tuple[str, "Shard", int | None, int]  # (key, shard, index along its first dimension or None, first row)
+
+
+def _read_in_blocks(
+    dst: HostWeight, expert: int, pieces: list[Piece], rows: int, cols: int, dtype: torch.dtype
+) -> None:
+    """Rows [0, rows) of expert `expert` of `dst` from `pieces` (each holding the expert's rows from its first row up
+    to the next piece's), read and converted `block_rows(cols)` rows at a time through one buffer in `dtype`."""
+    step = block_rows(cols)
+    buffer = torch.empty((min(rows, step), cols), dtype=dtype)
+    ends = [first for _, _, _, first in pieces[1:]] + [rows]
+    for (key, shard, index, first), end in zip(pieces, ends):
+        for start in range(first, end, step):
+            block = buffer[: min(end, start + step) - start]
+            shard.read(key, block, index=index, rows=(start - first, start - first + block.shape[0]))
+            set_expert(dst, expert, block, row=start)
 
 
 class Shard:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernel
 from .measured import count, flag, measured
-from .quantize import BITS, QUANTIZE_ROWS, QuantizedWeight, dequantize, quantize, quantize_activations
+from .quantize import BITS, QuantizedWeight, block_rows, dequantize, quantize, quantize_activations
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 # Where an int8 / int4 linear's micro-kernels and dequantising route are compared. 128 and 512 are there because the
@@ -76,13 +76,14 @@ def dequantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor |
     at once (an LM head's fp32 copy would be 4 bytes per weight, held beside the model during every prefill call).
     Where the kernel is built, C++ rounds the activations and dequantises the weight a panel of rows at a time (in
     torch ops, dequantising a 4,096 x 2,048 int4 weight took two thirds of the GEMM's own time: benchmarks/RESULTS.md,
-    2026-11-27 night); else torch does, QUANTIZE_ROWS output features at a time."""
+    2026-11-27 night); else torch does, `block_rows` output features at a time."""
     if cpu_kernel.best_isa() >= 0:
         return cpu_kernel.dense_gemm(x, q.data, q.scale, bias)
     xq = quantize_activations(x)
     out = xq.new_empty((*x.shape[:-1], q.data.shape[0]))
-    for start in range(0, out.shape[-1], QUANTIZE_ROWS):
-        rows = slice(start, start + QUANTIZE_ROWS)
+    step = block_rows(x.shape[-1])
+    for start in range(0, out.shape[-1], step):
+        rows = slice(start, start + step)
         out[..., rows] = F.linear(
             xq,
             dequantize(q.data[rows], q.scale[rows], q.bits, q.group_size),

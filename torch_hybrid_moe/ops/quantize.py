@@ -16,7 +16,12 @@ import torch
 from . import host_memory
 
 BITS = {"int8": 8, "int4": 4}
-QUANTIZE_ROWS = 2048  # rows quantised at a time: fp32 temporaries of 2048 x K, not of a whole LM head
+QUANTIZE_ELEMENTS = 1 << 22  # weights converted at a time: 16 MiB of fp32 temporaries, not an LM head's or expert's
+
+
+def block_rows(columns: int) -> int:
+    """Rows of a `columns`-wide weight quantised, dequantised or read at a time (QUANTIZE_ELEMENTS weights)."""
+    return max(1, QUANTIZE_ELEMENTS // columns)
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,10 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedWeigh
         (num_experts, rows, cols if bits == 8 else cols // 2), torch.int8 if bits == 8 else torch.uint8
     )
     scale = host_memory.empty((num_experts, rows, cols // group), torch.float32)
+    step = block_rows(cols)  # a dense weight (an LM head) is one expert: bound the fp32 temporaries
     for e in range(num_experts):
-        for r0 in range(0, rows, QUANTIZE_ROWS):  # a dense weight (an LM head) is one expert: bound the fp32 temps
-            r1 = min(rows, r0 + QUANTIZE_ROWS)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
             w = weight[e, r0:r1].detach().to("cpu", torch.float32).reshape(r1 - r0, cols // group, group)
             s = w.abs().amax(dim=-1) / qmax
             s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero group: any scale reproduces it
