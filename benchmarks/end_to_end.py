@@ -375,7 +375,7 @@ def main() -> None:
     path = checkpoint(args.shape, args.layers, args.cache)
     rows = converted(rows, path, args.llama_cpp)  # before timing anything: a converter's memory is no row's
     if not rows:
-        parser.error("no row left to run")
+        parser.error("no row left to run: each GGUF conversion failed (said above); add a row of ours or eager")
     records: dict[str, list[dict]] = {r: [] for r in rows}
     for _ in range(args.repeats):  # interleaved: each round measures every row once
         for row in rows:
