@@ -131,6 +131,31 @@ def test_a_forward_with_grad_enabled_runs_without_autograd_and_says_so(reference
     assert sum(s.tokens for s in thm.stats(model).values())  # the hybrid layers ran
 
 
+def test_a_no_grad_region_inside_the_forward_does_not_turn_autograd_back_on(reference_models):
+    """A `torch.no_grad()` block in a forward called with grad enabled is traced as two grad-mode switches, the
+    second turning autograd back on for the layers after it (torch 2.11's Dynamo does so for transformers' rotary
+    embedding): compiling then failed at the first hybrid_moe op. The graph runs without autograd, as above."""
+
+    class WithNoGradBlock(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                ids = ids + 0
+            return self.model(ids).logits
+
+    ref = reference_models["qwen3_moe"]
+    compiled = torch.compile(WithNoGradBlock(patched_copy(ref, expert_budget=0.25)), backend="hybrid_moe")
+    x = torch.randint(3, 96, (2, 5))
+    with pytest.warns(UserWarning, match="inference-only, so this graph runs without autograd"):
+        got = compiled(x)
+    with torch.no_grad():
+        want = ref(x).logits
+    assert not got.requires_grad and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_backend_refuses_dense_weight_dtype_it_cannot_apply(reference_models):
     """Quantised dense layers are made when patching; passed to the backend, the option was accepted and the model ran
     exact under a lossy label. It is refused, and the model left as it was."""

@@ -82,6 +82,7 @@ def hybrid_moe_backend(
             "no gradient); call the model under torch.no_grad() or torch.inference_mode() to say so",
             stacklevel=2,
         )
+        _drop_grad_mode_switches(gm)
     with torch.no_grad() if inference else contextlib.nullcontext():
         compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     run = cast(Callable[..., Any], compiled)  # not AOT: the compiled callable
@@ -94,6 +95,16 @@ def _calls_our_ops(gm: fx.GraphModule) -> bool:
         node.op == "call_function" and getattr(node.target, "namespace", None) == "hybrid_moe"
         for node in gm.graph.nodes
     )
+
+
+def _drop_grad_mode_switches(gm: fx.GraphModule) -> None:
+    """Remove the graph's own grad-mode switches: torch 2.11's Dynamo keeps a `torch.no_grad()` region of the model
+    (transformers' rotary embedding) as `_set_grad_enabled(False)` ... `_set_grad_enabled(True)`, and the second
+    turned autograd back on for the layers after it, inside a graph that is to run without autograd."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _without_grad(compiled: Callable[..., Any]) -> Callable[..., Any]:
