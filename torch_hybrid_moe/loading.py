@@ -22,6 +22,7 @@ import json
 import re
 import warnings
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -373,31 +374,27 @@ class Checkpoint:
         out = []
         for proj, sources in layout.sources.items():
             param = getattr(experts, proj).data
+            rows, cols = param.shape[1:]
             per_expert = len(sources) // param.shape[0]  # unfused: 2 for gate_up (gate, up), 1 for down
 
-            def read(e: int, into: torch.Tensor, sources: list = sources, per_expert: int = per_expert) -> None:
+            def pieces(e: int, sources: list = sources, per_expert: int = per_expert, rows: int = rows) -> list[Piece]:
                 if layout.fused:
-                    key, shard = sources[0]
-                    shard.read(key, into, index=e)
-                    return
-                rows = into.shape[0] // per_expert
-                for part, (key, shard) in enumerate(sources[e * per_expert :][:per_expert]):
-                    shard.read(key, into[part * rows : (part + 1) * rows])
+                    return [(*sources[0], e, 0)]
+                part = rows // per_expert
+                return [(*s, None, p * part) for p, s in enumerate(sources[e * per_expert :][:per_expert])]
 
             dst = param if fmt == "model" else empty_cpu_format(tuple(param.shape), param.dtype, fmt, group_size)
             key, shard = sources[0]
             if isinstance(dst, torch.Tensor) and shard.tensors[key][0] == dst.dtype:  # stored as kept: no conversion
-                fill_in_parallel(lambda e, dst=dst, read=read: read(e, dst[e]), param.shape[0])
-                out.append(dst)
-                continue
-            rows, cols = param.shape[1:]
-            for e in range(param.shape[0]):  # each source tensor of the expert: (key, shard, index, first row)
-                if layout.fused:
-                    pieces = [(*sources[0], e, 0)]
-                else:
-                    part = rows // per_expert
-                    pieces = [(*s, None, p * part) for p, s in enumerate(sources[e * per_expert :][:per_expert])]
-                _read_in_blocks(dst, e, pieces, rows, cols, param.dtype)
+
+                def read(e: int, dst: torch.Tensor = dst, pieces: Callable[..., list[Piece]] = pieces) -> None:
+                    for key, shard, index, first, end in _spans(pieces(e), dst.shape[1]):
+                        shard.read(key, dst[e, first:end], index=index)
+
+                fill_in_parallel(read, param.shape[0])
+            else:
+                for e in range(param.shape[0]):
+                    _read_in_blocks(dst, e, pieces(e), rows, cols, param.dtype)
             out.append(dst)
         return out[0], out[1]
 
@@ -497,15 +494,20 @@ def _untie(model: torch.nn.Module, name: str, values: torch.Tensor, tied_to: str
 Piece = tuple[str, "Shard", int | None, int]  # (key, shard, index along its first dimension or None, first row)
 
 
+def _spans(pieces: list[Piece], rows: int) -> Iterator[tuple[str, Shard, int | None, int, int]]:
+    """Each piece with the expert's rows it holds, [first, end): up to the next piece's first row, or `rows`."""
+    ends = [first for _, _, _, first in pieces[1:]] + [rows]
+    return ((key, shard, index, first, end) for (key, shard, index, first), end in zip(pieces, ends))
+
+
 def _read_in_blocks(
     dst: HostWeight, expert: int, pieces: list[Piece], rows: int, cols: int, dtype: torch.dtype
 ) -> None:
-    """Rows [0, rows) of expert `expert` of `dst` from `pieces` (each holding the expert's rows from its first row up
-    to the next piece's), read and converted `block_rows(cols)` rows at a time through one buffer in `dtype`."""
+    """Rows [0, rows) of expert `expert` of `dst` from `pieces`, read and converted `block_rows(cols)` rows at a time
+    through one buffer in `dtype`."""
     step = block_rows(cols)
     buffer = torch.empty((min(rows, step), cols), dtype=dtype)
-    ends = [first for _, _, _, first in pieces[1:]] + [rows]
-    for (key, shard, index, first), end in zip(pieces, ends):
+    for key, shard, index, first, end in _spans(pieces, rows):
         for start in range(first, end, step):
             block = buffer[: min(end, start + step) - start]
             shard.read(key, block, index=index, rows=(start - first, start - first + block.shape[0]))
