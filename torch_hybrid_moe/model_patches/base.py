@@ -23,6 +23,7 @@ from ..config import HybridMoEConfig
 from ..errors import InputError
 from ..ops import cpu_kernel
 from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
+from ..ops.host_memory import release_free_heap
 from ..ops.quantize import QuantizedWeight, check_group_size, empty_cpu_format, to_cpu_format
 from ..policies import LayerInfo
 from ..policies.prefetching import Router, group_limit
@@ -148,6 +149,7 @@ def patch_with_spec(
         experts.register_state_dict_post_hook(_experts_from_store)
         experts._hybrid_moe_next = None
         experts.config._experts_implementation = EXPERTS_IMPLEMENTATION
+        release_free_heap()  # the layer's read and conversion temporaries: not resident under the next layer
     for (_, block), (_, nxt) in zip(moe_layers, moe_layers[1:]):
         block.experts._hybrid_moe_next = block.experts._hybrid_moe_layer.next_handle = nxt.experts._hybrid_moe_handle
     for parent, name, linear in tqdm(dense, desc="hybrid-moe: routing dense layers", unit="linear", leave=False):
@@ -162,6 +164,7 @@ def patch_with_spec(
         )
         quantized.register_state_dict_post_hook(_refuse_quantized_save)
         setattr(parent, name, quantized)
+    release_free_heap()
     if device.type == "cpu":
         use_cpu_attention(model)
     model.to(device)  # dense weights, attention, routers and shared experts

@@ -38,6 +38,26 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc's; musl and others lack it
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_size_t,), ctypes.c_int
+    return fn
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the kernel (glibc's malloc_trim, every arena). Freed temporaries of a
+    load (blocks read and converted on FILL_THREADS threads, each with its own arena) otherwise stay resident and
+    raise the process's peak by the next layer; a no-op where the C library has no malloc_trim."""
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """Ask for 2 MB pages under a CPU tensor's storage (the whole pages inside it: never a neighbour's), and return
     it. Meant for buffers not yet written; a no-op off Linux, for small or non-CPU tensors, or where the kernel
