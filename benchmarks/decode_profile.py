@@ -15,7 +15,7 @@ streamer, then the medians over rounds and of the paired differences. With --wra
 `thm.greedy_generate` with its decode step's graph wrapper in Python against in C++ (the CPU default).
 
     python benchmarks/decode_profile.py [--shape qwen3-30b-a3b] [--layers 4] [--weights model|int8|int4] [--tokens 32]
-        [--prefill | --replay [--rounds 4] | --loop [--rounds 4] | --wrapper [--rounds 4]]
+        [--shapes | --prefill | --replay [--rounds 4] | --loop [--rounds 4] | --wrapper [--rounds 4]]
 """
 
 from __future__ import annotations
@@ -185,6 +185,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=bounded(int, 1), default=32, help="decode steps profiled")
     parser.add_argument("--prefill", action="store_true", help="profile the prompt's prefill instead, per input shape")
     parser.add_argument(
+        "--shapes", action="store_true", help="decode ops per input shape (which projection, what cache length)"
+    )
+    parser.add_argument(
         "--replay", action="store_true", help="time decode steps called directly against through Dynamo instead"
     )
     parser.add_argument(
@@ -208,8 +211,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.tokens < 1 or args.prompt < 1 or args.rounds < 1:
         parser.error("--tokens, --prompt and --rounds must be at least 1")
-    if args.prefill + args.replay + args.loop + args.wrapper > 1:
-        parser.error("--prefill, --replay, --loop and --wrapper measure different things: give one")
+    if args.shapes + args.prefill + args.replay + args.loop + args.wrapper > 1:
+        parser.error("--shapes, --prefill, --replay, --loop and --wrapper measure different things: give one")
     import torch_hybrid_moe as thm
 
     torch.set_num_threads(args.threads)
@@ -249,8 +252,8 @@ def main() -> None:
         return
     with torch.no_grad():
         # the longer first: its static cache length is kept for the shorter run, so both prefill the same cache
-        long_s, long = profiled(model, ids, 3 + args.tokens)
-        short_s, short = profiled(model, ids, 3)
+        long_s, long = profiled(model, ids, 3 + args.tokens, shapes=args.shapes)
+        short_s, short = profiled(model, ids, 3, shapes=args.shapes)
     per_token = (long_s - short_s) / args.tokens
     if per_token <= 0:  # the prompt's prefill, in both runs, varied by more than the decode steps took
         sys.exit(
@@ -272,7 +275,7 @@ def main() -> None:
     )
     print(f"{'self ms/token':>13} {'calls/token':>11}  op")
     for seconds, calls, name in rows[: args.rows]:
-        print(f"{seconds * 1e3:13.3f} {calls:11.1f}  {name[:90]}")
+        print(f"{seconds * 1e3:13.3f} {calls:11.1f}  {name[: 150 if args.shapes else 90]}")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,32 @@ SHAPES = {  # (transformers config class, its arguments per layer shape); vocabu
             tie_word_embeddings=False,
         ),
     ),
+    # the first layer a dense MLP, as the real model's (first_k_dense_replace); queries through DeepSeek-V2's LoRA of
+    # rank 1536 (Lite's have none: +1.5M weights a layer), since llama.cpp reads a deepseek2 model of other than 26
+    # or 27 layers as the full V2 and refuses one without it
+    "deepseek-v2-lite": (
+        "DeepseekV2Config",
+        dict(
+            vocab_size=102400,
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            first_k_dense_replace=1,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            tie_word_embeddings=False,
+        ),
+    ),
     "mixtral-8x7b": (
         "MixtralConfig",
         dict(
@@ -114,7 +140,7 @@ def decode_bytes(path: Path, row: str = "ours") -> float:
     quantised; routers and norms stay bf16). llama.cpp rows: each tensor's own bytes in the row's GGUF file, since
     llama-quantize keeps some in other types (q4_0 files: the LM head as Q6_K, the routers in F32)."""
     config = json.loads((path / "config.json").read_text())
-    experts = config.get("num_experts") or config.get("num_local_experts")
+    experts = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
     share = config["num_experts_per_tok"] / experts
     if row.startswith("llama-"):
         import gguf

@@ -22,6 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from ..ops import prefill_attention
 from ..ops.decode_attention import DTYPES  # (and registers torch.ops.hybrid_moe.decode_attention)
 from ..ops.kernel_build import extension
+from .latent_attention import UP, absorb, absorbed_attention, expanded, is_latent_attention
 
 NAME = "hybrid_moe_cpu"
 
@@ -40,6 +41,15 @@ def cpu_attention_forward(
     """transformers' attention interface: query [B, Hq, Q, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] ->
     ([B, Q, Hq, Dv], None). Without dropout or gradients (the ops have no backward): one fp32 / bf16 / fp16 query on
     the CPU, the decode attention op; a bf16 prompt the prefill op where it runs; otherwise SDPA."""
+    if hasattr(module, UP):  # MLA (latent_attention.py): the cached latent, absorbed for one query, else expanded
+        absorbed = (
+            None
+            if module.training and dropout
+            else absorbed_attention(module, query, key, value, attention_mask, scaling)
+        )
+        if absorbed is not None:
+            return absorbed
+        key, value = expanded(module, key, value)
     grads = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     # the ops take a mask and a scale only: position biases, soft-capping and attention sinks keep SDPA's handling
     plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap", "s_aux"))
@@ -62,8 +72,9 @@ def cpu_attention_forward(
 
 
 def use_cpu_attention(model: torch.nn.Module) -> bool:
-    """Switch a model whose attention is SDPA to `cpu_attention_forward`; False (unchanged) for any other
-    implementation, which the user or the model chose."""
+    """Switch a model whose attention is SDPA to `cpu_attention_forward` (its MLA modules to hand over their cached
+    latent: latent_attention.py); False (unchanged) for any other implementation, which the user or the model
+    chose."""
     config = model.config
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
@@ -71,4 +82,7 @@ def use_cpu_attention(model: torch.nn.Module) -> bool:
     AttentionInterface.register(NAME, cpu_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     config._attn_implementation = NAME
+    for module in model.modules():
+        if is_latent_attention(module):
+            absorb(module, NAME)
     return True

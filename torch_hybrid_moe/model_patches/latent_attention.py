@@ -1,0 +1,87 @@
+"""DeepSeek's multi-head latent attention (MLA) in decode steps with the key / value up-projection absorbed into the
+query and the output.
+
+transformers caches MLA's compressed latent c (kv_lora_rank wide, after its norm) and the shared rotary key, and
+every step expands the whole cache through kv_b_proj into per-head keys and values: on the DeepSeek-V2-Lite shape at
+256 cached positions that is 256 x 512 x 4,096 multiply-adds a layer, 7.1 of 24.2 ms a decode token in int8
+(benchmarks/RESULTS.md, 2026-12-01). The expansion is linear, so it moves onto the one query and the output instead
+(the DeepSeek-V2 paper's absorption; llama.cpp does the same): with W_UK[h] and W_UV[h] head h's key and value rows
+of kv_b_proj, score_h(t) = (W_UK[h]^T q_h) . c(t) + q_rot_h . k_rot(t) and out_h = W_UV[h] sum_t p_h(t) c(t), an
+attention with one key / value head over the cache as stored. The same function in another order: it stays within
+float rounding of the expanded form. Prompts (more than one query) keep the expanded form, which costs fewer
+multiply-adds where queries are as many as cached positions, and a model switched to another attention
+implementation expands as before.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from ..ops.dense_linear import QuantizedLinear
+from ..ops.quantize import BITS, dequantize
+
+UP = "_hybrid_moe_kv_up"  # an absorbing module's kv_b_proj weight as [heads, nope + v, kv_lora_rank] (a buffer)
+
+
+def is_latent_attention(module: torch.nn.Module) -> bool:
+    """Whether `module` is an MLA attention that expands its cached latent in `expand_kv` (DeepSeek-V2 / V3)."""
+    return all(hasattr(module, a) for a in ("kv_b_proj", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "expand_kv"))
+
+
+def absorb(module: torch.nn.Module, attention: str) -> None:
+    """Make MLA module `module` hand its cached latent to the attention function named `attention` in decode steps
+    (which then calls `absorbed_attention`), where the model runs that implementation."""
+    linear = module.kv_b_proj
+    dtype = module.kv_a_layernorm.weight.dtype
+    if isinstance(linear, QuantizedLinear):  # dense int8 / int4 mode: the small up-projection stays in model dtype
+        group = linear.in_features // linear.scale.shape[-1]
+        weight = dequantize(linear.qweight, linear.scale, BITS[linear.fmt], group).to(dtype)
+    else:
+        weight = linear.weight.detach()
+    per_head = int(module.qk_nope_head_dim) + int(module.v_head_dim)
+    module.register_buffer(UP, weight.unflatten(0, (-1, per_head)), persistent=False)
+
+    def expand_kv(self: torch.nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.config._attn_implementation != attention:
+            return expanded(self, kv_nope, k_rot)
+        return kv_nope, k_rot  # the latent as "key" and the rotary key as "value": absorbed_attention reads them
+
+    module.expand_kv = types.MethodType(expand_kv, module)
+
+
+def absorbed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> tuple[torch.Tensor, None] | None:
+    """Attention of one query [B, H, 1, nope + rot] over the cached latent [B, 1, T, r] and rotary keys
+    [B, 1, T, rot] -> ([B, 1, H, v], None); None for more than one query: the caller expands (`expanded`)."""
+    if query.shape[2] != 1:
+        return None
+    up = getattr(module, UP)
+    nope = module.qk_nope_head_dim
+    q_nope, q_rot = query[:, :, 0].split([nope, query.shape[-1] - nope], dim=-1)  # [B, H, *]
+    q_latent = torch.bmm(q_nope.transpose(0, 1), up[:, :nope]).transpose(0, 1)  # [B, H, r]
+    c, rot = latent[:, 0], k_rot[:, 0]  # [B, T, r], [B, T, rot]
+    scores = torch.baddbmm(torch.bmm(q_latent, c.transpose(1, 2)), q_rot, rot.transpose(1, 2))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in fp32 at least
+    scores = scores * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:  # SDPA's: [B | 1, 1, 1, T], boolean (True: attend) or additive
+        mask = attention_mask[:, :, 0]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    # a query that sees no position gets zeros, as the decode op gives (softmax would give NaN)
+    probs = torch.softmax(scores, dim=-1).masked_fill(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
+    probs = probs.to(c.dtype)
+    out_latent = torch.bmm(probs, c)  # [B, H, r]
+    out = torch.bmm(out_latent.transpose(0, 1), up[:, nope:].transpose(1, 2))  # [H, B, v]
+    return out.transpose(0, 1).unsqueeze(1), None
+
+
+def expanded(module: torch.nn.Module, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head keys and values of the cached latent, as the model's own `expand_kv` makes them."""
+    return type(module).expand_kv(module, latent, k_rot)
