@@ -20,7 +20,7 @@ import types
 import torch
 
 from ..ops.dense_linear import QuantizedLinear
-from ..ops.quantize import BITS, dequantize
+from ..ops.quantize import QuantizedWeight, dequantize
 
 UP = "_hybrid_moe_kv_up"  # an absorbing module's kv_b_proj weight as [heads, nope + v, kv_lora_rank] (a buffer)
 
@@ -36,8 +36,8 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
     linear = module.kv_b_proj
     dtype = module.kv_a_layernorm.weight.dtype
     if isinstance(linear, QuantizedLinear):  # dense int8 / int4 mode: the small up-projection stays in model dtype
-        group = linear.in_features // linear.scale.shape[-1]
-        weight = dequantize(linear.qweight, linear.scale, BITS[linear.fmt], group).to(dtype)
+        q = QuantizedWeight.from_kernel_operands(linear.qweight, linear.scale)
+        weight = dequantize(q.data, q.scale, q.bits, q.group_size).to(dtype)
     else:
         weight = linear.weight.detach()
     per_head = int(module.qk_nope_head_dim) + int(module.v_head_dim)
