@@ -113,3 +113,33 @@ def test_token_agreement_counts_the_common_prefix():
 def test_spread_quartiles_lie_within_the_data():
     """Two rounds' exclusive quartiles extrapolated past the minimum and maximum."""
     assert _script("decode_profile").spread([1.0, 2.0], 1.0, 2) == "1.50 [1.25-1.75]"
+
+
+@pytest.mark.parametrize("shape", ["deepseek-v2-lite", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_a_decode_token_reads_every_weight_once_and_top_k_of_the_experts(shape, tmp_path):
+    """end_to_end.py's floor: the bytes of a decode token of a checkpoint of each shape's architecture (tiny sizes),
+    against its parameters counted one by one: the embedding table left out, routed experts top-k of E, bf16."""
+    import torch
+    import transformers
+
+    script = _script("end_to_end")
+    cls, kwargs = script.SHAPES[shape]
+    small = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=2)
+    small.update(
+        {k: v for k, v in dict(moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=48).items() if k in kwargs}
+    )
+    small.update(
+        dict(qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=32) if "kv_lora_rank" in kwargs else {}
+    )
+    config = getattr(transformers, cls)(**{**kwargs, **small}, num_hidden_layers=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    experts = (
+        getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or config.n_routed_experts
+    )
+    want = sum(
+        p.numel() * 2 * (config.num_experts_per_tok / experts if ".experts." in name else 1)
+        for name, p in model.named_parameters()
+        if "embed_tokens" not in name
+    )
+    assert script.decode_bytes(tmp_path) == pytest.approx(want)
