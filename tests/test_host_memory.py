@@ -35,8 +35,6 @@ def test_small_and_filled_tensors_are_left_as_they_are():
 
 FREED_HEAP = """
 import threading, torch
-import subprocess
-import sys
 from pathlib import Path
 from torch_hybrid_moe.ops import host_memory
 

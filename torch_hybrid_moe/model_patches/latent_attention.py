@@ -34,10 +34,9 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
     """Make MLA module `module` hand its cached latent to the attention function named `attention` in decode steps
     (which then calls `absorbed_attention`), where the model runs that implementation."""
     linear = module.kv_b_proj
-    dtype = module.kv_a_layernorm.weight.dtype
     if isinstance(linear, QuantizedLinear):  # dense int8 / int4 mode: the small up-projection stays in model dtype
         q = QuantizedWeight.from_kernel_operands(linear.qweight, linear.scale)
-        weight = dequantize(q.data, q.scale, q.bits, q.group_size).to(dtype)
+        weight = dequantize(q.data, q.scale, q.bits, q.group_size).to(module.kv_a_layernorm.weight.dtype)
     else:
         weight = linear.weight.detach()
     per_head = int(module.qk_nope_head_dim) + int(module.v_head_dim)
