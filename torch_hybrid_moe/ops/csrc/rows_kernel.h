@@ -216,37 +216,57 @@ inline __m512i halves(const int8_t* lo, const int8_t* hi) {
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
 }
 
+// The scales of blocks [b, b + 2) of an int4 row in lanes 0-7 and zeros above: the last pair's half step, whose
+// next two blocks' scales are past the row (past the tensor, for its last row).
+inline __m512 pair_scale_lanes(const float* scales, int64_t b, int64_t per_group) {
+  const float v[4] = {scales[b / per_group], scales[(b + 1) / per_group], 0.f, 0.f};
+  return block_lanes<4>(v);
+}
+
 template <Fmt F, int NT>
 void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs, const I4Lanes*,
                 float* res) {
   constexpr int64_t B = kStepBlocks<F>;
   const QuantOperands<NT> w(m, r0, nr, next, xs);
-  const int64_t blocks = m.K / 32, full = blocks / B * B, per_group = m.group / 32;
+  const int64_t blocks = m.K / 32, per_group = m.group / 32;
   const __m512i nibble = _mm512_set1_epi8(15), sign = _mm512_set1_epi8(char(0x80));
   const __m512i offset = _mm512_set1_epi8(char(F == Fmt::I8 ? 128 : 8)), zero = _mm512_setzero_si512();
   __m512 acc[kRows][NT];
   for (int i = 0; i < kRows; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < full; b += B) {
-    for (int64_t o = 0; o < kRows * 64; o += 64) __builtin_prefetch(w.next + b / B * kRows * 64 + o);
+  // One step at block b: a full one, or (Pair, int4 only) the row's last pair of blocks in the lower half of the
+  // registers, the upper half zero: K % 128 == 64, as DeepSeek's 10,944-wide dense MLP, whose last pair summed one
+  // element at a time cost a third of that projection's time (benchmarks/RESULTS.md, 2026-12-01).
+  const auto step = [&](int64_t b, auto pair) {
+    constexpr bool Pair = decltype(pair)::value;
+    constexpr __mmask64 lower = 0xFFFFFFFFull;
     __m512i lo_x[NT], hi_x[NT], x_start[NT];
     __m512 x_scale[NT];
     for (int t = 0; t < NT; ++t) {
       const int8_t* q = w.x[t].q + 32 * b;
       if constexpr (F == Fmt::I8) {
         lo_x[t] = _mm512_loadu_si512(q);
+      } else if constexpr (Pair) {  // the pair's even columns, then its odd ones
+        lo_x[t] = _mm512_maskz_loadu_epi8(lower, q);
+        hi_x[t] = _mm512_maskz_loadu_epi8(lower, q + 32);
       } else {  // the even columns of this step's two pairs of blocks, then their odd columns
         lo_x[t] = halves(q, q + 64);
         hi_x[t] = halves(q + 32, q + 96);
       }
-      x_scale[t] = block_lanes<B>(w.x[t].scale + b);
+      if constexpr (Pair) {
+        const float v[4] = {w.x[t].scale[b], w.x[t].scale[b + 1], 0.f, 0.f};
+        x_scale[t] = block_lanes<4>(v);
+      } else {
+        x_scale[t] = block_lanes<B>(w.x[t].scale + b);
+      }
       __m512i taken = _mm512_dpbusd_epi32(zero, offset, lo_x[t]);
       if constexpr (F == Fmt::I4) taken = _mm512_dpbusd_epi32(taken, offset, hi_x[t]);
       x_start[t] = _mm512_sub_epi32(zero, taken);
     }
     for (int i = 0; i < kRows; ++i) {
-      const __m512 s = scale_lanes<B>(w.scales[i], b, per_group);
-      const __m512i v = _mm512_loadu_si512(w.rows[i] + 64 * b / B);
+      const __m512 s = Pair ? pair_scale_lanes(w.scales[i], b, per_group) : scale_lanes<B>(w.scales[i], b, per_group);
+      const uint8_t* row = w.rows[i] + 64 * b / B;
+      const __m512i v = Pair ? _mm512_maskz_loadu_epi8(lower, row) : _mm512_loadu_si512(row);
       __m512i lo, hi;
       if constexpr (F == Fmt::I8) {
         lo = _mm512_xor_si512(v, sign);
@@ -260,12 +280,23 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
         acc[i][t] = _mm512_fmadd_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(d), x_scale[t]), acc[i][t]);
       }
     }
+  };
+  int64_t b = 0;
+  for (; b + B <= blocks; b += B) {
+    for (int64_t o = 0; o < kRows * 64; o += 64) __builtin_prefetch(w.next + b / B * kRows * 64 + o);
+    step(b, std::false_type{});
+  }
+  if constexpr (F == Fmt::I4) {
+    if (blocks - b >= 2) {  // a whole pair: record_pos lays its columns out as pairs
+      step(b, std::true_type{});
+      b += 2;
+    }
   }
   for (int t = 0; t < NT; ++t)
     for (int i = 0; i < nr; ++i) {
       float sum = _mm512_reduce_add_ps(acc[i][t]);
-      for (int64_t b = full; b < blocks; ++b)
-        sum += w.scales[i][b / per_group] * w.x[t].scale[b] * float(block_dot<F>(w.rows[i], b, w.x[t], m.K));
+      for (int64_t k = b; k < blocks; ++k)
+        sum += w.scales[i][k / per_group] * w.x[t].scale[k] * float(block_dot<F>(w.rows[i], k, w.x[t], m.K));
       res[t * kRows + i] = sum;
     }
 }
