@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from torch_hybrid_moe.model_patches import cpu_attention
 from torch_hybrid_moe.model_patches.cpu_attention import NAME
-from torch_hybrid_moe.model_patches.latent_attention import UP, absorb, absorbed_attention, expanded
+from torch_hybrid_moe.model_patches.latent_attention import UP_K, UP_V, absorb, absorbed_attention, expanded
 from torch_hybrid_moe.tiny_models import random_model, tiny_config, tiny_model
 
 from .conftest import patched_copy
@@ -27,7 +27,7 @@ def latent_module(arch):
 def cached(module, batch, positions, seed=0):
     """A query [B, H, 1, nope + rot], a cached latent [B, 1, T, r] and rotary keys [B, 1, T, rot] in float64."""
     g = torch.Generator().manual_seed(seed)
-    heads = getattr(module, UP).shape[0]
+    heads = getattr(module, UP_V).shape[0]
     rot = module.qk_rope_head_dim
     query = torch.randn(batch, heads, 1, module.qk_nope_head_dim + rot, generator=g, dtype=torch.float64)
     latent = torch.randn(batch, 1, positions, module.kv_lora_rank, generator=g, dtype=torch.float64)
@@ -114,7 +114,7 @@ def test_a_quantised_up_projection_is_absorbed_dequantised():
     model = patched_copy(ref, expert_budget=0.0, dense_weight_dtype="int8", dense_weight_group_size=32)
     module = model.model.layers[0].self_attn
     want = ref.model.layers[0].self_attn.kv_b_proj.weight
-    got = getattr(module, UP).flatten(0, 1)
+    got = torch.cat([getattr(module, UP_K).transpose(1, 2), getattr(module, UP_V)], dim=1).flatten(0, 1)
     assert got.shape == want.shape and float((got - want).abs().max()) <= float(want.abs().max()) / 100
     prompt = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
     for g, w in zip(decode_logits(model, prompt, steps=3), decode_logits(ref, prompt, steps=3)):

@@ -22,7 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from ..ops import prefill_attention
 from ..ops.decode_attention import DTYPES  # (and registers torch.ops.hybrid_moe.decode_attention)
 from ..ops.kernel_build import extension
-from .latent_attention import UP, absorb, absorbed_attention, expanded, is_latent_attention
+from .latent_attention import UP_K, absorb, absorbed_attention, expanded, is_latent_attention
 
 NAME = "hybrid_moe_cpu"
 
@@ -41,7 +41,7 @@ def cpu_attention_forward(
     """transformers' attention interface: query [B, Hq, Q, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] ->
     ([B, Q, Hq, Dv], None). Without dropout or gradients (the ops have no backward): one fp32 / bf16 / fp16 query on
     the CPU, the decode attention op; a bf16 prompt the prefill op where it runs; otherwise SDPA."""
-    if hasattr(module, UP):  # MLA (latent_attention.py): the cached latent, absorbed for one query, else expanded
+    if hasattr(module, UP_K):  # MLA (latent_attention.py): the cached latent, absorbed for one query, else expanded
         absorbed = (
             None
             if module.training and dropout

@@ -22,7 +22,12 @@ import torch
 from ..ops.dense_linear import QuantizedLinear
 from ..ops.quantize import QuantizedWeight, dequantize
 
-UP = "_hybrid_moe_kv_up"  # an absorbing module's kv_b_proj weight as [heads, nope + v, kv_lora_rank] (a buffer)
+# An absorbing module's kv_b_proj as two buffers, each laid out so that its product reduces over contiguous memory
+# (a decode step reads them once, from DRAM): the key rows of each head transposed, [heads, kv_lora_rank, nope], and
+# the value rows, [heads, v, kv_lora_rank]. The key rows as stored made Inductor's fused product stride a row apart
+# for every multiply-add: 0.10 ms a layer against 0.05 (DeepSeek-V2-Lite's shape, benchmarks/RESULTS.md, 2026-12-01).
+UP_K = "_hybrid_moe_kv_up_k"
+UP_V = "_hybrid_moe_kv_up_v"
 
 
 def is_latent_attention(module: torch.nn.Module) -> bool:
@@ -39,8 +44,10 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
         weight = dequantize(q.data, q.scale, q.bits, q.group_size).to(module.kv_a_layernorm.weight.dtype)
     else:
         weight = linear.weight.detach()
-    per_head = int(module.qk_nope_head_dim) + int(module.v_head_dim)
-    module.register_buffer(UP, weight.unflatten(0, (-1, per_head)), persistent=False)
+    nope = int(module.qk_nope_head_dim)
+    per_head = weight.unflatten(0, (-1, nope + int(module.v_head_dim)))
+    module.register_buffer(UP_K, per_head[:, :nope].transpose(1, 2).contiguous(), persistent=False)
+    module.register_buffer(UP_V, per_head[:, nope:].contiguous(), persistent=False)
 
     def expand_kv(self: torch.nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.config._attn_implementation != attention:
@@ -62,10 +69,9 @@ def absorbed_attention(
     [B, 1, T, rot] -> ([B, 1, H, v], None); None for more than one query: the caller expands (`expanded`)."""
     if query.shape[2] != 1:
         return None
-    up = getattr(module, UP)
     nope = module.qk_nope_head_dim
     q_nope, q_rot = query[:, :, 0].split([nope, query.shape[-1] - nope], dim=-1)  # [B, H, *]
-    q_latent = torch.bmm(q_nope.transpose(0, 1), up[:, :nope]).transpose(0, 1)  # [B, H, r]
+    q_latent = torch.bmm(getattr(module, UP_K), q_nope.permute(1, 2, 0)).permute(2, 0, 1)  # [B, H, r]
     c, rot = latent[:, 0], k_rot[:, 0]  # [B, T, r], [B, T, rot]
     scores = torch.baddbmm(torch.bmm(q_latent, c.transpose(1, 2)), q_rot, rot.transpose(1, 2))
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in fp32 at least
@@ -77,8 +83,8 @@ def absorbed_attention(
     probs = torch.softmax(scores, dim=-1).masked_fill(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
     probs = probs.to(c.dtype)
     out_latent = torch.bmm(probs, c)  # [B, H, r]
-    out = torch.bmm(out_latent.transpose(0, 1), up[:, nope:].transpose(1, 2))  # [H, B, v]
-    return out.transpose(0, 1).unsqueeze(1), None
+    out = torch.bmm(getattr(module, UP_V), out_latent.permute(1, 2, 0))  # [H, v, B]
+    return out.permute(2, 0, 1).unsqueeze(1), None
 
 
 def expanded(module: torch.nn.Module, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
