@@ -63,3 +63,53 @@ def test_freed_heap_pages_go_back_to_the_kernel():
     out = subprocess.run([sys.executable, "-c", FREED_HEAP], capture_output=True, text=True, check=True).stdout
     before, after = map(int, out.split())
     assert before - after >= 128 * 1024  # at least half of the 256 MiB freed left the process
+
+
+def test_gather_moves_small_whole_tensors_into_shared_slabs_in_place():
+    """Small tensors that alone span their storage move into one slab, as the same objects with the same values;
+    large ones, views, and tensors sharing a storage stay where they are; a tensor listed twice moves once."""
+    g = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(1000, 100, generator=g))
+    int8 = torch.randint(-128, 127, (3 << 20,), generator=g, dtype=torch.int8)
+    big = torch.randn(5 << 20, generator=g)  # 20 MB: `empty` advises such a buffer itself
+    base = torch.randn(64, 64, generator=g)
+    head, offset, strided = base[:8], base[1:], base.t()  # part of a storage, offset into one, strided
+    shared = torch.randn(100, generator=g)
+    twin = shared.detach()  # another tensor on the same storage: moving one would hold it twice
+    kept = [t.clone() for t in (param, int8, big, base)]
+    pointers = [t.data_ptr() for t in (big, head, offset, strided, shared)]
+
+    moved = host_memory.gather_on_huge_pages([param, int8, param, big, head, offset, strided, shared])
+
+    assert moved == param.nbytes + int8.nbytes
+    assert isinstance(param, torch.nn.Parameter) and param.requires_grad
+    assert param.untyped_storage().data_ptr() == int8.untyped_storage().data_ptr()  # one slab holds both
+    assert param.data_ptr() % 64 == 0 and int8.data_ptr() % 64 == 0
+    assert [t.data_ptr() for t in (big, head, offset, strided, shared)] == pointers and twin.data_ptr() == pointers[-1]
+    for now, before in zip((param, int8, big, base), kept):
+        assert torch.equal(now.detach(), before)
+
+
+def test_gather_fills_slabs_of_at_most_a_slab_each():
+    tensors = [torch.full((3 << 20,), i, dtype=torch.uint8) for i in range(20)]  # 60 MB of 3 MB tensors
+    assert host_memory.gather_on_huge_pages(tensors) == 60 << 20
+    slabs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert len(slabs) == 2 and max(slabs.values()) <= host_memory.SLAB
+    assert all(bool((t == i).all()) for i, t in enumerate(tensors))
+
+
+def test_a_patched_cpu_model_reads_its_small_weights_from_slabs():
+    """After patching, the attention projections live in a slab (a storage larger than themselves) and the model
+    gives the unpatched logits."""
+    from torch_hybrid_moe.tiny_models import tiny_model
+
+    from .conftest import patched_copy
+    from .test_exactness import assert_logits_close
+
+    ref = tiny_model("qwen3_moe")
+    model = patched_copy(ref, expert_budget=0.0)
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert q_proj.untyped_storage().nbytes() > q_proj.nbytes
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_logits_close(model(ids).logits, ref(ids).logits)

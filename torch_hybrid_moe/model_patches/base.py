@@ -23,7 +23,7 @@ from ..config import HybridMoEConfig
 from ..errors import InputError
 from ..ops import cpu_kernel
 from ..ops.dense_linear import KERNEL_DTYPES, QuantizedLinear, RoutedLinear
-from ..ops.host_memory import release_free_heap
+from ..ops.host_memory import gather_on_huge_pages, release_free_heap
 from ..ops.quantize import QuantizedWeight, check_group_size, empty_cpu_format, to_cpu_format
 from ..policies import LayerInfo
 from ..policies.prefetching import Router, group_limit
@@ -167,6 +167,7 @@ def patch_with_spec(
     release_free_heap()
     if device.type == "cpu":
         use_cpu_attention(model)
+        gather_on_huge_pages([*model.parameters(), *model.buffers()])  # the small dense weights, read every token
     model.to(device)  # dense weights, attention, routers and shared experts
     _compile_decode_with_backend(model, capture, device.type == "cpu")
     _refuse_saves_before_writing(model)

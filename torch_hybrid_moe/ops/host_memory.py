@@ -16,13 +16,17 @@ import functools
 import mmap
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 HUGE_PAGE = 2 << 20  # smaller buffers cannot hold an aligned huge page
+# gather_on_huge_pages moves tensors under GATHERED bytes: glibc serves requests below its mmap threshold, which
+# grows to 32 MB, from its heap, whose reused pages an advice no longer reaches (a 4 MB int4 projection of
+# Qwen3-30B-A3B's shape sat on 4 KB pages). SLAB: its unit, the most the process grows by while it moves them.
+GATHERED, SLAB = 8 * HUGE_PAGE, 16 * HUGE_PAGE
 FILL_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads filling one layer's expert weights at once
 
 
@@ -83,3 +87,47 @@ def fill_in_parallel(fill: Callable[[int], None], count: int) -> None:
     (zeroing, huge-page compaction), which runs on the reading thread's core. A filler's error is raised here."""
     with ThreadPoolExecutor(FILL_THREADS) as pool:
         list(pool.map(fill, range(count)))
+
+
+def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the CPU tensors among `tensors` under GATHERED bytes into slabs on huge pages, rebinding each one's
+    `.data` in place (a Parameter or buffer stays the same object); returns the bytes moved. A decode token reads
+    every dense weight once, and from 4 KB pages DeepSeek-V2-Lite's attention and shared-expert weights (1-3 MB each,
+    int4) were read at 37.2 GB/s against 40.2 from huge pages (benchmarks/RESULTS.md, 2026-12-01). A tensor moves
+    where it is its storage's only tensor and spans it (a view, or a tensor sharing its storage with another, as a
+    router's weight with its prefetch replay's copy, would then be held twice); the originals go back to the kernel
+    slab by slab, so the process grows by at most one SLAB meanwhile."""
+    small: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        if (
+            t.device.type == "cpu"
+            and 0 < t.nbytes < GATHERED
+            and t.is_contiguous()
+            and t.storage_offset() == 0
+            and storage.nbytes() == t.nbytes
+            and torch._C._storage_Use_Count(storage._cdata) == 2  # `t` and `storage` alone hold it
+            and storage.data_ptr() not in seen
+        ):
+            seen.add(storage.data_ptr())
+            small.append(t)
+    start = 0  # slabs of SLAB bytes at most, each filled from the next tensors in order
+    while start < len(small):
+        end, size = start, 0
+        while end < len(small) and size + _line_aligned(small[end].nbytes) <= SLAB:
+            size += _line_aligned(small[end].nbytes)
+            end += 1
+        slab, offset = empty((size,), torch.uint8), 0
+        for t in small[start:end]:
+            view = slab[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view
+            offset += _line_aligned(t.nbytes)
+        start = end
+        release_free_heap()
+    return sum(t.nbytes for t in small)
+
+
+def _line_aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
