@@ -99,8 +99,8 @@ def test_gather_fills_slabs_of_at_most_a_slab_each():
 
 
 def test_a_patched_cpu_model_reads_its_small_weights_from_slabs():
-    """After patching, the attention projections live in a slab (a storage larger than themselves) and the model
-    gives the unpatched logits."""
+    """After patching, the attention projections live in a slab (a storage larger than themselves), the input
+    embedding does not, and the model gives the unpatched logits."""
     from torch_hybrid_moe.tiny_models import tiny_model
 
     from .conftest import patched_copy
@@ -110,6 +110,8 @@ def test_a_patched_cpu_model_reads_its_small_weights_from_slabs():
     model = patched_copy(ref, expert_budget=0.0)
     q_proj = model.model.layers[0].self_attn.q_proj.weight
     assert q_proj.untyped_storage().nbytes() > q_proj.nbytes
+    embedding = model.get_input_embeddings().weight  # a token reads one row: left where it is
+    assert embedding.untyped_storage().nbytes() == embedding.nbytes
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert_logits_close(model(ids).logits, ref(ids).logits)

@@ -167,7 +167,10 @@ def patch_with_spec(
     release_free_heap()
     if device.type == "cpu":
         use_cpu_attention(model)
-        gather_on_huge_pages([*model.parameters(), *model.buffers()])  # the small dense weights, read every token
+        # the small dense weights, read every token; not the input embedding, of which a token reads one row (and which
+        # a load leaves mapped in the checkpoint file, so that only rows seen become resident)
+        embedding = model.get_input_embeddings().weight
+        gather_on_huge_pages(t for t in [*model.parameters(), *model.buffers()] if t is not embedding)
     model.to(device)  # dense weights, attention, routers and shared experts
     _compile_decode_with_backend(model, capture, device.type == "cpu")
     _refuse_saves_before_writing(model)
