@@ -26,6 +26,9 @@ pytestmark = pytest.mark.usefixtures("kernel")
         (600, 2048, 40, 128),  # several row panels and token chunks with partial last ones; groups of two steps
         (70, 2304, 33, 96),  # a group of three blocks: steps straddle groups
         (50, 2080, 5, 32),  # an odd block count: an unpaired last block
+        (21, 192, 1, 64),  # int4 at AVX-512: a step, then a last pair as a half step
+        (13, 480, 3, 96),  # ... a half step whose two blocks fall in one group of three
+        (11, 224, 2, 32),  # ... a half step, then an unpaired block
     ],
 )
 def test_dense_matvec_against_float64(dtype, isa, n, k, tokens, group):

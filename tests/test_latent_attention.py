@@ -119,3 +119,16 @@ def test_a_quantised_up_projection_is_absorbed_dequantised():
     prompt = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(1))
     for g, w in zip(decode_logits(model, prompt, steps=3), decode_logits(ref, prompt, steps=3)):
         assert_logits_close(g, w, rel=0.05)
+
+
+def test_a_model_dtype_up_projection_copies_only_its_key_rows():
+    """In model dtype the value rows stay a view of kv_b_proj's weight (no second copy of them) and the key rows are
+    one contiguous copy, transposed per head."""
+    module = latent_module("deepseek_v2")
+    weight = module.kv_b_proj.weight
+    up_k, up_v = getattr(module, UP_K), getattr(module, UP_V)
+    assert up_v.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
+    assert up_k.is_contiguous() and up_k.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    per_head = weight.unflatten(0, (up_k.shape[0], -1))
+    assert torch.equal(up_k, per_head[:, : module.qk_nope_head_dim].transpose(1, 2))
+    assert torch.equal(up_v, per_head[:, module.qk_nope_head_dim :])

@@ -40,15 +40,20 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
     """Make MLA module `module` hand its cached latent to the attention function named `attention` in decode steps
     (which then calls `absorbed_attention`), where the model runs that implementation."""
     linear = module.kv_b_proj
-    if isinstance(linear, QuantizedLinear):  # dense int8 / int4 mode: the small up-projection stays in model dtype
+    quantised = isinstance(linear, QuantizedLinear)
+    if quantised:  # dense int8 / int4 mode: the small up-projection stays in model dtype
         q = QuantizedWeight.from_kernel_operands(linear.qweight, linear.scale)
         weight = dequantize(q.data, q.scale, q.bits, q.group_size).to(module.kv_a_layernorm.weight.dtype)
     else:
         weight = linear.weight.detach()
     nope = int(module.qk_nope_head_dim)
     per_head = weight.unflatten(0, (-1, nope + int(module.v_head_dim)))
+    # The key rows are copied (half of kv_b_proj, 0.2% of DeepSeek-V2-Lite's weights); the value rows, already laid
+    # out for their product, stay a view of kv_b_proj's weight, copied only out of a dequantised weight (whose key
+    # rows the view would keep alive).
     module.register_buffer(UP_K, per_head[:, :nope].transpose(1, 2).contiguous(), persistent=False)
-    module.register_buffer(UP_V, per_head[:, nope:].contiguous(), persistent=False)
+    values = per_head[:, nope:]
+    module.register_buffer(UP_V, values.contiguous() if quantised else values, persistent=False)
 
     def expand_kv(self: torch.nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.config._attn_implementation != attention:
