@@ -79,7 +79,8 @@ def test_gather_moves_small_whole_tensors_into_shared_slabs_in_place():
     kept = [t.clone() for t in (param, int8, big, base)]
     pointers = [t.data_ptr() for t in (big, head, offset, strided, shared)]
 
-    moved = host_memory.gather_on_huge_pages([param, int8, param, big, head, offset, strided, shared])
+    sparse = torch.eye(4).to_sparse()  # no plain storage: left alone, not an error
+    moved = host_memory.gather_on_huge_pages([param, int8, param, big, head, offset, strided, shared, sparse])
 
     assert moved == param.nbytes + int8.nbytes
     assert isinstance(param, torch.nn.Parameter) and param.requires_grad

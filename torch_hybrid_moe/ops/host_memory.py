@@ -100,10 +100,11 @@ def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     small: list[torch.Tensor] = []
     seen: set[int] = set()
     for t in tensors:
+        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or type(t) not in _PLAIN:
+            continue  # sparse, quantised and subclass tensors have no plain storage of their own to move
         storage = t.untyped_storage()
         if (
-            t.device.type == "cpu"
-            and 0 < t.nbytes < GATHERED
+            0 < t.nbytes < GATHERED
             and t.is_contiguous()
             and t.storage_offset() == 0
             and storage.nbytes() == t.nbytes
@@ -127,6 +128,9 @@ def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         start = end
         release_free_heap()
     return sum(t.nbytes for t in small)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _line_aligned(nbytes: int) -> int:
