@@ -25,8 +25,8 @@ from ..ops.quantize import QuantizedWeight, dequantize
 # An absorbing module's kv_b_proj as two buffers, each laid out so that its product reduces over contiguous memory
 # (a decode step reads them once, from DRAM): the key rows of each head transposed, [heads, kv_lora_rank, nope], and
 # the value rows, [heads, v, kv_lora_rank]. The key rows as stored made Inductor's fused product stride a row apart
-# for every multiply-add: the absorbed attention took 0.27 ms a layer against 0.20 (DeepSeek-V2-Lite's shape, weights
-# from DRAM, benchmarks/RESULTS.md, 2026-12-01).
+# for every multiply-add: the absorbed attention took 0.30 ms a layer against 0.22-0.26 (DeepSeek-V2-Lite's shape,
+# weights from DRAM: `python benchmarks/decode_layouts.py`, benchmarks/RESULTS.md, 2026-12-01).
 UP_K = "_hybrid_moe_kv_up_k"
 UP_V = "_hybrid_moe_kv_up_v"
 

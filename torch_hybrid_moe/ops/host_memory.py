@@ -93,7 +93,8 @@ def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Move the CPU tensors among `tensors` under GATHERED bytes into slabs on huge pages, rebinding each one's
     `.data` in place (a Parameter or buffer stays the same object); returns the bytes moved. A decode token reads
     every dense weight once, and from 4 KB pages DeepSeek-V2-Lite's attention and shared-expert weights (1-3 MB each,
-    int4) were read at 37.2 GB/s against 40.2 from huge pages (benchmarks/RESULTS.md, 2026-12-01). A tensor moves
+    int4) were read at 32-34 GB/s against 36.5-37.4 from slabs (`python benchmarks/decode_layouts.py`, 2026-12-01,
+    benchmarks/RESULTS.md). A tensor moves
     where it is its storage's only tensor and spans it (a view, or a tensor sharing its storage with another, as a
     router's weight with its prefetch replay's copy, would then be held twice); the originals go back to the kernel
     slab by slab, so the process grows by at most one SLAB meanwhile."""
