@@ -1,12 +1,13 @@
-"""Two memory layouts a CPU decode step reads its weights in, each against the layout it replaced, in one process,
-alternating rounds, with weights cycled over --layers copies so that every read comes from DRAM:
+"""Two ways a CPU decode step reads its weights, each against the way it replaced, in one process, alternating
+rounds, with weights cycled over --layers copies so that every read comes from DRAM:
 
 - DeepSeek-V2-Lite's small dense int4 weights (attention projections and shared experts, 1-3 MB each) read by
   `hybrid_moe::matvecs` as separate tensors (4 KB pages: what the heap gives them) and after
   `host_memory.gather_on_huge_pages` (slabs on huge pages, what patching a CPU model does);
-- the MLA absorbed attention (`model_patches/latent_attention.absorbed_attention`, compiled; 16 heads, latent 512,
-  256 cached positions, bf16) with the up-projection's key rows as stored in kv_b_proj (a strided view) and as
-  `absorb` holds them (transposed per head, contiguous).
+- the MLA absorbed attention of one decode step (16 heads, latent 512, 256 cached positions, bf16): in torch, compiled
+  by Inductor (its products over the bf16 up-projection, the key rows transposed per head, as the step ran before the
+  op), against the `hybrid_moe::latent_attention` op (ops/latent_attention.py) with the up-projection in bf16, and as
+  `absorb` holds it in the int8 / int4 dense modes (key rows int8, value rows int8 / int4).
 
     python benchmarks/decode_layouts.py [--layers 40] [--rounds 4] [--threads 2]
 """
@@ -16,13 +17,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import types
 from collections.abc import Callable
 
 import torch
 
 from torch_hybrid_moe.cli import bounded
-from torch_hybrid_moe.model_patches import latent_attention
 from torch_hybrid_moe.ops import cpu_kernel, host_memory
 from torch_hybrid_moe.ops.quantize import quantize
 
@@ -59,26 +58,44 @@ def small_weights(layers: int) -> tuple[Callable[[], object], Callable[[], objec
     return reads(weights), reads(gathered), sum(d.nbytes + s.nbytes for d, s in weights)
 
 
-def absorbed(layers: int) -> tuple[Callable[[], object], Callable[[], object]]:
-    """Both layouts' passes of the compiled absorbed attention over `layers` modules."""
+def torch_form(
+    query: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor, up_k: torch.Tensor, up_v: torch.Tensor
+) -> torch.Tensor:
+    """The absorbed attention as torch products (the decode step's form before the op), for Inductor to compile."""
+    q_nope, q_rot = query[:, :, 0].split([NOPE, ROT], dim=-1)
+    q_latent = torch.bmm(up_k, q_nope.permute(1, 2, 0)).permute(2, 0, 1)  # [B, H, r]
+    c, rot = latent[:, 0], k_rot[:, 0]
+    scores = torch.baddbmm(torch.bmm(q_latent, c.transpose(1, 2)), q_rot, rot.transpose(1, 2)).float()
+    probs = torch.softmax(scores * (NOPE + ROT) ** -0.5, dim=-1).to(c.dtype)
+    return torch.bmm(up_v, torch.bmm(probs, c).permute(1, 2, 0)).permute(2, 0, 1)
+
+
+def absorbed(layers: int) -> dict[str, Callable[[], object]]:
+    """Passes of one decode step's absorbed attention over `layers` layers' up-projections, each way."""
     g = torch.Generator().manual_seed(1)
-    as_stored, transposed = [], []
-    for _ in range(layers):
-        up = (torch.randn(HEADS, NOPE + V, LATENT, generator=g) * 0.05).bfloat16()
-        stored = up[:, :NOPE].transpose(1, 2)  # a strided view: the rows as kv_b_proj stores them
-        for keys, kept in ((stored, as_stored), (stored.contiguous(), transposed)):
-            module = types.SimpleNamespace(qk_nope_head_dim=NOPE)
-            setattr(module, latent_attention.UP_K, keys)
-            setattr(module, latent_attention.UP_V, up[:, NOPE:])
-            kept.append(module)
     query = torch.randn(1, HEADS, 1, NOPE + ROT, generator=g).bfloat16()
     latent = torch.randn(1, 1, POSITIONS, LATENT, generator=g).bfloat16()
     k_rot = torch.randn(1, 1, POSITIONS, ROT, generator=g).bfloat16()
-    mask = torch.ones(1, 1, 1, POSITIONS, dtype=torch.bool)
-    step = torch.compile(lambda m: latent_attention.absorbed_attention(m, query, latent, k_rot, mask, None)[0])
-    if not torch.equal(step(as_stored[0]), step(transposed[0])):
-        raise SystemExit("decode_layouts: the two layouts gave different attention outputs")
-    return (lambda: [step(m) for m in as_stored]), (lambda: [step(m) for m in transposed])
+    ups = [(torch.randn(HEADS, NOPE + V, LATENT, generator=g) * 0.05).bfloat16() for _ in range(layers)]
+    compiled = torch.compile(torch_form)
+    op = torch.ops.hybrid_moe.latent_attention
+    scale = (NOPE + ROT) ** -0.5
+    ways: dict[str, Callable[[], object]] = {}
+    bf16 = [(up[:, :NOPE].transpose(1, 2).contiguous(), up[:, NOPE:]) for up in ups]
+    ways["torch + Inductor"] = lambda: [compiled(query, latent, k_rot, k, v) for k, v in bf16]
+    ways["op bf16"] = lambda: [op(query, latent, k_rot, k, None, v, None, None, scale) for k, v in bf16]
+    for bits in (8, 4):
+        held = []
+        for keys, values in bf16:
+            k = quantize(keys.flatten(0, 1).unsqueeze(0), 8, 64)
+            v = quantize(values.flatten(0, 1).unsqueeze(0), bits, 64)
+            held.append(tuple(t[0].unflatten(0, (HEADS, -1)) for t in (k.data, k.scale, v.data, v.scale)))
+        ways[f"op int{bits}"] = lambda held=held: [op(query, latent, k_rot, *w[:2], *w[2:], None, scale) for w in held]
+    reference = compiled(query, latent, k_rot, *bf16[0]).float()
+    got = op(query, latent, k_rot, bf16[0][0], None, bf16[0][1], None, None, scale)[:, 0].float()
+    if not torch.allclose(got, reference, rtol=0.02, atol=0.02 * reference.abs().max().item()):
+        raise SystemExit("decode_layouts: the op and the torch form gave different attention outputs")
+    return ways
 
 
 def main() -> None:
@@ -90,13 +107,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu_kernel.extension()  # the matvecs op's C++ kernel
     scattered, gathered, nbytes = small_weights(args.layers)
-    stored, contiguous = absorbed(args.layers)
+    ways = absorbed(args.layers)
     print(f"{args.threads} threads, {args.layers} layers' weights cycled, {time.strftime('%Y-%m-%d')}")
-    print(f"{'round':>5} {'4 KB pages GB/s':>15} {'slabs GB/s':>10} {'MLA keys as stored ms':>21} {'transposed':>10}")
+    print(
+        f"{'round':>5} {'4 KB pages GB/s':>15} {'slabs GB/s':>10} "
+        + " ".join(f"{'MLA ' + w + ' ms':>22}" for w in ways)
+    )
     for r in range(args.rounds):
         a, b = nbytes / seconds(scattered) / 1e9, nbytes / seconds(gathered) / 1e9
-        c, d = (seconds(f) / args.layers * 1e3 for f in (stored, contiguous))
-        print(f"{r:>5} {a:>15.1f} {b:>10.1f} {c:>21.3f} {d:>10.3f}")
+        mla = " ".join(f"{seconds(f) / args.layers * 1e3:>22.3f}" for f in ways.values())
+        print(f"{r:>5} {a:>15.1f} {b:>10.1f} {mla}")
 
 
 if __name__ == "__main__":

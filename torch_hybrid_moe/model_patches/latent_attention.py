@@ -8,9 +8,10 @@ every step expands the whole cache through kv_b_proj into per-head keys and valu
 (the DeepSeek-V2 paper's absorption; llama.cpp does the same): with W_UK[h] and W_UV[h] head h's key and value rows
 of kv_b_proj, score_h(t) = (W_UK[h]^T q_h) . c(t) + q_rot_h . k_rot(t) and out_h = W_UV[h] sum_t p_h(t) c(t), an
 attention with one key / value head over the cache as stored. The same function in another order: it stays within
-float rounding of the expanded form. Prompts (more than one query) keep the expanded form, which costs fewer
-multiply-adds where queries are as many as cached positions, and a model switched to another attention
-implementation expands as before.
+float rounding of the expanded form. A decode step runs it as one op, `hybrid_moe::latent_attention`
+(ops/latent_attention.py), which reads kv_b_proj's rows in the format the dense layers hold them. Prompts (more than
+one query) keep the expanded form, which costs fewer multiply-adds where queries are as many as cached positions, and a
+model switched to another attention implementation expands as before.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ import types
 import torch
 
 from ..ops.dense_linear import QuantizedLinear
-from ..ops.quantize import QuantizedWeight, dequantize
+from ..ops.quantize import QuantizedWeight, dequantize, quantize
 
-# An absorbing module's kv_b_proj as two buffers, each laid out so that its product reduces over contiguous memory
-# (a decode step reads them once, from DRAM): the key rows of each head transposed, [heads, kv_lora_rank, nope], and
-# the value rows, [heads, v, kv_lora_rank]. The key rows as stored made Inductor's fused product stride a row apart
-# for every multiply-add: the absorbed attention took 0.30 ms a layer against 0.22-0.26 (DeepSeek-V2-Lite's shape,
-# weights from DRAM: `python benchmarks/decode_layouts.py`, benchmarks/RESULTS.md, 2026-12-01).
+# An absorbing module's kv_b_proj as the `hybrid_moe::latent_attention` op reads it (ops/latent_attention.py): the key
+# rows of each head transposed, [heads, kv_lora_rank, nope], and the value rows, [heads, v, kv_lora_rank], each with
+# its scales (None in a float dtype). The value rows are a view of kv_b_proj's weight (rows, not a copy); the key
+# rows a copy, its products then reduce over contiguous memory.
 UP_K = "_hybrid_moe_kv_up_k"
+UP_K_SCALE = "_hybrid_moe_kv_up_k_scale"
 UP_V = "_hybrid_moe_kv_up_v"
+UP_V_SCALE = "_hybrid_moe_kv_up_v_scale"
 
 
 def is_latent_attention(module: torch.nn.Module) -> bool:
@@ -40,20 +42,31 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
     """Make MLA module `module` hand its cached latent to the attention function named `attention` in decode steps
     (which then calls `absorbed_attention`), where the model runs that implementation."""
     linear = module.kv_b_proj
-    quantised = isinstance(linear, QuantizedLinear)
-    if quantised:  # dense int8 / int4 mode: the small up-projection stays in model dtype
-        q = QuantizedWeight.from_kernel_operands(linear.qweight, linear.scale)
-        weight = dequantize(q.data, q.scale, q.bits, q.group_size).to(module.kv_a_layernorm.weight.dtype)
-    else:
-        weight = linear.weight.detach()
     nope = int(module.qk_nope_head_dim)
-    per_head = weight.unflatten(0, (-1, nope + int(module.v_head_dim)))
-    # The key rows are copied (half of kv_b_proj, 0.2% of DeepSeek-V2-Lite's weights); the value rows, already laid
-    # out for their product, stay a view of kv_b_proj's weight, copied only out of a dequantised weight (whose key
-    # rows the view would keep alive).
-    module.register_buffer(UP_K, per_head[:, :nope].transpose(1, 2).contiguous(), persistent=False)
-    values = per_head[:, nope:]
-    module.register_buffer(UP_V, values.contiguous() if quantised else values, persistent=False)
+    split = (-1, nope + int(module.v_head_dim))  # kv_b_proj's rows per head: its key rows, then its value rows
+    if isinstance(linear, QuantizedLinear) and nope % 32 == 0:
+        # Dense int8 / int4 mode: the value rows are kv_b_proj's own, read as the dense layers' rows are; the key rows,
+        # transposed, are requantised to int8 (one more rounding of values on an int8 or int4 grid: int8 keeps it
+        # below the first one's).
+        q = QuantizedWeight.from_kernel_operands(linear.qweight, linear.scale)
+        rows, scales = linear.qweight.unflatten(0, split), linear.scale.unflatten(0, split)
+        keys = dequantize(rows[:, :nope], scales[:, :nope], q.bits, q.group_size).transpose(1, 2)
+        up_k = quantize(keys.flatten(0, 1).unsqueeze(0), 8, q.group_size if nope % q.group_size == 0 else 32)
+        buffers = {
+            UP_K: up_k.data[0].view(keys.shape),
+            UP_K_SCALE: up_k.scale[0].unflatten(0, keys.shape[:2]),
+            UP_V: rows[:, nope:],
+            UP_V_SCALE: scales[:, nope:],
+        }
+    else:  # model dtype; or a quantised weight whose key rows the int8 kernels cannot take, dequantised to it
+        quantised = isinstance(linear, QuantizedLinear)
+        rows = (dequantized(linear, module) if quantised else linear.weight.detach()).unflatten(0, split)
+        # The value rows stay a view of kv_b_proj's weight (of a dequantised one a copy: the view would keep its key
+        # rows alive); the key rows are a copy (0.2% of DeepSeek-V2-Lite's weights).
+        up_v = rows[:, nope:].contiguous() if quantised else rows[:, nope:]
+        buffers = {UP_K: rows[:, :nope].transpose(1, 2).contiguous(), UP_K_SCALE: None, UP_V: up_v, UP_V_SCALE: None}
+    for name, tensor in buffers.items():
+        module.register_buffer(name, tensor, persistent=False)
 
     def expand_kv(self: torch.nn.Module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.config._attn_implementation != attention:
@@ -75,22 +88,25 @@ def absorbed_attention(
     [B, 1, T, rot] -> ([B, 1, H, v], None); None for more than one query: the caller expands (`expanded`)."""
     if query.shape[2] != 1:
         return None
-    nope = module.qk_nope_head_dim
-    q_nope, q_rot = query[:, :, 0].split([nope, query.shape[-1] - nope], dim=-1)  # [B, H, *]
-    q_latent = torch.bmm(getattr(module, UP_K), q_nope.permute(1, 2, 0)).permute(2, 0, 1)  # [B, H, r]
-    c, rot = latent[:, 0], k_rot[:, 0]  # [B, T, r], [B, T, rot]
-    scores = torch.baddbmm(torch.bmm(q_latent, c.transpose(1, 2)), q_rot, rot.transpose(1, 2))
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in fp32 at least
-    scores = scores * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-    if attention_mask is not None:  # SDPA's: [B | 1, 1, 1, T], boolean (True: attend) or additive
-        mask = attention_mask[:, :, 0]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    # a query that sees no position gets zeros, as the decode op gives (softmax would give NaN)
-    probs = torch.softmax(scores, dim=-1).masked_fill(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
-    probs = probs.to(c.dtype)
-    out_latent = torch.bmm(probs, c)  # [B, H, r]
-    out = torch.bmm(getattr(module, UP_V), out_latent.permute(1, 2, 0))  # [H, v, B]
-    return out.permute(2, 0, 1).unsqueeze(1), None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = torch.ops.hybrid_moe.latent_attention(  # ops/latent_attention.py
+        query,
+        latent,
+        k_rot,
+        getattr(module, UP_K),
+        getattr(module, UP_K_SCALE),
+        getattr(module, UP_V),
+        getattr(module, UP_V_SCALE),
+        attention_mask,
+        scale,
+    )
+    return out, None
+
+
+def dequantized(linear: QuantizedLinear, module: torch.nn.Module) -> torch.Tensor:
+    """A quantised kv_b_proj's weight dequantised to the module's dtype."""
+    q = QuantizedWeight.from_kernel_operands(linear.qweight, linear.scale)
+    return dequantize(q.data, q.scale, q.bits, q.group_size).to(module.kv_a_layernorm.weight.dtype)
 
 
 def expanded(module: torch.nn.Module, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Build the C++ CPU side: the expert kernel (`csrc/moe_cpu.cpp`) with its AMX tiles for prefill
-(`csrc/amx_gemm.cpp`) and the decode attention kernel (`csrc/attention_kernel.h`), the table of layers whose experts
+(`csrc/amx_gemm.cpp`) and the decode attention kernels (`csrc/attention_kernel.h`; MLA's absorbed form in
+`csrc/moe_cpu.cpp`), the table of layers whose experts
 all run on the CPU behind the `hybrid_moe::cpu_moe` op (`csrc/cpu_layers.cpp`), greedy decoding's argmax
 (`csrc/greedy.cpp`), and the CUDA host-function bridge that runs the kernel from inside captured graphs
 (`csrc/host_bridge.cpp`).

@@ -106,24 +106,39 @@ void attend_as(const Attend& a) {
         seen.push_back(s);
         break;
       }
-  const int64_t n = int64_t(seen.size()), G = a.G, D = a.D, Dv = a.Dv;
+  const int64_t n = int64_t(seen.size()), G = a.G, D = a.D, D2 = a.D2, Dv = a.Dv;
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (4 * Dv));
-  std::unique_ptr<float[]> buf(new float[G * D + G * Dv + G + G * n + std::min(chunk, n) * Dv]);
-  float *q = buf.get(), *acc = q + G * D, *total = acc + G * Dv, *scores = total + G, *rows = scores + G * n;
+  std::unique_ptr<float[]> buf(new float[G * (D + D2) + G * Dv + G + G * n + std::min(chunk, n) * Dv]);
+  float *q = buf.get(), *q2 = q + G * D, *acc = q2 + G * D2, *total = acc + G * Dv, *scores = total + G,
+        *rows = scores + G * n;
   std::fill(acc, acc + G * Dv, 0.f);
   std::vector<char> sees(G, 0);  // whether each head may see some position
-  // Query and value rows widened to fp32 as the expert kernel widens weight rows: in pairs_layout's column order.
+  // Query and value rows widened to fp32 as the expert kernel widens weight rows: in pairs_layout's column order
+  // (a query's second part in its own: its key part is another row).
   const Matrix queries{a.q, nullptr, a.q_stride, D, D, F}, values{a.v, nullptr, a.v_stride, Dv, Dv, F};
   dequant_rows(queries, 0, G, q);
+  if (D2) dequant_rows(Matrix{a.q + D * (F == Fmt::F32 ? 4 : 2), nullptr, a.q_stride, D2, D2, F}, 0, G, q2);
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* key = a.k + seen[j] * a.k_stride;
-    float dots[4];
+    const uint8_t* key2 = D2 ? a.k2 + seen[j] * a.k2_stride : nullptr;
+    float dots[4], tail[4];
     for (int64_t h = 0; h < G; h += 4) {
       const int64_t nh = std::min<int64_t>(4, G - h);
-      if (nh == 4)
+      if (nh == 4) {
         head_dots<F, 4>(q + h * D, D, key, dots);
-      else
-        for (int64_t i = 0; i < nh; ++i) head_dots<F, 1>(q + (h + i) * D, D, key, dots + i);
+        if (D2) {
+          head_dots<F, 4>(q2 + h * D2, D2, key2, tail);
+          for (int i = 0; i < 4; ++i) dots[i] += tail[i];
+        }
+      } else {
+        for (int64_t i = 0; i < nh; ++i) {
+          head_dots<F, 1>(q + (h + i) * D, D, key, dots + i);
+          if (D2) {
+            head_dots<F, 1>(q2 + (h + i) * D2, D2, key2, tail);
+            dots[i] += tail[0];
+          }
+        }
+      }
       for (int64_t i = 0; i < nh; ++i) {  // a hidden position is -inf whatever its key holds (inf, NaN)
         const float bias = a.bias(h + i, seen[j]);
         sees[h + i] |= bias != -INFINITY;

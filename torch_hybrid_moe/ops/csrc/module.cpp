@@ -11,6 +11,7 @@ TORCH_LIBRARY_IMPL(hybrid_moe, CPU, m) {
   m.impl("matvecs", &matvecs);
   m.impl("cpu_moe", &cpu_moe);
   m.impl("decode_attention", &decode_attention);
+  m.impl("latent_attention", &latent_attention);
   m.impl("prefill_attention", &prefill_attention);
   m.impl("greedy_tokens", &greedy_tokens);
 }
@@ -28,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_gemm", &dense_gemm, "int8 / int4 [N, K] weight times many activation rows on dequantised panels",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_at", &decode_attention_at, "The decode_attention op's kernel at a given ISA level");
+  m.def("latent_attention_at", &latent_attention_at, "The latent_attention op's kernel at a given ISA level");
   m.def("prefill_attention_available", &prefill_attention_available,
         "Whether the prefill_attention op's kernel runs here (AVX-512 with AVX512-BF16)");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");

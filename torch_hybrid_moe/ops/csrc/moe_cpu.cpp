@@ -110,7 +110,8 @@ MaskRef mask_ref(const at::Tensor& m, int64_t b, int64_t h0) {
 }
 
 // One work item of decode attention (attention_kernel.h): the G query heads sharing one key / value head, one query
-// each, over S cached positions. Strides are in bytes.
+// each, over S cached positions. Strides are in bytes. A key may come in two parts, its own tensors (MLA's latent and
+// rotary key): each query row then holds D + D2 columns, and a score is the sum of both parts' dot products.
 struct Attend {
   Fmt fmt;  // of q, k, v and out: fp32, bf16 or fp16
   const uint8_t* q;
@@ -124,6 +125,8 @@ struct Attend {
   int64_t G, D, Dv, S;
   float scale;
   MaskRef mask;
+  const uint8_t* k2 = nullptr;  // the keys' second part (D2 columns), or none
+  int64_t k2_stride = 0, D2 = 0;
   float bias(int64_t h, int64_t s) const { return mask.bias(h, 0, s); }
 };
 
@@ -160,11 +163,15 @@ Fmt format_of(const at::Tensor& w) {
 
 // A quantised weight's group size is K over its scales' last dimension.
 // `experts`: w is [E, N, K] (scales [E, N, K / group]); else one dense [N, K] weight (scales [N, K / group]), read in
-// place: no [1, N, K] view is made for it.
+// place: no [1, N, K] view is made for it. Each expert's rows must be contiguous; experts may be any stride apart
+// (`strided_experts`: per-head rows viewed out of a larger weight, as MLA's absorbed up-projection is).
 Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K,
-                 bool experts = true) {
+                 bool experts = true, bool strided_experts = false) {
   const int64_t e = experts ? 1 : 0;
-  TORCH_CHECK(w.dim() == e + 2 && w.is_contiguous() && w.device().is_cpu(), name, " must be a contiguous CPU ",
+  const auto rows_contiguous = [&](const at::Tensor& t) {
+    return strided_experts ? t.stride(e + 1) == 1 && t.stride(e) == t.size(e + 1) : t.is_contiguous();
+  };
+  TORCH_CHECK(w.dim() == e + 2 && rows_contiguous(w) && w.device().is_cpu(), name, " must be a contiguous CPU ",
               experts ? "[E, N, K]" : "[N, K]", " tensor");
   const Fmt fmt = format_of(w);
   const bool quantised = fmt == Fmt::I8 || fmt == Fmt::I4;
@@ -177,7 +184,7 @@ Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::
   if (quantised) {
     TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
     const at::Tensor& s = *scale;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.device().is_cpu() && s.dim() == e + 2 &&
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == e + 2 && rows_contiguous(s) && s.device().is_cpu() &&
                     (e == 0 || s.size(0) == w.size(0)) && s.size(e) == layer.N && s.size(e + 1) > 0,
                 name, " scales must be contiguous CPU fp32 ", experts ? "[E, N, K / group]" : "[N, K / group]");
     const int64_t group = K / s.size(e + 1);
@@ -979,6 +986,45 @@ at::Tensor matvecs(const at::Tensor& x, at::TensorList weights, const c10::List<
   return out;
 }
 
+namespace {
+
+// A decode step's mask as the attention kernels read it: boolean, or additive in fp32, expanded to [B, H, 1, S]
+// (undefined for none).
+at::Tensor decode_mask(const c10::optional<at::Tensor>& mask, int64_t B, int64_t H, int64_t S, const char* op) {
+  if (!mask.has_value()) return {};
+  TORCH_CHECK(mask->dim() == 4 && mask->device().is_cpu() && (mask->size(0) == 1 || mask->size(0) == B) &&
+                  (mask->size(1) == 1 || mask->size(1) == H) && mask->size(2) == 1 &&
+                  (mask->size(3) == 1 || mask->size(3) == S),
+              op, ": the mask must be a CPU tensor broadcastable as [B, Hq, 1, S]");
+  TORCH_CHECK(mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type()), op,
+              ": the mask must be boolean or additive (floating)");
+  return (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat)).expand({B, H, 1, S});
+}
+
+// Rows [i0, i1) of rows [n, K] (x's dtype) times one head's Matrix each: out[(i - i0) * ld + j] = row j of
+// heads.expert(i % H) . rows[i], N rows summed in fp32 (the activations quantised as a quantised weight's kernels take
+// them) and rounded to x's dtype. On the calling thread: each work item of latent_attention runs its own heads.
+template <typename T>
+void head_products(const Kernels& kern, const Layer& heads, int64_t H, const at::Tensor& rows, int64_t i0, int64_t i1,
+                   T* out, int64_t ld) {
+  const int64_t n = i1 - i0, K = rows.size(1), N = heads.N;
+  std::vector<float> xs(n * K), sums(N);
+  activations(rows.narrow(0, i0, n), written_layout(heads.first.fmt), kern.step, xs.data());
+  const KernelInputs in(xs.data(), n, K, heads.first.fmt, kern, false);
+  for (int64_t i = 0; i < n; ++i) {
+    const void* x = in.row(i);
+    kern.matvec_block(heads.expert((i0 + i) % H), 0, N, &x, 1, false, sums.data(), N);
+    round_rows(sums.data(), 1, N, 0, N, nullptr, out + i * ld, N);
+  }
+}
+
+template <typename T>
+T* data_as(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+}  // namespace
+
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level) {
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= best_isa(), "decode_attention: ISA level ", isa_level,
@@ -1002,16 +1048,7 @@ at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, c
   const at::Tensor q = query.contiguous();
   const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
-  at::Tensor m;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->dim() == 4 && mask->device().is_cpu() && (mask->size(0) == 1 || mask->size(0) == B) &&
-                    (mask->size(1) == 1 || mask->size(1) == Hq) && mask->size(2) == 1 &&
-                    (mask->size(3) == 1 || mask->size(3) == S),
-                "decode_attention: the mask must be a CPU tensor broadcastable as [B, Hq, 1, S]");
-    TORCH_CHECK(mask->scalar_type() == at::kBool || at::isFloatingType(mask->scalar_type()),
-                "decode_attention: the mask must be boolean or additive (floating)");
-    m = (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat)).expand({B, Hq, 1, S});
-  }
+  const at::Tensor m = decode_mask(mask, B, Hq, S, "decode_attention");
   at::Tensor out = at::empty({B, 1, Hq, Dv}, q.options());
   const int64_t es = q.element_size(), G = Hq / Hkv;
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
@@ -1045,6 +1082,89 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
                             const c10::optional<at::Tensor>& mask, double scale) {
   static const int64_t isa = best_isa();
   return decode_attention_at(query, key, value, mask, scale, isa);
+}
+
+at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent, const at::Tensor& k_rot,
+                               const at::Tensor& up_k, const c10::optional<at::Tensor>& up_k_scale,
+                               const at::Tensor& up_v, const c10::optional<at::Tensor>& up_v_scale,
+                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level) {
+  TORCH_CHECK(isa_level >= GENERIC && isa_level <= best_isa(), "latent_attention: ISA level ", isa_level,
+              " not available here");
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && latent.dim() == 4 && k_rot.dim() == 4 && up_k.dim() == 3 &&
+                  up_v.dim() == 3,
+              "latent_attention: expected query [B, H, 1, nope + rot], latent [B, 1, S, r], k_rot [B, 1, S, rot], "
+              "up_k [H, r, nope], up_v [H, v, r]");
+  const int64_t B = query.size(0), H = query.size(1), S = latent.size(2), r = latent.size(3), rot = k_rot.size(3);
+  const int64_t nope = query.size(3) - rot;
+  TORCH_CHECK(latent.size(0) == B && latent.size(1) == 1 && k_rot.size(0) == B && k_rot.size(1) == 1 &&
+                  k_rot.size(2) == S && S > 0 && r > 0 && rot > 0 && nope > 0 && up_k.size(0) == H &&
+                  up_v.size(0) == H && up_k.size(1) == r,
+              "latent_attention: latent / k_rot must be [B, 1, S, r] / [B, 1, S, rot] with S >= 1, up_k [H, r, nope] "
+              "and up_v [H, v, r], nope = the query's width - rot >= 1");
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(latent.scalar_type() == dtype && k_rot.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
+              "latent_attention: query, latent and k_rot must share one dtype: fp32, bf16 or fp16");
+  TORCH_CHECK(query.device().is_cpu() && latent.device().is_cpu() && k_rot.device().is_cpu(),
+              "latent_attention: query, latent and k_rot must be CPU tensors");
+  const Layer keys = make_layer("up_k", up_k, up_k_scale, nope, true, true);
+  const Layer values = make_layer("up_v", up_v, up_v_scale, r, true, true);
+  const int64_t v = values.N;
+  const at::Tensor m = decode_mask(mask, B, H, S, "latent_attention");
+  const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
+  const at::Tensor q = query.contiguous();
+  const at::Tensor c = latent.stride(3) == 1 ? latent : latent.contiguous();
+  const at::Tensor kr = k_rot.stride(3) == 1 ? k_rot : k_rot.contiguous();
+  // Each batch row's heads in as many groups as threads are left for them; a group's work item runs its heads'
+  // products and attention (reading the cache once) with no wait between them.
+  const int64_t groups = std::min<int64_t>(H, std::max<int64_t>(1, at::get_num_threads() / B));
+  const int64_t per_group = (H + groups - 1) / groups, es = q.element_size();
+  // The query as the attention reads it: each head's nope part through its key rows (r wide), then its rotary part.
+  at::Tensor q_cat = at::empty({B * H, r + rot}, q.options());
+  q_cat.narrow(1, r, rot).copy_(q.view({B * H, nope + rot}).narrow(1, nope, rot));
+  const at::Tensor nope_rows = q.view({B * H, nope + rot}).narrow(1, 0, nope);
+  at::Tensor o_latent = at::empty({B * H, r}, q.options());
+  at::Tensor out = at::empty({B, 1, H, v}, q.options());
+  const auto* cp = static_cast<const uint8_t*>(c.data_ptr());
+  const auto* kp = static_cast<const uint8_t*>(kr.data_ptr());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "latent_attention", [&] {
+    parallel_items(B * groups, [&](int64_t i) {
+      const int64_t b = i / groups, h0 = i % groups * per_group, G = std::min(per_group, H - h0);
+      if (G <= 0) return;
+      const int64_t first = b * H + h0;  // the group's first row of B * H
+      head_products(kern, keys, H, nope_rows, first, first + G, data_as<scalar_t>(q_cat) + first * (r + rot), r + rot);
+      const uint8_t* latent_rows = cp + b * c.stride(0) * es;
+      Attend a{format_of(q),
+               static_cast<const uint8_t*>(q_cat.data_ptr()) + first * (r + rot) * es,
+               (r + rot) * es,
+               latent_rows,
+               c.stride(2) * es,
+               latent_rows,
+               c.stride(2) * es,
+               static_cast<uint8_t*>(o_latent.data_ptr()) + first * r * es,
+               r * es,
+               G,
+               r,
+               r,
+               S,
+               float(scale),
+               mask_ref(m, b, h0),
+               kp + b * kr.stride(0) * es,
+               kr.stride(2) * es,
+               rot};
+      kern.attend(a);
+      head_products(kern, values, H, o_latent, first, first + G, data_as<scalar_t>(out) + first * v, v);
+    });
+  });
+  return out;
+}
+
+at::Tensor latent_attention(const at::Tensor& query, const at::Tensor& latent, const at::Tensor& k_rot,
+                            const at::Tensor& up_k, const c10::optional<at::Tensor>& up_k_scale, const at::Tensor& up_v,
+                            const c10::optional<at::Tensor>& up_v_scale, const c10::optional<at::Tensor>& mask,
+                            double scale) {
+  static const int64_t isa = best_isa();
+  return latent_attention_at(query, latent, k_rot, up_k, up_k_scale, up_v, up_v_scale, mask, scale, isa);
 }
 
 int64_t get_lane_start(int64_t level, const std::string& format) {

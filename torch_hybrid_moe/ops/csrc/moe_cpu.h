@@ -82,7 +82,22 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                              const c10::optional<at::Tensor>& mask, double scale, bool causal);
 bool prefill_attention_available();
+// MLA's decode attention with its up-projection absorbed, the `hybrid_moe::latent_attention` op's CPU kernel: one
+// query per head [B, H, 1, nope + rot] over the cached latent [B, 1, S, r] and rotary keys [B, 1, S, rot]. Each
+// head's nope part goes through its key rows up_k [H, r, nope] (r wide, rounded to the query's dtype), attends
+// (scores: latent and rotary parts summed, softmax in fp32) over the latent as values, and its output through its
+// value rows up_v [H, v, r]: out [B, 1, H, v] in the query's dtype. up_k / up_v are fp32, bf16, fp16 or int8 / int4
+// with fp32 scales [H, N, K / group] (their activations then quantised as a quantised linear's are); each head's
+// rows contiguous, heads any stride apart. The mask as decode_attention's.
+at::Tensor latent_attention(const at::Tensor& query, const at::Tensor& latent, const at::Tensor& k_rot,
+                            const at::Tensor& up_k, const c10::optional<at::Tensor>& up_k_scale, const at::Tensor& up_v,
+                            const c10::optional<at::Tensor>& up_v_scale, const c10::optional<at::Tensor>& mask,
+                            double scale);
 // The same at a given ISA level (for tests).
+at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent, const at::Tensor& k_rot,
+                               const at::Tensor& up_k, const c10::optional<at::Tensor>& up_k_scale,
+                               const at::Tensor& up_v, const c10::optional<at::Tensor>& up_v_scale,
+                               const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
 
