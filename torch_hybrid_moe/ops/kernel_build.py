@@ -1,9 +1,8 @@
 """Build the C++ CPU side: the expert kernel (`csrc/moe_cpu.cpp`) with its AMX tiles for prefill
 (`csrc/amx_gemm.cpp`) and the decode attention kernels (`csrc/attention_kernel.h`; MLA's absorbed form in
-`csrc/moe_cpu.cpp`), the table of layers whose experts
-all run on the CPU behind the `hybrid_moe::cpu_moe` op (`csrc/cpu_layers.cpp`), greedy decoding's argmax
-(`csrc/greedy.cpp`), and the CUDA host-function bridge that runs the kernel from inside captured graphs
-(`csrc/host_bridge.cpp`).
+`csrc/moe_cpu.cpp`), the table of layers whose experts all run on the CPU behind the `hybrid_moe::cpu_moe` op
+(`csrc/cpu_layers.cpp`), greedy decoding's argmax (`csrc/greedy.cpp`), and the CUDA host-function bridge that runs the
+kernel from inside captured graphs (`csrc/host_bridge.cpp`).
 
 The kernel is compiled on first use with torch's own extension builder (g++ and ninja; no CUDA toolkit),
 once per machine and torch version, and cached under torch's extensions directory. Where it cannot be
