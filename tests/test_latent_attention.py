@@ -62,8 +62,9 @@ def test_one_query_matches_the_expanded_form_in_float64(arch, batch, mask_kind):
         mask[..., -1] = True  # the step's own position
     key, value = expanded(reference, latent.double(), k_rot.double())
     ref_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
-    want = F.scaled_dot_product_attention(query.double(), key, value, attn_mask=ref_mask, scale=module.scaling)
-    got, weights = absorbed_attention(module, query, latent, k_rot, mask, module.scaling)
+    scaling = module.scaling * 0.7  # the caller's, not the head width's
+    want = F.scaled_dot_product_attention(query.double(), key, value, attn_mask=ref_mask, scale=scaling)
+    got, weights = absorbed_attention(module, query, latent, k_rot, mask, scaling)
     assert weights is None and got.shape == want.transpose(1, 2).shape and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-6)
 

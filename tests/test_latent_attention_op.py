@@ -58,22 +58,28 @@ def reference(query, latent, k_rot, up_k, up_k_scale, up_v, up_v_scale, mask, sc
     return times(up_v, up_v_scale, out_latent).unsqueeze(1)
 
 
-def inputs(batch, positions, dtype, fmt, seed=0):
+def inputs(batch, positions, dtype, fmt, heads=HEADS, seed=0):
     g = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, HEADS, 1, NOPE + ROT, generator=g).to(dtype)
+    query = torch.randn(batch, heads, 1, NOPE + ROT, generator=g).to(dtype)
     latent = torch.randn(batch, 1, positions, RANK, generator=g).to(dtype)
     k_rot = torch.randn(batch, 1, positions, ROT, generator=g).to(dtype)
-    up_k = torch.randn(HEADS, RANK, NOPE, generator=g) * 0.2
+    up_k = torch.randn(heads, RANK, NOPE, generator=g) * 0.2
     # value rows a view out of the whole up-projection, as absorb leaves kv_b_proj's: heads (NOPE + V) rows apart
-    whole = torch.randn(HEADS, NOPE + V, RANK, generator=g) * 0.2
+    whole = torch.randn(heads, NOPE + V, RANK, generator=g) * 0.2
     keys, key_scales = head_rows(up_k.to(dtype) if fmt == "float" else up_k, fmt)
     values, value_scales = head_rows(whole.to(dtype) if fmt == "float" else whole, fmt)
     values, value_scales = values[:, NOPE:], None if value_scales is None else value_scales[:, NOPE:]
     return query, latent, k_rot, keys, key_scales, values, value_scales
 
 
-def masks(batch, positions, kind):
+def masks(batch, heads, positions, kind):
+    """None, a boolean or additive mask per batch row, or a boolean one per head (batch row 0's head 1 sees nothing)."""
     g = torch.Generator().manual_seed(2)
+    if kind == "per head":
+        seen = torch.rand(batch, heads, 1, positions, generator=g) > 0.4
+        seen[..., -1] = True
+        seen[0, 1] = False
+        return seen
     seen = torch.rand(batch, 1, 1, positions, generator=g) > 0.4
     seen[..., -1] = True
     return {"none": None, "bool": seen, "additive": torch.randn(batch, 1, 1, positions, generator=g)}[kind]
@@ -82,20 +88,25 @@ def masks(batch, positions, kind):
 @pytest.mark.parametrize("impl", _implementations())
 @pytest.mark.parametrize("fmt", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
-def test_matches_float64(impl, fmt, dtype, mask_kind):
-    """Two batch rows, 37 positions, value rows strided per head: within the float rounding of the float64
-    computation at the same rounding points (bf16: a unit in the last place of its output). With quantised rows an
-    activation a rounding apart may round to the next int8 step: within 2% of the output's largest value."""
-    args = inputs(2, 37, dtype, fmt)
-    mask = masks(2, 37, mask_kind)
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "per head"])
+@pytest.mark.parametrize("batch, heads", [(2, 4), (1, 5)])
+def test_matches_float64(impl, fmt, dtype, mask_kind, batch, heads):
+    """37 positions, value rows strided per head; two batch rows of 4 heads, or one of 5 (on 2 threads: groups of 3
+    and 2 heads, the second starting past head 0 and shorter than the kernel's 4-head step): within the float
+    rounding of the float64 computation at the same rounding points (bf16: a unit in the last place of its output).
+    With quantised rows an activation a rounding apart may round to the next int8 step: within 2% of the output's
+    largest value."""
+    args = inputs(batch, 37, dtype, fmt, heads)
+    mask = masks(batch, heads, 37, mask_kind)
     got = run(impl, *args, mask, 0.2)
     want = reference(*args, mask, 0.2)
-    assert got.shape == (2, 1, HEADS, V) and got.dtype == dtype
+    assert got.shape == (batch, 1, heads, V) and got.dtype == dtype
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     if fmt != "float":
         tol = dict(rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     torch.testing.assert_close(got.double(), want.double(), **tol)
+    if mask_kind == "per head":
+        assert bool((got[0, 0, 1] == 0).all())
 
 
 @pytest.mark.parametrize("impl", _implementations())
@@ -105,6 +116,13 @@ def test_a_head_that_sees_nothing_is_zero(impl):
     mask[1] = False
     out = run(impl, *args, mask, 0.2)
     assert bool((out[1] == 0).all()) and bool(out[0].isfinite().all()) and bool((out[0] != 0).any())
+
+
+@pytest.mark.parametrize("impl", _implementations())
+@pytest.mark.parametrize("batch, heads", [(0, 4), (2, 0)])
+def test_an_empty_batch_or_no_heads_gives_an_empty_output(impl, batch, heads):
+    out = run(impl, *inputs(batch, 5, torch.float32, "int8", heads), None, 0.2)
+    assert out.shape == (batch, 1, heads, V)
 
 
 def test_passes_opcheck():

@@ -1111,6 +1111,7 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
   const Layer values = make_layer("up_v", up_v, up_v_scale, r, true, true);
   const int64_t v = values.N;
   const at::Tensor m = decode_mask(mask, B, H, S, "latent_attention");
+  if (B == 0 || H == 0) return at::empty({B, 1, H, v}, query.options());
   const Kernels kern = kernels_for(static_cast<Isa>(isa_level));
   const at::Tensor q = query.contiguous();
   const at::Tensor c = latent.stride(3) == 1 ? latent : latent.contiguous();
