@@ -5,14 +5,15 @@ called directly) cancel out and what is left is N decode steps. With --prefill i
 new token instead (the prompt's prefill and the LM head) and lists ops per input shape, which tells one projection
 from another. The weights' bytes each op reads are not known to the profiler: the op names say which part of the step
 it is (`hybrid_moe::matvecs` / `hybrid_moe::linear`: the dense layers, `hybrid_moe::cpu_moe` /
-`hybrid_moe::dispatch`: the experts, `hybrid_moe::decode_attention`: attention, `hybrid_moe::greedy_tokens`: the
-argmax; the rest: the compiled graph's own kernels and wrapper, and the ops around them). With --replay it times,
-without the profiler, each decode step's forward called both ways on alternate steps: the graph called directly
-(runtime/decode_replay.py, the default) and through Dynamo's frame evaluation, so that both see the same moments of a
-noisy host. With --loop it times whole decode tokens of `generate()` against `thm.greedy_generate` (the same tokens,
-without generate()'s per-token Python), in alternating rounds: each round's median gap between two tokens reaching a
-streamer, then the medians over rounds and of the paired differences. With --wrapper it times, in the same way,
-`thm.greedy_generate` with its decode step's graph wrapper in Python against in C++ (the CPU default).
+`hybrid_moe::dispatch`: the experts, `hybrid_moe::decode_attention` / `hybrid_moe::latent_attention`: attention,
+`hybrid_moe::greedy_tokens`: the argmax; the rest: the compiled graph's own kernels and wrapper, and the ops around
+them). With --replay it times, without the profiler, each decode step's forward called both ways on alternate steps:
+the graph called directly (runtime/decode_replay.py, the default) and through Dynamo's frame evaluation, so that both
+see the same moments of a noisy host. With --loop it times whole decode tokens of `generate()` against
+`thm.greedy_generate` (the same tokens, without generate()'s per-token Python), in alternating rounds: each round's
+median gap between two tokens reaching a streamer, then the medians over rounds and of the paired differences. With
+--wrapper it times, in the same way, `thm.greedy_generate` with its decode step's graph wrapper in Python against in
+C++ (the CPU default).
 
     python benchmarks/decode_profile.py [--shape qwen3-30b-a3b] [--layers 4] [--weights model|int8|int4] [--tokens 32]
         [--shapes | --prefill | --replay [--rounds 4] | --loop [--rounds 4] | --wrapper [--rounds 4]]

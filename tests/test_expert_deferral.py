@@ -129,7 +129,8 @@ def inductor_op_order(model, x):
     compiled = torch.compile(model, backend="hybrid_moe", fullgraph=True, dynamic=False)
     with torch.no_grad():
         _, codes = run_and_get_code(compiled, x)
-    return [op for op in re.findall(r"torch\.ops\.hybrid_moe\.(\w+)\.default\(", codes[0]) if op != "decode_attention"]
+    ops = re.findall(r"torch\.ops\.hybrid_moe\.(\w+)\.default\(", codes[0])
+    return [op for op in ops if op not in ("decode_attention", "latent_attention")]
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""Attention of a CPU model through `hybrid_moe::decode_attention` (decode steps, ops/decode_attention.py) and
-`hybrid_moe::prefill_attention` (prompts in bf16 on CPUs with AVX512-BF16, ops/prefill_attention.py).
+"""Attention of a CPU model through `hybrid_moe::decode_attention` (decode steps, ops/decode_attention.py; MLA's
+through `hybrid_moe::latent_attention`, latent_attention.py) and `hybrid_moe::prefill_attention` (prompts in bf16 on
+CPUs with AVX512-BF16, ops/prefill_attention.py).
 
 torch's SDPA on the CPU runs its flash kernel also for one query, and transformers' eager attention runs two small
 batched GEMMs through oneDNN with the softmax between them: 0.19 and 0.36 ms a layer at 160 cached positions
