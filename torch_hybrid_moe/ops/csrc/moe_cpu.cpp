@@ -1122,7 +1122,6 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
   const int64_t per_group = (H + groups - 1) / groups, es = q.element_size();
   // The query as the attention reads it: each head's nope part through its key rows (r wide), then its rotary part.
   at::Tensor q_cat = at::empty({B * H, r + rot}, q.options());
-  q_cat.narrow(1, r, rot).copy_(q.view({B * H, nope + rot}).narrow(1, nope, rot));
   const at::Tensor nope_rows = q.view({B * H, nope + rot}).narrow(1, 0, nope);
   at::Tensor o_latent = at::empty({B * H, r}, q.options());
   at::Tensor out = at::empty({B, 1, H, v}, q.options());
@@ -1134,6 +1133,9 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
       if (G <= 0) return;
       const int64_t first = b * H + h0;  // the group's first row of B * H
       head_products(kern, keys, H, nope_rows, first, first + G, data_as<scalar_t>(q_cat) + first * (r + rot), r + rot);
+      for (int64_t row = first; row < first + G; ++row)  // the rotary part as it is
+        std::memcpy(data_as<scalar_t>(q_cat) + row * (r + rot) + r, data_as<scalar_t>(q) + row * (nope + rot) + nope,
+                    rot * es);
       const uint8_t* latent_rows = cp + b * c.stride(0) * es;
       Attend a{format_of(q),
                static_cast<const uint8_t*>(q_cat.data_ptr()) + first * (r + rot) * es,
