@@ -90,7 +90,7 @@ def absorbed(layers: int) -> dict[str, Callable[[], object]]:
             k = quantize(keys.flatten(0, 1).unsqueeze(0), 8, 64)
             v = quantize(values.flatten(0, 1).unsqueeze(0), bits, 64)
             held.append(tuple(t[0].unflatten(0, (HEADS, -1)) for t in (k.data, k.scale, v.data, v.scale)))
-        ways[f"op int{bits}"] = lambda held=held: [op(query, latent, k_rot, *w[:2], *w[2:], None, scale) for w in held]
+        ways[f"op int{bits}"] = lambda held=held: [op(query, latent, k_rot, *w, None, scale) for w in held]
     reference = compiled(query, latent, k_rot, *bf16[0]).float()
     got = op(query, latent, k_rot, bf16[0][0], None, bf16[0][1], None, None, scale)[:, 0].float()
     if not torch.allclose(got, reference, rtol=0.02, atol=0.02 * reference.abs().max().item()):
