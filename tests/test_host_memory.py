@@ -66,29 +66,59 @@ def test_freed_heap_pages_go_back_to_the_kernel():
 
 
 def test_gather_moves_small_whole_tensors_into_shared_slabs_in_place():
-    """Small tensors that alone span their storage move into one slab, as the same objects with the same values;
-    large ones, views, and tensors sharing a storage stay where they are; a tensor listed twice moves once."""
+    """Small tensors move into one slab, as the same objects with the same values; large ones, and tensors whose
+    storage something unlisted also holds, stay where they are; a tensor listed twice moves once."""
     g = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(1000, 100, generator=g))
     int8 = torch.randint(-128, 127, (3 << 20,), generator=g, dtype=torch.int8)
     big = torch.randn(5 << 20, generator=g)  # 20 MB: `empty` advises such a buffer itself
-    base = torch.randn(64, 64, generator=g)
-    head, offset, strided = base[:8], base[1:], base.t()  # part of a storage, offset into one, strided
     shared = torch.randn(100, generator=g)
-    twin = shared.detach()  # another tensor on the same storage: moving one would hold it twice
-    kept = [t.clone() for t in (param, int8, big, base)]
-    pointers = [t.data_ptr() for t in (big, head, offset, strided, shared)]
+    twin = shared.detach()  # another tensor on the same storage, not a view: moving one would hold it twice
+    pinned = torch.randn(64, 64, generator=g)
+    rows, other = pinned[8:], pinned.detach()  # a view, and its base's storage held by a tensor nobody lists
+    kept = [t.clone() for t in (param, int8, big)]
+    pointers = [t.data_ptr() for t in (big, shared, rows)]
 
     sparse = torch.eye(4).to_sparse()  # no plain storage: left alone, not an error
-    moved = host_memory.gather_on_huge_pages([param, int8, param, big, head, offset, strided, shared, sparse])
+    moved = host_memory.gather_on_huge_pages([param, int8, param, big, shared, rows, sparse])
 
     assert moved == param.nbytes + int8.nbytes
     assert isinstance(param, torch.nn.Parameter) and param.requires_grad
     assert param.untyped_storage().data_ptr() == int8.untyped_storage().data_ptr()  # one slab holds both
     assert param.data_ptr() % 64 == 0 and int8.data_ptr() % 64 == 0
-    assert [t.data_ptr() for t in (big, head, offset, strided, shared)] == pointers and twin.data_ptr() == pointers[-1]
-    for now, before in zip((param, int8, big, base), kept):
+    assert [t.data_ptr() for t in (big, shared, rows)] == pointers and twin.data_ptr() == pointers[1]
+    assert other.data_ptr() == pinned.data_ptr() == rows.data_ptr() - 8 * 64 * 4
+    for now, before in zip((param, int8, big), kept):
         assert torch.equal(now.detach(), before)
+
+
+def test_gather_moves_a_storage_with_all_its_views():
+    """A weight and views of it (MLA's absorbed value rows over kv_b_proj's rows) move together, still views of one
+    storage with their offsets, strides and values; so does a view with the tensor it was taken from, listed or not
+    (QuantizedLinear's rows, `data[0]` of a tensor only they hold)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 48, generator=g)
+    rows, cols = weight[16:40], weight[:, 8:].t()  # an offset view and a strided one
+    halves = torch.randn(32, 8, generator=g)
+    as_bytes = halves.view(torch.uint8)  # the same storage under another dtype
+    first = torch.randn(2, 8, 8, generator=g)[0]  # a view whose base only it holds
+    kept = [t.clone() for t in (weight, rows, cols, halves, first)]
+    geometry = [(t.storage_offset(), t.stride()) for t in (rows, cols, as_bytes)]
+
+    moved = host_memory.gather_on_huge_pages([weight, rows, cols, rows, halves, as_bytes, first])
+
+    assert moved == weight.nbytes + halves.nbytes + 2 * first.nbytes
+    storage = weight.untyped_storage()
+    assert storage.nbytes() > weight.nbytes  # a slab
+    assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in (rows, cols, halves, as_bytes, first))
+    start = weight.storage_offset()
+    assert [(t.storage_offset() - start, t.stride()) for t in (rows, cols)] == geometry[:2]
+    assert as_bytes.stride() == geometry[2][1] and as_bytes.data_ptr() == halves.data_ptr()
+    assert first._base.data_ptr() == first.data_ptr()  # its base moved with it
+    for now, before in zip((weight, rows, cols, halves, first), kept):
+        assert torch.equal(now, before)
+    weight[16, 8] = 7.0  # views still: a write shows through each
+    assert rows[0, 8].item() == cols[0, 16].item() == 7.0
 
 
 def test_gather_fills_slabs_of_at_most_a_slab_each():
@@ -99,20 +129,24 @@ def test_gather_fills_slabs_of_at_most_a_slab_each():
     assert all(bool((t == i).all()) for i, t in enumerate(tensors))
 
 
-def test_a_patched_cpu_model_reads_its_small_weights_from_slabs():
-    """After patching, the attention projections live in a slab (a storage larger than themselves), the input
-    embedding does not, and the model gives the unpatched logits."""
+@pytest.mark.parametrize("dense", ["model", "int8"])
+def test_a_patched_cpu_model_reads_its_small_weights_from_slabs(dense):
+    """After patching, the attention projections live in a slab (a storage larger than themselves), also as the
+    dense int8 mode's rows and scales (views of the quantiser's output); the input embedding does not; and the model
+    gives the unpatched logits (within the int8 mode's error)."""
     from torch_hybrid_moe.tiny_models import tiny_model
 
     from .conftest import patched_copy
     from .test_exactness import assert_logits_close
 
     ref = tiny_model("qwen3_moe")
-    model = patched_copy(ref, expert_budget=0.0)
-    q_proj = model.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.untyped_storage().nbytes() > q_proj.nbytes
+    quantised = {} if dense == "model" else dict(dense_weight_dtype=dense, dense_weight_group_size=32)
+    model = patched_copy(ref, expert_budget=0.0, **quantised)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    for weight in [q_proj.weight] if dense == "model" else [q_proj.qweight, q_proj.scale]:
+        assert weight.untyped_storage().nbytes() > weight.nbytes
     embedding = model.get_input_embeddings().weight  # a token reads one row: left where it is
     assert embedding.untyped_storage().nbytes() == embedding.nbytes
     ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert_logits_close(model(ids).logits, ref(ids).logits)
+        assert_logits_close(model(ids).logits, ref(ids).logits, **({} if dense == "model" else dict(rel=0.05)))

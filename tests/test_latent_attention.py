@@ -135,6 +135,9 @@ def test_a_quantised_up_projection_is_read_as_stored(fmt):
     up_v, up_v_scale = getattr(module, UP_V), getattr(module, UP_V_SCALE)
     assert up_v.untyped_storage().data_ptr() == linear.qweight.untyped_storage().data_ptr()
     assert up_v_scale.untyped_storage().data_ptr() == linear.scale.untyped_storage().data_ptr()
+    # moved with their views onto the small weights' slabs (host_memory.gather_on_huge_pages)
+    assert linear.qweight.untyped_storage().nbytes() > linear.qweight.nbytes
+    assert up_v.data_ptr() == linear.qweight.data_ptr() + nope * up_v.stride(1)
     q = QuantizedWeight.from_kernel_operands(linear.qweight, linear.scale)
     per_head = dequantize(q.data, q.scale, q.bits, q.group_size).unflatten(0, (up_v.shape[0], -1))
     assert torch.equal(dequantize(up_v, up_v_scale, q.bits, q.group_size), per_head[:, nope:])

@@ -90,45 +90,58 @@ def fill_in_parallel(fill: Callable[[int], None], count: int) -> None:
 
 
 def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
-    """Move the CPU tensors among `tensors` under GATHERED bytes into slabs on huge pages, rebinding each one's
-    `.data` in place (a Parameter or buffer stays the same object); returns the bytes moved. A decode token reads
-    every dense weight once, and from 4 KB pages DeepSeek-V2-Lite's attention and shared-expert weights (1-3 MB each,
-    int4) were read at 32-34 GB/s against 36.5-37.4 from slabs (`python benchmarks/decode_layouts.py`, 2026-12-01,
-    benchmarks/RESULTS.md). A tensor moves
-    where it is its storage's only tensor and spans it (a view, or a tensor sharing its storage with another, as a
-    router's weight with its prefetch replay's copy, would then be held twice); the originals go back to the kernel
+    """Move the storages under GATHERED bytes of the CPU tensors among `tensors` into slabs on huge pages, rebinding
+    each tensor's `.data` in place to the same view of the moved storage (a Parameter or buffer stays the same
+    object); returns the bytes moved. A decode token reads every dense weight once, and from 4 KB pages
+    DeepSeek-V2-Lite's attention and shared-expert weights (1-3 MB each, int4) were read at 32-34 GB/s against
+    36.5-37.4 from slabs (`python benchmarks/decode_layouts.py`, 2026-12-01, benchmarks/RESULTS.md). A storage moves
+    with all its tensors, and only where every tensor on it is among `tensors` (MLA's absorbed value rows, views of
+    kv_b_proj's weight, move with it); one that anything else holds (a router's weight and its prefetch replay's
+    detached copy, part of a larger tensor) would then be held twice, and stays. The originals go back to the kernel
     slab by slab, so the process grows by at most one SLAB meanwhile."""
-    small: list[torch.Tensor] = []
-    seen: set[int] = set()
+    moving = _whole_storages(tensors)
+    moved = start = 0  # slabs of SLAB bytes at most, each filled from the next storages in order
+    while start < len(moving):
+        end, size = start, 0
+        while end < len(moving) and size + _line_aligned(moving[end][0].nbytes()) <= SLAB:
+            size += _line_aligned(moving[end][0].nbytes())
+            end += 1
+        slab, offset = empty((size,), torch.uint8), 0
+        for entry in moving[start:end]:
+            storage, members = entry
+            nbytes = storage.nbytes()
+            slab[offset : offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            for t in members:
+                at = offset // t.element_size() + t.storage_offset()
+                t.data = torch.empty(0, dtype=t.dtype).set_(slab.untyped_storage(), at, t.shape, t.stride())
+            entry.clear()  # the old storage's last holder here: freed with the slab's other originals below
+            del storage
+            offset += _line_aligned(nbytes)
+            moved += nbytes
+        start = end
+        release_free_heap()
+    return moved
+
+
+def _whole_storages(tensors: Iterable[torch.Tensor]) -> list[list]:
+    """[storage, its tensors] for each plain CPU storage under GATHERED bytes that only tensors among `tensors` and the
+    tensors they are views of hold (each tensor holds its storage once, and so does the one storage object kept here);
+    a tensor listed twice counts once."""
+    groups: dict[int, tuple[torch.UntypedStorage, dict[int, torch.Tensor]]] = {}
     for t in tensors:
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or type(t) not in _PLAIN:
             continue  # sparse, quantised and subclass tensors have no plain storage of their own to move
         storage = t.untyped_storage()
-        if (
-            0 < t.nbytes < GATHERED
-            and t.is_contiguous()
-            and t.storage_offset() == 0
-            and storage.nbytes() == t.nbytes
-            and torch._C._storage_Use_Count(storage._cdata) == 2  # `t` and `storage` alone hold it
-            and storage.data_ptr() not in seen
-        ):
-            seen.add(storage.data_ptr())
-            small.append(t)
-    start = 0  # slabs of SLAB bytes at most, each filled from the next tensors in order
-    while start < len(small):
-        end, size = start, 0
-        while end < len(small) and size + _line_aligned(small[end].nbytes) <= SLAB:
-            size += _line_aligned(small[end].nbytes)
-            end += 1
-        slab, offset = empty((size,), torch.uint8), 0
-        for t in small[start:end]:
-            view = slab[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            t.data = view
-            offset += _line_aligned(t.nbytes)
-        start = end
-        release_free_heap()
-    return sum(t.nbytes for t in small)
+        if 0 < storage.nbytes() < GATHERED and storage.nbytes() % t.element_size() == 0:
+            members = groups.setdefault(storage.data_ptr(), (storage, {}))[1]
+            members[id(t)] = t
+            if t._base is not None:  # a view holds the tensor it was taken from (QuantizedLinear's rows: data[0])
+                members[id(t._base)] = t._base
+    return [
+        [storage, list(members.values())]
+        for storage, members in groups.values()
+        if torch._C._storage_Use_Count(storage._cdata) == len(members) + 1
+    ]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
