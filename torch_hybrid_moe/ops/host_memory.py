@@ -95,9 +95,10 @@ def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     object); returns the bytes moved. A decode token reads every dense weight once, and from 4 KB pages
     DeepSeek-V2-Lite's attention and shared-expert weights (1-3 MB each, int4) were read at 32-34 GB/s against
     36.5-37.4 from slabs (`python benchmarks/decode_layouts.py`, 2026-12-01, benchmarks/RESULTS.md). A storage moves
-    with all its tensors, and only where every tensor on it is among `tensors` (MLA's absorbed value rows, views of
-    kv_b_proj's weight, move with it); one that anything else holds (a router's weight and its prefetch replay's
-    detached copy, part of a larger tensor) would then be held twice, and stays. The originals go back to the kernel
+    with all its tensors, and only where every tensor on it is among `tensors` or one they are views of (MLA's
+    absorbed value rows, views of kv_b_proj's rows, move with them; so does the quantiser's output that the dense int8
+    / int4 modes' rows are views of); one that anything else holds (a router's weight and its prefetch replay's
+    detached copy) would then be held twice, and stays. The originals go back to the kernel
     slab by slab, so the process grows by at most one SLAB meanwhile."""
     moving = _whole_storages(tensors)
     moved = start = 0  # slabs of SLAB bytes at most, each filled from the next storages in order
