@@ -121,6 +121,23 @@ def test_gather_moves_a_storage_with_all_its_views():
     assert rows[0, 8].item() == cols[0, 16].item() == 7.0
 
 
+def test_gather_leaves_flagged_views_and_stale_bases_alone():
+    """A conjugate or negative view, whose flag a rebind would drop, stays with its storage; a view whose `.data` was
+    rebound keeps its old base on another storage, which must not be rebound onto the view's bytes."""
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    conj, neg = c.conj(), torch._neg_view(torch.tensor([1.0, -2.0]))
+    base = torch.arange(16.0).reshape(4, 4)
+    view = base[1:]
+    view.data = torch.full((3, 4), -1.0)  # its own storage now; `view._base` is still `base`
+    other = view.detach()  # something unlisted holds the view's storage
+    pointers = [t.data_ptr() for t in (conj, neg, base, view)]
+
+    assert host_memory.gather_on_huge_pages([conj, neg, view]) == 0
+    assert [t.data_ptr() for t in (conj, neg, base, view)] == pointers and other.data_ptr() == view.data_ptr()
+    assert conj.tolist() == [1 - 2j, 3 + 4j] and neg.tolist() == [-1.0, 2.0]
+    assert torch.equal(base, torch.arange(16.0).reshape(4, 4))
+
+
 def test_gather_fills_slabs_of_at_most_a_slab_each():
     tensors = [torch.full((3 << 20,), i, dtype=torch.uint8) for i in range(20)]  # 60 MB of 3 MB tensors
     assert host_memory.gather_on_huge_pages(tensors) == 60 << 20

@@ -133,16 +133,22 @@ def _whole_storages(tensors: Iterable[torch.Tensor]) -> list[list]:
         if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or type(t) not in _PLAIN:
             continue  # sparse, quantised and subclass tensors have no plain storage of their own to move
         storage = t.untyped_storage()
-        if 0 < storage.nbytes() < GATHERED and storage.nbytes() % t.element_size() == 0:
+        # a conjugate or negative view would lose its flag when rebound: left out, its storage stays (use count)
+        if 0 < storage.nbytes() < GATHERED and storage.nbytes() % t.element_size() == 0 and not _flagged(t):
             members = groups.setdefault(storage.data_ptr(), (storage, {}))[1]
             members[id(t)] = t
-            if t._base is not None:  # a view holds the tensor it was taken from (QuantizedLinear's rows: data[0])
-                members[id(t._base)] = t._base
+            base = t._base  # the tensor a view was taken from holds the storage too (QuantizedLinear's rows: data[0])
+            if base is not None and not _flagged(base) and base.untyped_storage().data_ptr() == storage.data_ptr():
+                members[id(base)] = base  # (a view whose .data was rebound keeps a base on another storage)
     return [
         [storage, list(members.values())]
         for storage, members in groups.values()
         if torch._C._storage_Use_Count(storage._cdata) == len(members) + 1
     ]
+
+
+def _flagged(t: torch.Tensor) -> bool:
+    return t.is_conj() or t.is_neg()
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
