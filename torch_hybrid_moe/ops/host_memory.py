@@ -98,34 +98,30 @@ def gather_on_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     with all its tensors, and only where every tensor on it is among `tensors` or one they are views of (MLA's
     absorbed value rows, views of kv_b_proj's rows, move with them; so does the quantiser's output that the dense int8
     / int4 modes' rows are views of); one that anything else holds (a router's weight and its prefetch replay's
-    detached copy) would then be held twice, and stays. The originals go back to the kernel
-    slab by slab, so the process grows by at most one SLAB meanwhile."""
-    moving = _whole_storages(tensors)
-    moved = start = 0  # slabs of SLAB bytes at most, each filled from the next storages in order
-    while start < len(moving):
-        end, size = start, 0
-        while end < len(moving) and size + _line_aligned(moving[end][0].nbytes()) <= SLAB:
-            size += _line_aligned(moving[end][0].nbytes())
-            end += 1
+    detached copy) would then be held twice, and stays. The originals go back to the kernel slab by slab, so the
+    process grows by at most one SLAB meanwhile."""
+    moving, moved = _whole_storages(tensors), 0
+    while moving:  # slabs of SLAB bytes at most (a storage is under GATHERED), each filled from the next storages
+        count, size = 0, 0
+        while count < len(moving) and size + _line_aligned(moving[count][0].nbytes()) <= SLAB:
+            size += _line_aligned(moving[count][0].nbytes())
+            count += 1
+        batch, moving = moving[:count], moving[count:]
         slab, offset = empty((size,), torch.uint8), 0
-        for entry in moving[start:end]:
-            storage, members = entry
-            nbytes = storage.nbytes()
-            slab[offset : offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+        for storage, members in batch:
+            slab[offset : offset + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
             for t in members:
                 at = offset // t.element_size() + t.storage_offset()
                 t.data = torch.empty(0, dtype=t.dtype).set_(slab.untyped_storage(), at, t.shape, t.stride())
-            entry.clear()  # the old storage's last holder here: freed with the slab's other originals below
-            del storage
-            offset += _line_aligned(nbytes)
-            moved += nbytes
-        start = end
+            offset += _line_aligned(storage.nbytes())
+            moved += storage.nbytes()
+        del batch, storage, members  # the originals' last holders: freed now, with their heap pages below
         release_free_heap()
     return moved
 
 
-def _whole_storages(tensors: Iterable[torch.Tensor]) -> list[list]:
-    """[storage, its tensors] for each plain CPU storage under GATHERED bytes that only tensors among `tensors` and the
+def _whole_storages(tensors: Iterable[torch.Tensor]) -> list[tuple[torch.UntypedStorage, list[torch.Tensor]]]:
+    """(storage, its tensors) for each plain CPU storage under GATHERED bytes that only tensors among `tensors` and the
     tensors they are views of hold (each tensor holds its storage once, and so does the one storage object kept here);
     a tensor listed twice counts once."""
     groups: dict[int, tuple[torch.UntypedStorage, dict[int, torch.Tensor]]] = {}
@@ -141,7 +137,7 @@ def _whole_storages(tensors: Iterable[torch.Tensor]) -> list[list]:
             if base is not None and not _flagged(base) and base.untyped_storage().data_ptr() == storage.data_ptr():
                 members[id(base)] = base  # (a view whose .data was rebound keeps a base on another storage)
     return [
-        [storage, list(members.values())]
+        (storage, list(members.values()))
         for storage, members in groups.values()
         if torch._C._storage_Use_Count(storage._cdata) == len(members) + 1
     ]
