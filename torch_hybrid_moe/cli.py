@@ -1010,7 +1010,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help="write ours' settings here as a stack file for the live runtime (HybridMoEConfig.from_stack_file, "
         "generate --stack): as --ours gives them, or tuned among what runs in the decode graph (window, MRS, LFU, "
-        "LRU caches; no prefetch)",
+        "LRU and cost-aware caches; no prefetch)",
     )
     s.add_argument(
         "--stack",
