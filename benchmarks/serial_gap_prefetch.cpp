@@ -6,7 +6,7 @@
 // pass with PRE_MB against the pass without. Standalone (no torch); x86-64 with AVX-512F.
 //
 //   g++ -O2 -march=native -std=c++17 -pthread benchmarks/serial_gap_prefetch.cpp -o /tmp/gap
-//   for pre in 0 0.5 1 2; do /tmp/gap 4 40 $pre; done
+//   for pre in 0 1 2 3 4; do /tmp/gap 4 40 $pre; done; for pre in 0 0.5 1; do /tmp/gap 2 20 $pre; done
 #include <immintrin.h>
 #include <sys/mman.h>
 
