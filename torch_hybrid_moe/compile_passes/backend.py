@@ -4,6 +4,7 @@ Passes: rewrite stock experts regions into dispatch (moe_regions.py), insert pre
 C++ step of layers whose experts all run on the CPU (cpu_dispatch.py),
 route CPU bf16 / fp16 linear layers to the decode micro-kernels where measured faster and merge the decode
 linears that read one input into one call (dense_linear.py),
+lower complex rotary products to real arithmetic Inductor fuses (complex_products.py),
 and, for layers configured with mode="expert_deferral" only, Expert Deferral (expert_deferral.py), or with
 mode="daop_precalc" only, DAOP's predictive CPU pre-calculation of decode steps (daop_precalc.py).
 
@@ -29,6 +30,7 @@ import torch.fx as fx
 from ..config import HybridMoEConfig
 from ..errors import InputError
 from ..runtime.decode_replay import recordable
+from .complex_products import lower_complex_products
 from .cpu_dispatch import direct_cpu_dispatch
 from .daop_precalc import insert_daop_precalc
 from .dense_linear import fuse_sibling_matvecs, route_dense_linears
@@ -72,6 +74,7 @@ def hybrid_moe_backend(
     direct_cpu_dispatch(gm)  # layers with every expert on the CPU: the C++ op, no Python a step
     route_dense_linears(gm, example_inputs)  # CPU bf16 / fp16 linears where the micro-kernels were measured faster
     fuse_sibling_matvecs(gm)  # decode linears reading one input (q / k / v): one kernel call
+    lower_complex_products(gm)  # DeepSeek-V2's rotary products: fused by Inductor, not six eager calls a layer
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options

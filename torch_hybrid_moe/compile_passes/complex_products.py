@@ -1,0 +1,82 @@
+"""Complex rotary products in real arithmetic: `view_as_real(view_as_complex(x) * c)` becomes the same four
+products on x's pairs and c's (real, imaginary) parts.
+
+DeepSeek-V2's rotary embedding (transformers' `apply_rotary_emb`) multiplies the query's and key's rotary parts as
+complex numbers. Inductor has no complex kernels, so each layer's two products ran as six eager calls (two
+`view_as_complex`, two complex `mul`, two `view_as_real`) with their allocations between the graph's kernels, on one
+thread. In real arithmetic Inductor fuses them into the kernels around them; `c` (the step's rotary factors, one
+tensor for all layers) is read through one `view_as_real` view. The products are the ones torch's vectorised complex
+multiply computes, (a c - b d, a d + b c) with each product rounded (Inductor compiles without FMA contraction), so
+the results are the same bits (`tests/test_complex_products.py`).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+_MULS = (operator.mul, torch.mul, "mul")
+
+
+def _is_mul(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "mul" and not node.kwargs
+    return node.op == "call_function" and node.target in _MULS and not node.kwargs
+
+
+def _complex_value(node: object) -> bool:
+    """Whether `node` is a graph value Dynamo recorded as a complex64 / complex128 tensor."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dtype in (torch.complex64, torch.complex128)
+
+
+def lower_complex_products(gm: fx.GraphModule) -> int:
+    """Rewrite every `view_as_real(view_as_complex(x) * c)` of `gm` whose complex intermediates have no other user and
+    whose factors share a dtype into real arithmetic; returns how many were rewritten."""
+    graph, done = gm.graph, 0
+    parts_of: dict[fx.Node, fx.Node] = {}  # each complex factor's (real, imaginary) view, made once
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.view_as_real):
+            continue
+        product = node.args[0]
+        if not (isinstance(product, fx.Node) and _is_mul(product) and len(product.users) == 1):
+            continue
+        pair = [a for a in product.args if isinstance(a, fx.Node) and a.target is torch.view_as_complex]
+        if len(product.args) != 2 or len(pair) != 1 or len(pair[0].users) != 1:
+            continue
+        packed = pair[0]
+        factor = product.args[1] if product.args[0] is packed else product.args[0]
+        if not (_complex_value(factor) and _complex_value(packed) and _complex_value(product)):
+            continue
+        if not (
+            packed.meta["example_value"].dtype
+            == factor.meta["example_value"].dtype
+            == product.meta["example_value"].dtype
+        ):
+            continue
+        if factor not in parts_of:
+            with graph.inserting_after(factor):
+                parts_of[factor] = graph.call_function(torch.view_as_real, (factor,))
+        parts, x = parts_of[factor], packed.args[0]
+        with graph.inserting_before(node):
+            a = graph.call_function(operator.getitem, (x, (Ellipsis, 0)))
+            b = graph.call_function(operator.getitem, (x, (Ellipsis, 1)))
+            c = graph.call_function(operator.getitem, (parts, (Ellipsis, 0)))
+            d = graph.call_function(operator.getitem, (parts, (Ellipsis, 1)))
+            real = graph.call_function(
+                operator.sub, (graph.call_function(operator.mul, (a, c)), graph.call_function(operator.mul, (b, d)))
+            )
+            imag = graph.call_function(
+                operator.add, (graph.call_function(operator.mul, (a, d)), graph.call_function(operator.mul, (b, c)))
+            )
+            out = graph.call_function(torch.stack, ([real, imag],), {"dim": -1})
+        node.replace_all_uses_with(out)
+        for dead in (node, product, packed):
+            graph.erase_node(dead)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
