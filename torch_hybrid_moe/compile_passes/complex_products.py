@@ -26,10 +26,10 @@ def _is_mul(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _MULS and not node.kwargs
 
 
-def _complex_value(node: object) -> bool:
-    """Whether `node` is a graph value Dynamo recorded as a complex64 / complex128 tensor."""
+def _complex_dtype(node: object) -> torch.dtype | None:
+    """The complex dtype of a graph value Dynamo recorded as a complex tensor; None for anything else."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return isinstance(value, torch.Tensor) and value.dtype in (torch.complex64, torch.complex128)
+    return value.dtype if isinstance(value, torch.Tensor) and value.dtype.is_complex else None
 
 
 def lower_complex_products(gm: fx.GraphModule) -> int:
@@ -48,23 +48,15 @@ def lower_complex_products(gm: fx.GraphModule) -> int:
             continue
         packed = pair[0]
         factor = product.args[1] if product.args[0] is packed else product.args[0]
-        if not (_complex_value(factor) and _complex_value(packed) and _complex_value(product)):
-            continue
-        if not (
-            packed.meta["example_value"].dtype
-            == factor.meta["example_value"].dtype
-            == product.meta["example_value"].dtype
-        ):
+        dtypes = {_complex_dtype(n) for n in (packed, factor, product)}
+        if len(dtypes) != 1 or None in dtypes or not isinstance(factor, fx.Node):
             continue
         if factor not in parts_of:
             with graph.inserting_after(factor):
                 parts_of[factor] = graph.call_function(torch.view_as_real, (factor,))
         parts, x = parts_of[factor], packed.args[0]
         with graph.inserting_before(node):
-            a = graph.call_function(operator.getitem, (x, (Ellipsis, 0)))
-            b = graph.call_function(operator.getitem, (x, (Ellipsis, 1)))
-            c = graph.call_function(operator.getitem, (parts, (Ellipsis, 0)))
-            d = graph.call_function(operator.getitem, (parts, (Ellipsis, 1)))
+            a, b, c, d = (graph.call_function(torch.select, (t, -1, i)) for t in (x, parts) for i in (0, 1))
             real = graph.call_function(
                 operator.sub, (graph.call_function(operator.mul, (a, c)), graph.call_function(operator.mul, (b, d)))
             )
