@@ -345,6 +345,7 @@ def child(args: argparse.Namespace) -> None:
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     else:
         record = run_torch_row(args.child, path, args.prompt, args.tokens, args.threads)
+        record["triton_imported"] = "triton" in sys.modules  # see `report`'s note on peak RSS
         peak = own_kib("VmHWM")
     print(json.dumps({**record, "peak_rss_gb": peak * 1024 / 1e9}))
 
@@ -460,6 +461,11 @@ def main() -> None:
         f"each measurement) = {bandwidth / floor_gb:.1f} tok/s (bf16 weights); '% floor': each decode rate over the "
         "floor of its row's weight type at the read taken right after it"
     )
+    if any(r.get("triton_imported") for rs in records.values() for r in rs):
+        print(
+            "peak RSS: this Python has triton installed (the test extra), which torch's Dynamo imports: ~70-90 MB in "
+            "the torch rows that a plain `pip install -e .` does not hold (benchmarks/RESULTS.md, 2026-12-01)"
+        )
     reference = next((r["tokens"] for r in records.get("eager", []) if r["tokens"]), None)
     print(
         "'eager prefix': how many of the first new tokens equal unpatched eager transformers' (greedy); after the "
