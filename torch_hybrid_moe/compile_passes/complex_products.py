@@ -4,10 +4,10 @@ products on x's pairs and c's (real, imaginary) parts.
 DeepSeek-V2's rotary embedding (transformers' `apply_rotary_emb`) multiplies the query's and key's rotary parts as
 complex numbers. Inductor has no complex kernels, so each layer's two products ran as six eager calls (two
 `view_as_complex`, two complex `mul`, two `view_as_real`) with their allocations between the graph's kernels, on one
-thread. In real arithmetic Inductor fuses them into the kernels around them; `c` (the step's rotary factors, one
-tensor for all layers) is read through one `view_as_real` view. The products are the ones torch's vectorised complex
-multiply computes, (a c - b d, a d + b c) with each product rounded (Inductor compiles without FMA contraction), so
-the results are the same bits (`tests/test_complex_products.py`).
+thread. In real arithmetic Inductor fuses them into the kernels around them; each layer reads `c` (the step's
+rotary factors) through one `view_as_real` view. The products are the ones torch's vectorised complex multiply
+computes, (a c - b d, a d + b c) with each product rounded (Inductor compiles without FMA contraction): the same bits
+(`tests/test_complex_products.py`).
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import operator
 import torch
 import torch.fx as fx
 
-_MULS = (operator.mul, torch.mul, "mul")
-
 
 def _is_mul(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target == "mul" and not node.kwargs
-    return node.op == "call_function" and node.target in _MULS and not node.kwargs
+    """`a * b` as Dynamo records it: `operator.mul`, `torch.mul` or the `mul` method, without keywords."""
+    if node.kwargs:
+        return False
+    return node.target == "mul" if node.op == "call_method" else node.target in (operator.mul, torch.mul)
 
 
 def _complex_dtype(node: object) -> torch.dtype | None:
