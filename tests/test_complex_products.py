@@ -48,7 +48,8 @@ def test_rotary_products_run_in_real_arithmetic_with_the_same_bits():
     assert lower_complex_products(gm) == 2  # the query's and the key's products
     # what is left complex: the step's factors (polar, once), read through one view
     assert [n.target for n in complex_nodes(gm)] == [torch.polar]
-    assert sum(n.target is torch.view_as_real for n in gm.graph.nodes) == 1
+    (view,) = [n for n in gm.graph.nodes if n.target is torch.view_as_real]
+    assert view.args[0].target not in ("unsqueeze", "to")  # the factors' per-layer reshaping runs on the real view
     for got, w in zip(gm(*inputs), want, strict=True):
         assert torch.equal(got, w)
     torch._dynamo.reset()
@@ -77,3 +78,21 @@ def test_complex_values_with_other_uses_and_mixed_dtypes_are_left_alone():
         assert [n.target for n in gm.graph.nodes] == before
         for got, want in zip(gm(*inputs), fn(x, c), strict=True):
             assert torch.equal(got, want)
+
+
+def test_a_factors_reshaping_moves_onto_its_real_view_only_where_that_is_the_same():
+    x = torch.randn(3, 5, 8, 2)
+    c = torch.polar(torch.ones(3, 8), torch.randn(3, 8))
+
+    def moved(x, c):  # a negative dim and a device-only .to: the same values reshaped as a real view
+        return (torch.view_as_real(torch.view_as_complex(x) * c.unsqueeze(-2).to("cpu")),)
+
+    def kept(x, c):  # a .to with a dtype (here a no-op) would turn the real view complex: it stays before the view
+        return (torch.view_as_real(torch.view_as_complex(x) * c.unsqueeze(1).to(torch.complex64)),)
+
+    for fn, below in ((moved, None), (kept, "to")):
+        gm, inputs = captured(fn, x, c)
+        assert lower_complex_products(gm) == 1
+        (view,) = [n for n in gm.graph.nodes if n.target is torch.view_as_real]
+        assert (view.args[0].target if view.args[0].op == "call_method" else None) == below
+        assert torch.equal(gm(*inputs)[0], fn(x, c)[0])

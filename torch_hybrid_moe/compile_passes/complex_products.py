@@ -67,7 +67,41 @@ def lower_complex_products(gm: fx.GraphModule) -> int:
         for dead in (node, product, packed):
             graph.erase_node(dead)
         done += 1
+    for parts in parts_of.values():
+        _view_before_reshaping(graph, parts)
     if done:
         graph.lint()
         gm.recompile()
     return done
+
+
+def _view_before_reshaping(graph: fx.Graph, view: fx.Node) -> None:
+    """Move `view` (a `view_as_real`) above the `unsqueeze` and device-only `.to` calls that made its complex input
+    and that nothing else reads: the same values, as real tensors Inductor handles (a complex `unsqueeze` is an eager
+    fallback through its proxy executor, once a layer in DeepSeek-V2's step)."""
+    while True:
+        src = view.args[0]
+        if not (isinstance(src, fx.Node) and len(src.users) == 1 and src.args and isinstance(src.args[0], fx.Node)):
+            return
+        base, rest = src.args[0], src.args[1:]  # complex as `src` is: neither call changes the dtype
+        name = src.target if src.op == "call_method" else getattr(src.target, "__name__", None)
+        if name == "unsqueeze" and len(rest) == 1 and isinstance(rest[0], int) and not src.kwargs:
+            with graph.inserting_before(view):
+                real = graph.call_function(torch.view_as_real, (base,))
+                dim = rest[0]  # the real view has one more (last) dimension
+                moved = graph.call_function(torch.unsqueeze, (real, dim if dim >= 0 else dim - 1))
+        elif (
+            name == "to"
+            and src.op == "call_method"
+            and all(isinstance(a, (torch.device, str)) for a in rest)
+            and set(src.kwargs) <= {"device", "non_blocking", "copy"}
+        ):
+            with graph.inserting_before(view):
+                real = graph.call_function(torch.view_as_real, (base,))
+                moved = graph.call_method("to", (real, *rest), dict(src.kwargs))
+        else:
+            return
+        view.replace_all_uses_with(moved)
+        graph.erase_node(view)
+        graph.erase_node(src)
+        view = real
