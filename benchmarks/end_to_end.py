@@ -463,7 +463,7 @@ def main() -> None:
     )
     if any(r.get("triton_imported") for rs in records.values() for r in rs):
         print(
-            "peak RSS: this Python has triton installed (the test extra), which torch's Dynamo imports: ~70-90 MB in "
+            "peak RSS: this Python has triton installed (the test extra), which torch's Dynamo imports: ~75 MB in "
             "the torch rows that a plain `pip install -e .` does not hold (benchmarks/RESULTS.md, 2026-12-01)"
         )
     reference = next((r["tokens"] for r in records.get("eager", []) if r["tokens"]), None)
