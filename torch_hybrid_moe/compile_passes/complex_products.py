@@ -5,14 +5,17 @@ DeepSeek-V2's rotary embedding (transformers' `apply_rotary_emb`) multiplies the
 complex numbers. Inductor has no complex kernels, so each layer's two products ran as six eager calls (two
 `view_as_complex`, two complex `mul`, two `view_as_real`) with their allocations between the graph's kernels, on one
 thread. In real arithmetic Inductor fuses them into the kernels around them; each layer reads `c` (the step's
-rotary factors) through one `view_as_real` view. The products are the ones torch's vectorised complex multiply
-computes, (a c - b d, a d + b c) with each product rounded (Inductor compiles without FMA contraction): the same bits
-(`tests/test_complex_products.py`).
+rotary factors) through one `view_as_real` view. The products are the ones torch's vectorised CPU complex multiply
+computes, (a c - b d, a d + b c) with each product rounded: Inductor's CPU kernels compile without FMA contraction
+(its default), so where that multiply runs in whole vectors (DeepSeek-V2-Lite's 32 pairs a head) the bits are the
+same; its scalar tail, and GPU kernels that fuse multiply-adds, differ from them by fp32 rounding only
+(`tests/test_complex_products.py` checks both against float64).
 """
 
 from __future__ import annotations
 
 import operator
+from typing import TypeGuard
 
 import torch
 import torch.fx as fx
@@ -26,35 +29,46 @@ def _is_mul(node: fx.Node) -> bool:
 
 
 def _complex_dtype(node: object) -> torch.dtype | None:
-    """The complex dtype of a graph value Dynamo recorded as a complex tensor; None for anything else."""
+    """complex64 / complex128 where Dynamo recorded the graph value as such a tensor; None for anything else (complex32
+    too: its eager multiply is not these products in fp16)."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value.dtype if isinstance(value, torch.Tensor) and value.dtype.is_complex else None
+    if isinstance(value, torch.Tensor) and value.dtype in (torch.complex64, torch.complex128):
+        return value.dtype
+    return None
+
+
+def _one_input(node: object, target: object) -> TypeGuard[fx.Node]:
+    """Whether `node` calls `target` on one positional input and nothing else."""
+    return isinstance(node, fx.Node) and node.target is target and len(node.args) == 1 and not node.kwargs
 
 
 def lower_complex_products(gm: fx.GraphModule) -> int:
     """Rewrite every `view_as_real(view_as_complex(x) * c)` of `gm` whose complex intermediates have no other user and
-    whose factors share a dtype into real arithmetic; returns how many were rewritten."""
+    whose factors share a dtype into real arithmetic; returns how many were rewritten. The new nodes carry no
+    `example_value`: a pass that reads it must run before this one. The caller lints and recompiles `gm`."""
     graph, done = gm.graph, 0
     parts_of: dict[fx.Node, fx.Node] = {}  # each complex factor's (real, imaginary) view, made once
     for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target is torch.view_as_real):
+        if not (node.op == "call_function" and _one_input(node, torch.view_as_real)):
             continue
         product = node.args[0]
         if not (isinstance(product, fx.Node) and _is_mul(product) and len(product.users) == 1):
             continue
-        pair = [a for a in product.args if isinstance(a, fx.Node) and a.target is torch.view_as_complex]
+        pair = [a for a in product.args if _one_input(a, torch.view_as_complex)]
         if len(product.args) != 2 or len(pair) != 1 or len(pair[0].users) != 1:
             continue
         packed = pair[0]
         factor = product.args[1] if product.args[0] is packed else product.args[0]
         dtypes = {_complex_dtype(n) for n in (packed, factor, product)}
-        if len(dtypes) != 1 or None in dtypes or not isinstance(factor, fx.Node):
+        if len(dtypes) != 1 or None in dtypes or not isinstance(factor, fx.Node):  # (a Node already: for mypy)
             continue
-        if factor not in parts_of:
-            with graph.inserting_after(factor):
+        # Everything goes where the product was: its inputs are ready there, and nothing between it and its
+        # view_as_real (an in-place op on x, say) may change what it reads. A factor's view goes before its first
+        # product, past the graph's inputs.
+        with graph.inserting_before(product):
+            if factor not in parts_of:
                 parts_of[factor] = graph.call_function(torch.view_as_real, (factor,))
-        parts, x = parts_of[factor], packed.args[0]
-        with graph.inserting_before(node):
+            parts, x = parts_of[factor], packed.args[0]
             a, b, c, d = (graph.call_function(torch.select, (t, -1, i)) for t in (x, parts) for i in (0, 1))
             real = graph.call_function(
                 operator.sub, (graph.call_function(operator.mul, (a, c)), graph.call_function(operator.mul, (b, d)))
@@ -69,9 +83,6 @@ def lower_complex_products(gm: fx.GraphModule) -> int:
         done += 1
     for parts in parts_of.values():
         _view_before_reshaping(graph, parts)
-    if done:
-        graph.lint()
-        gm.recompile()
     return done
 
 
