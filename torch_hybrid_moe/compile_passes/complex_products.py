@@ -97,7 +97,7 @@ def _view_before_reshaping(graph: fx.Graph, view: fx.Node) -> None:
         base, rest = src.args[0], src.args[1:]  # complex as `src` is: neither call changes the dtype
         name = src.target if src.op == "call_method" else getattr(src.target, "__name__", None)
         if name == "unsqueeze" and len(rest) == 1 and isinstance(rest[0], int) and not src.kwargs:
-            with graph.inserting_before(view):
+            with graph.inserting_before(src):  # where the call ran: what it read is as it was then
                 real = graph.call_function(torch.view_as_real, (base,))
                 dim = rest[0]  # the real view has one more (last) dimension
                 moved = graph.call_function(torch.unsqueeze, (real, dim if dim >= 0 else dim - 1))
@@ -107,7 +107,7 @@ def _view_before_reshaping(graph: fx.Graph, view: fx.Node) -> None:
             and all(isinstance(a, (torch.device, str)) for a in rest)
             and set(src.kwargs) <= {"device", "non_blocking", "copy"}
         ):
-            with graph.inserting_before(view):
+            with graph.inserting_before(src):  # where the call ran: what it read is as it was then
                 real = graph.call_function(torch.view_as_real, (base,))
                 moved = graph.call_method("to", (real, *rest), dict(src.kwargs))
         else:
