@@ -9,7 +9,7 @@ rotary factors) through one `view_as_real` view. The products are the ones torch
 computes, (a c - b d, a d + b c) with each product rounded: Inductor's CPU kernels compile without FMA contraction
 (its default), so where that multiply runs in whole vectors (DeepSeek-V2-Lite's 32 pairs a head) the bits are the
 same; its scalar tail, and GPU kernels that fuse multiply-adds, differ from them by fp32 rounding only
-(`tests/test_complex_products.py` checks both against float64).
+(`tests/test_complex_products.py` checks the CPU's against float64 and the bits; not run on a GPU).
 """
 
 from __future__ import annotations
