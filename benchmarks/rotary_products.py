@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import DeepseekV2Config
@@ -22,15 +24,15 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Rotar
 import torch_hybrid_moe.compile_passes.backend as backend
 from torch_hybrid_moe.cli import bounded
 
-# DeepSeek-V2-Lite's attention and rope scaling (its config.json)
-LITE = dict(
-    num_attention_heads=16,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    kv_lora_rank=512,
-    max_position_embeddings=163840,
-    rope_parameters={
+sys.path.insert(0, str(Path(__file__).parent))
+from end_to_end import SHAPES
+
+# DeepSeek-V2-Lite's shape as the end-to-end benchmark generates it, with the real checkpoint's rope scaling (its
+# config.json), which the generated checkpoints leave out
+LITE = {
+    **SHAPES["deepseek-v2-lite"][1],
+    "max_position_embeddings": 163840,
+    "rope_parameters": {
         "rope_type": "yarn",
         "rope_theta": 10000.0,
         "factor": 40.0,
@@ -40,15 +42,17 @@ LITE = dict(
         "mscale": 0.707,
         "mscale_all_dim": 0.707,
     },
-)
+}
 
 
 def compiled_steps(layers: int) -> tuple[dict[str, Callable[..., object]], tuple[torch.Tensor, ...]]:
     """The step compiled with the pass ("on") and without ("off"), and its inputs."""
-    rotary = DeepseekV2RotaryEmbedding(DeepseekV2Config(**LITE))
+    config = DeepseekV2Config(**LITE)
+    rotary = DeepseekV2RotaryEmbedding(config)
     g = torch.Generator().manual_seed(0)
-    qs = [torch.randn(1, 16, 1, 64, generator=g).bfloat16() for _ in range(layers)]
-    ks = [torch.randn(1, 1, 1, 64, generator=g).bfloat16() for _ in range(layers)]
+    heads, rot = config.num_attention_heads, config.qk_rope_head_dim
+    qs = [torch.randn(1, heads, 1, rot, generator=g).bfloat16() for _ in range(layers)]
+    ks = [torch.randn(1, 1, 1, rot, generator=g).bfloat16() for _ in range(layers)]
     inputs = (torch.tensor([[200]]), *qs, *ks)
 
     def step(positions: torch.Tensor, *xs: torch.Tensor) -> list:
