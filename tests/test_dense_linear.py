@@ -280,8 +280,9 @@ def test_dense_quantisation_with_a_group_that_does_not_fit_changes_nothing():
 
     model = tiny_model("qwen2_moe")  # its shared expert's down_proj has 40 inputs: no multiple of 32 divides them
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="dense_weight_dtype='int4': linear 'down_proj' \\(40 inputs\\)"):
+    with pytest.raises(ValueError, match="dense_weight_dtype='int4': linear 'down_proj' \\(40 inputs\\)") as err:
         thm.patch_model(model, dense_weight_dtype="int4")
+    assert "keep dense_weight_dtype='model'" in str(err.value)  # the option that was given, not the experts' one
     assert not is_patched(model) and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="dense_weight_dtype must be one of"):
         thm.HybridMoEConfig(dense_weight_dtype="fp8")

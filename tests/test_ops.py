@@ -212,3 +212,5 @@ def test_a_group_that_does_not_fit_suggests_only_what_would():
         check_group_size(96, 64)
     with pytest.raises(ValueError, match=r"divides the column count \(keep cpu_weight_dtype='model'\)"):
         check_group_size(48, 32)  # 32 is the group already
+    with pytest.raises(ValueError, match=r"\(try dense_weight_group_size=32, or keep dense_weight_dtype='model'\)"):
+        check_group_size(96, 64, options="dense_weight")  # the dense layers' options, not the experts'

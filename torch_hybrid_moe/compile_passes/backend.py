@@ -35,7 +35,7 @@ from .cpu_dispatch import direct_cpu_dispatch
 from .daop_precalc import insert_daop_precalc
 from .dense_linear import fuse_sibling_matvecs, route_dense_linears
 from .expert_deferral import insert_expert_deferral
-from .graph_utils import DISPATCH, calls
+from .graph_utils import DISPATCH, calls, fill_example_values
 from .moe_regions import rewrite_experts_regions
 from .prefetch import insert_prefetch
 
@@ -75,6 +75,7 @@ def hybrid_moe_backend(
     route_dense_linears(gm, example_inputs)  # CPU bf16 / fp16 linears where the micro-kernels were measured faster
     fuse_sibling_matvecs(gm)  # decode linears reading one input (q / k / v): one kernel call
     lower_complex_products(gm)  # DeepSeek-V2's rotary products: fused by Inductor, not six eager calls a layer
+    fill_example_values(gm)  # last: the values of every node the passes inserted
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options

@@ -58,3 +58,33 @@ def block_and_layer(node: fx.Node) -> tuple[str, str] | None:
         if isinstance(cls, type) and hasattr(cls, "_apply_gate"):  # transformers' *Experts modules
             return (stack[i - 1][0], stack[i - 2][0]) if i >= 2 else None
     return None
+
+
+def fill_example_values(gm: fx.GraphModule) -> int:
+    """Give each node the passes inserted the `example_value` (a fake tensor of its result) that Dynamo's own nodes
+    carry, computed under the graph's fake mode from its inputs' values. AOTAutograd reuses a compiled step from its
+    disk cache only where every method call's receiver has one; without, each new process traced the step again
+    (DeepSeek-V2-Lite's shape, 4 layers: 1-1.5 s more to the first token, and ~15 MB more peak memory). A node whose
+    inputs lack values, or whose op cannot run on fake tensors, is left as it was: the step then compiles as before,
+    uncached. Returns how many nodes were filled."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    modes = (v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("example_value"), FakeTensor))
+    mode = next(modes, None)
+    filled = 0
+    if mode is None:
+        return filled
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+                continue
+            if any("example_value" not in a.meta for a in node.all_input_nodes):
+                continue
+            args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["example_value"])
+            call = node.target if node.op == "call_function" else getattr(args[0], str(node.target))
+            try:
+                node.meta["example_value"] = call(*(args if node.op == "call_function" else args[1:]), **kwargs)
+            except Exception:  # a fake-tensor limit (data-dependent output, no fake kernel): only the cache is lost
+                continue
+            filled += 1
+    return filled

@@ -164,9 +164,10 @@ def patch_with_spec(
         )
         quantized.register_state_dict_post_hook(_refuse_quantized_save)
         setattr(parent, name, quantized)
-    release_free_heap()
+        release_free_heap()  # its read and quantisation temporaries: otherwise the next linear's come on top
     if device.type == "cpu":
         use_cpu_attention(model)
+        release_free_heap()  # the absorbed attention's temporaries, before the gather below adds a slab
         # the small dense weights, read every token; not the input embedding, of which a token reads one row (and which
         # a load leaves mapped in the checkpoint file, so that only rows seen become resident)
         embedding = model.get_input_embeddings().weight
@@ -255,7 +256,7 @@ def dense_linears(
         )
     for _, name, linear in found:
         try:
-            check_group_size(linear.in_features, config.dense_group_size)
+            check_group_size(linear.in_features, config.dense_group_size, options="dense_weight")
         except ValueError as err:
             raise InputError(
                 f"dense_weight_dtype={config.dense_weight_dtype!r}: linear {name!r} "

@@ -67,14 +67,15 @@ def expert_bytes_per_weight(bits: int, group_size: int, hidden: int, inter: int)
     return (2 * gate_up + down) / 3
 
 
-def check_group_size(columns: int, group_size: int) -> int:
-    """The group used for a K-column weight: min(group_size, K); it must be a multiple of 32 dividing K."""
+def check_group_size(columns: int, group_size: int, options: str = "cpu_weight") -> int:
+    """The group used for a K-column weight: min(group_size, K); it must be a multiple of 32 dividing K. `options`:
+    the prefix of the config options the error names (`dense_weight` for the dense layers')."""
     group = min(group_size, columns)
     if group % 32 or columns % group:
-        smaller = "try cpu_weight_group_size=32, or " if group_size > 32 and columns % 32 == 0 else ""
+        smaller = f"try {options}_group_size=32, or " if group_size > 32 and columns % 32 == 0 else ""
         raise ValueError(
             f"cannot quantise {columns} columns in groups of {group_size}: the group must be a multiple of 32 "
-            f"that divides the column count ({smaller}keep cpu_weight_dtype='model')"
+            f"that divides the column count ({smaller}keep {options}_dtype='model')"
         )
     return group
 

@@ -1,0 +1,86 @@
+"""The backend's graphs reach AOTAutograd's disk cache: the nodes its passes insert carry the `example_value` Dynamo's
+own nodes carry (graph_utils.fill_example_values), so a second process reuses the compiled decode step instead of
+tracing it again, and decodes the same tokens."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from torch_hybrid_moe.compile_passes.graph_utils import fill_example_values
+
+
+def captured(fn, *args):
+    """Dynamo's graph of fn(*args), as a backend receives it."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def test_inserted_nodes_get_the_values_their_ops_give():
+    """A slice and a method call on it, as a pass inserts them, get fake values of the real results' shape, strides
+    and dtype; a node reading one that has no value, and one whose op fails on fake tensors, stay without."""
+    x = torch.randn(3, 8)
+    gm = captured(lambda t: (t * 2).float(), x)
+    (product,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    with gm.graph.inserting_after(product):
+        columns = gm.graph.call_function(torch.ops.aten.slice.Tensor, (product, -1, 2, 6))
+    with gm.graph.inserting_after(columns):
+        rows = gm.graph.call_method("reshape", (columns, 2, 6))
+    gm.register_buffer("extra", torch.ones(1))
+    with gm.graph.inserting_after(rows):
+        extra = gm.graph.get_attr("extra")  # an input inserted without a value
+    with gm.graph.inserting_after(extra):
+        orphan = gm.graph.call_function(torch.add, (rows, extra))
+    with gm.graph.inserting_after(orphan):
+        bad = gm.graph.call_method("reshape", (columns, 5, 5))  # 12 values cannot be 5 x 5
+    assert fill_example_values(gm) == 2
+    want_columns = (x * 2)[:, 2:6]
+    for node, want in ((columns, want_columns), (rows, want_columns.reshape(2, 6))):
+        got = node.meta["example_value"]
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert "example_value" not in orphan.meta and "example_value" not in bad.meta
+
+
+DECODE = textwrap.dedent("""
+    import json, sys, torch
+    import torch_hybrid_moe as thm
+    from torch._dynamo.utils import counters
+    from torch_hybrid_moe.tiny_models import random_model, tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("deepseek_v2")
+    config.kv_lora_rank = config.moe_intermediate_size = 32  # the dense int8 mode's groups need 32 columns
+    model = thm.patch_model(random_model(config), expert_budget=0.0, dense_weight_dtype="int8",
+                            dense_weight_group_size=32)
+    prompt = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+    tokens = thm.greedy_generate(model, prompt, 6)[0, 6:].tolist()
+    print(json.dumps(dict(tokens=tokens, aot=dict(counters["aot_autograd"]))))
+""")
+
+
+@pytest.mark.slow
+def test_a_second_process_reuses_the_compiled_decode_step(tmp_path):
+    """DeepSeek-V2 in dense int8 mode, whose decode step holds nodes two passes insert (the merged sibling matvecs'
+    slices, the rotary products in real arithmetic): the first process compiles and stores it (no bypass of the
+    cache), the second loads it, and both decode the same tokens."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", DECODE], capture_output=True, text=True, env=env, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = (r["aot"] for r in runs)
+    assert first.get("autograd_cache_bypass", 0) == 0 and first.get("autograd_cache_saved", 0) >= 1, first
+    assert second.get("autograd_cache_hit", 0) >= 1 and second.get("autograd_cache_miss", 0) == 0, second
+    assert runs[0]["tokens"] == runs[1]["tokens"]
