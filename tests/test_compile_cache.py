@@ -56,16 +56,22 @@ DECODE = textwrap.dedent("""
     import json, sys, torch
     import torch_hybrid_moe as thm
     from torch._dynamo.utils import counters
+    from torch_hybrid_moe import generation
     from torch_hybrid_moe.tiny_models import random_model, tiny_config
 
-    torch.manual_seed(0)
     config = tiny_config("deepseek_v2")
     config.kv_lora_rank = config.moe_intermediate_size = 32  # the dense int8 mode's groups need 32 columns
-    model = thm.patch_model(random_model(config), expert_budget=0.0, dense_weight_dtype="int8",
-                            dense_weight_group_size=32)
+    model = thm.patch_model(random_model(config, seed=int(sys.argv[1])), expert_budget=0.0,
+                            dense_weight_dtype="int8", dense_weight_group_size=32)
     prompt = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(1))
     tokens = thm.greedy_generate(model, prompt, 6)[0, 6:].tolist()
-    print(json.dumps(dict(tokens=tokens, aot=dict(counters["aot_autograd"]))))
+    aot, uncached = dict(counters["aot_autograd"]), None
+    if sys.argv[2] == "check":  # the step compiled afresh, past both caches
+        torch._functorch.config.enable_autograd_cache = torch._inductor.config.fx_graph_cache = False
+        torch._dynamo.reset()
+        generation._compiled_step.cache_clear()
+        uncached = thm.greedy_generate(model, prompt, 6)[0, 6:].tolist()
+    print(json.dumps(dict(tokens=tokens, uncached=uncached, aot=aot)))
 """)
 
 
@@ -73,14 +79,18 @@ DECODE = textwrap.dedent("""
 def test_a_second_process_reuses_the_compiled_decode_step(tmp_path):
     """DeepSeek-V2 in dense int8 mode, whose decode step holds nodes two passes insert (the merged sibling matvecs'
     slices, the rotary products in real arithmetic): the first process compiles and stores it (no bypass of the
-    cache), the second loads it, and both decode the same tokens."""
+    cache); the second, on a model of other weights, loads it and decodes the tokens its step compiled afresh
+    decodes (a cached step with the first model's weights baked in would not)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     runs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", DECODE], capture_output=True, text=True, env=env, timeout=900)
+    for seed, check in ((0, "-"), (1, "check")):
+        done = subprocess.run(
+            [sys.executable, "-c", DECODE, str(seed), check], capture_output=True, text=True, env=env, timeout=900
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     first, second = (r["aot"] for r in runs)
     assert first.get("autograd_cache_bypass", 0) == 0 and first.get("autograd_cache_saved", 0) >= 1, first
     assert second.get("autograd_cache_hit", 0) >= 1 and second.get("autograd_cache_miss", 0) == 0, second
-    assert runs[0]["tokens"] == runs[1]["tokens"]
+    assert runs[1]["tokens"] == runs[1]["uncached"]
+    assert runs[0]["tokens"] != runs[1]["tokens"]  # two models: the comparison above could tell them apart
