@@ -29,9 +29,11 @@ def captured(fn, *args):
 
 def test_inserted_nodes_get_the_values_their_ops_give():
     """A slice and a method call on it, as a pass inserts them, get fake values of the real results' shape, strides
-    and dtype; a node reading one that has no value, and one whose op fails on fake tensors, stay without."""
+    and dtype; a node reading one that has no value, one whose op fails on fake tensors and one whose result is no
+    tensor stay without."""
     x = torch.randn(3, 8)
     gm = captured(lambda t: (t * 2).float(), x)
+    original = set(gm.graph.nodes)
     (product,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     with gm.graph.inserting_after(product):
         columns = gm.graph.call_function(torch.ops.aten.slice.Tensor, (product, -1, 2, 6))
@@ -44,12 +46,33 @@ def test_inserted_nodes_get_the_values_their_ops_give():
         orphan = gm.graph.call_function(torch.add, (rows, extra))
     with gm.graph.inserting_after(orphan):
         bad = gm.graph.call_method("reshape", (columns, 5, 5))  # 12 values cannot be 5 x 5
-    assert fill_example_values(gm) == 2
+    with gm.graph.inserting_after(bad):
+        size = gm.graph.call_method("size", (columns,))  # no tensor: nothing a method call could need
+    assert fill_example_values(gm, original) == 2
     want_columns = (x * 2)[:, 2:6]
     for node, want in ((columns, want_columns), (rows, want_columns.reshape(2, 6))):
         got = node.meta["example_value"]
         assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
-    assert "example_value" not in orphan.meta and "example_value" not in bad.meta
+    assert all("example_value" not in n.meta for n in (orphan, bad, size))
+
+
+def test_the_graphs_own_global_state_switches_are_not_run_while_compiling():
+    """A graph that turns grad mode off part-way (Dynamo's `_set_grad_enabled` node, which has no value) gives what
+    eager gives: the first output still carries a gradient and grad mode is off afterwards. Filling values by running
+    Dynamo's own nodes switched grad mode off while the backend compiled, losing both."""
+
+    def f(x):
+        y = x * 2
+        torch.set_grad_enabled(False)
+        return y, y + 1
+
+    results = []
+    for backend in ("eager", "hybrid_moe"):
+        torch._dynamo.reset()
+        with torch.enable_grad():
+            y, z = torch.compile(f, backend=backend, fullgraph=True)(torch.randn(3, requires_grad=True))
+            results.append((y.requires_grad, z.requires_grad, torch.is_grad_enabled()))
+    assert results[1] == results[0] == (True, False, False)
 
 
 DECODE = textwrap.dedent("""
@@ -81,7 +104,9 @@ def test_a_second_process_reuses_the_compiled_decode_step(tmp_path):
     slices, the rotary products in real arithmetic): the first process compiles and stores it (no bypass of the
     cache); the second, on a model of other weights, loads it and decodes the tokens its step compiled afresh
     decodes (a cached step with the first model's weights baked in would not)."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    caches = ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES")
+    env = {k: v for k, v in os.environ.items() if k not in caches}  # a caller's cache settings would override ours
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
     runs = []
     for seed, check in ((0, "-"), (1, "check")):
         done = subprocess.run(

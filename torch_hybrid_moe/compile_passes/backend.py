@@ -61,6 +61,7 @@ def hybrid_moe_backend(
             f"dense_weight_dtype={config.dense_weight_dtype!r} quantises dense layers when a model is patched, which "
             "the backend cannot do to a compiled graph: patch_model(model, dense_weight_dtype=...), then compile it"
         )
+    original = set(gm.graph.nodes)  # Dynamo's nodes: fill_example_values gives values to the passes' ones only
     sites = rewrite_experts_regions(gm, example_inputs, config)
     if given and not sites.sites and any(calls(n, DISPATCH) for n in gm.graph.nodes):
         warnings.warn(
@@ -75,7 +76,7 @@ def hybrid_moe_backend(
     route_dense_linears(gm, example_inputs)  # CPU bf16 / fp16 linears where the micro-kernels were measured faster
     fuse_sibling_matvecs(gm)  # decode linears reading one input (q / k / v): one kernel call
     lower_complex_products(gm)  # DeepSeek-V2's rotary products: fused by Inductor, not six eager calls a layer
-    fill_example_values(gm)  # last: the values of every node the passes inserted
+    fill_example_values(gm, original)  # last: the values of every node the passes inserted
     gm.graph.lint()
     gm.recompile()
     patches = {**list_mode_options(mode), **options} if mode else options

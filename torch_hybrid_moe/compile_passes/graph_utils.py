@@ -60,13 +60,15 @@ def block_and_layer(node: fx.Node) -> tuple[str, str] | None:
     return None
 
 
-def fill_example_values(gm: fx.GraphModule) -> int:
-    """Give each node the passes inserted the `example_value` (a fake tensor of its result) that Dynamo's own nodes
-    carry, computed under the graph's fake mode from its inputs' values. AOTAutograd reuses a compiled step from its
-    disk cache only where every method call's receiver has one; without, each new process traced the step again
-    (DeepSeek-V2-Lite's shape, 4 layers: 1-1.5 s more to the first token, and ~15 MB more peak memory). A node whose
-    inputs lack values, or whose op cannot run on fake tensors, is left as it was: the step then compiles as before,
-    uncached. Returns how many nodes were filled."""
+def fill_example_values(gm: fx.GraphModule, original: set[fx.Node]) -> int:
+    """Give each node the passes inserted (every node not in `original`, the graph as Dynamo gave it) the
+    `example_value` (a fake tensor of its result) that Dynamo's own nodes carry, computed under the graph's fake mode
+    from its inputs' values. AOTAutograd reuses a compiled graph from its disk cache only where every method call's
+    receiver has one; without, each new process traced the decode step again (DeepSeek-V2-Lite's shape, 4 layers:
+    1-1.5 s more to the first token). Dynamo's own nodes are never run here: some switch torch's global state (grad
+    mode, autocast) for real. A node whose inputs lack values, whose op cannot run on fake tensors, or whose result is
+    not tensors is left as it was: a method call on it then bypasses the cache, as before. Returns how many were
+    filled."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     modes = (v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("example_value"), FakeTensor))
@@ -76,15 +78,18 @@ def fill_example_values(gm: fx.GraphModule) -> int:
         return filled
     with mode:
         for node in gm.graph.nodes:
-            if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+            if node in original or node.op not in ("call_function", "call_method") or "example_value" in node.meta:
                 continue
             if any("example_value" not in a.meta for a in node.all_input_nodes):
                 continue
             args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: a.meta["example_value"])
             call = node.target if node.op == "call_function" else getattr(args[0], str(node.target))
             try:
-                node.meta["example_value"] = call(*(args if node.op == "call_function" else args[1:]), **kwargs)
+                value = call(*(args if node.op == "call_function" else args[1:]), **kwargs)
             except Exception:  # a fake-tensor limit (data-dependent output, no fake kernel): only the cache is lost
                 continue
-            filled += 1
+            parts = value if isinstance(value, (tuple, list)) else (value,)
+            if parts and all(isinstance(v, FakeTensor) for v in parts):
+                node.meta["example_value"] = value
+                filled += 1
     return filled
