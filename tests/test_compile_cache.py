@@ -1,6 +1,6 @@
 """The backend's graphs reach AOTAutograd's disk cache: the nodes its passes insert carry the `example_value` Dynamo's
 own nodes carry (graph_utils.fill_example_values), so a second process reuses the compiled decode step instead of
-tracing it again, and decodes the same tokens."""
+tracing it again, and decodes what the step compiled afresh decodes; Dynamo's own nodes are never run to fill them."""
 
 import json
 import os
@@ -13,18 +13,7 @@ import torch
 
 from torch_hybrid_moe.compile_passes.graph_utils import fill_example_values
 
-
-def captured(fn, *args):
-    """Dynamo's graph of fn(*args), as a backend receives it."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
-    return graphs[0]
+from .test_complex_products import captured
 
 
 def test_inserted_nodes_get_the_values_their_ops_give():
@@ -32,7 +21,7 @@ def test_inserted_nodes_get_the_values_their_ops_give():
     and dtype; a node reading one that has no value, one whose op fails on fake tensors and one whose result is no
     tensor stay without."""
     x = torch.randn(3, 8)
-    gm = captured(lambda t: (t * 2).float(), x)
+    gm, _ = captured(lambda t: (t * 2).float(), x)
     original = set(gm.graph.nodes)
     (product,) = [n for n in gm.graph.nodes if n.op == "call_function"]
     with gm.graph.inserting_after(product):

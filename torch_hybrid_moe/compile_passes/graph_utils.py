@@ -65,10 +65,10 @@ def fill_example_values(gm: fx.GraphModule, original: set[fx.Node]) -> int:
     `example_value` (a fake tensor of its result) that Dynamo's own nodes carry, computed under the graph's fake mode
     from its inputs' values. AOTAutograd reuses a compiled graph from its disk cache only where every method call's
     receiver has one; without, each new process traced the decode step again (DeepSeek-V2-Lite's shape, 4 layers:
-    1-1.5 s more to the first token). Dynamo's own nodes are never run here: some switch torch's global state (grad
-    mode, autocast) for real. A node whose inputs lack values, whose op cannot run on fake tensors, or whose result is
-    not tensors is left as it was: a method call on it then bypasses the cache, as before. Returns how many were
-    filled."""
+    its first step 5.2-7.0 s against 3.2-4.5 from the cache; benchmarks/RESULTS.md, 2026-12-01). Dynamo's own nodes
+    are never run here: some switch torch's global state (grad mode, autocast) for real. A node whose inputs lack
+    values, whose op cannot run on fake tensors, or whose result is not tensors is left as it was: a method call on it
+    then bypasses the cache, as before. Returns how many were filled."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     modes = (v.fake_mode for n in gm.graph.nodes if isinstance(v := n.meta.get("example_value"), FakeTensor))
