@@ -45,7 +45,8 @@ def _one_input(node: object, target: object) -> TypeGuard[fx.Node]:
 def lower_complex_products(gm: fx.GraphModule) -> int:
     """Rewrite every `view_as_real(view_as_complex(x) * c)` of `gm` whose complex intermediates have no other user and
     whose factors share a dtype into real arithmetic; returns how many were rewritten. The new nodes carry no
-    `example_value`: a pass that reads it must run before this one. The caller lints and recompiles `gm`."""
+    `example_value` until `graph_utils.fill_example_values` (the backend's last step) gives them one: a pass that
+    reads it must run before this one. The caller lints and recompiles `gm`."""
     graph, done = gm.graph, 0
     parts_of: dict[fx.Node, fx.Node] = {}  # each complex factor's (real, imaginary) view, made once
     for node in list(graph.nodes):
