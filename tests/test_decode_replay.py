@@ -180,6 +180,37 @@ def test_fixed_arguments_agree_only_when_equal_numbers_or_identical(a: object, b
     assert decode_replay._same(a, b) is same
 
 
+def _rebind(step: Step, name: str, value: object) -> None:
+    setattr(step, name, value)
+
+
+@pytest.mark.parametrize(
+    ("change", "same"),
+    [
+        (lambda step: _rebind(step, "scale", float("1.5")), True),  # an equal float, another object
+        (lambda step: _rebind(step, "whole", 2.0), False),  # an equal number of another type: a change too
+        (lambda step: _rebind(step, "scale", 2.5), False),
+        (lambda step: _rebind(step, "shift", step.shift.clone()), False),  # an equal tensor, another object
+        (lambda step: _rebind(step, "extra", None), False),  # an attribute added
+        (lambda step: delattr(step, "keep_input"), False),
+        (lambda step: setattr(step.box, "other", step.box.__dict__.pop("value")), False),  # renamed, as it was
+        (lambda step: step.register_buffer("b", torch.ones(1)), False),  # a dict attribute's item added
+        (lambda step: step._parameters.update(weight=torch.nn.Parameter(step.weight.clone())), False),
+        (lambda step: step._parameters.pop("weight"), False),
+        (lambda step: step._parameters.update(w=step._parameters.pop("weight")), False),  # an item renamed
+        (lambda step: step.items.__setitem__(0, 9), False),  # a list attribute's item replaced in place
+    ],
+)
+def test_a_snapshot_sees_every_rebinding_and_nothing_else(change: Callable, same: bool) -> None:
+    """What a recorded step compares before and after its graph, against a copy of the objects' attribute values."""
+    step = Step()
+    step.items, step.whole = [1, 2, 3], 2
+    before = decode_replay._python_state([step, step.box])
+    assert decode_replay._same_state(decode_replay._python_state([step, step.box]), before)
+    change(step)
+    assert decode_replay._same_state(decode_replay._python_state([step, step.box]), before) is same
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
 def test_generate_replays_decode_steps_with_reference_logits(reference_models, arch) -> None:
     ref = reference_models[arch]
