@@ -86,3 +86,20 @@ def fresh_dynamo():
     """Each test compiles new model instances; their guards must not pile up against the recompile limit."""
     torch._dynamo.reset()
     yield
+
+
+def stack_file(tmp_path, **edits):
+    """A stack file as `hybrid-moe simulate --save-ours` writes one, with `edits` (None removes a key)."""
+    import json
+
+    record = {
+        "format": 1,
+        "scheduler": "queue_aware",
+        "cache_policy": "dali_window",
+        "cache_options": {"w_size": 4, "u_size": 2, "decay": 0.5},
+        "tuned_on": {"trace": "t.safetensors", "hardware": "dali"},
+    }
+    record.update(edits)
+    path = tmp_path / "ours.json"
+    path.write_text(json.dumps({k: v for k, v in record.items() if v is not None}))
+    return path

@@ -14,6 +14,8 @@ from torch_hybrid_moe.errors import InputError
 from torch_hybrid_moe.model_patches import is_patched, patch_mixtral
 from torch_hybrid_moe.tiny_models import tiny_model
 
+from .conftest import stack_file
+
 
 def snapshot(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -169,23 +171,6 @@ def test_policies_are_built_from_a_concrete_stack_only():
 
     with pytest.raises(ValueError, match="for_device"):
         build_policies(thm.HybridMoEConfig(), {}, capture=False)
-
-
-def stack_file(tmp_path, **edits):
-    """A stack file as `hybrid-moe simulate --save-ours` writes one, with `edits` (None removes a key)."""
-    import json
-
-    record = {
-        "format": 1,
-        "scheduler": "queue_aware",
-        "cache_policy": "dali_window",
-        "cache_options": {"w_size": 4, "u_size": 2, "decay": 0.5},
-        "tuned_on": {"trace": "t.safetensors", "hardware": "dali"},
-    }
-    record.update(edits)
-    path = tmp_path / "ours.json"
-    path.write_text(json.dumps({k: v for k, v in record.items() if v is not None}))
-    return path
 
 
 def test_stack_file_gives_its_stack_and_the_callers_other_fields(tmp_path):
