@@ -19,6 +19,8 @@ from torch_hybrid_moe.model_patches.latent_attention import (
     absorbed_attention,
     expanded,
 )
+from torch_hybrid_moe.ops.kernel_build import best_isa
+from torch_hybrid_moe.ops.latent_attention import laid_out_rows
 from torch_hybrid_moe.ops.quantize import QuantizedWeight, dequantize
 from torch_hybrid_moe.tiny_models import random_model, tiny_config, tiny_model
 
@@ -119,19 +121,21 @@ def test_patched_decode_steps_absorb_and_match_the_model(arch, monkeypatch):
     assert taken == []
 
 
+@pytest.mark.parametrize("nope", [32, 64])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_a_quantised_up_projection_is_read_as_stored(fmt):
+def test_a_quantised_up_projection_is_read_as_stored(fmt, nope):
     """Dense int8 / int4 mode: the absorbed value rows are kv_b_proj's own quantised rows (views, no copy), the key
-    rows its dequantised key rows transposed and requantised to int8 (within one int8 step); decode steps give the
-    logits the same rows dequantised give (the activations' int8 rounding apart), and in int8 stay near the unpatched
-    model (the mode's error, not a wrong weight)."""
+    rows its dequantised key rows transposed and requantised to int8 (within one int8 step), laid out for the lanes
+    where they run (AVX-512; key rows of a multiple of 64 columns); decode steps give the logits the same rows
+    dequantised give (the activations' int8 rounding apart), and in int8 stay near the unpatched model (the mode's
+    error, not a wrong weight)."""
     config = tiny_config("deepseek_v2")
     config.kv_lora_rank = config.moe_intermediate_size = 32  # every dense linear's columns in groups of 32
-    config.qk_nope_head_dim = 32  # key rows the int8 kernels take (a multiple of 32)
+    config.qk_nope_head_dim = nope  # key rows the int8 kernels take (a multiple of 32)
     ref = random_model(config)
     model = patched_copy(ref, expert_budget=0.0, dense_weight_dtype=fmt, dense_weight_group_size=32)
     module = model.model.layers[0].self_attn
-    linear, nope = module.kv_b_proj, config.qk_nope_head_dim
+    linear = module.kv_b_proj
     up_v, up_v_scale = getattr(module, UP_V), getattr(module, UP_V_SCALE)
     assert up_v.untyped_storage().data_ptr() == linear.qweight.untyped_storage().data_ptr()
     assert up_v_scale.untyped_storage().data_ptr() == linear.scale.untyped_storage().data_ptr()
@@ -142,6 +146,10 @@ def test_a_quantised_up_projection_is_read_as_stored(fmt):
     per_head = dequantize(q.data, q.scale, q.bits, q.group_size).unflatten(0, (up_v.shape[0], -1))
     assert torch.equal(dequantize(up_v, up_v_scale, q.bits, q.group_size), per_head[:, nope:])
     up_k, up_k_scale = getattr(module, UP_K), getattr(module, UP_K_SCALE)
+    laid_out = best_isa() == 2 and nope % 64 == 0
+    assert up_k.dim() == (4 if laid_out else 3)
+    if laid_out:
+        up_k, up_k_scale = laid_out_rows(up_k, up_k_scale)
     assert up_k.dtype == torch.int8 and up_k.shape == (up_v.shape[0], config.kv_lora_rank, nope)
     keys = per_head[:, :nope].transpose(1, 2)
     step = keys.abs().amax() / 127
@@ -155,6 +163,7 @@ def test_a_quantised_up_projection_is_read_as_stored(fmt):
         attention = layer.self_attn
         for rows, scales in ((UP_K, UP_K_SCALE), (UP_V, UP_V_SCALE)):
             w, s = getattr(attention, rows), getattr(attention, scales)
+            w, s = laid_out_rows(w, s) if w.dim() == 4 else (w, s)
             bits = 8 if w.dtype == torch.int8 else 4
             setattr(attention, rows, dequantize(w, s, bits, w.shape[-1] * (8 // bits) // s.shape[-1]))
             setattr(attention, scales, None)

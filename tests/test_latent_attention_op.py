@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from torch_hybrid_moe.ops.kernel_build import best_isa, extension
-from torch_hybrid_moe.ops.latent_attention import latent_attention_math
+from torch_hybrid_moe.ops.latent_attention import laid_out_rows, latent_attention_math, lay_out_key_rows
 from torch_hybrid_moe.ops.quantize import dequantize, quantize, quantize_activations
 
 HEADS, NOPE, ROT, RANK, V = 4, 64, 32, 96, 32
@@ -123,6 +123,47 @@ def test_a_head_that_sees_nothing_is_zero(impl):
 def test_an_empty_batch_or_no_heads_gives_an_empty_output(impl, batch, heads):
     out = run(impl, *inputs(batch, 5, torch.float32, "int8", heads), None, 0.2)
     assert out.shape == (batch, 1, heads, V)
+
+
+@pytest.mark.skipif(best_isa() < 2, reason="the lanes run at ISA level 2 (AVX-512 with VNNI)")
+@pytest.mark.parametrize("impl", ["op", "level 2", "torch form"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch, heads", [(2, 4), (1, 5)])
+def test_key_rows_laid_out_for_the_lanes_give_the_rows_products(impl, dtype, batch, heads):
+    """int8 key rows laid out 16 to a panel (what absorb stores on AVX-512 machines): the same bytes, given back
+    exactly by the inverse; the op on them against float64, and against the same rows unlaid within fp32's rounding
+    (the lanes sum each 32-column block exactly in int32, the rows 4 columns at a time: bf16 outputs a unit apart)."""
+    query, latent, k_rot, keys, key_scales, values, value_scales = inputs(batch, 37, dtype, "int8", heads)
+    panels, panel_scales = lay_out_key_rows(keys, key_scales)
+    assert panels.shape == (heads, RANK // 16, NOPE // 4, 64) and panels.nbytes == keys.nbytes
+    assert panel_scales.shape == (heads, RANK // 16, NOPE // 32, 16)
+    back = laid_out_rows(panels, panel_scales)
+    assert torch.equal(back[0], keys) and torch.equal(back[1], key_scales)
+    mask = masks(batch, heads, 37, "per head")
+    got = run(impl, query, latent, k_rot, panels, panel_scales, values, value_scales, mask, 0.2)
+    want = reference(query, latent, k_rot, keys, key_scales, values, value_scales, mask, 0.2)
+    torch.testing.assert_close(got.double(), want.double(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    rows = run(impl, query, latent, k_rot, keys, key_scales, values, value_scales, mask, 0.2)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got, rows, **tol)
+
+
+@pytest.mark.skipif(best_isa() < 2, reason="the lanes run at ISA level 2 (AVX-512 with VNNI)")
+def test_laid_out_key_rows_doors():
+    query, latent, k_rot, keys, key_scales, values, value_scales = inputs(1, 7, torch.bfloat16, "int8")
+    panels, panel_scales = lay_out_key_rows(keys, key_scales)
+    for level in range(2):  # the lanes' layout is AVX-512's
+        with pytest.raises(RuntimeError, match="ISA level 2 only"):
+            extension().latent_attention_at(
+                query, latent, k_rot, panels, panel_scales, values, value_scales, None, 0.2, level
+            )
+    with pytest.raises(RuntimeError, match="laid-out key rows must be"):
+        run("op", query, latent, k_rot, panels, panel_scales[:, :, :1], values, value_scales, None, 0.2)
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        extension().lay_out_lanes(keys[:, :8], key_scales[:, :8])
+    assert lay_out_key_rows(keys[:, :8], key_scales[:, :8]) is None  # the shapes the lanes cannot take: rows kept
+    args = (query, latent, k_rot, panels, panel_scales, values.contiguous(), value_scales.contiguous(), None, 0.2)
+    torch.library.opcheck(torch.ops.hybrid_moe.latent_attention.default, args)
 
 
 def test_passes_opcheck():

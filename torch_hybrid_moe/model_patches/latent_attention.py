@@ -21,6 +21,7 @@ import types
 import torch
 
 from ..ops.dense_linear import QuantizedLinear
+from ..ops.latent_attention import lay_out_key_rows
 from ..ops.quantize import QuantizedWeight, dequantize, quantize
 
 # An absorbing module's kv_b_proj as the `hybrid_moe::latent_attention` op reads it (ops/latent_attention.py): the key
@@ -52,12 +53,10 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
         rows, scales = linear.qweight.unflatten(0, split), linear.scale.unflatten(0, split)
         keys = dequantize(rows[:, :nope], scales[:, :nope], q.bits, q.group_size).transpose(1, 2)
         up_k = quantize(keys.flatten(0, 1).unsqueeze(0), 8, q.group_size if nope % q.group_size == 0 else 32)
-        buffers = {
-            UP_K: up_k.data[0].view(keys.shape),
-            UP_K_SCALE: up_k.scale[0].unflatten(0, keys.shape[:2]),
-            UP_V: rows[:, nope:],
-            UP_V_SCALE: scales[:, nope:],
-        }
+        key_rows, key_scales = up_k.data[0].view(keys.shape), up_k.scale[0].unflatten(0, keys.shape[:2])
+        # where the kernel's AVX-512 lanes run, laid out for them: the op reads them ~4x faster at one token
+        key_rows, key_scales = lay_out_key_rows(key_rows, key_scales) or (key_rows, key_scales)
+        buffers = {UP_K: key_rows, UP_K_SCALE: key_scales, UP_V: rows[:, nope:], UP_V_SCALE: scales[:, nope:]}
     else:  # model dtype; or a quantised weight whose key rows the int8 kernels cannot take, dequantised to it
         quantised = isinstance(linear, QuantizedLinear)
         rows = (dequantized(linear, module) if quantised else linear.weight.detach()).unflatten(0, split)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import cpu_kernel
 from .decode_attention import DTYPES, decode_attention_math
 from .library import require
 from .quantize import dequantize, quantize_activations
@@ -36,6 +37,7 @@ _LIB.define(
 )
 
 QUANTISED = (torch.int8, torch.uint8)
+LANES = 16  # rows a laid-out panel holds (lay_out_key_rows)
 
 
 def _check(
@@ -57,9 +59,12 @@ def _check(
         tuple(latent.shape[:2]) == (b, 1) and tuple(k_rot.shape[:3]) == (b, 1, s) and min(s, r, rot, width - rot) >= 1,
         lambda: "latent_attention: latent / k_rot must be [B, 1, S, r] / [B, 1, S, rot], S >= 1, rot below the query's",
     )
+    laid_out = up_k.dim() == 4 and up_k.shape[0] == h and up_k.shape[1] * LANES == r  # lay_out_key_rows's form
     check(
-        up_k.dim() == 3 and up_v.dim() == 3 and up_k.shape[:2] == (h, r) and up_v.shape[0] == h,
-        lambda: "latent_attention: up_k must be [H, r, nope] and up_v [H, v, r]",
+        (laid_out or up_k.dim() == 3 and up_k.shape[:2] == (h, r)) and up_v.dim() == 3 and up_v.shape[0] == h,
+        lambda: (
+            "latent_attention: up_k must be [H, r, nope] (or laid out, [H, r / 16, nope / 4, 64]) and up_v [H, v, r]"
+        ),
     )
     check(
         query.dtype in DTYPES and latent.dtype == query.dtype and k_rot.dtype == query.dtype,
@@ -83,12 +88,34 @@ def _(
     return query.new_empty((query.shape[0], 1, query.shape[1], up_v.shape[1]))
 
 
+def lay_out_key_rows(rows: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """int8 key rows [H, r, nope] (scales [H, r, nope / group]) laid out for the kernel's AVX-512 lanes, as the op
+    takes them in place of the rows: (uint8 [H, r / 16, nope / 4, 64], fp32 [H, r / 16, nope / group, 16]), the same
+    bytes. At one token, 16 rows a vector instruction instead of one row at a time, whose 128-column rows cost ~7 ns
+    each besides their products (benchmarks/RESULTS.md, 2026-12-02). None where the lanes do not run (no AVX-512 with
+    VNNI, no kernel module) or the shapes do not fit them."""
+    ext = cpu_kernel.extension() if cpu_kernel.best_isa() == 2 else None
+    if ext is None or rows.dtype != torch.int8 or rows.shape[1] % LANES or rows.shape[2] % 64:
+        return None
+    return ext.lay_out_lanes(rows, scale)
+
+
+def laid_out_rows(panels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lay_out_key_rows`' inverse: the int8 rows [H, r, nope] and their scales [H, r, nope / group]. A panel holds
+    4 bytes of each of its 16 rows a vector, each byte stored + 128."""
+    h, p, quarter, _ = panels.shape
+    rows = panels.view(h, p, quarter // 16, 16, LANES, 4).permute(0, 1, 4, 2, 3, 5).reshape(h, p * LANES, quarter * 4)
+    return (rows.to(torch.int16) - 128).to(torch.int8), scale.transpose(2, 3).reshape(h, p * LANES, -1)
+
+
 def rows_float(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Per-head rows [H, N, K] as fp32 (int8 / packed int4 dequantised with their scales)."""
+    """Per-head rows [H, N, K] as fp32 (int8 / packed int4 dequantised with their scales; laid-out key rows too)."""
     if weight.dtype not in QUANTISED:
         return weight.float()
     if scale is None:
         raise ValueError("latent_attention: int8 / int4 rows need their scales")
+    if weight.dim() == 4:
+        weight, scale = laid_out_rows(weight, scale)
     bits = 8 if weight.dtype == torch.int8 else 4
     return dequantize(weight, scale, bits, weight.shape[-1] * (8 // bits) // scale.shape[-1])
 

@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_at", &decode_attention_at, "The decode_attention op's kernel at a given ISA level");
   m.def("latent_attention_at", &latent_attention_at, "The latent_attention op's kernel at a given ISA level");
+  m.def("lay_out_lanes", &lay_out_lanes, "int8 rows [H, N, K] laid out for the AVX-512 lanes: (panels, scales)");
   m.def("prefill_attention_available", &prefill_attention_available,
         "Whether the prefill_attention op's kernel runs here (AVX-512 with AVX512-BF16)");
   m.def("best_isa", &best_isa, "Highest ISA level of this CPU: 0 generic, 1 AVX2 + FMA, 2 AVX-512 with VNNI");

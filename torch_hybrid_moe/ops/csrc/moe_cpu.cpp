@@ -1018,6 +1018,31 @@ void head_products(const Kernels& kern, const Layer& heads, int64_t H, const at:
   }
 }
 
+// Key rows laid out for the lanes (lay_out_lanes): head_products' products, four panels of 16 rows at a time.
+struct LaidOut {
+  const uint8_t* panels = nullptr;  // [H, N / 16, K / 4, 64]
+  const float* scales = nullptr;    // [H, N / 16, K / group, 16]
+  int64_t N = 0, K = 0, group = 0;
+};
+
+template <typename T>
+void laid_out_products([[maybe_unused]] const Kernels& kern, [[maybe_unused]] const LaidOut& keys,
+                       [[maybe_unused]] int64_t H, [[maybe_unused]] const at::Tensor& rows, [[maybe_unused]] int64_t i0,
+                       [[maybe_unused]] int64_t i1, [[maybe_unused]] T* out, [[maybe_unused]] int64_t ld) {
+#ifdef HMOE_X86
+  const int64_t n = i1 - i0, K = keys.K, N = keys.N;
+  std::vector<float> xs(n * K), sums(N);
+  activations(rows.narrow(0, i0, n), written_layout(Fmt::I8), kern.step, xs.data());
+  const KernelInputs in(xs.data(), n, K, Fmt::I8, kern, false);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t h = (i0 + i) % H;
+    level2::laid_out_matvec(keys.panels + h * N * K, keys.scales + h * N * (K / keys.group), N / 16, K, keys.group,
+                            in.row(i), sums.data());
+    round_rows(sums.data(), 1, N, 0, N, nullptr, out + i * ld, N);
+  }
+#endif
+}
+
 template <typename T>
 T* data_as(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
@@ -1090,24 +1115,37 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level) {
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= best_isa(), "latent_attention: ISA level ", isa_level,
               " not available here");
-  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && latent.dim() == 4 && k_rot.dim() == 4 && up_k.dim() == 3 &&
-                  up_v.dim() == 3,
+  const bool laid_out = up_k.dim() == 4;  // int8 key rows laid out for the lanes (lay_out_lanes)
+  TORCH_CHECK(query.dim() == 4 && query.size(2) == 1 && latent.dim() == 4 && k_rot.dim() == 4 &&
+                  (up_k.dim() == 3 || laid_out) && up_v.dim() == 3,
               "latent_attention: expected query [B, H, 1, nope + rot], latent [B, 1, S, r], k_rot [B, 1, S, rot], "
-              "up_k [H, r, nope], up_v [H, v, r]");
+              "up_k [H, r, nope] (or laid out: [H, r / 16, nope / 4, 64]), up_v [H, v, r]");
   const int64_t B = query.size(0), H = query.size(1), S = latent.size(2), r = latent.size(3), rot = k_rot.size(3);
   const int64_t nope = query.size(3) - rot;
   TORCH_CHECK(latent.size(0) == B && latent.size(1) == 1 && k_rot.size(0) == B && k_rot.size(1) == 1 &&
                   k_rot.size(2) == S && S > 0 && r > 0 && rot > 0 && nope > 0 && up_k.size(0) == H &&
-                  up_v.size(0) == H && up_k.size(1) == r,
+                  up_v.size(0) == H && up_k.size(1) * (laid_out ? 16 : 1) == r,
               "latent_attention: latent / k_rot must be [B, 1, S, r] / [B, 1, S, rot] with S >= 1, up_k [H, r, nope] "
               "and up_v [H, v, r], nope = the query's width - rot >= 1");
+  LaidOut laid{};
+  if (laid_out) {
+    TORCH_CHECK(isa_level == AVX512, "latent_attention: key rows laid out for the lanes run at ISA level 2 only");
+    TORCH_CHECK(up_k.scalar_type() == at::kByte && up_k.is_contiguous() && up_k.size(2) * 4 == nope &&
+                    up_k.size(3) == 64 && up_k_scale.has_value() && up_k_scale->scalar_type() == at::kFloat &&
+                    up_k_scale->is_contiguous() && up_k_scale->dim() == 4 && up_k_scale->size(0) == H &&
+                    up_k_scale->size(1) == up_k.size(1) && up_k_scale->size(2) > 0 && nope % up_k_scale->size(2) == 0 &&
+                    nope / up_k_scale->size(2) % 32 == 0 && up_k_scale->size(3) == 16,
+                "latent_attention: laid-out key rows must be contiguous uint8 [H, r / 16, nope / 4, 64] with fp32 "
+                "scales [H, r / 16, nope / group, 16], group a multiple of 32 (lay_out_lanes makes them)");
+    laid = {up_k.data_ptr<uint8_t>(), up_k_scale->data_ptr<float>(), r, nope, nope / up_k_scale->size(2)};
+  }
   const at::ScalarType dtype = query.scalar_type();
   TORCH_CHECK(latent.scalar_type() == dtype && k_rot.scalar_type() == dtype &&
                   (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf),
               "latent_attention: query, latent and k_rot must share one dtype: fp32, bf16 or fp16");
   TORCH_CHECK(query.device().is_cpu() && latent.device().is_cpu() && k_rot.device().is_cpu(),
               "latent_attention: query, latent and k_rot must be CPU tensors");
-  const Layer keys = make_layer("up_k", up_k, up_k_scale, nope, true, true);
+  const Layer keys = laid_out ? Layer{} : make_layer("up_k", up_k, up_k_scale, nope, true, true);
   const Layer values = make_layer("up_v", up_v, up_v_scale, r, true, true);
   const int64_t v = values.N;
   const at::Tensor m = decode_mask(mask, B, H, S, "latent_attention");
@@ -1132,7 +1170,12 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
       const int64_t b = i / groups, h0 = i % groups * per_group, G = std::min(per_group, H - h0);
       if (G <= 0) return;
       const int64_t first = b * H + h0;  // the group's first row of B * H
-      head_products(kern, keys, H, nope_rows, first, first + G, data_as<scalar_t>(q_cat) + first * (r + rot), r + rot);
+      if (laid_out)
+        laid_out_products(kern, laid, H, nope_rows, first, first + G, data_as<scalar_t>(q_cat) + first * (r + rot),
+                          r + rot);
+      else
+        head_products(kern, keys, H, nope_rows, first, first + G, data_as<scalar_t>(q_cat) + first * (r + rot),
+                      r + rot);
       for (int64_t row = first; row < first + G; ++row)  // the rotary part as it is
         std::memcpy(data_as<scalar_t>(q_cat) + row * (r + rot) + r, data_as<scalar_t>(q) + row * (nope + rot) + nope,
                     rot * es);
@@ -1160,6 +1203,24 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
     });
   });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> lay_out_lanes(const at::Tensor& rows, const at::Tensor& scales) {
+  TORCH_CHECK(best_isa() == AVX512, "lay_out_lanes: the lanes run at ISA level 2 (AVX-512 with VNNI) only");
+  TORCH_CHECK(rows.dim() == 3 && rows.scalar_type() == at::kChar && rows.size(1) > 0 && rows.size(1) % 16 == 0 &&
+                  rows.size(2) > 0 && rows.size(2) % 64 == 0,
+              "lay_out_lanes: rows must be int8 [H, N, K] with N a multiple of 16 and K of 64");
+  const at::Tensor w = rows.contiguous(), s = scales.contiguous();
+  const int64_t H = w.size(0), N = w.size(1), K = w.size(2);
+  const Layer layer = make_layer("rows", w, s, K);
+  at::Tensor panels = at::empty({H, N / 16, K / 4, 64}, w.options().dtype(at::kByte));
+  at::Tensor laid_scales = at::empty({H, N / 16, K / layer.first.group, 16}, s.options());
+#ifdef HMOE_X86
+  for (int64_t h = 0; h < H; ++h)
+    level2::lay_out_panels(layer.expert(h), N, panels.data_ptr<uint8_t>() + h * N * K,
+                           laid_scales.data_ptr<float>() + h * N * (K / layer.first.group));
+#endif
+  return {panels, laid_scales};
 }
 
 at::Tensor latent_attention(const at::Tensor& query, const at::Tensor& latent, const at::Tensor& k_rot,

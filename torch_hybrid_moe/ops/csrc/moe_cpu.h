@@ -88,7 +88,9 @@ bool prefill_attention_available();
 // (scores: latent and rotary parts summed, softmax in fp32) over the latent as values, and its output through its
 // value rows up_v [H, v, r]: out [B, 1, H, v] in the query's dtype. up_k / up_v are fp32, bf16, fp16 or int8 / int4
 // with fp32 scales [H, N, K / group] (their activations then quantised as a quantised linear's are); each head's
-// rows contiguous, heads any stride apart. The mask as decode_attention's.
+// rows contiguous, heads any stride apart. Or int8 key rows laid out for the AVX-512 lanes (lay_out_lanes): up_k uint8
+// [H, r / 16, nope / 4, 64], its scales [H, r / 16, nope / group, 16], at ISA level 2 only. The mask as
+// decode_attention's.
 at::Tensor latent_attention(const at::Tensor& query, const at::Tensor& latent, const at::Tensor& k_rot,
                             const at::Tensor& up_k, const c10::optional<at::Tensor>& up_k_scale, const at::Tensor& up_v,
                             const c10::optional<at::Tensor>& up_v_scale, const c10::optional<at::Tensor>& mask,
@@ -100,6 +102,10 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
+// int8 rows [H, N, K] with fp32 scales [H, N, K / group] laid out for the AVX-512 lanes, 16 rows a panel: (panels
+// uint8 [H, N / 16, K / 4, 64], scales [H, N / 16, K / group, 16]), the key rows latent_attention reads fastest at one
+// token. N a multiple of 16, K of 64; ISA level 2 only.
+std::tuple<at::Tensor, at::Tensor> lay_out_lanes(const at::Tensor& rows, const at::Tensor& scales);
 
 // Layers whose experts all run on the CPU, by handle (cpu_layers.cpp): Python publishes a layer (its `owner` number)
 // under each handle that names it, forgets a handle that comes to name a layer with slots, drops a layer when it

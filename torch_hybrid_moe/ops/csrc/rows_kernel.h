@@ -456,6 +456,59 @@ void lane_rows(const uint8_t* panel, const float* scales, int64_t K, int64_t gro
   for (int t = 0; t < NT; ++t) _mm512_storeu_ps(res + t * kLaneRows, acc[t]);
 }
 
+// res[16 p + i] = row i of panel p . x for p < NP: one token over int8 panels lane_panel laid out, panel_bytes and
+// panel_scales apart, each panel its own chain of vpdpbusd (lane_rows<1>'s one chain waits on every product), the same
+// arithmetic as lane_rows.
+template <int NP>
+void lane_panels(const uint8_t* panel, int64_t panel_bytes, const float* scales, int64_t panel_scales, int64_t K,
+                 int64_t group, const LaneInput& x, float* res) {
+  const int64_t per_group = group / 32;
+  __m512 acc[NP];
+  for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m512i sum[NP];
+    for (int p = 0; p < NP; ++p) sum[p] = _mm512_set1_epi32(x.start[b]);
+    for (int v = 0; v < 8; ++v) {
+      int32_t four;
+      std::memcpy(&four, x.q + 32 * b + 4 * v, 4);
+      const __m512i xv = _mm512_set1_epi32(four);
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* w = panel + p * panel_bytes + 64 * (8 * b + v);
+        __builtin_prefetch(w + NP * panel_bytes);  // the next panels' line (contiguous: the op's next head's too)
+        sum[p] = _mm512_dpbusd_epi32(sum[p], _mm512_loadu_si512(w), xv);
+      }
+    }
+    const __m512 xs = _mm512_set1_ps(x.scale[b]);
+    for (int p = 0; p < NP; ++p) {
+      const __m512 s = _mm512_loadu_ps(scales + p * panel_scales + b / per_group * kLaneRows);
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[p]), _mm512_mul_ps(s, xs), acc[p]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) _mm512_storeu_ps(res + p * kLaneRows, acc[p]);
+}
+
+// Rows [0, N) of int8 m (N a multiple of 16) laid out for the lanes once, 16 rows a panel: panels (N / 16 x K / 4 x 64
+// bytes) and scales (N / 16 x K / group x 16), as `laid_out_matvec` reads them.
+inline void lay_out_panels(const Matrix& m, int64_t N, uint8_t* panels, float* scales) {
+  for (int64_t p = 0; p < N / kLaneRows; ++p)
+    lane_panel<Fmt::I8>(m, p * kLaneRows, kLaneRows, panels + p * 16 * m.K, scales + p * (m.K / m.group) * kLaneRows);
+}
+
+// res[r] = row r . x for r < 16 np: one token x (a QuantRecord of K int8 columns) times np panels `lay_out_panels`
+// laid out. Four panels at a time: a row of 128 columns read row by row costs ~7 ns besides its products (its
+// horizontal sum, the micro-kernel's set-up per 4 rows), 3-4 times its products (benchmarks/RESULTS.md, 2026-12-02).
+inline void laid_out_matvec(const uint8_t* panels, const float* scales, int64_t np, int64_t K, int64_t group,
+                            const void* x, float* res) {
+  thread_local std::vector<int8_t> bytes;
+  thread_local std::vector<int32_t> starts;
+  thread_local std::vector<LaneInput> in;
+  lane_inputs<Fmt::I8>(&x, 1, K, bytes, starts, in);
+  const int64_t pb = 16 * K, ps = K / group * kLaneRows;
+  int64_t p = 0;
+  for (; p + 4 <= np; p += 4) lane_panels<4>(panels + p * pb, pb, scales + p * ps, ps, K, group, in[0], res + p * 16);
+  for (; p < np; ++p) lane_panels<1>(panels + p * pb, pb, scales + p * ps, ps, K, group, in[0], res + p * 16);
+}
+
 // bf16 rows times bf16 values (a bf16 model's activations) from lane_start tokens on, on CPUs with
 // AVX512-BF16: 32 rows as two vectors of 16 fp32 lanes. The per-row loop widens each weight to fp32 (a shift or a
 // mask) and takes one FMA per 16 products; vdpbf16ps takes 16 column pairs of bf16 and adds both products of a pair
