@@ -27,7 +27,8 @@ from ..ops.quantize import QuantizedWeight, dequantize, quantize
 # An absorbing module's kv_b_proj as the `hybrid_moe::latent_attention` op reads it (ops/latent_attention.py): the key
 # rows of each head transposed, [heads, kv_lora_rank, nope], and the value rows, [heads, v, kv_lora_rank], each with
 # its scales (None in a float dtype). The value rows are a view of kv_b_proj's weight (rows, not a copy); the key
-# rows a copy, its products then reduce over contiguous memory.
+# rows a copy, its products then reduce over contiguous memory; as int8 on AVX-512 machines, laid out for the kernel's
+# lanes (`lay_out_key_rows`: [heads, kv_lora_rank / 16, nope / 4, 64]).
 UP_K = "_hybrid_moe_kv_up_k"
 UP_K_SCALE = "_hybrid_moe_kv_up_k_scale"
 UP_V = "_hybrid_moe_kv_up_v"
@@ -54,7 +55,8 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
         keys = dequantize(rows[:, :nope], scales[:, :nope], q.bits, q.group_size).transpose(1, 2)
         up_k = quantize(keys.flatten(0, 1).unsqueeze(0), 8, q.group_size if nope % q.group_size == 0 else 32)
         key_rows, key_scales = up_k.data[0].view(keys.shape), up_k.scale[0].unflatten(0, keys.shape[:2])
-        # where the kernel's AVX-512 lanes run, laid out for them: the op reads them ~4x faster at one token
+        # where the kernel's AVX-512 lanes run, laid out for them: the op then takes 0.6x its time with the weights in
+        # cache, 0.8x from DRAM (benchmarks/RESULTS.md, 2026-12-02)
         key_rows, key_scales = lay_out_key_rows(key_rows, key_scales) or (key_rows, key_scales)
         buffers = {UP_K: key_rows, UP_K_SCALE: key_scales, UP_V: rows[:, nope:], UP_V_SCALE: scales[:, nope:]}
     else:  # model dtype; or a quantised weight whose key rows the int8 kernels cannot take, dequantised to it

@@ -13,10 +13,11 @@ in torch (`latent_attention_math`).
 Contract: query [B, H, 1, nope + rot], latent [B, 1, S, r], k_rot [B, 1, S, rot] in one dtype (fp32, bf16 or fp16);
 up_k [H, r, nope] and up_v [H, v, r] (int4: the last dimension halved) in a float dtype, or int8 / packed int4 with
 fp32 scales [H, N, K / group] (groups of a multiple of 32 columns); each head's rows contiguous, heads any stride
-apart (views of kv_b_proj's rows). Mask and scale as `hybrid_moe::decode_attention`'s. Out [B, 1, H, v] in the query's
-dtype. The head's latent query and its latent output are rounded to the query's dtype, as the same products in torch
-round them; with quantised rows, the activations are rounded as a quantised linear rounds them
-(`quantize.quantize_activations`).
+apart (views of kv_b_proj's rows). int8 key rows may also come laid out for the kernel's AVX-512 lanes
+(`lay_out_key_rows`), which only its ISA level 2 and the torch form read. Mask and scale as
+`hybrid_moe::decode_attention`'s. Out [B, 1, H, v] in the query's dtype. The head's latent query and its latent output
+are rounded to the query's dtype, as the same products in torch round them; with quantised rows, the activations are
+rounded as a quantised linear rounds them (`quantize.quantize_activations`).
 """
 
 from __future__ import annotations
