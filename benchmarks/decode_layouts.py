@@ -7,7 +7,8 @@ rounds, with weights cycled over --layers copies so that every read comes from D
 - the MLA absorbed attention of one decode step (16 heads, latent 512, 256 cached positions, bf16): in torch, compiled
   by Inductor (its products over the bf16 up-projection, the key rows transposed per head, as the step ran before the
   op), against the `hybrid_moe::latent_attention` op (ops/latent_attention.py) with the up-projection in bf16, and as
-  `absorb` holds it in the int8 / int4 dense modes (key rows int8, value rows int8 / int4).
+  `absorb` holds it in the int8 / int4 dense modes (key rows int8, value rows int8 / int4; on AVX-512 machines also
+  with the key rows laid out for the kernel's lanes, as absorb holds them there).
 
     python benchmarks/decode_layouts.py [--layers 40] [--rounds 4] [--threads 2]
 """
@@ -23,6 +24,7 @@ import torch
 
 from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.ops import cpu_kernel, host_memory
+from torch_hybrid_moe.ops.latent_attention import lay_out_key_rows
 from torch_hybrid_moe.ops.quantize import quantize
 
 SMALL = [(1536, 2048), (3072, 1536), (2048, 2048), (5632, 2048), (2048, 2816)]  # q_a, q_b, o, shared gate_up, down
@@ -91,6 +93,9 @@ def absorbed(layers: int) -> dict[str, Callable[[], object]]:
             v = quantize(values.flatten(0, 1).unsqueeze(0), bits, 64)
             held.append(tuple(t[0].unflatten(0, (HEADS, -1)) for t in (k.data, k.scale, v.data, v.scale)))
         ways[f"op int{bits}"] = lambda held=held: [op(query, latent, k_rot, *w, None, scale) for w in held]
+        if lay_out_key_rows(*held[0][:2]) is not None:  # AVX-512: key rows laid out for the lanes, as absorb has them
+            laid = [(*lay_out_key_rows(k, ks), v, vs) for k, ks, v, vs in held]
+            ways[f"op int{bits} laid out"] = lambda laid=laid: [op(query, latent, k_rot, *w, None, scale) for w in laid]
     reference = compiled(query, latent, k_rot, *bf16[0]).float()
     got = op(query, latent, k_rot, bf16[0][0], None, bf16[0][1], None, None, scale)[:, 0].float()
     if not torch.allclose(got, reference, rtol=0.02, atol=0.02 * reference.abs().max().item()):

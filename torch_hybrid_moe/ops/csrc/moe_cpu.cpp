@@ -1001,46 +1001,38 @@ at::Tensor decode_mask(const c10::optional<at::Tensor>& mask, int64_t B, int64_t
   return (mask->scalar_type() == at::kBool ? *mask : mask->to(at::kFloat)).expand({B, H, 1, S});
 }
 
-// Rows [i0, i1) of rows [n, K] (x's dtype) times one head's Matrix each: out[(i - i0) * ld + j] = row j of
-// heads.expert(i % H) . rows[i], N rows summed in fp32 (the activations quantised as a quantised weight's kernels take
-// them) and rounded to x's dtype. On the calling thread: each work item of latent_attention runs its own heads.
-template <typename T>
-void head_products(const Kernels& kern, const Layer& heads, int64_t H, const at::Tensor& rows, int64_t i0, int64_t i1,
-                   T* out, int64_t ld) {
-  const int64_t n = i1 - i0, K = rows.size(1), N = heads.N;
-  std::vector<float> xs(n * K), sums(N);
-  activations(rows.narrow(0, i0, n), written_layout(heads.first.fmt), kern.step, xs.data());
-  const KernelInputs in(xs.data(), n, K, heads.first.fmt, kern, false);
-  for (int64_t i = 0; i < n; ++i) {
-    const void* x = in.row(i);
-    kern.matvec_block(heads.expert((i0 + i) % H), 0, N, &x, 1, false, sums.data(), N);
-    round_rows(sums.data(), 1, N, 0, N, nullptr, out + i * ld, N);
-  }
-}
-
-// Key rows laid out for the lanes (lay_out_lanes): head_products' products, four panels of 16 rows at a time.
+// Key rows laid out for the lanes (lay_out_lanes), as latent_attention reads them.
 struct LaidOut {
   const uint8_t* panels = nullptr;  // [H, N / 16, K / 4, 64]
   const float* scales = nullptr;    // [H, N / 16, K / group, 16]
   int64_t N = 0, K = 0, group = 0;
 };
 
+// Rows [i0, i1) of rows [n, K] (x's dtype) times one head's rows each: out[(i - i0) * ld + j] = row j of head i % H
+// . rows[i], N rows summed in fp32 (the activations quantised as a quantised weight's kernels take them) and rounded
+// to x's dtype. The head's rows are heads.expert(i % H), or with `laid` (int8, ISA level 2) its laid-out panels, four
+// at a time. On the calling thread: each work item of latent_attention runs its own heads.
 template <typename T>
-void laid_out_products([[maybe_unused]] const Kernels& kern, [[maybe_unused]] const LaidOut& keys,
-                       [[maybe_unused]] int64_t H, [[maybe_unused]] const at::Tensor& rows, [[maybe_unused]] int64_t i0,
-                       [[maybe_unused]] int64_t i1, [[maybe_unused]] T* out, [[maybe_unused]] int64_t ld) {
-#ifdef HMOE_X86
-  const int64_t n = i1 - i0, K = keys.K, N = keys.N;
+void head_products(const Kernels& kern, const Layer& heads, const LaidOut* laid, int64_t H, const at::Tensor& rows,
+                   int64_t i0, int64_t i1, T* out, int64_t ld) {
+  const int64_t n = i1 - i0, K = rows.size(1), N = laid ? laid->N : heads.N;
+  const Fmt fmt = laid ? Fmt::I8 : heads.first.fmt;
   std::vector<float> xs(n * K), sums(N);
-  activations(rows.narrow(0, i0, n), written_layout(Fmt::I8), kern.step, xs.data());
-  const KernelInputs in(xs.data(), n, K, Fmt::I8, kern, false);
+  activations(rows.narrow(0, i0, n), written_layout(fmt), kern.step, xs.data());
+  const KernelInputs in(xs.data(), n, K, fmt, kern, false);
   for (int64_t i = 0; i < n; ++i) {
+    const void* x = in.row(i);
     const int64_t h = (i0 + i) % H;
-    level2::laid_out_matvec(keys.panels + h * N * K, keys.scales + h * N * (K / keys.group), N / 16, K, keys.group,
-                            in.row(i), sums.data());
+    if (laid) {
+#ifdef HMOE_X86
+      level2::laid_out_matvec(laid->panels + h * N * K, laid->scales + h * N * (K / laid->group), N / 16, K,
+                              laid->group, x, sums.data());
+#endif
+    } else {
+      kern.matvec_block(heads.expert(h), 0, N, &x, 1, false, sums.data(), N);
+    }
     round_rows(sums.data(), 1, N, 0, N, nullptr, out + i * ld, N);
   }
-#endif
 }
 
 template <typename T>
@@ -1170,12 +1162,8 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
       const int64_t b = i / groups, h0 = i % groups * per_group, G = std::min(per_group, H - h0);
       if (G <= 0) return;
       const int64_t first = b * H + h0;  // the group's first row of B * H
-      if (laid_out)
-        laid_out_products(kern, laid, H, nope_rows, first, first + G, data_as<scalar_t>(q_cat) + first * (r + rot),
-                          r + rot);
-      else
-        head_products(kern, keys, H, nope_rows, first, first + G, data_as<scalar_t>(q_cat) + first * (r + rot),
-                      r + rot);
+      head_products(kern, keys, laid_out ? &laid : nullptr, H, nope_rows, first, first + G,
+                    data_as<scalar_t>(q_cat) + first * (r + rot), r + rot);
       for (int64_t row = first; row < first + G; ++row)  // the rotary part as it is
         std::memcpy(data_as<scalar_t>(q_cat) + row * (r + rot) + r, data_as<scalar_t>(q) + row * (nope + rot) + nope,
                     rot * es);
@@ -1199,7 +1187,7 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
                kr.stride(2) * es,
                rot};
       kern.attend(a);
-      head_products(kern, values, H, o_latent, first, first + G, data_as<scalar_t>(out) + first * v, v);
+      head_products(kern, values, nullptr, H, o_latent, first, first + G, data_as<scalar_t>(out) + first * v, v);
     });
   });
   return out;
