@@ -131,7 +131,7 @@ def checkpoint(shape: str, layers: int, cache: Path) -> Path:
     return path
 
 
-BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}  # int8 / int4 with a scale per 64: as q8_0 / q4_0
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 34 / 32, "int4": 18 / 32}  # an fp16 scale per 32: ours, q8_0 and q4_0
 
 
 def decode_bytes(path: Path, row: str = "ours") -> float:

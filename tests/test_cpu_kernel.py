@@ -376,11 +376,29 @@ def test_quantisation_error_is_half_a_step_and_int4_packs_pairs():
         step = q.scale.repeat_interleave(32, dim=-1)
         back = dequantize(q.data, q.scale, bits, 32)
         assert (back - w).abs().le(step / 2 + 1e-6).all()
-        assert torch.allclose(q.scale, w.unflatten(-1, (2, 32)).abs().amax(-1) / qmax)
+        exact = w.unflatten(-1, (2, 32)).abs().amax(-1) / qmax
+        assert q.scale.dtype == torch.float16 and (q.scale.float() >= exact).all()  # rounded up: no |q| past qmax
+        assert (torch.nextafter(q.scale, torch.full_like(q.scale, -torch.inf)).float() < exact).all()  # the next fp16
     q4 = quantize(w, 4, 32)
     codes = torch.round(w / q4.scale.repeat_interleave(32, dim=-1)).clamp(-8, 7) + 8
     assert torch.equal(q4.data & 15, codes[..., 0::2].to(torch.uint8))  # column 2j: low nibble of byte j
     assert torch.equal(q4.data >> 4, codes[..., 1::2].to(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fp16_scales_keep_tiny_groups_and_refuse_weights_they_cannot_hold(bits):
+    """Groups whose scale is below fp16's normal range (subnormal, or below its smallest value, or all zero) come back
+    within half their step; weights whose scale fp16 cannot hold are refused, not turned into inf."""
+    w = torch.zeros(1, 4, 64)
+    w[0, 0, :32] = 1e-9
+    w[0, 1] = torch.linspace(-1e-5, 1e-5, 64)
+    w[0, 2] = torch.linspace(-3.0, 3.0, 64)
+    q = quantize(w, bits, 32)
+    back = dequantize(q.data, q.scale, bits, 32)
+    assert (back - w).abs().le(q.scale.float().repeat_interleave(32, dim=-1) / 2).all()
+    assert (q.scale > 0).all() and torch.equal(back[0, 3], w[0, 3])
+    with pytest.raises(ValueError, match="fp16 group scales hold at most"):
+        quantize(torch.full((1, 1, 32), 1e7), bits, 32)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
@@ -426,6 +444,8 @@ def test_kernel_rejects_bad_operands():
         cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64), gus.repeat(1, 1, 2), dns)
     with pytest.raises(RuntimeError, match="need scales"):
         cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64))
+    with pytest.raises(RuntimeError, match="scales must be contiguous CPU fp16"):  # fp32: an older store's scales
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64), gus.float(), dns)
     with pytest.raises(ValueError, match="ISA level"):
         cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 64), gus, dns, isa=3)
     # Empty hidden or intermediate sizes: clear errors where a division by zero once killed the process (SIGFPE).

@@ -59,7 +59,7 @@ def _identity(k: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         data = torch.full((k, k // 2), 0x88, dtype=torch.uint8)
         rows = torch.arange(k)
         data[rows, rows // 2] = torch.where(rows % 2 == 0, 0x89, 0x98).to(torch.uint8)
-    return data, torch.ones(k, k // 32)
+    return data, torch.ones(k, k // 32, dtype=torch.float16)
 
 
 @pytest.mark.parametrize("k", [64, 2080])
@@ -206,7 +206,7 @@ def test_decode_route_refuses_quantized_weights_without_columns(dtype):
     """An int8 / int4 weight of no columns has a group size of 0, which the kernels would divide by: refused."""
     weight = torch.zeros(4, 0, dtype=dtype)
     with pytest.raises(RuntimeError, match="positive multiple of 32"):
-        torch.ops.hybrid_moe.matvecs(torch.zeros(1, 0), [weight], [torch.ones(4, 1)], [None])
+        torch.ops.hybrid_moe.matvecs(torch.zeros(1, 0), [weight], [torch.ones(4, 1, dtype=torch.float16)], [None])
 
 
 @pytest.mark.parametrize("rows", [0, 4])

@@ -67,8 +67,8 @@ def test_budget_and_host_memory_by_hand():
     by_fmt = {p.fmt: p for p in plans}
     assert by_fmt["bfloat16"].host_bytes == s.expert_weights * 2
     # gate and up (two thirds of the weights, 64 columns) in groups of 64; down (32 columns) in groups of 32
-    assert by_fmt["int8"].host_bytes == int(s.expert_weights * (2 * (1 + 4 / 64) + (1 + 4 / 32)) / 3)
-    assert by_fmt["int4"].host_bytes == int(s.expert_weights * (2 * (0.5 + 4 / 64) + (0.5 + 4 / 32)) / 3)
+    assert by_fmt["int8"].host_bytes == int(s.expert_weights * (2 * (1 + 2 / 64) + (1 + 2 / 32)) / 3)
+    assert by_fmt["int4"].host_bytes == int(s.expert_weights * (2 * (0.5 + 2 / 64) + (0.5 + 2 / 32)) / 3)
     assert all(p.speeds and all(d > 0 and f > 0 for d, f in p.speeds.values()) for p in plans)
     # int4 reads fewer bytes than bf16 on every stack, so it decodes faster on each
     assert all(by_fmt["int4"].speeds[k][0] > by_fmt["bfloat16"].speeds[k][0] for k in by_fmt["int4"].speeds)

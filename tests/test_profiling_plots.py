@@ -61,7 +61,7 @@ def test_fit_gives_back_the_hardware_that_produced_the_times(preset):
 
 @pytest.mark.parametrize(
     ("bytes_each", "want"),
-    [(2.0, ("bfloat16", 0)), (4.0, ("float32", 0)), (1 + 4 / 64, ("int8", 64)), (0.5 + 4 / 32, ("int4", 32))],
+    [(2.0, ("bfloat16", 0)), (4.0, ("float32", 0)), (1 + 2 / 64, ("int8", 64)), (0.5 + 2 / 32, ("int4", 32))],
 )
 def test_host_format_is_the_one_whose_bytes_the_shape_has(bytes_each, want):
     assert profiling.host_format(ExpertShape("x", 512, 256, bytes_each)) == want
@@ -80,7 +80,7 @@ def test_an_expert_narrower_than_its_group_is_profiled(fmt, bits):
     assert sum(t[0].nbytes for t in (gate_up, gate_up_scale, down, down_scale)) == shape.nbytes
 
 
-@pytest.mark.parametrize("bytes_each", [0.5, 3.0, 1 + 4 / 48, 0.5 + 4 / 512, -1.0, float("nan")])
+@pytest.mark.parametrize("bytes_each", [0.5, 3.0, 1 + 2 / 48, 0.5 + 2 / 512, -1.0, float("nan")])
 def test_host_format_refuses_sizes_no_format_has(bytes_each):
     """No scales; between formats; a group that is not a multiple of 32; a group wider than the 256-wide down
     projection (it would be quantised in groups of 256, with other bytes); nonsense."""

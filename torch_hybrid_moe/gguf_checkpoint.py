@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from .config import HybridMoEConfig
 from .errors import InputError
 from .ops.host_memory import fill_in_parallel
-from .ops.quantize import BITS, QuantizedWeight, dequantize, empty_cpu_format, set_expert
+from .ops.quantize import BITS, SCALE_DTYPE, QuantizedWeight, dequantize, empty_cpu_format, set_expert
 from .runtime.expert_store import HostWeight
 
 # transformers model type -> GGUF architecture (llama.cpp writes Mixtral as "llama" with experts)
@@ -142,13 +142,13 @@ class GGUFTensor:
         if self.qtype in _DIRECT:
             bits, rows = BITS[_DIRECT[self.qtype]], raw.shape[0]
             data = torch.empty((rows, self.shape[-1] * bits // 8), dtype=torch.int8 if bits == 8 else torch.uint8)
-            scale = torch.empty((rows, self.shape[-1] // GROUP), dtype=torch.float32)
+            scale = torch.empty((rows, self.shape[-1] // GROUP), dtype=SCALE_DTYPE)
             self.into_store(raw, data, scale)
             return dequantize(data, scale, bits, GROUP)
         return torch.from_numpy(gguf.quants.dequantize(raw.numpy(), self.qtype))
 
     def into_store(self, raw: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> None:
-        """Raw Q8_0 / Q4_0 rows into the store's rows of (data, fp32 scale) at group 32, bit for bit the same weights,
+        """Raw Q8_0 / Q4_0 rows into the store's rows of (data, fp16 scale) at group 32, bit for bit the same weights,
         in strided passes straight into them (this is most of a GGUF file's load time)."""
         blocks = raw.view(raw.shape[0], -1, gguf.GGML_QUANT_SIZES[self.qtype][1])
         scale.copy_(blocks[..., :2].view(torch.float16).squeeze(-1))

@@ -31,7 +31,7 @@ from .simulator.replay import simulate_runnable
 from .simulator.synthetic import synthetic_trace
 from .simulator.tuning import ours
 
-# Host formats and their bytes per weight (int8 / int4: one fp32 scale per `group` columns).
+# Host formats and their bytes per weight (int8 / int4: one fp16 scale per `group` columns).
 FORMATS = tuple(f for f in CPU_WEIGHT_DTYPES if f != "model")
 SIMULATED_LAYERS = 4  # layers are alike to the simulator: tok/s is scaled from this many to the model's count
 # Routing like real models' (issue 18's statistics): mild skew, reuse of the last token's experts ~0.4.

@@ -26,7 +26,7 @@ from .errors import InputError
 from .ops.quantize import QuantizedWeight
 
 MARKER = "hybrid_moe_store.json"
-VERSION = 1
+VERSION = 2  # 2: int8 / int4 group scales in fp16 (1 held them in fp32, which the kernel no longer reads)
 SHARD_BYTES = 4 * 2**30
 _NOT_COPIED = (".safetensors", ".safetensors.index.json", ".gguf", ".bin", ".pt", ".pth")
 

@@ -306,7 +306,7 @@ def profile_key(expert: ExpertShape, tokens: Sequence[int]) -> dict:
 
 def host_format(expert: ExpertShape) -> tuple[str, int]:
     """(format, group size) of the host copy whose bytes per weight `expert` has: "bfloat16" (2 bytes, fp16 alike),
-    "float32", or "int8" / "int4" with one fp32 scale per group. ValueError where no format has that size."""
+    "float32", or "int8" / "int4" with one fp16 scale per group. ValueError where no format has that size."""
     b = expert.bytes_per_weight
     if b in (2, 4):
         return ("bfloat16" if b == 2 else "float32"), 0
@@ -320,7 +320,7 @@ def host_format(expert: ExpertShape) -> tuple[str, int]:
                 continue
     raise ValueError(
         f"no host format has {b} bytes per weight for {expert.hidden} x {expert.inter} experts (bf16: 2, fp32: 4, "
-        "int8 / int4: 1 / 0.5 + 4 / group)"
+        "int8 / int4: 1 / 0.5 + 2 / group)"
     )
 
 

@@ -318,7 +318,7 @@ def dense_matvec(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, isa: int | None = None
 ) -> torch.Tensor:
     """x [T, K] @ weight.T in fp32: a bf16 / fp16 / fp32 weight [N, K], or int8 [N, K] / packed int4 [N, K / 2]
-    with fp32 group scales [N, K / group] (ops/quantize.py), streaming the weight once per few tokens."""
+    with fp16 group scales [N, K / group] (ops/quantize.py), streaming the weight once per few tokens."""
     level = _level(isa)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     extension().dense_matvec(x.contiguous(), weight, scale, level, out)
@@ -326,7 +326,7 @@ def dense_matvec(
 
 
 def dense_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] times an int8 [N, K] / packed int4 [N, K / 2] weight with its fp32 group scales, plus bias, in x's
+    """x [..., K] times an int8 [N, K] / packed int4 [N, K / 2] weight with its fp16 group scales, plus bias, in x's
     dtype: the activations rounded as the micro-kernels round them, the weight dequantised a panel of rows at a time
     for torch's fp32 GEMM (the many-row route of a quantised linear)."""
     return extension().dense_gemm(x, weight, scale, bias)

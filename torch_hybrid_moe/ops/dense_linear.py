@@ -33,7 +33,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # `hybrid_moe::matvecs`: x [..., K] times sibling weights that read it (attention's q / k / v), each [N_i, K] (bf16 /
-# fp16 / fp32, or int8 / packed int4 with fp32 group scales), plus their biases: the outputs side by side in one
+# fp16 / fp32, or int8 / packed int4 with fp16 group scales), plus their biases: the outputs side by side in one
 # tensor [..., sum N_i] of x's dtype, summed in fp32 and rounded once. Its CPU kernel is C++ (csrc/moe_cpu.cpp),
 # registered when the kernel module loads, so a compiled decode step reaches it through the dispatcher alone; one
 # call streams all the siblings' rows on every thread at once, preparing x once. One output tensor, not a list:
@@ -131,7 +131,7 @@ class RoutedLinear(torch.nn.Module):
 
 
 class QuantizedLinear(torch.nn.Module):
-    """An nn.Linear whose weight is held as int8 / int4 with one fp32 scale per `group_size` columns (the experts'
+    """An nn.Linear whose weight is held as int8 / int4 with one fp16 scale per `group_size` columns (the experts'
     CPU formats), for `HybridMoEConfig(dense_weight_dtype=...)`: an approximate mode that cuts the bytes every
     decode token reads from the dense layers (the LM head above all). Rows run on the micro-kernels up to the
     count where multiplying a dequantised copy was measured faster (`quantized_token_limit`). `weight`: the linear's

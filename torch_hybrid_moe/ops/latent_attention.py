@@ -12,12 +12,12 @@ in torch (`latent_attention_math`).
 
 Contract: query [B, H, 1, nope + rot], latent [B, 1, S, r], k_rot [B, 1, S, rot] in one dtype (fp32, bf16 or fp16);
 up_k [H, r, nope] and up_v [H, v, r] (int4: the last dimension halved) in a float dtype, or int8 / packed int4 with
-fp32 scales [H, N, K / group] (groups of a multiple of 32 columns); each head's rows contiguous, heads any stride
+fp16 scales [H, N, K / group] (groups of a multiple of 32 columns); each head's rows contiguous, heads any stride
 apart (views of kv_b_proj's rows). int8 key rows may also come laid out for the kernel's AVX-512 lanes
-(`lay_out_key_rows`), which only its ISA level 2 and the torch form read. Mask and scale as
-`hybrid_moe::decode_attention`'s. Out [B, 1, H, v] in the query's dtype. The head's latent query and its latent output
-are rounded to the query's dtype, as the same products in torch round them; with quantised rows, the activations are
-rounded as a quantised linear rounds them (`quantize.quantize_activations`).
+(`lay_out_key_rows`, their scales widened to fp32 there), which only its ISA level 2 and the torch form read. Mask
+and scale as `hybrid_moe::decode_attention`'s. Out [B, 1, H, v] in the query's dtype. The head's latent query and
+its latent output are rounded to the query's dtype, as the same products in torch round them; with quantised rows, the
+activations are rounded as a quantised linear rounds them (`quantize.quantize_activations`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from . import cpu_kernel
 from .decode_attention import DTYPES, decode_attention_math
 from .library import require
-from .quantize import dequantize, quantize_activations
+from .quantize import SCALE_DTYPE, dequantize, quantize_activations
 
 _LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
 _LIB.define(
@@ -106,7 +106,7 @@ def laid_out_rows(panels: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
     4 bytes of each of its 16 rows a vector, each byte stored + 128."""
     h, p, quarter, _ = panels.shape
     rows = panels.view(h, p, quarter // 16, 16, LANES, 4).permute(0, 1, 4, 2, 3, 5).reshape(h, p * LANES, quarter * 4)
-    return (rows.to(torch.int16) - 128).to(torch.int8), scale.transpose(2, 3).reshape(h, p * LANES, -1)
+    return (rows.to(torch.int16) - 128).to(torch.int8), scale.transpose(2, 3).reshape(h, p * LANES, -1).to(SCALE_DTYPE)
 
 
 def rows_float(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -51,7 +51,7 @@ def cpu_experts_into(
 ) -> None:
     """Accumulate into fp32 `out` the experts of the pairs whose id is >= 0 (-1: computed elsewhere).
 
-    Weights are bf16 / fp16 / fp32 [E, 2I, H] and [E, H, I], or int8 / packed-int4 (uint8) with fp32 scales
+    Weights are bf16 / fp16 / fp32 [E, 2I, H] and [E, H, I], or int8 / packed-int4 (uint8) with fp16 scales
     [E, N, K / group] (see ops/quantize.py). Writing into a caller-owned accumulator lets partial
     sums from several devices combine with one final rounding, and lets a captured graph point at a
     static buffer. Runs the C++ kernel; the per-expert torch loop where it could not be built.

@@ -146,7 +146,7 @@ def _converting_kernel():
         else:
             w = tl.load(data + s * elements + offs, mask=mask)
         if BITS != 0:
-            w = w * tl.load(scale + s * (elements // group) + offs // group, mask=mask)
+            w = w * tl.load(scale + s * (elements // group) + offs // group, mask=mask).to(tl.float32)
         tl.store(dst + d * elements + offs, w.to(dst.dtype.element_ty), mask=mask)
 
     return convert_rows_kernel

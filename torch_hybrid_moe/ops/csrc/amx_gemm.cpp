@@ -3,6 +3,7 @@
 #include "amx_gemm.h"
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -204,7 +205,7 @@ void amx_pack(const float* const* rows, const int64_t* pos, int64_t n, int64_t K
 #ifdef HMOE_AMX
 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #endif
-void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64_t group, int bits, int64_t K,
+void amx_panel(const uint8_t* data, int64_t row_bytes, const uint16_t* scale, int64_t group, int bits, int64_t K,
                uint16_t* dst) {
 #ifdef HMOE_AMX
   TORCH_CHECK(bits == 8 || bits == 4, "amx_panel: int8 or int4 weights");
@@ -212,12 +213,12 @@ void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64
   for (int64_t k = 0; k < K; k += kAmxCols) {  // the panel written front to back, the rows read side by side
     uint16_t* out = dst + k / kAmxCols * kPanelBlock;
     const uint8_t* column = data + k * bits / 8;
-    const float* scales = scale + k / group;
+    const uint16_t* scales = scale + k / group;
     const bool prefetch = k * bits % 512 == 0 && k + kBlocksAhead * kAmxCols < K;  // once per cache line of a row
     for (int64_t r = 0; r < kAmxRows; ++r, out += kAmxCols) {
       const uint8_t* q = column + r * row_bytes;
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(q + kBlocksAhead * kAmxCols * bits / 8), _MM_HINT_T0);
-      dequant_block(q, bits, scales[r * groups], out);
+      dequant_block(q, bits, c10::detail::fp16_ieee_to_fp32_value(scales[r * groups]), out);
     }
   }
 #else

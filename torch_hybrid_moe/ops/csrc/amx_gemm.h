@@ -25,10 +25,10 @@ void amx_pack(const float* const* rows, const int64_t* pos, int64_t n, int64_t K
 constexpr int64_t amx_panel_size(int64_t K) { return kAmxRows * K; }
 
 // kAmxRows rows of an int8 (bits 8) or packed int4 (bits 4, q + 8 in nibbles, low first) weight, row r at
-// data + r * row_bytes with scales scale + r * (K / group), as the bf16 panel amx_rows multiplies (q * scale rounded
-// to nearest even): by blocks of 32 columns, each its 32 rows' columns side by side, so that a tile loads 1 KiB in a
-// row (rows of a weight lie a page apart, and 16 of them per tile load thrash the TLB).
-void amx_panel(const uint8_t* data, int64_t row_bytes, const float* scale, int64_t group, int bits, int64_t K,
+// data + r * row_bytes with fp16 scales scale + r * (K / group), as the bf16 panel amx_rows multiplies (q * scale
+// rounded to nearest even): by blocks of 32 columns, each its 32 rows' columns side by side, so that a tile loads 1 KiB
+// in a row (rows of a weight lie a page apart, and 16 of them per tile load thrash the TLB).
+void amx_panel(const uint8_t* data, int64_t row_bytes, const uint16_t* scale, int64_t group, int bits, int64_t K,
                uint16_t* dst);
 
 // The weight operand of amx_rows: kAmxRows rows of K bf16 columns, where tiles load them from. A bf16 weight's own

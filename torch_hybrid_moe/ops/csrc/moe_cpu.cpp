@@ -3,7 +3,7 @@
 // Why a kernel of our own: at decode an expert is a matrix-vector product whose time is its bytes over
 // DRAM bandwidth, and a per-expert torch loop reaches about half of that. Here every active expert's weight
 // rows are streamed once by all threads together, for all of that expert's tokens at a time, in the
-// stored format (bf16 / fp16 / fp32, or int8 / int4 with one fp32 scale per `group` columns, multiplied in
+// stored format (bf16 / fp16 / fp32, or int8 / int4 with one fp16 scale per `group` columns, multiplied in
 // integers by activations rounded to int8 per 32 columns: see QuantRecord).
 //
 // Three phases:
@@ -68,16 +68,21 @@ constexpr int64_t kPanelRows = 256;  // rows per weight panel on the GEMM route
 // The GEMM route's kernels (the caller's measured choice): torch's on fp32 panels or in bf16, or AMX tiles.
 enum class Gemm : int64_t { F32 = 0, BF16 = 1, AMX = 2 };
 
+// fp16 bits as fp32: the group scales of int8 / int4 weights are fp16, as GGUF's Q8_0 / Q4_0 blocks hold them (fp32
+// scales were a ninth of an int4 weight's bytes, and decode reads every byte).
+inline float half_to_float(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
+
 // One expert's [N, K] weight in its stored format.
 struct Matrix {
   const uint8_t* data;
-  const float* scale;  // [N, K / group] for int8 / int4, else null
+  const uint16_t* scale;  // fp16 [N, K / group] for int8 / int4, else null
   int64_t row_bytes;
   int64_t K;
   int64_t group;
   Fmt fmt;
   const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
-  const float* row_scale(int64_t r) const { return scale ? scale + r * (K / group) : nullptr; }
+  const uint16_t* row_scale(int64_t r) const { return scale ? scale + r * (K / group) : nullptr; }
+  float scale_at(int64_t r, int64_t g) const { return half_to_float(row_scale(r)[g]); }
 };
 
 // An attention mask as one work item sees it, from its batch row and first query head: boolean (true: may see) or
@@ -184,13 +189,13 @@ Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::
   if (quantised) {
     TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
     const at::Tensor& s = *scale;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == e + 2 && rows_contiguous(s) && s.device().is_cpu() &&
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == e + 2 && rows_contiguous(s) && s.device().is_cpu() &&
                     (e == 0 || s.size(0) == w.size(0)) && s.size(e) == layer.N && s.size(e + 1) > 0,
-                name, " scales must be contiguous CPU fp32 ", experts ? "[E, N, K / group]" : "[N, K / group]");
+                name, " scales must be contiguous CPU fp16 ", experts ? "[E, N, K / group]" : "[N, K / group]");
     const int64_t group = K / s.size(e + 1);
     TORCH_CHECK(K % s.size(e + 1) == 0 && group > 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(e + 1),
                 " must be a positive multiple of 32");
-    layer.first.scale = s.data_ptr<float>();
+    layer.first.scale = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
     layer.first.group = group;
     layer.expert_scales = e ? s.stride(0) : 0;
   } else {
@@ -217,8 +222,8 @@ inline float weight_at_fmt(const uint8_t* row, int64_t k, float s) {
   if constexpr (F == Fmt::I4) return float(((k % 2) ? row[k / 2] >> 4 : row[k / 2] & 15) - 8) * s;
 }
 
-inline float weight_at(const Matrix& m, const uint8_t* row, const float* scales, int64_t k) {
-  const float s = scales ? scales[k / m.group] : 1.f;
+inline float weight_at(const Matrix& m, const uint8_t* row, const uint16_t* scales, int64_t k) {
+  const float s = scales ? half_to_float(scales[k / m.group]) : 1.f;
   switch (m.fmt) {
     case Fmt::F32:
       return weight_at_fmt<Fmt::F32>(row, k, s);
@@ -1202,7 +1207,7 @@ std::tuple<at::Tensor, at::Tensor> lay_out_lanes(const at::Tensor& rows, const a
   const int64_t H = w.size(0), N = w.size(1), K = w.size(2);
   const Layer layer = make_layer("rows", w, s, K);
   at::Tensor panels = at::empty({H, N / 16, K / 4, 64}, w.options().dtype(at::kByte));
-  at::Tensor laid_scales = at::empty({H, N / 16, K / layer.first.group, 16}, s.options());
+  at::Tensor laid_scales = at::empty({H, N / 16, K / layer.first.group, 16}, s.options().dtype(at::kFloat));
 #ifdef HMOE_X86
   for (int64_t h = 0; h < H; ++h)
     level2::lay_out_panels(layer.expert(h), N, panels.data_ptr<uint8_t>() + h * N * K,

@@ -55,7 +55,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
 void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                   int64_t isa_level, at::Tensor& out);
 
-// x [..., K] times an int8 / int4 weight [N, K] (int4: [N, K / 2]) with its fp32 scales [N, K / group], plus bias,
+// x [..., K] times an int8 / int4 weight [N, K] (int4: [N, K / 2]) with its fp16 scales [N, K / group], plus bias,
 // in x's dtype: the activations rounded per 32 columns as the micro-kernels round them, the weight dequantised a panel
 // of rows at a time into fp32, torch's fp32 GEMM, one rounding. The many-row route of a quantised dense linear.
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -87,7 +87,7 @@ bool prefill_attention_available();
 // head's nope part goes through its key rows up_k [H, r, nope] (r wide, rounded to the query's dtype), attends
 // (scores: latent and rotary parts summed, softmax in fp32) over the latent as values, and its output through its
 // value rows up_v [H, v, r]: out [B, 1, H, v] in the query's dtype. up_k / up_v are fp32, bf16, fp16 or int8 / int4
-// with fp32 scales [H, N, K / group] (their activations then quantised as a quantised linear's are); each head's
+// with fp16 scales [H, N, K / group] (their activations then quantised as a quantised linear's are); each head's
 // rows contiguous, heads any stride apart. Or int8 key rows laid out for the AVX-512 lanes (lay_out_lanes): up_k uint8
 // [H, r / 16, nope / 4, 64], its scales [H, r / 16, nope / group, 16], at ISA level 2 only. The mask as
 // decode_attention's.
@@ -102,9 +102,9 @@ at::Tensor latent_attention_at(const at::Tensor& query, const at::Tensor& latent
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
 at::Tensor decode_attention_at(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                const c10::optional<at::Tensor>& mask, double scale, int64_t isa_level);
-// int8 rows [H, N, K] with fp32 scales [H, N, K / group] laid out for the AVX-512 lanes, 16 rows a panel: (panels
+// int8 rows [H, N, K] with fp16 scales [H, N, K / group] laid out for the AVX-512 lanes, 16 rows a panel: (panels
 // uint8 [H, N / 16, K / 4, 64], scales [H, N / 16, K / group, 16]), the key rows latent_attention reads fastest at one
-// token. N a multiple of 16, K of 64; ISA level 2 only.
+// token, the scales widened to fp32. N a multiple of 16, K of 64; ISA level 2 only.
 std::tuple<at::Tensor, at::Tensor> lay_out_lanes(const at::Tensor& rows, const at::Tensor& scales);
 
 // Layers whose experts all run on the CPU, by handle (cpu_layers.cpp): Python publishes a layer (its `owner` number)

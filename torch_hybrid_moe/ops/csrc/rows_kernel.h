@@ -147,20 +147,50 @@ constexpr int64_t kPanelBytes = 64 << 10, kTokenChunkBytes = 128 << 10;
 // int4 multiplies the stored q + 8 and takes 8 * sum(activations) off again: per block at the AVX-512 level, per
 // weight group after the loop at the AVX2 level.
 #if HMOE_LEVEL >= 1
-// One call's operands: kRows weight rows and their group scales, NT activation records.
+// n fp16 values as fp32.
+inline void widen_halves(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+#if HMOE_LEVEL == 2
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#else
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+// One call's operands: kRows weight rows and their group scales (fp32), NT activation records.
 template <int NT>
 struct QuantOperands {
   const uint8_t* rows[kRows];
   const float* scales[kRows];
   QuantRecord x[NT];
-  const uint8_t* next;  // the rows of the next call, prefetched at the pace these are read
+  const uint8_t* next;  // the rows of the next call (rows of m), prefetched at the pace these are read
+  static constexpr int64_t kInlineGroups = 64;
+  float inline_scales[kRows * kInlineGroups];
 
   QuantOperands(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const void* const* xs) : next(next) {
+    // The rows' fp16 scales widened to fp32 once a call (the loops read fp32): here up to kInlineGroups a row, with
+    // no thread-local lookup a call (short rows make many calls: MLA's 512-column value rows 512 an op), else in this
+    // thread's buffer.
+    const int64_t groups = m.K / m.group;
+    float* widened = inline_scales;
+    if (groups > kInlineGroups) {
+      thread_local std::vector<float> spilled;
+      spilled.resize(kRows * groups);
+      widened = spilled.data();
+    }
     for (int i = 0; i < kRows; ++i) {
       const int64_t r = r0 + std::min(i, nr - 1);  // a short block repeats its last row
       rows[i] = m.row(r);
-      scales[i] = m.row_scale(r);
+      scales[i] = widened + std::min(i, nr - 1) * groups;
+      if (i < nr) widen_halves(m.row_scale(r), groups, widened + i * groups);
     }
+    // The next call's scales, as its rows are prefetched: they are read all at once at its start.
+    const int64_t next_row = (next - m.data) / m.row_bytes;
+    const uint8_t* next_scales = reinterpret_cast<const uint8_t*>(m.row_scale(next_row));
+    for (int64_t o = 0; o < kRows * groups * 2; o += 64) __builtin_prefetch(next_scales + o);
     for (int t = 0; t < NT; ++t) x[t] = QuantRecord(xs[t], m.K);
   }
 
@@ -386,7 +416,7 @@ void lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel, float* scale
       }
   }
   for (int64_t g = 0; g < m.K / m.group; ++g)
-    for (int i = 0; i < kLaneRows; ++i) scales[g * kLaneRows + i] = m.row_scale(r + std::min(i, nr - 1))[g];
+    for (int i = 0; i < kLaneRows; ++i) scales[g * kLaneRows + i] = m.scale_at(r + std::min(i, nr - 1), g);
 }
 
 // What the lanes read of a token: its activation bytes with block b at [32b, 32b + 32) in the panel's order (int8:
@@ -799,7 +829,7 @@ inline void i4_lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel, fl
   }
   const int64_t groups = m.K / m.group;
   for (int64_t g = 0; g < groups; ++g)
-    for (int i = 0; i < kLaneRows; ++i) scales[g * kLaneRows + i] = m.row_scale(r + std::min(i, nr - 1))[g];
+    for (int i = 0; i < kLaneRows; ++i) scales[g * kLaneRows + i] = m.scale_at(r + std::min(i, nr - 1), g);
 }
 
 // res[t * 8 + i] = row i of the panel . xs[t] for t < NT: per block, the int16 sums of its four vectors' products
@@ -866,12 +896,12 @@ void rows_dot_q(const Matrix& m, int64_t r0, int nr, const uint8_t* next, const 
     const QuantRecord x(xs[t], m.K);
     for (int i = 0; i < nr; ++i) {
       const uint8_t* row = m.row(r0 + i);
-      const float* scales = m.row_scale(r0 + i);
+      const uint16_t* scales = m.row_scale(r0 + i);
       float acc = 0.f;
       for (int64_t b0 = 0; b0 < m.K / 32; b0 += per_group) {
         float part = 0.f;
         for (int64_t b = b0; b < b0 + per_group; ++b) part += float(block_dot<F>(row, b, x, m.K)) * x.scale[b];
-        acc += part * scales[b0 / per_group];
+        acc += part * half_to_float(scales[b0 / per_group]);
       }
       res[t * kRows + i] = acc;
     }
@@ -1081,10 +1111,10 @@ void dequant_rows_as(const Matrix& m, int64_t r0, int64_t r1, float* dst) {
   const int64_t group = m.scale ? m.group : std::max<int64_t>(full, 1);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.row(r);
-    const float* scales = m.row_scale(r);
+    const uint16_t* scales = m.row_scale(r);
     float* out = dst + (r - r0) * m.K;
     for (int64_t g0 = 0; g0 < full; g0 += group) {
-      const float s = scales ? scales[g0 / group] : 1.f;
+      const float s = scales ? half_to_float(scales[g0 / group]) : 1.f;
       for (int64_t k = g0; k < g0 + group; k += kStep) {
         vf lo, hi;
         load_step<F>(row, k, lo, hi);
