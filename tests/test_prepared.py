@@ -82,7 +82,12 @@ def test_prepared_store_refuses_another_format(source, tmp_path):
     thm.from_pretrained(bf16, device="cpu", cpu_weight_dtype="bfloat16")  # another group: bf16 has none to differ
     with pytest.raises(InputError, match="already a prepared store"):
         thm.prepare(out, tmp_path / "again", thm.HybridMoEConfig(cpu_weight_dtype="int8", **GROUP))
-    (out / "hybrid_moe_store.json").write_text('{"version": 99}')
+    marker = out / "hybrid_moe_store.json"
+    older = {**json.loads(marker.read_text()), "version": 1}  # as stores with fp32 scales were marked
+    marker.write_text(json.dumps(older))
+    with pytest.raises(InputError, match="not a prepared-store marker this version reads \\(version 1.*prepare again"):
+        thm.from_pretrained(out, device="cpu")
+    marker.write_text('{"version": 99}')
     with pytest.raises(InputError, match="not a prepared-store marker"):
         thm.from_pretrained(out, device="cpu")
 
