@@ -2,7 +2,7 @@
 
 At decode the CPU experts' time is their bytes over memory bandwidth, so fewer bytes per weight is a
 direct speedup (at 32-column groups, as GGUF's Q8_0 / Q4_0 blocks: int8 about 1.9x fewer bytes than bf16, int4
-about 3.6x; fp32 scales made int4 0.625 bytes a weight against 0.5625, a tenth more to read). The kernel
+about 3.6x; fp32 scales made int4 0.625 bytes a weight against 0.5625, a ninth more to read). The kernel
 multiplies them in integers, by activations rounded to int8 per 32 columns (`quantize_activations`). The
 layout is the one `csrc/moe_cpu.cpp` reads: int8 as is; int4 as q + 8 in [0, 15], columns 2j and 2j + 1
 in the low and high nibble of byte j. Symmetric rounding to nearest: w ~ q * scale, with the scale rounded up to

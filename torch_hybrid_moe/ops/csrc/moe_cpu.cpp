@@ -69,7 +69,7 @@ constexpr int64_t kPanelRows = 256;  // rows per weight panel on the GEMM route
 enum class Gemm : int64_t { F32 = 0, BF16 = 1, AMX = 2 };
 
 // fp16 bits as fp32: the group scales of int8 / int4 weights are fp16, as GGUF's Q8_0 / Q4_0 blocks hold them (fp32
-// scales were a ninth of an int4 weight's bytes, and decode reads every byte).
+// scales were a fifth of an int4 weight's bytes at groups of 32, fp16 ones are a ninth, and decode reads every byte).
 inline float half_to_float(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
 
 // One expert's [N, K] weight in its stored format.
