@@ -422,14 +422,21 @@ def main() -> None:
             ]
             if args.llama_cpp:
                 cmd += ["--llama-cpp", str(args.llama_cpp)]
+            before = read_bandwidth(args.threads)
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
                 print(f"{row}: failed: {last}")
                 continue
-            # the read bandwidth of this moment, next to the measurement: another tenant's load comes and goes
+            # the read bandwidth of this moment, on both sides of the measurement: another tenant's load comes and goes
+            # (with a read after it alone, one run's rounds came to 48-124% of the floor, the VM's read at 33-75 GB/s)
+            after = read_bandwidth(args.threads)
             records[row].append(
-                {**json.loads(done.stdout.strip().splitlines()[-1]), "bandwidth_gb_s": read_bandwidth(args.threads)}
+                {
+                    **json.loads(done.stdout.strip().splitlines()[-1]),
+                    "bandwidth_gb_s": (before + after) / 2,
+                    "bandwidth_reads_gb_s": [before, after],
+                }
             )
     floor_gb = decode_bytes(path) / 1e9
     reads = [r["bandwidth_gb_s"] for recs in records.values() for r in recs]
@@ -457,9 +464,9 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d')}"
     )
     print(
-        f"decode floor: {floor_gb:.3f} GB per token at {bandwidth:.1f} GB/s read (median of the reads taken after "
-        f"each measurement) = {bandwidth / floor_gb:.1f} tok/s (bf16 weights); '% floor': each decode rate over the "
-        "floor of its row's weight type at the read taken right after it"
+        f"decode floor: {floor_gb:.3f} GB per token at {bandwidth:.1f} GB/s read (median over the measurements of the "
+        f"mean of the reads taken right before and after each) = {bandwidth / floor_gb:.1f} tok/s (bf16 weights); "
+        "'% floor': each decode rate over the floor of its row's weight type at its own mean read"
     )
     if any(r.get("triton_imported") for rs in records.values() for r in rs):
         print(
