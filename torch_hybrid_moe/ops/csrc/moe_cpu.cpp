@@ -68,8 +68,9 @@ constexpr int64_t kPanelRows = 256;  // rows per weight panel on the GEMM route
 // The GEMM route's kernels (the caller's measured choice): torch's on fp32 panels or in bf16, or AMX tiles.
 enum class Gemm : int64_t { F32 = 0, BF16 = 1, AMX = 2 };
 
-// fp16 bits as fp32: the group scales of int8 / int4 weights are fp16, as GGUF's Q8_0 / Q4_0 blocks hold them (fp32
-// scales were a fifth of an int4 weight's bytes at groups of 32, fp16 ones are a ninth, and decode reads every byte).
+// fp16 bits as fp32: fp16 weights and activations, and the group scales of int8 / int4 weights, which are fp16 as
+// GGUF's Q8_0 / Q4_0 blocks hold them (fp32 scales were a fifth of an int4 weight's bytes at groups of 32, fp16 ones
+// are a ninth, and decode reads every byte).
 inline float half_to_float(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
 
 // One expert's [N, K] weight in its stored format.
@@ -217,7 +218,7 @@ template <Fmt F>
 inline float weight_at_fmt(const uint8_t* row, int64_t k, float s) {
   if constexpr (F == Fmt::F32) return reinterpret_cast<const float*>(row)[k];
   if constexpr (F == Fmt::BF16) return bf16_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
-  if constexpr (F == Fmt::F16) return c10::detail::fp16_ieee_to_fp32_value(reinterpret_cast<const uint16_t*>(row)[k]);
+  if constexpr (F == Fmt::F16) return half_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
   if constexpr (F == Fmt::I8) return float(reinterpret_cast<const int8_t*>(row)[k]) * s;
   if constexpr (F == Fmt::I4) return float(((k % 2) ? row[k / 2] >> 4 : row[k / 2] & 15) - 8) * s;
 }
@@ -492,8 +493,7 @@ void activations(const at::Tensor& hidden, Fmt f, int64_t step, float* dst) {
     case at::kBFloat16:
       return lay_out_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), T, H, f, step, bf16_to_float, dst);
     case at::kHalf:
-      return lay_out_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), T, H, f, step,
-                          c10::detail::fp16_ieee_to_fp32_value, dst);
+      return lay_out_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), T, H, f, step, half_to_float, dst);
     default:
       TORCH_CHECK(false, "hidden must be fp32, bf16 or fp16, got ", x.scalar_type());
   }
