@@ -89,10 +89,11 @@ def masks(batch, heads, positions, kind):
 @pytest.mark.parametrize("fmt", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "per head"])
-@pytest.mark.parametrize("batch, heads", [(2, 4), (1, 5)])
+@pytest.mark.parametrize("batch, heads", [(2, 4), (1, 5), (1, 16)])
 def test_matches_float64(impl, fmt, dtype, mask_kind, batch, heads):
     """37 positions, value rows strided per head; two batch rows of 4 heads, or one of 5 (on 2 threads: groups of 3
-    and 2 heads, the second starting past head 0 and shorter than the kernel's 4-head step): within the float
+    and 2 heads, the second starting past head 0 and shorter than the kernel's 4-head step), or of 16 (on 2 threads:
+    groups of 8, which score bf16 keys on the bf16 lanes where the CPU has them): within the float
     rounding of the float64 computation at the same rounding points (bf16: a unit in the last place of its output).
     With quantised rows an activation a rounding apart may round to the next int8 step: within 2% of the output's
     largest value."""

@@ -4,7 +4,8 @@
 // exp_lanes), like it; needs Attend, Matrix, and layout_pos in scope.
 //
 // Each cached key and value row is read once for the whole group of query heads, and positions every head of the
-// group is masked from are not read at all: a static cache's unfilled tail costs nothing.
+// group is masked from are not read at all: a static cache's unfilled tail costs nothing. bf16 scores come from the
+// bf16 lanes where the CPU has them (lane_dots); the softmax and the value product stay in fp32 either way.
 
 inline float vector_sum(vf v) {
 #if HMOE_LEVEL == 2
@@ -96,6 +97,63 @@ inline float exp_shifted(float* s, int64_t n, float top) {
 // each head's pass over them was bound by L2's bandwidth).
 constexpr int64_t kChunkBytes = 16384;
 
+#if HMOE_LEVEL == 2
+// Whether attend_as takes its scores from the bf16 lanes (lane_dots): bf16 queries and keys whose parts are whole
+// 32-column steps, on a CPU with AVX512-BF16, and at least 4 query heads to share each laid-out key. Laying a key
+// out costs about what one head's dot products over it cost in head_dots (a 16 x 16 transpose of every 32 columns
+// against their widening and a horizontal sum), so fewer heads do not pay for it (one head over 1,024 positions of
+// 128 columns took longer laid out, benchmarks/RESULTS.md, 2026-12-02).
+constexpr int64_t kLaneMinHeads = 4;
+inline bool lane_dots_fit(const Attend& a) {
+  return a.fmt == Fmt::BF16 && a.G >= kLaneMinHeads && a.D % 32 == 0 && a.D2 % 32 == 0 && bf16_lanes();
+}
+
+// dots[h * n + j] = query h . key seen[j] for h < G, j < n (n = seen's size) on the bf16 lanes (vdpbf16ps): 32
+// positions' keys laid out as one panel (a split key's parts one after the other), each query's column pairs
+// broadcast. Against head_dots, which widens each key a step at a time for 16 fp32 products an instruction and sums
+// every head's vector across its lanes at every position, 32 bf16 products an instruction and no such sums: MLA's 16
+// heads over DeepSeek-V2-Lite's 576-column latent keys scored ~3x faster (benchmarks/RESULTS.md, 2026-12-02). bf16
+// products are exact in fp32; only the order of the sums differs.
+void lane_dots(const Attend& a, const std::vector<int64_t>& seen, float* dots) {
+  const int64_t n = int64_t(seen.size()), K = a.D + a.D2;
+  thread_local std::vector<uint8_t> panel;  // a decode step's every call: kept, not allocated each time
+  panel.resize(kBf16LaneRows * 2 * K);
+  std::vector<const uint32_t*> qs(a.G);
+  for (int64_t h = 0; h < a.G; ++h) qs[h] = reinterpret_cast<const uint32_t*>(a.q + h * a.q_stride);
+  float res[kLaneTok * kBf16LaneRows];
+  for (int64_t j0 = 0; j0 < n; j0 += kBf16LaneRows) {
+    const int nr = int(std::min<int64_t>(kBf16LaneRows, n - j0));
+    for (int half = 0; half < 2; ++half) {  // a short panel repeats its last position
+      const uint8_t *rows[kLaneRows], *rows2[kLaneRows];
+      for (int i = 0; i < kLaneRows; ++i) {
+        const int64_t s = seen[j0 + std::min(kLaneRows * half + i, nr - 1)];
+        rows[i] = a.k + s * a.k_stride;
+        rows2[i] = a.D2 ? a.k2 + s * a.k2_stride : nullptr;
+      }
+      __m512i* out = reinterpret_cast<__m512i*>(panel.data()) + half * K / 2;
+      bf16_pair_vectors(rows, 2 * a.D, out);
+      if (a.D2) bf16_pair_vectors(rows2, 2 * a.D2, out + a.D / 2);
+    }
+    for (int64_t t = 0; t < a.G; t += kLaneTok) {
+      const int nt = int(std::min<int64_t>(kLaneTok, a.G - t));
+      lane_tokens(nt, [&](auto k) {
+        bf16_lane_rows<decltype(k)::value>(panel.data(), K, qs.data() + t, Prefetch{nullptr, 0}, res);
+      });
+      for (int i = 0; i < nt; ++i) std::memcpy(dots + (t + i) * n + j0, res + i * kBf16LaneRows, nr * sizeof(float));
+    }
+  }
+}
+
+// x's lanes rounded to bf16, in the low half of each 32-bit lane: c10::BFloat16's rounding (to nearest even; NaN as
+// 0x7FC0), 16 values an instruction sequence.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
+}
+#endif
+
 template <Fmt F>
 void attend_as(const Attend& a) {
   std::vector<int64_t> seen;  // positions some head of the group may see
@@ -113,40 +171,54 @@ void attend_as(const Attend& a) {
         *rows = scores + G * n;
   std::fill(acc, acc + G * Dv, 0.f);
   std::vector<char> sees(G, 0);  // whether each head may see some position
-  // Query and value rows widened to fp32 as the expert kernel widens weight rows: in pairs_layout's column order
-  // (a query's second part in its own: its key part is another row).
-  const Matrix queries{a.q, nullptr, a.q_stride, D, D, F}, values{a.v, nullptr, a.v_stride, Dv, Dv, F};
-  dequant_rows(queries, 0, G, q);
-  if (D2) dequant_rows(Matrix{a.q + D * (F == Fmt::F32 ? 4 : 2), nullptr, a.q_stride, D2, D2, F}, 0, G, q2);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint8_t* key = a.k + seen[j] * a.k_stride;
-    const uint8_t* key2 = D2 ? a.k2 + seen[j] * a.k2_stride : nullptr;
-    float dots[4], tail[4];
-    for (int64_t h = 0; h < G; h += 4) {
-      const int64_t nh = std::min<int64_t>(4, G - h);
-      if (nh == 4) {
-        head_dots<F, 4>(q + h * D, D, key, dots);
-        if (D2) {
-          head_dots<F, 4>(q2 + h * D2, D2, key2, tail);
-          for (int i = 0; i < 4; ++i) dots[i] += tail[i];
-        }
-      } else {
-        for (int64_t i = 0; i < nh; ++i) {
-          head_dots<F, 1>(q + (h + i) * D, D, key, dots + i);
+#if HMOE_LEVEL == 2
+  const bool lanes = lane_dots_fit(a);
+#else
+  constexpr bool lanes = false;
+#endif
+  if (lanes) {
+#if HMOE_LEVEL == 2
+    lane_dots(a, seen, scores);
+#endif
+  } else {
+    // Query and value rows widened to fp32 as the expert kernel widens weight rows: in pairs_layout's column order
+    // (a query's second part in its own: its key part is another row).
+    const Matrix queries{a.q, nullptr, a.q_stride, D, D, F};
+    dequant_rows(queries, 0, G, q);
+    if (D2) dequant_rows(Matrix{a.q + D * (F == Fmt::F32 ? 4 : 2), nullptr, a.q_stride, D2, D2, F}, 0, G, q2);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint8_t* key = a.k + seen[j] * a.k_stride;
+      const uint8_t* key2 = D2 ? a.k2 + seen[j] * a.k2_stride : nullptr;
+      float dots[4], tail[4];
+      for (int64_t h = 0; h < G; h += 4) {
+        const int64_t nh = std::min<int64_t>(4, G - h);
+        if (nh == 4) {
+          head_dots<F, 4>(q + h * D, D, key, dots);
           if (D2) {
-            head_dots<F, 1>(q2 + (h + i) * D2, D2, key2, tail);
-            dots[i] += tail[0];
+            head_dots<F, 4>(q2 + h * D2, D2, key2, tail);
+            for (int i = 0; i < 4; ++i) dots[i] += tail[i];
+          }
+        } else {
+          for (int64_t i = 0; i < nh; ++i) {
+            head_dots<F, 1>(q + (h + i) * D, D, key, dots + i);
+            if (D2) {
+              head_dots<F, 1>(q2 + (h + i) * D2, D2, key2, tail);
+              dots[i] += tail[0];
+            }
           }
         }
-      }
-      for (int64_t i = 0; i < nh; ++i) {  // a hidden position is -inf whatever its key holds (inf, NaN)
-        const float bias = a.bias(h + i, seen[j]);
-        sees[h + i] |= bias != -INFINITY;
-        scores[(h + i) * n + j] = bias == -INFINITY ? -INFINITY : dots[i] * a.scale + bias;
+        for (int64_t i = 0; i < nh; ++i) scores[(h + i) * n + j] = dots[i];
       }
     }
   }
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t j = 0; j < n; ++j) {  // a hidden position is -inf whatever its key holds (inf, NaN)
+      const float bias = a.bias(h, seen[j]);
+      sees[h] |= bias != -INFINITY;
+      scores[h * n + j] = bias == -INFINITY ? -INFINITY : scores[h * n + j] * a.scale + bias;
+    }
   for (int64_t h = 0; h < G; ++h) total[h] = exp_shifted(scores + h * n, n, row_max(scores + h * n, n));
+  const Matrix values{a.v, nullptr, a.v_stride, Dv, Dv, F};
   for (int64_t j0 = 0; j0 < n; j0 += chunk) {
     const int64_t m = std::min(chunk, n - j0);
     for (int64_t j = 0; j < m; ++j) dequant_rows(values, seen[j0 + j], seen[j0 + j] + 1, rows + j * Dv);
@@ -156,7 +228,20 @@ void attend_as(const Attend& a) {
   for (int64_t h = 0; h < G; ++h) {
     const float inv = 1.f / total[h];
     uint8_t* out = a.out + h * a.out_stride;
-    for (int64_t c = 0; c < Dv; ++c) {
+    int64_t c = 0;
+#if HMOE_LEVEL == 2
+    if constexpr (F == Fmt::BF16) {
+      // each 32-column step of acc holds its 16 even columns, then its 16 odd ones (pairs_layout): a pair of output
+      // columns a 32-bit lane
+      for (; sees[h] && c + 32 <= Dv; c += 32) {
+        const __m512 scale = _mm512_set1_ps(inv);
+        const __m512i even = bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(acc + h * Dv + c), scale));
+        const __m512i odd = bf16_bits(_mm512_mul_ps(_mm512_loadu_ps(acc + h * Dv + c + 16), scale));
+        _mm512_storeu_si512(out + 2 * c, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+      }
+    }
+#endif
+    for (; c < Dv; ++c) {
       const float x = sees[h] ? acc[h * Dv + layout_pos(c, Dv, F, kStep)] * inv : 0.f;
       if constexpr (F == Fmt::F32)
         reinterpret_cast<float*>(out)[c] = x;

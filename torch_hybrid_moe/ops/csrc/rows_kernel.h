@@ -555,19 +555,24 @@ constexpr int kBf16LaneRows = 2 * kLaneRows;
 #define HMOE_BF16_TARGET
 #endif
 
+// The first `bytes` (a multiple of 64) of 16 bf16 rows as vectors of column pairs: out[p] holds pair p (columns 2p,
+// 2p + 1) of each row, row i in lane i.
+inline void bf16_pair_vectors(const uint8_t* const* rows, int64_t bytes, __m512i* out) {
+  for (int64_t j = 0; j < bytes / 64; ++j) {
+    __m512i v[16];
+    for (int i = 0; i < kLaneRows; ++i) v[i] = _mm512_loadu_si512(rows[i] + 64 * j);
+    transpose16(v);
+    for (int c = 0; c < 16; ++c) _mm512_storeu_si512(out + 16 * j + c, v[c]);
+  }
+}
+
 // Rows [r, r + nr) of bf16 m (nr <= 32; a short group repeats its last row) into panel: two halves of 16 rows, each
 // K / 2 vectors, vector p the column pair (2p, 2p + 1) of each of its rows.
 inline void bf16_lane_panel(const Matrix& m, int64_t r, int nr, uint8_t* panel) {
   for (int half = 0; half < 2; ++half) {
     const uint8_t* rows[kLaneRows];
     for (int i = 0; i < kLaneRows; ++i) rows[i] = m.row(r + std::min(kLaneRows * half + i, nr - 1));
-    __m512i* out = reinterpret_cast<__m512i*>(panel) + half * m.K / 2;
-    for (int64_t j = 0; j < m.row_bytes / 64; ++j) {
-      __m512i v[16];
-      for (int i = 0; i < kLaneRows; ++i) v[i] = _mm512_loadu_si512(rows[i] + 64 * j);
-      transpose16(v);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(out + 16 * j + c, v[c]);
-    }
+    bf16_pair_vectors(rows, m.row_bytes, reinterpret_cast<__m512i*>(panel) + half * m.K / 2);
   }
 }
 
