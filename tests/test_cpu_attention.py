@@ -70,10 +70,11 @@ def test_one_query_matches_sdpa(impl, mask_kind, heads, kv_heads, d, dv):
 
 @pytest.mark.parametrize("impl", _implementations())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("heads, kv_heads, d", [(16, 2, 64), (6, 2, 40), (3, 1, 16)])  # groups of 8, 3, 3
+@pytest.mark.parametrize("heads, kv_heads, d", [(16, 2, 64), (6, 2, 40), (3, 1, 16), (16, 2, 512)])  # groups 8, 3, 3, 8
 def test_half_precision_rounds_once(impl, dtype, heads, kv_heads, d):
     """bf16 / fp16 caches over many positions, a key view with strided positions, head widths shorter than or off
-    the kernels' vector steps: within one rounding of the output of float64 SDPA on the same values."""
+    the kernels' vector steps, or as wide as MLA's latent (bf16 scores on the bf16 lanes where the CPU has them): within
+    one rounding of the output of float64 SDPA on the same values."""
     g = torch.Generator().manual_seed(1)
     query = torch.randn(1, heads, 1, d, generator=g).to(dtype)
     key = torch.randn(1, 300, kv_heads, d, generator=g).to(dtype).transpose(1, 2)  # [B, Hkv, S, D], not contiguous

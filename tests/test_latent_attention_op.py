@@ -58,14 +58,14 @@ def reference(query, latent, k_rot, up_k, up_k_scale, up_v, up_v_scale, mask, sc
     return times(up_v, up_v_scale, out_latent).unsqueeze(1)
 
 
-def inputs(batch, positions, dtype, fmt, heads=HEADS, seed=0):
+def inputs(batch, positions, dtype, fmt, heads=HEADS, seed=0, rank=RANK):
     g = torch.Generator().manual_seed(seed)
     query = torch.randn(batch, heads, 1, NOPE + ROT, generator=g).to(dtype)
-    latent = torch.randn(batch, 1, positions, RANK, generator=g).to(dtype)
+    latent = torch.randn(batch, 1, positions, rank, generator=g).to(dtype)
     k_rot = torch.randn(batch, 1, positions, ROT, generator=g).to(dtype)
-    up_k = torch.randn(heads, RANK, NOPE, generator=g) * 0.2
+    up_k = torch.randn(heads, rank, NOPE, generator=g) * 0.2
     # value rows a view out of the whole up-projection, as absorb leaves kv_b_proj's: heads (NOPE + V) rows apart
-    whole = torch.randn(heads, NOPE + V, RANK, generator=g) * 0.2
+    whole = torch.randn(heads, NOPE + V, rank, generator=g) * 0.2
     keys, key_scales = head_rows(up_k.to(dtype) if fmt == "float" else up_k, fmt)
     values, value_scales = head_rows(whole.to(dtype) if fmt == "float" else whole, fmt)
     values, value_scales = values[:, NOPE:], None if value_scales is None else value_scales[:, NOPE:]
@@ -89,15 +89,16 @@ def masks(batch, heads, positions, kind):
 @pytest.mark.parametrize("fmt", ["float", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "per head"])
-@pytest.mark.parametrize("batch, heads", [(2, 4), (1, 5), (1, 16)])
-def test_matches_float64(impl, fmt, dtype, mask_kind, batch, heads):
+@pytest.mark.parametrize("batch, heads, rank", [(2, 4, RANK), (1, 5, RANK), (1, 16, 512)])
+def test_matches_float64(impl, fmt, dtype, mask_kind, batch, heads, rank):
     """37 positions, value rows strided per head; two batch rows of 4 heads, or one of 5 (on 2 threads: groups of 3
-    and 2 heads, the second starting past head 0 and shorter than the kernel's 4-head step), or of 16 (on 2 threads:
-    groups of 8, which score bf16 keys on the bf16 lanes where the CPU has them): within the float
-    rounding of the float64 computation at the same rounding points (bf16: a unit in the last place of its output).
+    and 2 heads, the second starting past head 0 and shorter than the kernel's 4-head step), or of 16 over a latent
+    as wide as DeepSeek's (on 2 threads: groups of 8, which score bf16 keys on the bf16 lanes where the CPU has them):
+    within the float rounding of the float64 computation at the same rounding points (bf16: a unit in the last place of
+    its output).
     With quantised rows an activation a rounding apart may round to the next int8 step: within 2% of the output's
     largest value."""
-    args = inputs(batch, 37, dtype, fmt, heads)
+    args = inputs(batch, 37, dtype, fmt, heads, rank=rank)
     mask = masks(batch, heads, 37, mask_kind)
     got = run(impl, *args, mask, 0.2)
     want = reference(*args, mask, 0.2)

@@ -5,10 +5,10 @@ cached positions with SDPA's flash kernel and 0.36 ms with transformers' eager m
 through oneDNN, the softmax between them; `benchmarks/cpu_decode_costs.py`, AMX Xeon, before this op): at 48 layers,
 10-17 ms of every token. The op's CPU kernel is C++ (csrc/attention_kernel.h, registered when the kernel module
 loads): one pass over each key / value head's cached rows for all the query heads that share them, skipping the
-positions the mask hides (a static cache's unfilled tail); with bf16 caches and 4 or more query heads a key / value
-head, on CPUs with AVX512-BF16, its scores on the bf16 lanes (`vdpbf16ps`, the keys laid out 32 positions at a time),
-the softmax and the value product in fp32 as elsewhere. Where the kernel module cannot be built the same math runs in
-torch (`decode_attention_math`).
+positions the mask hides (a static cache's unfilled tail); with bf16 caches of 512 or more key columns (MLA's latent)
+and 8 or more query heads a key / value head, on CPUs with AVX512-BF16, its scores on the bf16 lanes (`vdpbf16ps`,
+the keys laid out 32 positions at a time), the softmax and the value product in fp32 as elsewhere. Where the kernel
+module cannot be built the same math runs in torch (`decode_attention_math`).
 
 Contract: query [B, Hq, 1, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv] (S, D, Dv >= 1, Hkv dividing Hq) in one dtype,
 fp32, bf16 or fp16; mask None, boolean (True: may see) or additive, broadcastable as [B, Hq, 1, S]; scores and softmax

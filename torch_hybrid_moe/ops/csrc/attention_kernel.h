@@ -99,13 +99,16 @@ constexpr int64_t kChunkBytes = 16384;
 
 #if HMOE_LEVEL == 2
 // Whether attend_as takes its scores from the bf16 lanes (lane_dots): bf16 queries and keys whose parts are whole
-// 32-column steps, on a CPU with AVX512-BF16, and at least 4 query heads to share each laid-out key. Laying a key
-// out costs about what one head's dot products over it cost in head_dots (a 16 x 16 transpose of every 32 columns
-// against their widening and a horizontal sum), so fewer heads do not pay for it (one head over 1,024 positions of
-// 128 columns took longer laid out, benchmarks/RESULTS.md, 2026-12-02).
-constexpr int64_t kLaneMinHeads = 4;
+// 32-column steps, on a CPU with AVX512-BF16, keys of at least 512 columns (MLA's latent) and at least 8 query heads to
+// share each laid-out key. Laying a key out (a 16 x 16 transpose of every 32 columns) costs about what a few heads'
+// dot products over it cost in head_dots, and with the cache read from DRAM, as a decode step reads it, narrower keys
+// did not gain (paired, 140 to 4,100 positions: 128-column keys of 32 / 8 heads 1.11-1.31x longer laid out, of 32 / 4
+// 0.97-1.24x; MLA's 576-column keys, 8 heads a thread, 0.85-0.97x; 16 heads on one thread 0.68-0.78x;
+// benchmarks/RESULTS.md, 2026-12-02).
+constexpr int64_t kLaneMinHeads = 8, kLaneMinColumns = 512;
 inline bool lane_dots_fit(const Attend& a) {
-  return a.fmt == Fmt::BF16 && a.G >= kLaneMinHeads && a.D % 32 == 0 && a.D2 % 32 == 0 && bf16_lanes();
+  return a.fmt == Fmt::BF16 && a.G >= kLaneMinHeads && a.D + a.D2 >= kLaneMinColumns && a.D % 32 == 0 &&
+         a.D2 % 32 == 0 && bf16_lanes();
 }
 
 // dots[h * n + j] = query h . key seen[j] for h < G, j < n (n = seen's size) on the bf16 lanes (vdpbf16ps): 32
