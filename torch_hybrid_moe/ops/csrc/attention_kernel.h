@@ -114,9 +114,9 @@ inline bool lane_dots_fit(const Attend& a) {
 // dots[h * n + j] = query h . key seen[j] for h < G, j < n (n = seen's size) on the bf16 lanes (vdpbf16ps): 32
 // positions' keys laid out as one panel (a split key's parts one after the other), each query's column pairs
 // broadcast. Against head_dots, which widens each key a step at a time for 16 fp32 products an instruction and sums
-// every head's vector across its lanes at every position, 32 bf16 products an instruction and no such sums: MLA's 16
-// heads over DeepSeek-V2-Lite's 576-column latent keys scored ~3x faster (benchmarks/RESULTS.md, 2026-12-02). bf16
-// products are exact in fp32; only the order of the sums differs.
+// every head's vector across its lanes at every position, 32 bf16 products an instruction and no such sums (the whole
+// op, 16 heads over DeepSeek-V2-Lite's 576-column latent keys on one thread: 0.68-0.78x its time; lane_dots_fit).
+// bf16 products are exact in fp32; only the order of the sums differs.
 void lane_dots(const Attend& a, const std::vector<int64_t>& seen, float* dots) {
   const int64_t n = int64_t(seen.size()), K = a.D + a.D2;
   thread_local std::vector<uint8_t> panel;  // a decode step's every call: kept, not allocated each time
