@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from torch_hybrid_moe.compile_passes import dense_linear as dense_pass
 from torch_hybrid_moe.ops import cpu_kernel, dense_linear
-from torch_hybrid_moe.ops.quantize import BITS, dequantize, quantize, quantize_activations
+from torch_hybrid_moe.ops.quantize import BITS, dequantize, lay_out, quantize, quantize_activations, row_major
 from torch_hybrid_moe.tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("kernel")
@@ -49,6 +49,84 @@ def test_dense_matvec_against_float64(dtype, isa, n, k, tokens, group):
         want = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (tokens, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+needs_lanes = pytest.mark.skipif(cpu_kernel.best_isa() < 2, reason="laid-out int4 rows need the AVX-512 VNNI kernels")
+
+
+@needs_lanes
+@pytest.mark.parametrize(
+    ("n", "k", "tokens", "group"),
+    [
+        (16, 64, 1, 32),  # one panel, one step of 64 columns
+        (48, 192, 3, 64),  # K % 128 == 64: the activations' last pair of blocks is a half step
+        (160, 2048, 1, 32),  # panels split between the threads' runs
+        (32, 2816, 5, 128),  # groups of four blocks
+        (64, 960, 2, 96),  # groups of three blocks
+    ],
+)
+def test_laid_out_int4_rows_against_float64(n, k, tokens, group):
+    """int4 rows laid out for the AVX-512 lanes (`lay_out`) give the float64 product of the dequantised rows and the
+    activations as the kernel rounds them, within fp32 summation error; `row_major` undoes the layout; the many-row
+    route gathers laid-out rows into the same GEMM panels (bit for bit); laid-out and row-by-row siblings share a
+    call, each giving what it gives alone."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(tokens, k, generator=g)
+    q = quantize(torch.randn(1, n, k, generator=g) * 0.1, 4, group)
+    laid, laid_scale = lay_out(q.data[0], q.scale[0])
+    assert laid.shape == (n // 16, k // 8, 64) and laid_scale.shape == (n // 16, k // group, 16)
+    assert all(torch.equal(a, b) for a, b in zip(row_major(laid, laid_scale), (q.data[0], q.scale[0])))
+    got = cpu_kernel.dense_matvec(x, laid, laid_scale, isa=2)
+    want = quantize_activations(x).double() @ q[0].double().T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
+    rows = torch.randn(40, k, generator=g).to(torch.bfloat16)
+    assert torch.equal(
+        cpu_kernel.dense_gemm(rows, laid, laid_scale, None), cpu_kernel.dense_gemm(rows, q.data[0], q.scale[0], None)
+    )
+    xb = x.to(torch.bfloat16)
+    both = torch.ops.hybrid_moe.matvecs(xb, [laid, q.data[0]], [laid_scale, q.scale[0]], [None, None])
+    assert torch.equal(both[:, :n], torch.ops.hybrid_moe.matvecs(xb, [laid], [laid_scale], [None]))
+    assert torch.equal(both[:, n:], torch.ops.hybrid_moe.matvecs(xb, [q.data[0]], [q.scale[0]], [None]))
+
+
+def test_lay_out_refuses_rows_it_cannot_lay_out():
+    for rows, columns in ((20, 64), (16, 96)):  # 16 rows a panel, 64 columns a step
+        q = quantize(torch.randn(1, rows, columns), 4, 32)
+        with pytest.raises(ValueError, match="N and K multiples of 16 and 64"):
+            lay_out(q.data[0], q.scale[0])
+
+
+@needs_lanes
+def test_matvecs_refuses_a_malformed_laid_out_weight():
+    q = quantize(torch.randn(1, 32, 128), 4, 32)
+    laid, scale = lay_out(q.data[0], q.scale[0])
+    x = torch.randn(1, 128, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"laid-out int4 weight must be a CPU uint8 tensor \[N / 16, K / 8, 64\]"):
+        torch.ops.hybrid_moe.matvecs(x, [laid.view(2, 32, 32)], [scale], [None])
+    with pytest.raises(RuntimeError, match=r"needs fp16 scales \[N / 16, K / group, 16\]"):
+        torch.ops.hybrid_moe.matvecs(x, [laid], [scale.float()], [None])
+    with pytest.raises(RuntimeError, match="laid-out int4 weights need ISA level 2"):
+        cpu_kernel.dense_matvec(x.float(), laid, scale, isa=1)
+
+
+@needs_lanes
+@pytest.mark.parametrize("wins", [False, True])
+def test_quantized_linear_lays_out_int4_rows_where_measured_faster(wins, monkeypatch):
+    """An int4 QuantizedLinear holds its rows laid out exactly where that measured faster, computes the same product
+    either way (decode rows on the micro-kernels, prefill rows on the GEMM route), and `hold_row_major` gives back
+    the rows it quantised."""
+    monkeypatch.setattr(dense_linear, "laid_out_wins", lambda data, scale: wins)
+    linear = torch.nn.Linear(256, 48, bias=True).to(torch.bfloat16)
+    layer = dense_linear.QuantizedLinear(linear, "int4", 32)
+    assert (layer.qweight.dim() == 3) == wins and ("laid out" in repr(layer)) == wins
+    q = quantize(linear.weight.detach().unsqueeze(0), 4, 32)
+    for tokens in (1, 300):  # 300: past any measured kernel limit (QUANTIZED_COUNTS), the GEMM route
+        x = torch.randn(tokens, 256).to(torch.bfloat16)
+        want = quantize_activations(x).double() @ q[0].double().T + linear.bias.double()
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x).double(), want, rtol=2**-7, atol=1e-2)
+    layer.hold_row_major()
+    assert torch.equal(layer.qweight, q.data[0]) and torch.equal(layer.scale, q.scale[0])
 
 
 def _identity(k: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,10 +316,13 @@ def test_quantized_linear_without_the_kernel_takes_the_dequantised_route(monkeyp
         ((True,) * len(dense_linear.QUANTIZED_COUNTS), cpu_kernel.UNLIMITED),
     ],
 )
-def test_quantized_limit_is_the_last_count_won_in_a_row(kernel_wins, limit, tmp_path, monkeypatch):
+@pytest.mark.parametrize("laid", [False, True])
+def test_quantized_limit_is_the_last_count_won_in_a_row(kernel_wins, limit, laid, tmp_path, monkeypatch):
     """The micro-kernels keep every row count up to the largest compared count they won, with all smaller ones won
     too; each count is compared with the two routes' outputs on the same rows (scripted timings: the rule, not this
-    host's noise, is under test)."""
+    host's noise, is under test), the weight row by row or laid out."""
+    if laid and cpu_kernel.best_isa() < 2:
+        pytest.skip("laid-out int4 weights need the AVX-512 VNNI kernels")
     compared: list[int] = []
 
     def timings(runs, repeats):
@@ -253,7 +334,7 @@ def test_quantized_limit_is_the_last_count_won_in_a_row(kernel_wins, limit, tmp_
     monkeypatch.setattr(dense_linear.cpu_kernel, "interleaved_medians", timings)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a routes file of its own, empty
     measure = dense_linear._measure_quantized.__wrapped__  # past this process's cache
-    assert measure((64, 128), 4, 64, 1, 1, dense_linear.QUANTIZED_COUNTS) == limit
+    assert measure((64, 128), 4, 64, 1, 1, dense_linear.QUANTIZED_COUNTS, laid) == limit
     assert compared == list(dense_linear.QUANTIZED_COUNTS[: len(kernel_wins)])
 
 

@@ -46,6 +46,8 @@ def absorb(module: torch.nn.Module, attention: str) -> None:
     linear = module.kv_b_proj
     nope = int(module.qk_nope_head_dim)
     split = (-1, nope + int(module.v_head_dim))  # kv_b_proj's rows per head: its key rows, then its value rows
+    if isinstance(linear, QuantizedLinear):
+        linear.hold_row_major()  # its rows are read below, and its value rows by the op
     if isinstance(linear, QuantizedLinear) and nope % 32 == 0:
         # Dense int8 / int4 mode: the value rows are kv_b_proj's own, read as the dense layers' rows are; the key rows,
         # transposed, are requantised to int8 (one more rounding of values on an int8 or int4 grid: int8 keeps it

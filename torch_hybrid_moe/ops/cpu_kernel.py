@@ -17,7 +17,7 @@ import torch
 from . import kernel_build
 from .kernel_build import extension
 from .measured import count, last_level_cache_bytes, measured
-from .quantize import kernel_operands, to_cpu_format
+from .quantize import LANE_ROWS, kernel_operands, to_cpu_format
 
 
 def best_isa() -> int:
@@ -318,9 +318,11 @@ def dense_matvec(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, isa: int | None = None
 ) -> torch.Tensor:
     """x [T, K] @ weight.T in fp32: a bf16 / fp16 / fp32 weight [N, K], or int8 [N, K] / packed int4 [N, K / 2]
-    with fp16 group scales [N, K / group] (ops/quantize.py), streaming the weight once per few tokens."""
+    with fp16 group scales [N, K / group] (ops/quantize.py; int4 maybe laid out: [N / 16, K / 8, 64] with scales
+    [N / 16, K / group, 16]), streaming the weight once per few tokens."""
     level = _level(isa)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    rows = weight.shape[0] * (LANE_ROWS if weight.dim() == 3 else 1)
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
     extension().dense_matvec(x.contiguous(), weight, scale, level, out)
     return out
 

@@ -15,7 +15,17 @@ import torch.nn.functional as F
 
 from . import cpu_kernel
 from .measured import count, flag, measured
-from .quantize import BITS, QuantizedWeight, block_rows, dequantize, quantize, quantize_activations
+from .quantize import (
+    BITS,
+    LANE_ROWS,
+    QuantizedWeight,
+    block_rows,
+    dequantize,
+    lay_out,
+    quantize,
+    quantize_activations,
+    row_major,
+)
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
 # Where an int8 / int4 linear's micro-kernels and dequantising route are compared. 128 and 512 are there because the
@@ -33,12 +43,12 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 # `hybrid_moe::matvecs`: x [..., K] times sibling weights that read it (attention's q / k / v), each [N_i, K] (bf16 /
-# fp16 / fp32, or int8 / packed int4 with fp16 group scales), plus their biases: the outputs side by side in one
-# tensor [..., sum N_i] of x's dtype, summed in fp32 and rounded once. Its CPU kernel is C++ (csrc/moe_cpu.cpp),
-# registered when the kernel module loads, so a compiled decode step reaches it through the dispatcher alone; one
-# call streams all the siblings' rows on every thread at once, preparing x once. One output tensor, not a list:
-# Inductor's C++ wrapper reads a list-returning custom op's result wrongly (it crashed), and calls a single-output
-# one without Python.
+# fp16 / fp32, or int8 / packed int4 with fp16 group scales, int4 maybe laid out: ops/quantize.py `lay_out`), plus
+# their biases: the outputs side by side in one tensor [..., sum N_i] of x's dtype, summed in fp32 and rounded once.
+# Its CPU kernel is C++ (csrc/moe_cpu.cpp), registered when the kernel module loads, so a compiled decode step reaches
+# it through the dispatcher alone; one call streams all the siblings' rows on every thread at once, preparing x
+# once. One output tensor, not a list: Inductor's C++ wrapper reads a list-returning custom op's result wrongly (it
+# crashed), and calls a single-output one without Python.
 _LIB = torch.library.Library("hybrid_moe", "FRAGMENT")
 _LIB.define("matvecs(Tensor x, Tensor[] weights, Tensor?[] scales, Tensor?[] biases) -> Tensor")
 
@@ -47,7 +57,12 @@ _LIB.define("matvecs(Tensor x, Tensor[] weights, Tensor?[] scales, Tensor?[] bia
 def _(
     x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None], biases: list[torch.Tensor | None]
 ) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+    return x.new_empty((*x.shape[:-1], sum(weight_rows(w) for w in weights)))
+
+
+def weight_rows(weight: torch.Tensor) -> int:
+    """A dense weight's output features: its rows, or 16 a panel where it is laid out (3-D)."""
+    return weight.shape[0] * (LANE_ROWS if weight.dim() == 3 else 1)
 
 
 @torch.library.custom_op(
@@ -67,6 +82,8 @@ def linear(
     if x.numel() // x.shape[-1] > max_tokens:
         if scale is None:
             return gemm(x, weight, bias, weight.dtype in KERNEL_DTYPES and upcast_wins(weight))
+        if weight.dim() == 3:  # laid out: only where the kernel runs, which gathers its rows into panels
+            return cpu_kernel.dense_gemm(x, weight, scale, bias)
         return dequantized_linear(x, QuantizedWeight.from_kernel_operands(weight, scale), bias)
     return torch.ops.hybrid_moe.matvecs(x, [weight], [scale], [bias])
 
@@ -96,7 +113,7 @@ def dequantized_linear(x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor |
 def _(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, max_tokens: int
 ) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight_rows(weight)))
 
 
 class RoutedLinear(torch.nn.Module):
@@ -134,9 +151,13 @@ class QuantizedLinear(torch.nn.Module):
     """An nn.Linear whose weight is held as int8 / int4 with one fp16 scale per `group_size` columns (the experts'
     CPU formats), for `HybridMoEConfig(dense_weight_dtype=...)`: an approximate mode that cuts the bytes every
     decode token reads from the dense layers (the LM head above all). Rows run on the micro-kernels up to the
-    count where multiplying a dequantised copy was measured faster (`quantized_token_limit`). `weight`: the linear's
+    count where multiplying a dequantised copy was measured faster (`quantized_token_limit`). An int4 weight is held
+    laid out for the AVX-512 kernel (`lay_out`) where that was measured faster at one token. `weight`: the linear's
     weight already quantised so (a loader's, read from the checkpoint a block of rows at a time), else quantised
     from `linear.weight`."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(
         self, linear: torch.nn.Linear, fmt: str, group_size: int, weight: QuantizedWeight | None = None
@@ -144,8 +165,11 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         q = weight if weight is not None else quantize(linear.weight.detach().unsqueeze(0), BITS[fmt], group_size)
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
-        self.register_buffer("qweight", q.data[0])
-        self.register_buffer("scale", q.scale[0])
+        data, scale = q.data[0], q.scale[0]
+        if q.bits == 4 and laid_out_wins(data, scale):
+            data, scale = lay_out(data, scale)
+        self.register_buffer("qweight", data)
+        self.register_buffer("scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.max_tokens = quantized_token_limit(self.qweight, self.scale)
 
@@ -155,8 +179,16 @@ class QuantizedLinear(torch.nn.Module):
             return torch.ops.hybrid_moe.matvecs(x, [self.qweight], [self.scale], [self.bias])
         return torch.ops.hybrid_moe.linear(x, self.qweight, self.scale, self.bias, self.max_tokens)
 
+    def hold_row_major(self) -> None:
+        """Hold the weight row by row (undo `lay_out`), for a caller that reads its rows (MLA's absorbed attention
+        takes kv_b_proj's value rows as they are)."""
+        if self.qweight.dim() == 3:
+            self.qweight, self.scale = row_major(self.qweight, self.scale)
+            self.max_tokens = quantized_token_limit(self.qweight, self.scale)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+        laid = ", laid out" if self.qweight.dim() == 3 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}{laid}"
 
 
 def applies_to(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -211,23 +243,47 @@ def quantized_token_limit(qweight: torch.Tensor, scale: torch.Tensor, repeats: i
     be built: every row count takes the dequantised route."""
     if cpu_kernel.best_isa() < 0:
         return 0
-    columns = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
+    laid = qweight.dim() == 3
+    columns = qweight.shape[1] * (8 if laid else 2 if qweight.dtype == torch.uint8 else 1)
     return _measure_quantized(
-        (min(qweight.shape[0], QUANTIZED_ROWS), columns),
+        (min(weight_rows(qweight), QUANTIZED_ROWS), columns),
         8 if qweight.dtype == torch.int8 else 4,
-        columns // scale.shape[1],
+        columns // scale.shape[1],  # the groups are dimension 1 either way
         torch.get_num_threads(),
         repeats,
         QUANTIZED_COUNTS,  # part of the stored key: limits measured at other counts are measured again
+        laid,
     )
+
+
+def laid_out_wins(data: torch.Tensor, scale: torch.Tensor, repeats: int = 5) -> bool:
+    """Whether packed int4 rows [N, K / 2] multiply one token faster laid out (`lay_out`) than row by row, for
+    their shape on this machine: only the AVX-512 VNNI kernels read that layout, in panels of 16 rows and steps of
+    64 columns (the activations' pairs of blocks)."""
+    if cpu_kernel.best_isa() < 2 or data.shape[0] % LANE_ROWS or data.shape[1] % 32:
+        return False
+    rows = min(data.shape[0], MEASURED_ROWS) // LANE_ROWS * LANE_ROWS
+    columns = data.shape[1] * 2
+    return _laid_out_wins((rows, columns), columns // scale.shape[1], torch.get_num_threads(), repeats)
+
+
+@measured(decode=flag)
+def _laid_out_wins(shape: tuple[int, int], group: int, threads: int, repeats: int) -> bool:
+    q = quantize(torch.empty(1, *shape, dtype=torch.bfloat16).normal_(0, 0.02), 4, group)
+    rows, laid = (q.data[0], q.scale[0]), lay_out(q.data[0], q.scale[0])
+    x = torch.randn(1, shape[1], dtype=torch.bfloat16)
+    row_s, laid_s = cpu_kernel.interleaved_medians(
+        [lambda w=w, s=s: torch.ops.hybrid_moe.matvecs(x, [w], [s], [None]) for w, s in (rows, laid)], repeats
+    )
+    return laid_s < row_s
 
 
 @measured(decode=count)
 def _measure_quantized(
-    shape: tuple[int, int], bits: int, group: int, threads: int, repeats: int, counts: tuple[int, ...]
+    shape: tuple[int, int], bits: int, group: int, threads: int, repeats: int, counts: tuple[int, ...], laid: bool
 ) -> int:
     q = quantize(torch.empty(1, *shape, dtype=torch.bfloat16).normal_(0, 0.02), bits, group)
-    weight, scale = q.data[0], q.scale[0]
+    weight, scale = lay_out(q.data[0], q.scale[0]) if laid else (q.data[0], q.scale[0])
     limit = TOKEN_COUNTS[-1]
     for tokens in counts:
         x = torch.randn(tokens, shape[1], dtype=torch.bfloat16)

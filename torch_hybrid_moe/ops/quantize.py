@@ -113,6 +113,35 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int) -> QuantizedWeigh
     return QuantizedWeight(data, scale, bits, group)
 
 
+LANE_ROWS = 16  # rows of a laid-out int4 panel: the AVX-512 kernel's lanes
+
+
+def lay_out(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed int4 rows [N, K / 2] (N a multiple of 16, K of 64) and their fp16 scales [N, K / group] in the order
+    the AVX-512 kernel reads a decode token's products fastest (its `Matrix::laid`): [N / 16, K / 8, 64], each 64
+    bytes four of every row of a panel of 16, and scales [N / 16, K / group, 16]. The same bytes in another order, so
+    a product is unchanged but for the order of its fp32 sums; `row_major` undoes it."""
+    n, half = data.shape
+    if data.dtype != torch.uint8 or n % LANE_ROWS or half % 32 or scale.shape[0] != n:
+        raise ValueError(f"lay_out takes packed int4 rows [N, K / 2], N and K multiples of 16 and 64: {data.shape}")
+    panels = n // LANE_ROWS
+    laid = host_memory.empty((panels, half // 4, 64), torch.uint8)
+    laid.view(panels, half // 4, LANE_ROWS, 4).copy_(data.view(panels, LANE_ROWS, half // 4, 4).transpose(1, 2))
+    laid_scale = host_memory.empty((panels, scale.shape[1], LANE_ROWS), scale.dtype)
+    laid_scale.copy_(scale.view(panels, LANE_ROWS, -1).transpose(1, 2))
+    return laid, laid_scale
+
+
+def row_major(laid: torch.Tensor, laid_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lay_out`'s inverse: packed int4 rows [N, K / 2] and scales [N, K / group] (new tensors)."""
+    panels, vectors, _ = laid.shape
+    data = host_memory.empty((panels * LANE_ROWS, vectors * 4), torch.uint8)
+    data.view(panels, LANE_ROWS, vectors, 4).copy_(laid.view(panels, vectors, LANE_ROWS, 4).transpose(1, 2))
+    scale = host_memory.empty((panels * LANE_ROWS, laid_scale.shape[1]), laid_scale.dtype)
+    scale.view(panels, LANE_ROWS, -1).copy_(laid_scale.transpose(1, 2))
+    return data, scale
+
+
 def fp16_scales(scale: torch.Tensor, qmax: int) -> torch.Tensor:
     """fp32 group scales (max |w| / qmax) as fp16, each rounded up to the next fp16 value (never below, so no weight
     needs a |q| past qmax) and at least SCALE_MIN (an all-zero group: any scale reproduces it). ValueError on weights

@@ -81,9 +81,26 @@ struct Matrix {
   int64_t K;
   int64_t group;
   Fmt fmt;
+  // int4 rows laid out for the lanes, 16 a panel (rows_kernel.h's laid_i4_rows; ops/dense_linear.py `lay_out`): data
+  // is [N / 16, K / 8, 64], scale [N / 16, K / group, 16]. row() and row_scale() are then not rows: gather_row() and
+  // gather_scales() copy one out.
+  bool laid = false;
   const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
   const uint16_t* row_scale(int64_t r) const { return scale ? scale + r * (K / group) : nullptr; }
   float scale_at(int64_t r, int64_t g) const { return half_to_float(row_scale(r)[g]); }
+  // Row r of a laid-out matrix as stored row by row (row_bytes bytes) into dst; dst.
+  const uint8_t* gather_row(int64_t r, uint8_t* dst) const {
+    const uint8_t* panel = data + r / 16 * 16 * row_bytes + 4 * (r % 16);
+    for (int64_t k = 0; k < row_bytes / 4; ++k) std::memcpy(dst + 4 * k, panel + 64 * k, 4);
+    return dst;
+  }
+  // Row r's scales of a laid-out matrix (K / group) into dst; dst.
+  const uint16_t* gather_scales(int64_t r, uint16_t* dst) const {
+    const int64_t groups = K / group;
+    const uint16_t* panel = scale + r / 16 * 16 * groups + r % 16;
+    for (int64_t g = 0; g < groups; ++g) dst[g] = panel[16 * g];
+    return dst;
+  }
 };
 
 // An attention mask as one work item sees it, from its batch row and first query head: boolean (true: may see) or
@@ -846,7 +863,8 @@ void matvec_runs(const at::Tensor& x, const std::vector<Matrix>& ms, const std::
   int64_t left = total;
   for (int64_t i = 0; i < int64_t(ms.size()); ++i)
     for (int64_t r0 = 0; r0 < rows_of[i];) {
-      const int64_t size = std::clamp(run_rows(left, 2 * threads), shortest, longest);
+      int64_t size = std::clamp(run_rows(left, 2 * threads), shortest, longest);
+      if (ms[i].laid) size = (size + 15) / 16 * 16;  // whole panels
       const int64_t r1 = std::min(rows_of[i], r0 + size);
       runs.push_back({i, r0, r1});
       left -= r1 - r0;
@@ -867,8 +885,34 @@ struct DenseWeight {
   int64_t rows = 0;
 };
 
+// An int4 weight laid out for the lanes (Matrix::laid): [N / 16, K / 8, 64] uint8 with fp16 scales [N / 16, K / group,
+// 16], on a CPU whose kernels read it (AVX-512 VNNI).
+DenseWeight laid_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t K) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.size(1) * 8 == K && weight.size(2) == 64 &&
+                  weight.device().is_cpu() && K % 64 == 0,
+              "a laid-out int4 weight must be a CPU uint8 tensor [N / 16, K / 8, 64], K a multiple of 64");
+  TORCH_CHECK(scale.has_value() && scale->dim() == 3 && scale->scalar_type() == at::kHalf &&
+                  scale->size(0) == weight.size(0) && scale->size(2) == 16 && scale->size(1) > 0 &&
+                  K % scale->size(1) == 0 && (K / scale->size(1)) % 32 == 0 && scale->device().is_cpu(),
+              "a laid-out int4 weight needs fp16 scales [N / 16, K / group, 16], the group a multiple of 32");
+  TORCH_CHECK(best_isa() == AVX512, "laid-out int4 weights need the AVX-512 VNNI kernels, which this CPU lacks");
+  DenseWeight d;
+  d.weight = weight.contiguous();
+  d.scale = scale->contiguous();
+  d.m = Matrix{d.weight.data_ptr<uint8_t>(),
+               reinterpret_cast<const uint16_t*>(d.scale.data_ptr<at::Half>()),
+               K / 2,
+               K,
+               K / scale->size(1),
+               Fmt::I4,
+               true};
+  d.rows = 16 * weight.size(0);
+  return d;
+}
+
 DenseWeight dense_weight(const at::Tensor& weight, const c10::optional<at::Tensor>& scale, int64_t K) {
-  TORCH_CHECK(weight.dim() == 2, "expected a weight [N, K] (int4: [N, K / 2])");
+  if (weight.dim() == 3) return laid_weight(weight, scale, K);
+  TORCH_CHECK(weight.dim() == 2, "expected a weight [N, K] (int4: [N, K / 2], laid out: [N / 16, K / 8, 64])");
   TORCH_CHECK(!scale.has_value() || scale->dim() == 2, "expected scales [N, K / group] beside a dense weight");
   DenseWeight d;
   d.weight = weight.contiguous();
@@ -914,6 +958,7 @@ void dense_matvec(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   TORCH_CHECK(isa_level >= GENERIC && isa_level <= AVX512, "unknown ISA level ", isa_level);
   const DenseWeight w = dense_weight(weight, scale, x.size(1));
   const int64_t N = w.rows;
+  TORCH_CHECK(!w.m.laid || isa_level == AVX512, "laid-out int4 weights need ISA level 2 (AVX-512 VNNI)");
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == x.size(0) && out.size(1) == N,
               "out must be a contiguous fp32 [T, N] tensor");
   matvec_runs(x.contiguous(), {w.m}, {N}, {out.data_ptr<float>()}, {N}, static_cast<Isa>(isa_level),
