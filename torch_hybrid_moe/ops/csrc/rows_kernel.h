@@ -517,44 +517,51 @@ void lane_panels(const uint8_t* panel, int64_t panel_bytes, const float* scales,
   for (int p = 0; p < NP; ++p) _mm512_storeu_ps(res + p * kLaneRows, acc[p]);
 }
 
-// res[i] = row i of a laid-out int4 panel . x (Matrix::laid: a panel holds 16 rows as K / 8 vectors, vector 4b + v
-// holding bytes 16b + 4v to 16b + 4v + 3 of each row, row i in lane i; its scales [K / group][16] fp16). A vector's
-// low nibbles multiply block b's activation bytes 4v to 4v + 3, its high nibbles bytes 16 + 4v on (lane_inputs'
-// order), so each 64 bytes of weights cost two vpdpbusd on the stored bytes, and the conversion and scaling come once
-// per block for 16 rows, where rows_dot_q pays them per row: 0.58-0.74x its time at one token with a projection's
-// weights in cache (2 threads; benchmarks/RESULTS.md, 2026-12-02). Four sums a block, one per vector: one chain
-// would wait on each product. One panel at a time, so a run's bytes are read as one stream.
-// How far ahead of its reads the loop prefetches: from DRAM, 2 KB ran level with the row loop or up to 1.2x faster,
-// 1 KB up to 1.2x slower, and four panels at a time (each read's line in the next four prefetched) 1.2x slower.
+// res[16 t + i] = row i of a laid-out int4 panel . x[t] for t < NT (Matrix::laid: a panel holds 16 rows as K / 8
+// vectors, vector 4b + v holding bytes 16b + 4v to 16b + 4v + 3 of each row, row i in lane i; its scales [K /
+// group][16] fp16). A vector's low nibbles multiply block b's activation bytes 4v to 4v + 3, its high nibbles bytes 16
+// + 4v on (lane_inputs' order), so each 64 bytes of weights cost two vpdpbusd on the stored bytes, and the conversion
+// and scaling come once per block for 16 rows, where rows_dot_q pays them per row: 0.58-0.74x its time at one token
+// with a projection's weights in cache (2 threads; benchmarks/RESULTS.md, 2026-12-02). Four sums a block, one per
+// vector: one chain would wait on each product (of one token). One panel at a time, so a run's bytes are read as one
+// stream. How far ahead of its reads the loop prefetches: from DRAM, 2 KB ran level with the row loop or up to 1.2x
+// faster, 1 KB up to 1.2x slower, and four panels at a time (each read's line in the next four prefetched) 1.2x slower.
 constexpr int64_t kLaidAhead = 2048;
 
-inline void laid_i4_rows(const uint8_t* panel, const uint16_t* scales, int64_t K, int64_t group, const LaneInput& x,
-                         float* res) {
+template <int NT>
+void laid_i4_rows(const uint8_t* panel, const uint16_t* scales, int64_t K, int64_t group, const LaneInput* x,
+                  float* res) {
   const int64_t per_group = group / 32;
   const __m512i nibble = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
-  __m512 acc = _mm512_setzero_ps();
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
-    __m512i sum[4];
+    __m512i sum[NT][4];
     for (int v = 0; v < 4; ++v) {
-      int32_t lo4, hi4;
-      std::memcpy(&lo4, x.q + 32 * b + 4 * v, 4);
-      std::memcpy(&hi4, x.q + 32 * b + 16 + 4 * v, 4);
       const uint8_t* w = panel + 64 * (4 * b + v);
       __builtin_prefetch(w + kLaidAhead);
       const __m512i wv = _mm512_loadu_si512(w);
-      sum[v] = _mm512_dpbusd_epi32(v ? zero : _mm512_set1_epi32(x.start[b]), _mm512_and_si512(wv, nibble),
-                                   _mm512_set1_epi32(lo4));
-      sum[v] = _mm512_dpbusd_epi32(sum[v], _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble), _mm512_set1_epi32(hi4));
+      const __m512i lo = _mm512_and_si512(wv, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
+      for (int t = 0; t < NT; ++t) {
+        int32_t lo4, hi4;
+        std::memcpy(&lo4, x[t].q + 32 * b + 4 * v, 4);
+        std::memcpy(&hi4, x[t].q + 32 * b + 16 + 4 * v, 4);
+        sum[t][v] = _mm512_dpbusd_epi32(v ? zero : _mm512_set1_epi32(x[t].start[b]), lo, _mm512_set1_epi32(lo4));
+        sum[t][v] = _mm512_dpbusd_epi32(sum[t][v], hi, _mm512_set1_epi32(hi4));
+      }
     }
-    const __m512i total = _mm512_add_epi32(_mm512_add_epi32(sum[0], sum[1]), _mm512_add_epi32(sum[2], sum[3]));
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b / per_group * 16)));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(x.scale[b])), acc);
+    for (int t = 0; t < NT; ++t) {
+      const __m512i total =
+          _mm512_add_epi32(_mm512_add_epi32(sum[t][0], sum[t][1]), _mm512_add_epi32(sum[t][2], sum[t][3]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(x[t].scale[b])), acc[t]);
+    }
   }
-  _mm512_storeu_ps(res, acc);
+  for (int t = 0; t < NT; ++t) _mm512_storeu_ps(res + 16 * t, acc[t]);
 }
 
-// matvec_block's laid-out int4 rows [r0, r1) (multiples of 16): panel after panel, the tokens over each panel while
-// it is in cache.
+// matvec_block's laid-out int4 rows [r0, r1) (multiples of 16): panel after panel, up to four tokens a pass over each
+// panel (each vector unpacked once for them), the panel in cache for the next pass.
 inline void laid_i4_block(const Matrix& m, int64_t r0, int64_t r1, const void* const* xs, int64_t n, float* dst,
                           int64_t ld) {
   thread_local std::vector<int8_t> bytes;
@@ -562,12 +569,28 @@ inline void laid_i4_block(const Matrix& m, int64_t r0, int64_t r1, const void* c
   thread_local std::vector<LaneInput> in;
   lane_inputs<Fmt::I4>(xs, n, m.K, bytes, starts, in);
   const int64_t panel_bytes = 8 * m.K, panel_scales = m.K / m.group * 16;
-  float res[16];
-  for (int64_t p = r0 / 16; p < r1 / 16; ++p)
-    for (int64_t t = 0; t < n; ++t) {
-      laid_i4_rows(m.data + p * panel_bytes, m.scale + p * panel_scales, m.K, m.group, in[t], res);
-      std::memcpy(dst + t * ld + 16 * p - r0, res, sizeof(res));
+  float res[4 * 16];
+  for (int64_t p = r0 / 16; p < r1 / 16; ++p) {
+    const uint8_t* panel = m.data + p * panel_bytes;
+    const uint16_t* scales = m.scale + p * panel_scales;
+    for (int64_t t = 0; t < n; t += 4) {
+      const int nt = int(std::min<int64_t>(4, n - t));
+      switch (nt) {
+        case 1:
+          laid_i4_rows<1>(panel, scales, m.K, m.group, in.data() + t, res);
+          break;
+        case 2:
+          laid_i4_rows<2>(panel, scales, m.K, m.group, in.data() + t, res);
+          break;
+        case 3:
+          laid_i4_rows<3>(panel, scales, m.K, m.group, in.data() + t, res);
+          break;
+        default:
+          laid_i4_rows<4>(panel, scales, m.K, m.group, in.data() + t, res);
+      }
+      for (int j = 0; j < nt; ++j) std::memcpy(dst + (t + j) * ld + 16 * p - r0, res + 16 * j, 16 * sizeof(float));
     }
+  }
 }
 
 // Rows [0, N) of int8 m (N a multiple of 16) laid out for the lanes once, 16 rows a panel: panels (N / 16 x K / 4 x 64
