@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ops import dense_linear
+from ..ops.quantize import weight_rows
 from .graph_utils import calls
 
 _LINEAR = {torch._C._nn.linear, F.linear, torch.ops.aten.linear.default}
@@ -80,7 +81,7 @@ def fuse_sibling_matvecs(gm: fx.GraphModule) -> int:
         x, operands = node.args[0], [list(cast(list, a)) for a in node.args[1:4]]  # weights, scales, biases
         examples = [w.meta.get("example_value") if isinstance(w, fx.Node) else None for w in operands[0]]
         if isinstance(x, fx.Node) and all(isinstance(e, torch.Tensor) for e in examples):
-            width = sum(dense_linear.weight_rows(cast(torch.Tensor, e)) for e in examples)
+            width = sum(weight_rows(cast(torch.Tensor, e)) for e in examples)
             run = bisect.bisect(writes, order[node])  # calls merge only within a run free of in-place writes
             groups.setdefault((x, cast(torch.Tensor, examples[0]).dtype, run), []).append((node, operands, width))
     merged_away = 0

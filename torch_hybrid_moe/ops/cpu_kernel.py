@@ -17,7 +17,7 @@ import torch
 from . import kernel_build
 from .kernel_build import extension
 from .measured import count, last_level_cache_bytes, measured
-from .quantize import LANE_ROWS, kernel_operands, to_cpu_format
+from .quantize import kernel_operands, to_cpu_format, weight_rows
 
 
 def best_isa() -> int:
@@ -321,8 +321,7 @@ def dense_matvec(
     with fp16 group scales [N, K / group] (ops/quantize.py; int4 maybe laid out: [N / 16, K / 8, 64] with scales
     [N / 16, K / group, 16]), streaming the weight once per few tokens."""
     level = _level(isa)
-    rows = weight.shape[0] * (LANE_ROWS if weight.dim() == 3 else 1)
-    out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    out = torch.empty(x.shape[0], weight_rows(weight), dtype=torch.float32)
     extension().dense_matvec(x.contiguous(), weight, scale, level, out)
     return out
 

@@ -25,6 +25,7 @@ from .quantize import (
     quantize,
     quantize_activations,
     row_major,
+    weight_rows,
 )
 
 TOKEN_COUNTS = (1, 4, 16, 64)  # where the two routes are compared
@@ -58,11 +59,6 @@ def _(
     x: torch.Tensor, weights: list[torch.Tensor], scales: list[torch.Tensor | None], biases: list[torch.Tensor | None]
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], sum(weight_rows(w) for w in weights)))
-
-
-def weight_rows(weight: torch.Tensor) -> int:
-    """A dense weight's output features: its rows, or 16 a panel where it is laid out (3-D)."""
-    return weight.shape[0] * (LANE_ROWS if weight.dim() == 3 else 1)
 
 
 @torch.library.custom_op(

@@ -132,6 +132,11 @@ def lay_out(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
     return laid, laid_scale
 
 
+def weight_rows(weight: torch.Tensor) -> int:
+    """A dense weight's output features: its rows, or 16 a panel where it is laid out (3-D)."""
+    return weight.shape[0] * (LANE_ROWS if weight.dim() == 3 else 1)
+
+
 def row_major(laid: torch.Tensor, laid_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`lay_out`'s inverse: packed int4 rows [N, K / 2] and scales [N, K / group] (new tensors)."""
     panels, vectors, _ = laid.shape
