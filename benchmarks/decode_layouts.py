@@ -3,7 +3,9 @@ rounds, with weights cycled over --layers copies so that every read comes from D
 
 - DeepSeek-V2-Lite's small dense int4 weights (attention projections and shared experts, 1-3 MB each) read by
   `hybrid_moe::matvecs` as separate tensors (4 KB pages: what the heap gives them) and after
-  `host_memory.gather_on_huge_pages` (slabs on huge pages, what patching a CPU model does);
+  `host_memory.gather_on_huge_pages` (slabs on huge pages, what patching a CPU model does); on AVX-512 machines also
+  laid out for the kernel's lanes (`quantize.lay_out`, on slabs), as a QuantizedLinear holds them where measured
+  faster;
 - the MLA absorbed attention of one decode step (16 heads, latent 512, 256 cached positions, bf16): in torch, compiled
   by Inductor (its products over the bf16 up-projection, the key rows transposed per head, as the step ran before the
   op), against the `hybrid_moe::latent_attention` op (ops/latent_attention.py) with the up-projection in bf16, and as
@@ -25,7 +27,7 @@ import torch
 from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.ops import cpu_kernel, host_memory
 from torch_hybrid_moe.ops.latent_attention import lay_out_key_rows
-from torch_hybrid_moe.ops.quantize import quantize
+from torch_hybrid_moe.ops.quantize import lay_out, quantize
 
 SMALL = [(1536, 2048), (3072, 1536), (2048, 2048), (5632, 2048), (2048, 2816)]  # q_a, q_b, o, shared gate_up, down
 HEADS, NOPE, ROT, V, LATENT, POSITIONS = 16, 128, 64, 128, 512, 256
@@ -41,23 +43,28 @@ def seconds(fn: Callable[[], object], repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def small_weights(layers: int) -> tuple[Callable[[], object], Callable[[], object], int]:
-    """Both layouts' passes over `layers` copies of the small weights, and the bytes a pass reads."""
+def small_weights(layers: int) -> tuple[dict[str, Callable[[], object]], int]:
+    """Each layout's pass over `layers` copies of the small weights, and the bytes a pass reads."""
     g = torch.Generator().manual_seed(0)
     weights = []
     for _ in range(layers):
         for n, k in SMALL:
             q = quantize(torch.randn(1, n, k, generator=g), 4, 64)
             weights.append((q.data[0].clone(), q.scale[0].clone()))  # fresh heap tensors, as a load leaves them
-    gathered = [(d.clone(), s.clone()) for d, s in weights]
-    host_memory.gather_on_huge_pages([t for pair in gathered for t in pair])
+    layouts = {"4 KB pages": weights, "slabs": [(d.clone(), s.clone()) for d, s in weights]}
+    if cpu_kernel.best_isa() == 2:
+        layouts["laid out"] = [lay_out(d, s) for d, s in weights]
+    for name in ("slabs", "laid out"):
+        host_memory.gather_on_huge_pages([t for pair in layouts.get(name, []) for t in pair])
     x = {k: torch.randn(1, 1, k, dtype=torch.bfloat16) for _, k in SMALL}
 
     def reads(ws: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], object]:
-        # packed int4: two columns a byte
-        return lambda: [torch.ops.hybrid_moe.matvecs(x[d.shape[1] * 2], [d], [s], [None]) for d, s in ws]
+        # packed int4 two columns a byte; laid out, 8 columns a 4-byte element of a panel's vector
+        return lambda: [
+            torch.ops.hybrid_moe.matvecs(x[d.shape[1] * (8 if d.dim() == 3 else 2)], [d], [s], [None]) for d, s in ws
+        ]
 
-    return reads(weights), reads(gathered), sum(d.nbytes + s.nbytes for d, s in weights)
+    return {name: reads(ws) for name, ws in layouts.items()}, sum(d.nbytes + s.nbytes for d, s in weights)
 
 
 def torch_form(
@@ -111,17 +118,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu_kernel.extension()  # the matvecs op's C++ kernel
-    scattered, gathered, nbytes = small_weights(args.layers)
+    small, nbytes = small_weights(args.layers)
     ways = absorbed(args.layers)
     print(f"{args.threads} threads, {args.layers} layers' weights cycled, {time.strftime('%Y-%m-%d')}")
     print(
-        f"{'round':>5} {'4 KB pages GB/s':>15} {'slabs GB/s':>10} "
+        f"{'round':>5} "
+        + " ".join(f"{w + ' GB/s':>15}" for w in small)
+        + " "
         + " ".join(f"{'MLA ' + w + ' ms':>22}" for w in ways)
     )
     for r in range(args.rounds):
-        a, b = nbytes / seconds(scattered) / 1e9, nbytes / seconds(gathered) / 1e9
+        reads = " ".join(f"{nbytes / seconds(f) / 1e9:>15.1f}" for f in small.values())
         mla = " ".join(f"{seconds(f) / args.layers * 1e3:>22.3f}" for f in ways.values())
-        print(f"{r:>5} {a:>15.1f} {b:>10.1f} {mla}")
+        print(f"{r:>5} {reads} {mla}")
 
 
 if __name__ == "__main__":
