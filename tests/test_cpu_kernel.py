@@ -13,9 +13,12 @@ from torch_hybrid_moe.ops.expert_math import accumulate_experts_
 from torch_hybrid_moe.ops.quantize import (
     QuantizedWeight,
     dequantize,
+    lay_out,
+    lay_out_experts_,
     quantize,
     quantize_activations,
 )
+from torch_hybrid_moe.runtime import expert_store, model_layers
 
 from .conftest import float64_experts as reference
 
@@ -103,6 +106,63 @@ def test_gemm_routes_match_float64(fmt, route, bf16_hidden):
         pytest.skip("no AMX on this CPU")
     operands, weights64 = experts(fmt, 8, 64, 96)
     check_against_float64(fmt, operands, weights64, 70, route=GEMM_ROUTES[route], bf16_hidden=bf16_hidden)
+
+
+def laid_out(operands):
+    """int4 kernel operands with every expert laid out for the AVX-512 lanes (ops/quantize.py `lay_out`)."""
+    gate_up, down, gate_up_scale, down_scale = operands
+    (gate_up, gate_up_scale), (down, down_scale) = lay_out(gate_up, gate_up_scale), lay_out(down, down_scale)
+    return gate_up, down, gate_up_scale, down_scale
+
+
+@pytest.mark.parametrize("route", ["micro_kernels", "fp32_panels", "bf16_gemm"])
+@pytest.mark.parametrize("tokens", [1, 3, 6, 70])
+@pytest.mark.parametrize("group", [32, 64])
+def test_laid_out_int4_experts_match_float64(route, tokens, group):
+    """int4 experts laid out for the lanes, 16 rows a panel (as CPU-only stores hold them where measured faster): one
+    to six tokens (one to four a pass over a panel, experts with one or two tokens), and at 70 the GEMM routes, which
+    gather the rows back; 192 intermediate rows split between the threads in whole panels."""
+    if cpu_kernel.best_isa() < 2:
+        pytest.skip("laid-out int4 rows need the AVX-512 VNNI kernels")
+    if route != "micro_kernels" and tokens < 70:
+        pytest.skip("the GEMM routes start at 32 tokens an expert")
+    operands, weights64 = experts("int4", 8, 128, 192, group=group)
+    check_against_float64("int4", laid_out(operands), weights64, tokens, route=GEMM_ROUTES[route])
+
+
+def test_laid_out_experts_are_refused_where_the_kernel_cannot_read_them():
+    if cpu_kernel.best_isa() < 2:
+        pytest.skip("laid-out int4 rows need the AVX-512 VNNI kernels")
+    operands, _ = experts("int4", 4, 128, 64)
+    gate_up, down, gus, dns = laid_out(operands)
+    hidden, (ids, weights) = torch.randn(2, 128), routing(2, 4, 2)
+    with pytest.raises(RuntimeError, match="laid-out int4 experts need ISA level 2"):
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 128), gus, dns, isa=1)
+    with pytest.raises(RuntimeError, match="both be laid out for the lanes, or neither"):
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up, operands[1], torch.zeros(2, 128), gus, operands[3])
+    with pytest.raises(RuntimeError, match=r"scales must be contiguous CPU fp16 \[E, N / 16, K / group, 16\]"):
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up, down, torch.zeros(2, 128), operands[2], dns)
+    with pytest.raises(RuntimeError, match="laid-out experts must be int4"):
+        cpu_kernel.moe_experts(hidden, ids, weights, gate_up.view(torch.int8), down, torch.zeros(2, 128), gus, dns)
+
+
+def test_experts_laid_out_in_place_read_as_the_rows_they_were():
+    """`lay_out_experts_`: expert by expert into the same memory, each expert as `lay_out` lays it out alone; `rows`
+    and indexing give back the rows and the dequantised weights; bad input refused with nothing changed."""
+    q = quantize(torch.randn(3, 48, 128, generator=torch.Generator().manual_seed(0)), 4, 64)
+    data, scale, dequantised = q.data.clone(), q.scale.clone(), [q[e] for e in range(3)]
+    laid = lay_out_experts_(q)
+    assert laid.laid and laid.shape == (3, 48, 128) and laid.data.data_ptr() == q.data.data_ptr()
+    for e in range(3):
+        assert all(torch.equal(a, b) for a, b in zip((laid.data[e], laid.scale[e]), lay_out(data[e], scale[e])))
+        assert torch.equal(laid[e], dequantised[e])
+    assert all(torch.equal(a, b) for a, b in zip(laid.rows(slice(1, 3)), (data[1:], scale[1:])))
+    assert all(torch.equal(a, b) for a, b in zip(laid.rows(torch.tensor([2, 0])), (data[[2, 0]], scale[[2, 0]])))
+    for bad in (quantize(torch.randn(2, 40, 128), 4, 32), quantize(torch.randn(2, 48, 128), 8, 32), laid):
+        before = bad.data.clone()
+        with pytest.raises(ValueError, match="lay_out_experts_ takes int4 rows"):
+            lay_out_experts_(bad)
+        assert torch.equal(bad.data, before)
 
 
 @pytest.mark.parametrize("route", ["micro_kernels", "amx"])
@@ -456,12 +516,19 @@ def test_kernel_rejects_bad_operands():
         cpu_kernel.moe_experts(hidden, ids, weights, torch.zeros(4, 0, 64), torch.zeros(4, 64, 0), torch.zeros(2, 64))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_quantised_model_equals_the_model_with_dequantised_experts(fmt, monkeypatch):
+@pytest.mark.parametrize(
+    "fmt, name, laid",
+    [("int8", "deepseek-tiny", False), ("int4", "deepseek-tiny", False), ("int4", "mixtral-tiny", True)],
+)
+def test_quantised_model_equals_the_model_with_dequantised_experts(fmt, name, laid, monkeypatch):
     """Patched with cpu_weight_dtype=int8/int4, the model is the unpatched one whose expert weights are the
     dequantised ones and whose expert projections take inputs rounded per 32 columns, wherever each expert runs
-    (budget 0: all on the CPU kernel; 0.5: slots too)."""
-    model, _ = load_model("deepseek-tiny", dtype=torch.float32)
+    (budget 0: all on the CPU kernel; 0.5: slots too). `laid`: the CPU-only store's int4 experts laid out for the
+    lanes (as where measured faster; mixtral-tiny's widths allow it, deepseek-tiny's 32 do not)."""
+    if laid and cpu_kernel.best_isa() < 2:
+        pytest.skip("laid-out int4 rows need the AVX-512 VNNI kernels")
+    monkeypatch.setattr(expert_store, "laid_out_wins", lambda data, scale: laid)
+    model, _ = load_model(name, dtype=torch.float32)
     reference = copy.deepcopy(model)
     reference.set_experts_implementation("eager")  # the per-expert loop of F.linear calls
     bits = 8 if fmt == "int8" else 4
@@ -486,6 +553,9 @@ def test_quantised_model_equals_the_model_with_dequantised_experts(fmt, monkeypa
             want = reference(ids).logits
         for budget in (0.0, 0.5):
             patched = thm.patch_model(copy.deepcopy(model), expert_budget=budget, device="cpu", cpu_weight_dtype=fmt)
+            stores = [layer.store for layer in model_layers(patched).values()]
+            hosts = [w for store in stores for w in (store.host_gate_up, store.host_down)]
+            assert all(w.laid == (laid and budget == 0) for w in hosts)  # slot fills read rows: never laid out
             torch.testing.assert_close(patched(ids).logits, want, rtol=1e-4, atol=1e-4)
 
 

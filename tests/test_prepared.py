@@ -51,6 +51,27 @@ def test_prepared_store_loads_as_the_original(fmt, source, tmp_path, monkeypatch
             AutoModelForCausalLM.from_pretrained(out)
 
 
+def test_a_store_prepared_from_laid_out_experts_holds_their_rows(source, tmp_path, monkeypatch):
+    """Preparing patches on the CPU with no slots, where int4 experts may be laid out for the kernel's lanes: the store
+    is written row by row all the same, the bytes of one prepared from experts kept in rows (a portable format)."""
+    from safetensors.torch import load_file
+
+    from torch_hybrid_moe.ops.cpu_kernel import best_isa
+    from torch_hybrid_moe.runtime import expert_store
+
+    if best_isa() < 2:
+        pytest.skip("laid-out int4 rows need the AVX-512 VNNI kernels")
+    stores = {}
+    for laid in (False, True):
+        monkeypatch.setattr(expert_store, "laid_out_wins", lambda data, scale, laid=laid: laid)
+        out = thm.prepare(source, tmp_path / f"store-{laid}", thm.HybridMoEConfig(cpu_weight_dtype="int4", **GROUP))
+        stores[laid] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+        model = thm.from_pretrained(out, expert_budget=0.0, device="cpu")
+        assert all(layer.store.host_gate_up.laid == laid for layer in model_layers(model).values())
+    assert stores[True].keys() == stores[False].keys()
+    assert all(torch.equal(stores[True][k], stores[False][k]) for k in stores[False])
+
+
 def test_a_prepared_store_quantises_the_dense_layers_in_the_group_asked_for(source, tmp_path):
     """Loading takes the experts' group from the store (32) but the dense layers' from the config (64, the
     default): the same model as patching the original with those two groups, not dense layers silently in 32."""
@@ -66,7 +87,7 @@ def test_a_prepared_store_quantises_the_dense_layers_in_the_group_asked_for(sour
         dense_weight_group_size=64,
     )
     dense = [m for m in model.modules() if type(m).__name__ == "QuantizedLinear"]
-    assert dense and all(m.qweight.shape[-1] * 2 == 64 * m.scale.shape[-1] for m in dense)
+    assert dense and all(m.in_features == 64 * m.scale.shape[1] for m in dense)  # groups: dim 1, laid out or not
     assert torch.equal(_logits(model), _logits(want))
     with pytest.raises(InputError, match="dense_weight_group_size must be a positive multiple of 32 \\(or 0\\)"):
         thm.HybridMoEConfig(dense_weight_group_size=48)

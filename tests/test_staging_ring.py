@@ -13,7 +13,7 @@ import torch
 import torch_hybrid_moe as thm
 from torch_hybrid_moe.cost_model import EXPERT_SHAPES, HARDWARE, CostModel
 from torch_hybrid_moe.ops.expert_math import expert_into_
-from torch_hybrid_moe.ops.quantize import dequantize, quantize
+from torch_hybrid_moe.ops.quantize import dequantize, lay_out_experts_, quantize
 from torch_hybrid_moe.policies.streaming import plan_streaming, streaming_makespan
 from torch_hybrid_moe.runtime import staging_ring
 from torch_hybrid_moe.runtime.expert_store import ExpertStore
@@ -62,10 +62,11 @@ def _experts(num_experts=6, hidden=64, inter=32, seed=0):
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("bits", [None, 4, "laid"])
 @pytest.mark.parametrize("streamed", [[4, 0, 5, 2], [3, 1, 5, 0, 2, 4]])
 def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
-    """More experts than buffers (each buffer reused), int4 masters dequantised into the buffers; with four buffers
+    """More experts than buffers (each buffer reused), int4 masters dequantised into the buffers (row by row, or
+    "laid" out for the CPU kernel's lanes, as a store with no slots may hold them); with four buffers
     or more, half of them computed together by grouped GEMMs while the other half fills, a group's consecutive ids
     copied together: the sum over the streamed experts' pairs, and nothing of the others, against the float64
     per-expert loop."""
@@ -73,11 +74,13 @@ def test_ring_computes_streamed_pairs(depth, bits, streamed, monkeypatch):
     monkeypatch.setattr(
         staging_ring, "expert_into_", lambda *a: (a[7] is not None and grouped.append(len(a[4]))) or expert_into_(*a)
     )
-    gate_up, down = _experts()
+    gate_up, down = _experts(inter=64 if bits == "laid" else 32)  # laid out: steps of 64 columns
     if bits:
-        qg, qd = quantize(gate_up, bits, 32), quantize(down, bits, 32)
-        store = ExpertStore(qg, qd, 0, torch.device("cpu"), torch.float32)
+        qg, qd = quantize(gate_up, 4, 32), quantize(down, 4, 32)
         gate_up, down = (dequantize(q.data, q.scale, q.bits, q.group_size) for q in (qg, qd))
+        if bits == "laid":
+            qg, qd = lay_out_experts_(qg), lay_out_experts_(qd)
+        store = ExpertStore(qg, qd, 0, torch.device("cpu"), torch.float32)
     else:
         store = ExpertStore(gate_up, down, 0, torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(1)

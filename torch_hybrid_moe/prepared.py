@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .config import HybridMoEConfig
 from .errors import InputError
-from .ops.quantize import QuantizedWeight
+from .ops.quantize import QuantizedWeight, laid_rows
 
 MARKER = "hybrid_moe_store.json"
 VERSION = 2  # 2: int8 / int4 group scales in fp16 (1 held them in fp32, which the kernel no longer reads)
@@ -110,14 +111,16 @@ def check_request(out: Path, config: HybridMoEConfig) -> None:
 def write_store(model: torch.nn.Module, source: Path, out: Path, config: HybridMoEConfig) -> Path:
     """Write a model patched from checkpoint directory `source` (experts in `config.cpu_weight_dtype`) as a
     prepared store to `out`: written beside it under a temporary name, then renamed, so never half there."""
-    tensors = _dense_tensors(model)
+    tensors: dict[str, torch.Tensor | _Rows] = dict(_dense_tensors(model))
     for name, module in model.named_modules():
         layer = getattr(module, "_hybrid_moe_layer", None)
         if layer is None:
             continue
         for proj, host in (("gate_up_proj", layer.store.host_gate_up), ("down_proj", layer.store.host_down)):
             quantised = isinstance(host, QuantizedWeight)
-            parts = (host.data, host.scale) if isinstance(host, QuantizedWeight) else (host,)
+            parts: tuple[torch.Tensor | _Rows, ...] = (host,)
+            if isinstance(host, QuantizedWeight):
+                parts = (_Rows(host.data, False), _Rows(host.scale, True)) if host.laid else (host.data, host.scale)
             tensors.update(zip(expert_keys(name, proj, quantised), parts))
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
@@ -165,11 +168,27 @@ def _dense_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return found
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], directory: Path, quantised: bool) -> None:
+@dataclass(frozen=True)
+class _Rows:
+    """Experts laid out for the CPU kernel (ops/quantize.py `lay_out`), written row by row as a store holds them:
+    converted as their shard is written, not beside the whole model's."""
+
+    laid: torch.Tensor
+    scales: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.laid.nbytes
+
+    def tensor(self) -> torch.Tensor:
+        return laid_rows(self.laid, self.scales)
+
+
+def _write_shards(tensors: dict[str, torch.Tensor | _Rows], directory: Path, quantised: bool) -> None:
     """safetensors shards of at most SHARD_BYTES each (a larger tensor alone): a bf16 store's as transformers names
     them, with its index file (it loads them as the original); a `quantised` store's under names transformers does not
     look for, so that it refuses the directory instead of loading it with freshly initialised experts."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[dict[str, torch.Tensor | _Rows]] = [{}]
     size = 0
     for name, tensor in tensors.items():
         if shards[-1] and size + tensor.nbytes > SHARD_BYTES:
@@ -180,7 +199,9 @@ def _write_shards(tensors: dict[str, torch.Tensor], directory: Path, quantised: 
     weight_map = {}
     for i, shard in enumerate(tqdm(shards, desc="hybrid-moe: writing", unit="shard", leave=False), 1):
         file = f"{'hybrid-moe-store' if quantised else 'model'}-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        stored = {key: t.tensor() if isinstance(t, _Rows) else t for key, t in shard.items()}
+        save_file(stored, str(directory / file), metadata={"format": "pt"})
+        del stored  # before the next shard's conversion
         weight_map.update(dict.fromkeys(shard, file))
     if not quantised:  # the store's reader finds the shards either way
         index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}

@@ -31,7 +31,7 @@ from ..runtime import ExpertStore, HybridMoELayer
 from ..runtime.costs import policy_context, streaming_costs
 from ..runtime.decode_graphs import DecodeGraphs
 from ..runtime.decode_replay import DecodeReplay
-from ..runtime.expert_store import EXPERT_DTYPES, HostWeight, expert_nbytes
+from ..runtime.expert_store import EXPERT_DTYPES, HostWeight, expert_nbytes, laid_out_for_kernel
 from ..runtime.layer import RoutingRule
 from ..runtime.layer_policies import build_policies
 from ..runtime.link_clock import link_for
@@ -139,6 +139,8 @@ def patch_with_spec(
                 for w in (experts.gate_up_proj, experts.down_proj)
             )
         )
+        if slots == 0:  # every expert computed on the CPU, in the kernel's fastest layout
+            gate_up, down = laid_out_for_kernel(gate_up, down)
         store = ExpertStore(gate_up, down, slots, device, slot_dtype=dtype)
         # Drop the module's own copy now, so peak host memory grows by at most one layer.
         del experts.gate_up_proj, experts.down_proj

@@ -17,7 +17,7 @@ import torch
 from . import kernel_build
 from .kernel_build import extension
 from .measured import count, last_level_cache_bytes, measured
-from .quantize import kernel_operands, to_cpu_format, weight_rows
+from .quantize import LANE_ROWS, kernel_operands, to_cpu_format, weight_rows
 
 
 def best_isa() -> int:
@@ -121,10 +121,10 @@ def gemm_route(hidden: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch
     if not routed(hidden.shape[0]):
         return MICRO_KERNELS
     hidden_size = hidden.shape[1]
-    group = 0 if gate_up_scale is None else hidden_size // gate_up_scale.shape[-1]
-    return _measure_route(
-        hidden_size, gate_up.shape[1] // 2, gate_up.dtype, group, hidden.dtype, torch.get_num_threads(), ROUTE_TOKENS
-    )
+    laid = gate_up.dim() == 4  # int4 laid out for the lanes ([E, 2I / 16, H / 8, 64]; scales [E, 2I / 16, groups, 16])
+    group = 0 if gate_up_scale is None else hidden_size // gate_up_scale.shape[-2 if laid else -1]
+    inter = gate_up.shape[1] * (LANE_ROWS if laid else 1) // 2
+    return _measure_route(hidden_size, inter, gate_up.dtype, group, hidden.dtype, torch.get_num_threads(), ROUTE_TOKENS)
 
 
 def _stored_kernel(value: object) -> str:

@@ -32,10 +32,11 @@ def block_rows(columns: int) -> int:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """[E, N, K] expert weights quantised along K (the reduction dimension) in groups of `group_size`."""
+    """[E, N, K] expert weights quantised along K (the reduction dimension) in groups of `group_size`. int4 experts
+    may be laid out for the AVX-512 kernel (`lay_out`, expert by expert: `laid`); `rows` reads them row by row."""
 
-    data: torch.Tensor  # int8 [E, N, K], or uint8 [E, N, K / 2] for int4
-    scale: torch.Tensor  # fp16 [E, N, K / group_size]
+    data: torch.Tensor  # int8 [E, N, K], or uint8 [E, N, K / 2] for int4 (laid out: [E, N / 16, K / 8, 64])
+    scale: torch.Tensor  # fp16 [E, N, K / group_size] (laid out: [E, N / 16, K / group_size, 16])
     bits: int
     group_size: int
 
@@ -47,13 +48,27 @@ class QuantizedWeight:
         return cls(data, scale, bits, columns // scale.shape[-1])
 
     @property
+    def laid(self) -> bool:
+        return self.data.dim() == 4
+
+    @property
     def shape(self) -> tuple[int, int, int]:
+        if self.laid:
+            e, panels, vectors, _ = self.data.shape
+            return e, panels * LANE_ROWS, vectors * 8
         e, n, k = self.data.shape
         return e, n, k * 2 if self.bits == 4 else k
 
+    def rows(self, experts: int | slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scale) of experts `experts` as stored row by row ([N, K'] / [N, K / group], or [k, ...] for a
+        slice or index tensor), on the device they are: views where the experts are not laid out, else new tensors."""
+        if not self.laid:
+            return self.data[experts], self.scale[experts]
+        return row_major(self.data[experts], self.scale[experts])
+
     def __getitem__(self, expert: int) -> torch.Tensor:
         """Expert `expert` dequantised to fp32: what the kernel computes with, for fallbacks and slot fills."""
-        return dequantize(self.data[expert], self.scale[expert], self.bits, self.group_size)
+        return dequantize(*self.rows(expert), self.bits, self.group_size)
 
     def nbytes_per_expert(self) -> int:
         return self.data[0].nbytes + self.scale[0].nbytes
@@ -117,19 +132,38 @@ LANE_ROWS = 16  # rows of a laid-out int4 panel: the AVX-512 kernel's lanes
 
 
 def lay_out(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed int4 rows [N, K / 2] (N a multiple of 16, K of 64) and their fp16 scales [N, K / group] in the order
-    the AVX-512 kernel reads a decode token's products fastest (its `Matrix::laid`): [N / 16, K / 8, 64], each 64
-    bytes four of every row of a panel of 16, and scales [N / 16, K / group, 16]. The same bytes in another order, so
-    a product is unchanged but for the order of its fp32 sums; `row_major` undoes it."""
-    n, half = data.shape
-    if data.dtype != torch.uint8 or n % LANE_ROWS or half % 32 or scale.shape[0] != n:
+    """Packed int4 rows [..., N, K / 2] (N a multiple of 16, K of 64) and their fp16 scales [..., N, K / group] in the
+    order the AVX-512 kernel reads a decode token's products fastest (its `Matrix::laid`): [..., N / 16, K / 8, 64],
+    each 64 bytes four of every row of a panel of 16, and scales [..., N / 16, K / group, 16] (leading dimensions:
+    experts, each laid out alone). The same bytes in another order, so a product is unchanged but for the order of its
+    fp32 sums; `row_major` undoes it. New CPU tensors."""
+    *lead, n, half = data.shape
+    if data.dtype != torch.uint8 or n % LANE_ROWS or half % 32 or scale.shape[:-1] != data.shape[:-1]:
         raise ValueError(f"lay_out takes packed int4 rows [N, K / 2], N and K multiples of 16 and 64: {data.shape}")
     panels = n // LANE_ROWS
-    laid = host_memory.empty((panels, half // 4, 64), torch.uint8)
-    laid.view(panels, half // 4, LANE_ROWS, 4).copy_(data.view(panels, LANE_ROWS, half // 4, 4).transpose(1, 2))
-    laid_scale = host_memory.empty((panels, scale.shape[1], LANE_ROWS), scale.dtype)
-    laid_scale.copy_(scale.view(panels, LANE_ROWS, -1).transpose(1, 2))
+    laid = host_memory.empty((*lead, panels, half // 4, 64), torch.uint8)
+    laid.view(*lead, panels, half // 4, LANE_ROWS, 4).copy_(
+        data.view(*lead, panels, LANE_ROWS, half // 4, 4).transpose(-3, -2)
+    )
+    laid_scale = host_memory.empty((*lead, panels, scale.shape[-1], LANE_ROWS), scale.dtype)
+    laid_scale.copy_(scale.view(*lead, panels, LANE_ROWS, -1).transpose(-2, -1))
     return laid, laid_scale
+
+
+def lay_out_experts_(weight: QuantizedWeight) -> QuantizedWeight:
+    """int4 experts [E, N, K] laid out (`lay_out`) in place, one expert at a time (peak extra memory: one expert's
+    bytes, not a layer's); the weight that reads them so. `weight` itself must not be used after."""
+    experts, rows, columns = weight.shape
+    if weight.bits != 4 or weight.laid or rows % LANE_ROWS or columns % 64:
+        raise ValueError(f"lay_out_experts_ takes int4 rows, N and K multiples of 16 and 64: {weight.shape}")
+    half = columns // 2
+    data = weight.data.view(experts, rows // LANE_ROWS, half // 4, 64)
+    scale = weight.scale.view(experts, rows // LANE_ROWS, weight.scale.shape[2], LANE_ROWS)
+    for e in range(experts):
+        laid = lay_out(weight.data[e], weight.scale[e])  # checks the shapes, before any expert changes
+        data[e].copy_(laid[0])
+        scale[e].copy_(laid[1])
+    return QuantizedWeight(data, scale, 4, weight.group_size)
 
 
 def weight_rows(weight: torch.Tensor) -> int:
@@ -138,13 +172,26 @@ def weight_rows(weight: torch.Tensor) -> int:
 
 
 def row_major(laid: torch.Tensor, laid_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`lay_out`'s inverse: packed int4 rows [N, K / 2] and scales [N, K / group] (new tensors)."""
-    panels, vectors, _ = laid.shape
-    data = host_memory.empty((panels * LANE_ROWS, vectors * 4), torch.uint8)
-    data.view(panels, LANE_ROWS, vectors, 4).copy_(laid.view(panels, vectors, LANE_ROWS, 4).transpose(1, 2))
-    scale = host_memory.empty((panels * LANE_ROWS, laid_scale.shape[1]), laid_scale.dtype)
-    scale.view(panels, LANE_ROWS, -1).copy_(laid_scale.transpose(1, 2))
-    return data, scale
+    """`lay_out`'s inverse: packed int4 rows [..., N, K / 2] and scales [..., N, K / group], new tensors on the laid-out
+    ones' device (on the CPU, where the kernel grants them, on huge pages)."""
+    return laid_rows(laid, scales=False), laid_rows(laid_scale, scales=True)
+
+
+def laid_rows(laid: torch.Tensor, scales: bool) -> torch.Tensor:
+    """One half of `row_major`: the data [..., N / 16, K / 8, 64] or (`scales`) the scales [..., N / 16, K / group,
+    16] of laid-out rows as rows [..., N, K / 2] or [..., N, K / group]."""
+    *lead, panels, inner, last = laid.shape
+    shape = (*lead, panels * LANE_ROWS, inner if scales else inner * 4)
+    if laid.device.type == "cpu":
+        rows = host_memory.empty(shape, laid.dtype)
+    else:
+        rows = torch.empty(shape, dtype=laid.dtype, device=laid.device)
+    if scales:
+        rows.view(*lead, panels, LANE_ROWS, inner).copy_(laid.transpose(-2, -1))
+    else:
+        panel_rows = laid.view(*lead, panels, inner, LANE_ROWS, 4).transpose(-3, -2)
+        rows.view(*lead, panels, LANE_ROWS, inner, 4).copy_(panel_rows)
+    return rows
 
 
 def fp16_scales(scale: torch.Tensor, qmax: int) -> torch.Tensor:

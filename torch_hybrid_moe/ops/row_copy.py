@@ -59,12 +59,14 @@ def copy_rows_(
         keep = src_idx >= 0
         rows = src_idx[keep]
         if isinstance(src, QuantizedWeight):
-            values = dequantize(src.data[rows], src.scale[rows], src.bits, src.group_size)
+            values = dequantize(*src.rows(rows), src.bits, src.group_size)
         else:
             values = src[rows]
         dst[dst_idx[keep]] = values.to(dst.device, dst.dtype)
         return
     parts = (src.data, src.scale) if isinstance(src, QuantizedWeight) else (src,)
+    if isinstance(src, QuantizedWeight) and src.laid:
+        raise ValueError("slot copies read experts row by row: fill slots from experts that are not laid out")
     if not all(t.is_contiguous() for t in (dst, *parts)):
         raise ValueError("slot copies address rows as flat memory: dst and src must be contiguous")
     launch(dst, dst_idx, src, src_idx)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import overload
+from typing import cast, overload
 
 import torch
 
-from ..ops.quantize import QuantizedWeight, dequantize
+from ..ops.dense_linear import laid_out_wins
+from ..ops.quantize import QuantizedWeight, lay_out_experts_
 from .link_clock import CopyTimeline
 from .slot_map import SlotMap
 
@@ -96,8 +97,9 @@ class ExpertStore(SlotMap):
             if isinstance(src, QuantizedWeight):
                 data = src.data[experts].to(self.device, non_blocking=True)
                 scale = src.scale[experts].to(self.device, non_blocking=True)
+                crossed = QuantizedWeight(data, scale, src.bits, src.group_size)  # laid out or not, as stored
                 for i in range(dst.shape[0]):
-                    dst[i].copy_(dequantize(data[i], scale[i], src.bits, src.group_size))
+                    dst[i].copy_(crossed[i])
             else:
                 dst.copy_(src[experts], non_blocking=True)
 
@@ -117,6 +119,22 @@ class ExpertStore(SlotMap):
             landed = self._landed[self.expert_slot[expert]]
             if landed is not None:
                 compute.wait_event(landed)
+
+
+def laid_out_for_kernel(gate_up: HostWeight, down: HostWeight) -> tuple[HostWeight, HostWeight]:
+    """int4 experts laid out for the AVX-512 kernel, in place (`lay_out_experts_`: for host weights the caller has
+    just converted and owns), where both projections' shapes multiply one token faster so on this machine
+    (`laid_out_wins`, measured once per shape); others as they are. For stores with no slots: slot fills read rows."""
+    pair = (gate_up, down)
+    if not all(
+        isinstance(w, QuantizedWeight) and w.bits == 4 and not w.laid and w.shape[1] % 16 == 0 and w.shape[2] % 64 == 0
+        for w in pair
+    ):  # panels of 16 rows, steps of 64 columns
+        return gate_up, down
+    quantised = cast(tuple[QuantizedWeight, QuantizedWeight], pair)
+    if not all(laid_out_wins(*w.rows(0)) for w in quantised):
+        return gate_up, down
+    return lay_out_experts_(quantised[0]), lay_out_experts_(quantised[1])
 
 
 def expert_nbytes(weight: HostWeight) -> int:

@@ -22,7 +22,7 @@ import torch
 
 from ..config import HybridMoEConfig
 from ..ops.quantize import to_cpu_format
-from .expert_store import ExpertStore
+from .expert_store import ExpertStore, laid_out_for_kernel
 from .layer import HybridMoELayer
 from .registry import bind, register_layer
 
@@ -57,6 +57,8 @@ def layer_for_parameters(
     host_gate_up, host_down = (
         to_cpu_format(w, config.cpu_weight_dtype, config.cpu_weight_group_size) for w in (gate_up, down)
     )
+    if num_slots == 0:  # every expert computed on the CPU, in the kernel's fastest layout
+        host_gate_up, host_down = laid_out_for_kernel(host_gate_up, host_down)
     store = ExpertStore(host_gate_up, host_down, num_slots, config.resolve_device(), slot_dtype=gate_up.dtype)
     layer = HybridMoELayer(name, layer_idx, store, config)
     setattr(gate_up, LAYER_ATTR, layer)

@@ -126,7 +126,8 @@ void publish_cpu_layer(int64_t handle, int64_t owner, at::Tensor gate_up, c10::o
     l->down = std::move(down);
     l->down_scale = std::move(down_scale);
     // Checked once, by a step with no pairs: a misshapen layer is refused before any graph runs it.
-    const at::Tensor hidden = at::zeros({1, l->down.size(1)}, at::kFloat);
+    const int64_t H = l->down.size(1) * (l->down.dim() == 4 ? 16 : 1);  // laid-out int4: panels of 16 rows
+    const at::Tensor hidden = at::zeros({1, H}, at::kFloat);
     at::Tensor scratch = at::zeros_like(hidden);
     moe_experts(hidden, at::full({1, 1}, -1, at::kLong), at::zeros({1, 1}, at::kFloat), l->gate_up, l->gate_up_scale,
                 l->down, l->down_scale, best_isa(), int64_t(1) << 62, /*gemm_kernel=*/0, scratch);

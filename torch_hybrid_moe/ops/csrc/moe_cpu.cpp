@@ -188,30 +188,41 @@ Fmt format_of(const at::Tensor& w) {
 // `experts`: w is [E, N, K] (scales [E, N, K / group]); else one dense [N, K] weight (scales [N, K / group]), read in
 // place: no [1, N, K] view is made for it. Each expert's rows must be contiguous; experts may be any stride apart
 // (`strided_experts`: per-head rows viewed out of a larger weight, as MLA's absorbed up-projection is).
+// Experts' int4 rows may come laid out for the lanes (Matrix::laid; `experts` only): w [E, N / 16, K / 8, 64], scales
+// [E, N / 16, K / group, 16], each expert contiguous.
 Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t K,
                  bool experts = true, bool strided_experts = false) {
   const int64_t e = experts ? 1 : 0;
+  const bool laid = experts && w.dim() == 4;
   const auto rows_contiguous = [&](const at::Tensor& t) {
     return strided_experts ? t.stride(e + 1) == 1 && t.stride(e) == t.size(e + 1) : t.is_contiguous();
   };
-  TORCH_CHECK(w.dim() == e + 2 && rows_contiguous(w) && w.device().is_cpu(), name, " must be a contiguous CPU ",
-              experts ? "[E, N, K]" : "[N, K]", " tensor");
+  TORCH_CHECK((w.dim() == e + 2 || laid) && rows_contiguous(w) && w.device().is_cpu(), name,
+              " must be a contiguous CPU ", experts ? "[E, N, K] (int4 laid out: [E, N / 16, K / 8, 64])" : "[N, K]",
+              " tensor");
   const Fmt fmt = format_of(w);
   const bool quantised = fmt == Fmt::I8 || fmt == Fmt::I4;
   const int64_t stored_k = fmt == Fmt::I4 ? K / 2 : K;
-  TORCH_CHECK(w.size(e + 1) == stored_k, name, " has ", w.size(e + 1), " columns, expected ", stored_k);
+  TORCH_CHECK(!laid || (fmt == Fmt::I4 && w.size(3) == 64 && K % 64 == 0), name,
+              ": laid-out experts must be int4 (uint8) [E, N / 16, K / 8, 64] with K a multiple of 64");
+  const int64_t columns = laid ? w.size(2) * 4 : w.size(e + 1);
+  TORCH_CHECK(columns == stored_k, name, " has ", columns, " columns, expected ", stored_k);
   Layer layer{};
-  layer.N = w.size(e);
+  layer.N = w.size(e) * (laid ? 16 : 1);
   layer.expert_bytes = e ? w.stride(0) * w.element_size() : 0;
   layer.first = Matrix{static_cast<const uint8_t*>(w.data_ptr()), nullptr, stored_k * w.element_size(), K, K, fmt};
+  layer.first.laid = laid;
   if (quantised) {
     TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
     const at::Tensor& s = *scale;
-    TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == e + 2 && rows_contiguous(s) && s.device().is_cpu() &&
-                    (e == 0 || s.size(0) == w.size(0)) && s.size(e) == layer.N && s.size(e + 1) > 0,
-                name, " scales must be contiguous CPU fp16 ", experts ? "[E, N, K / group]" : "[N, K / group]");
-    const int64_t group = K / s.size(e + 1);
-    TORCH_CHECK(K % s.size(e + 1) == 0 && group > 0 && group % 32 == 0, name, ": group size ", K, " / ", s.size(e + 1),
+    const int64_t groups = laid ? s.size(-2) : s.size(-1);
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == w.dim() && rows_contiguous(s) &&
+                    s.device().is_cpu() && (e == 0 || s.size(0) == w.size(0)) && s.size(e) == w.size(e) &&
+                    (!laid || s.size(3) == 16) && groups > 0,
+                name, " scales must be contiguous CPU fp16 ",
+                laid ? "[E, N / 16, K / group, 16]" : experts ? "[E, N, K / group]" : "[N, K / group]");
+    const int64_t group = K / groups;
+    TORCH_CHECK(K % groups == 0 && group > 0 && group % 32 == 0, name, ": group size ", K, " / ", groups,
                 " must be a positive multiple of 32");
     layer.first.scale = reinterpret_cast<const uint16_t*>(s.data_ptr<at::Half>());
     layer.first.group = group;
@@ -620,7 +631,9 @@ at::Tensor bf16_expert(const at::Tensor& gate_up, const at::Tensor& down, const 
 // items left a third of the read bandwidth unused on an AVX-512 EPYC: benchmarks/RESULTS.md, 2026-11-25), while a
 // few items per thread let the others make up for a thread slowed by other work. (At decode matvec_runs cuts only a
 // call's last few runs shorter.)
-int64_t run_rows(int64_t rows, int64_t runs) { return ((rows + runs - 1) / runs + kRows - 1) / kRows * kRows; }
+int64_t run_rows(int64_t rows, int64_t runs, int64_t unit = kRows) {
+  return ((rows + runs - 1) / runs + unit - 1) / unit * unit;
+}
 constexpr int64_t kRunsPerThread = 4;
 constexpr int64_t kGuidedTokens = 4;        // up to this many tokens matvec_runs' runs shrink towards the end
 constexpr int64_t kShortestRun = 32 << 10;  // about the bytes of weight rows its shortest runs read
@@ -685,6 +698,10 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   TORCH_CHECK(dn.N == H && down.size(0) == gate_up.size(0), "down must be [E, H, I] for the same experts as gate_up");
   TORCH_CHECK(gu.first.fmt == dn.first.fmt, "gate_up and down must share one format");
   const Fmt fmt = gu.first.fmt;
+  const bool laid = gu.first.laid;
+  TORCH_CHECK(laid == dn.first.laid, "gate_up and down must both be laid out for the lanes, or neither");
+  TORCH_CHECK(!laid || isa_level == AVX512, "laid-out int4 experts need ISA level 2 (AVX-512 VNNI)");
+  TORCH_CHECK(!laid || I % 16 == 0, "laid-out experts need an intermediate size that is a multiple of 16");
 
   const Routing r = group_by_expert(ids, gate_up.size(0));
   const int64_t P = r.offsets.back();
@@ -707,6 +724,7 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   TORCH_CHECK(!amx || (amx_available() && H % kAmxRows == 0 && I % kAmxRows == 0),
               "the AMX GEMM route needs a CPU with AMX and hidden and intermediate sizes that are multiples of ",
               kAmxRows, ": choose another gemm_kernel");
+  TORCH_CHECK(!amx || !laid, "the AMX GEMM route reads experts row by row: choose another gemm_kernel");
   // A bf16 model's bf16 experts: the activations are bf16 values, h is rounded to bf16 as the model rounds it, and
   // the micro-kernels may multiply both as bf16 (rows_kernel.h's bf16 lanes).
   const bool x_bf16 = fmt == Fmt::BF16 && hidden.scalar_type() == at::kBFloat16;
@@ -732,7 +750,8 @@ int64_t moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::T
   // large experts' items (kAmxRows gate rows and the matching up rows of one expert) follow in the same pass.
   const int64_t n_small = int64_t(small.size()), n_amx = amx ? int64_t(large.size()) : 0;
   const int64_t runs = (kRunsPerThread * at::get_num_threads() + n_small - 1) / std::max<int64_t>(n_small, 1);
-  const int64_t block_a = run_rows(I, runs), block_b = run_rows(H, runs);
+  const int64_t unit = laid ? 16 : kRows;  // laid-out rows are read a panel of 16 at a time
+  const int64_t block_a = run_rows(I, runs, unit), block_b = run_rows(H, runs, unit);
   const int64_t small_a = n_small ? (I + block_a - 1) / block_a * n_small : 0;
   std::vector<std::vector<uint32_t>> packed;
   if (n_amx) packed = amx_pack_experts(r, large, H, fmt, kern.step, [&](int64_t p) { return x + r.pair_token[p] * H; });
