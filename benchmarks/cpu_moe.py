@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import torch_hybrid_moe  # noqa: F401  (registers the ops)
 from torch_hybrid_moe.ops import cpu_kernel, kernel_build
 from torch_hybrid_moe.ops.quantize import QuantizedWeight, kernel_operands, to_cpu_format
+from torch_hybrid_moe.runtime.expert_store import laid_out_for_kernel
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kt_kernel_baseline
@@ -166,7 +167,8 @@ def implementations(gate_up: torch.Tensor, down: torch.Tensor) -> list[Impl]:
         Impl("hybrid_moe", "bf16", ours(gate_up, down), bf16_bytes, dense),
     ]
     for fmt in ("int8", "int4"):
-        gu, dn = (to_cpu_format(w, fmt, 64) for w in (gate_up, down))
+        # int4 laid out for the lanes where the patched model's CPU-only stores would be (measured once per shape)
+        gu, dn = laid_out_for_kernel(*(to_cpu_format(w, fmt, 64) for w in (gate_up, down)))
         impls.append(
             Impl(
                 "hybrid_moe",
