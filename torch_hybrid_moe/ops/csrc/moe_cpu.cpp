@@ -216,11 +216,13 @@ Layer make_layer(const char* name, const at::Tensor& w, const c10::optional<at::
     TORCH_CHECK(scale.has_value(), name, ": int8/int4 weights need scales");
     const at::Tensor& s = *scale;
     const int64_t groups = laid ? s.size(-2) : s.size(-1);
-    TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == w.dim() && rows_contiguous(s) &&
-                    s.device().is_cpu() && (e == 0 || s.size(0) == w.size(0)) && s.size(e) == w.size(e) &&
-                    (!laid || s.size(3) == 16) && groups > 0,
+    TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == w.dim() && rows_contiguous(s) && s.device().is_cpu() &&
+                    (e == 0 || s.size(0) == w.size(0)) && s.size(e) == w.size(e) && (!laid || s.size(3) == 16) &&
+                    groups > 0,
                 name, " scales must be contiguous CPU fp16 ",
-                laid ? "[E, N / 16, K / group, 16]" : experts ? "[E, N, K / group]" : "[N, K / group]");
+                laid      ? "[E, N / 16, K / group, 16]"
+                : experts ? "[E, N, K / group]"
+                          : "[N, K / group]");
     const int64_t group = K / groups;
     TORCH_CHECK(K % groups == 0 && group > 0 && group % 32 == 0, name, ": group size ", K, " / ", groups,
                 " must be a positive multiple of 32");
