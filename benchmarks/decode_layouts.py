@@ -10,7 +10,10 @@ rounds, with weights cycled over --layers copies so that every read comes from D
   by Inductor (its products over the bf16 up-projection, the key rows transposed per head, as the step ran before the
   op), against the `hybrid_moe::latent_attention` op (ops/latent_attention.py) with the up-projection in bf16, and as
   `absorb` holds it in the int8 / int4 dense modes (key rows int8, value rows int8 / int4; on AVX-512 machines also
-  with the key rows laid out for the kernel's lanes, as absorb holds them there).
+  with the key rows laid out for the kernel's lanes, as absorb holds them there);
+- on AVX-512 machines, a decode token's routed int4 experts (6 of DeepSeek-V2-Lite's 64 a call, routing drawn anew each
+  call, so they come from DRAM) row by row and laid out for the lanes (`quantize.lay_out_experts_`), as a CPU-only store
+  holds them where measured faster.
 
     python benchmarks/decode_layouts.py [--layers 40] [--rounds 4] [--threads 2]
 """
@@ -27,7 +30,7 @@ import torch
 from torch_hybrid_moe.cli import bounded
 from torch_hybrid_moe.ops import cpu_kernel, host_memory
 from torch_hybrid_moe.ops.latent_attention import lay_out_key_rows
-from torch_hybrid_moe.ops.quantize import lay_out, quantize
+from torch_hybrid_moe.ops.quantize import QuantizedWeight, lay_out, lay_out_experts_, quantize
 
 SMALL = [(1536, 2048), (3072, 1536), (2048, 2048), (5632, 2048), (2048, 2816)]  # q_a, q_b, o, shared gate_up, down
 HEADS, NOPE, ROT, V, LATENT, POSITIONS = 16, 128, 64, 128, 512, 256
@@ -110,6 +113,45 @@ def absorbed(layers: int) -> dict[str, Callable[[], object]]:
     return ways
 
 
+def routed_experts(calls: int) -> dict[str, Callable[[], object]]:
+    """`calls` decode tokens' routed experts (DeepSeek-V2-Lite's layer, int4 in groups of 32), each layout; empty
+    where the kernel has no lanes."""
+    if cpu_kernel.best_isa() < 2:
+        return {}
+    g = torch.Generator().manual_seed(2)
+    experts, hidden, inter, top_k = 64, 2048, 1408, 6
+    rows = [
+        quantize(torch.randn(experts, n, k, generator=g) * 0.02, 4, 32)
+        for n, k in ((2 * inter, hidden), (hidden, inter))
+    ]
+    copies = [  # on huge pages where granted, as the rows
+        QuantizedWeight(*(host_memory.empty(t.shape, t.dtype).copy_(t) for t in (w.data, w.scale)), 4, 32) for w in rows
+    ]
+    laid = [lay_out_experts_(w) for w in copies]
+    x = torch.randn(1, hidden, generator=g).bfloat16()
+    routing = [
+        (torch.randperm(experts, generator=g)[:top_k].view(1, top_k), torch.rand(1, top_k, generator=g))
+        for _ in range(calls)
+    ]
+
+    def tokens(gate_up: QuantizedWeight, down: QuantizedWeight) -> Callable[[], object]:
+        def run() -> torch.Tensor:
+            out = torch.zeros(1, hidden)
+            for ids, weights in routing:
+                torch.ops.hybrid_moe.cpu_experts(
+                    x, ids, weights, gate_up.data, down.data, gate_up.scale, down.scale, out
+                )
+            return out
+
+        return run
+
+    ways = {"experts rows": tokens(*rows), "experts laid out": tokens(*laid)}
+    reference = ways["experts rows"]()
+    if not torch.allclose(ways["experts laid out"](), reference, rtol=1e-4, atol=1e-4 * reference.abs().max().item()):
+        raise SystemExit("decode_layouts: the laid-out experts gave other products than their rows")
+    return ways
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=bounded(int, 1), default=40, help="weight copies cycled through")
@@ -120,17 +162,21 @@ def main() -> None:
     cpu_kernel.extension()  # the matvecs op's C++ kernel
     small, nbytes = small_weights(args.layers)
     ways = absorbed(args.layers)
+    experts = routed_experts(args.layers)
     print(f"{args.threads} threads, {args.layers} layers' weights cycled, {time.strftime('%Y-%m-%d')}")
     print(
         f"{'round':>5} "
         + " ".join(f"{w + ' GB/s':>15}" for w in small)
         + " "
         + " ".join(f"{'MLA ' + w + ' ms':>22}" for w in ways)
+        + " "
+        + " ".join(f"{w + ' ms':>20}" for w in experts)
     )
     for r in range(args.rounds):
         reads = " ".join(f"{nbytes / seconds(f) / 1e9:>15.1f}" for f in small.values())
         mla = " ".join(f"{seconds(f) / args.layers * 1e3:>22.3f}" for f in ways.values())
-        print(f"{r:>5} {reads} {mla}")
+        tokens = " ".join(f"{seconds(f) / args.layers * 1e3:>20.3f}" for f in experts.values())
+        print(f"{r:>5} {reads} {mla} {tokens}")
 
 
 if __name__ == "__main__":
