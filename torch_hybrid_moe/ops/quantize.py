@@ -160,7 +160,7 @@ def lay_out_experts_(weight: QuantizedWeight) -> QuantizedWeight:
     data = weight.data.view(experts, rows // LANE_ROWS, half // 4, 64)
     scale = weight.scale.view(experts, rows // LANE_ROWS, weight.scale.shape[2], LANE_ROWS)
     for e in range(experts):
-        laid = lay_out(weight.data[e], weight.scale[e])  # checks the shapes, before any expert changes
+        laid = lay_out(weight.data[e], weight.scale[e])
         data[e].copy_(laid[0])
         scale[e].copy_(laid[1])
     return QuantizedWeight(data, scale, 4, weight.group_size)
@@ -180,7 +180,7 @@ def row_major(laid: torch.Tensor, laid_scale: torch.Tensor) -> tuple[torch.Tenso
 def laid_rows(laid: torch.Tensor, scales: bool) -> torch.Tensor:
     """One half of `row_major`: the data [..., N / 16, K / 8, 64] or (`scales`) the scales [..., N / 16, K / group,
     16] of laid-out rows as rows [..., N, K / 2] or [..., N, K / group]."""
-    *lead, panels, inner, last = laid.shape
+    *lead, panels, inner, _ = laid.shape
     shape = (*lead, panels * LANE_ROWS, inner if scales else inner * 4)
     if laid.device.type == "cpu":
         rows = host_memory.empty(shape, laid.dtype)

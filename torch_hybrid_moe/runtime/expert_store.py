@@ -20,7 +20,8 @@ HostWeight = torch.Tensor | QuantizedWeight
 class ExpertStore(SlotMap):
     """Master weights of every routed expert in host memory, plus `num_slots` accelerator slots.
 
-    The master is in the CPU weight format (the model's dtype, bf16, or int8 / int4 with scales); slots
+    The master is in the CPU weight format (the model's dtype, bf16, or int8 / int4 with scales; int4 maybe laid out
+    for the CPU kernel where the store has no slots: `laid_out_for_kernel`); slots
     hold `slot_dtype` weights. The master is pinned when the accelerator is a CUDA device, so slot fills
     are asynchronous copies on a side stream (quantised experts cross PCIe quantised and are dequantised
     on the device). On a CPU-only machine the slots are CPU tensors and fills are plain copies: the same
